@@ -1,0 +1,3 @@
+from fleetllm.attention.backend import AttentionMetadata, PrefillSpan, TorchAttentionBackend
+
+__all__ = ["AttentionMetadata", "PrefillSpan", "TorchAttentionBackend"]

@@ -1,0 +1,311 @@
+"""Engine configuration: one dataclass per concern, all held by EngineConfig.
+
+`EngineConfig.from_kwargs(model=..., **kwargs)` takes the flat keyword names vLLM users know
+(tensor_parallel_size, block_size, max_num_seqs, dtype, ...). Every value is validated here, so
+a bad setting fails before any process starts, with a ConfigurationError naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fleetllm.errors import ConfigurationError, ModelLoadError
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+)
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+           "half": torch.float16, "bfloat16": torch.bfloat16}
+GiB = 1 << 30
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ConfigurationError(f"{field_name}: {message}")
+
+
+@dataclass
+class ArchConfig:
+    """The parts of a checkpoint's config.json the model needs, normalized across HF versions."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2, or Llama's attention_bias
+    o_bias: bool  # Llama's attention_bias also covers o_proj
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3
+    sliding_window: int | None
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    torch_dtype: str | None
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(f"architecture {arch!r} is not supported; fleetllm runs "
+                                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        # transformers 5 moved rope_theta/rope_scaling into rope_parameters.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        bias = bool(cfg.get("attention_bias") or False)
+        window = cfg.get("sliding_window")
+        if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
+            window = None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bias,
+            o_bias=bias and arch != "Qwen2ForCausalLM",
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=window,
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            bos_token_id=cfg.get("bos_token_id"),
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError as e:
+        raise ModelLoadError(f"{path} not found: is this a Hugging Face checkpoint directory?"
+                             ) from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path} is not valid JSON ({e}); the checkpoint is corrupt") from e
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    arch: ArchConfig = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        path = Path(self.model)
+        if not path.is_dir():
+            raise ModelLoadError(f"model path {self.model!r} is not a directory; pass a local "
+                                 "Hugging Face checkpoint directory (fleetllm never downloads)")
+        cfg = read_json(path / "config.json")
+        try:
+            self.arch = ArchConfig.from_dict(cfg)
+        except KeyError as e:
+            raise ModelLoadError(f"{path / 'config.json'} lacks the field {e}") from e
+        self.tokenizer = self.tokenizer or self.model
+        limit = self.arch.max_position_embeddings
+        if self.arch.sliding_window:  # no sliding-window attention: stay inside the window
+            limit = min(limit, self.arch.sliding_window)
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        _check(isinstance(self.max_model_len, int) and 0 < self.max_model_len <= limit,
+               "max_model_len", f"must be in [1, {limit}] for this model, "
+               f"got {self.max_model_len!r}")
+        _check(isinstance(self.seed, int), "seed", f"must be an int, got {self.seed!r}")
+        if isinstance(self.dtype, str) and self.dtype != "auto":
+            _check(self.dtype in _DTYPES, "dtype",
+                   f"must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+
+    def torch_dtype(self, device: str) -> torch.dtype:
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device == "cpu":  # CPU matmuls in half precision are slow and inexact
+            return torch.float32
+        return _DTYPES.get(self.arch.torch_dtype or "", torch.bfloat16)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # CPU: KV cache budget in bytes (> 1) or as a fraction of total RAM (<= 1).
+    kv_cache_memory: float | None = None
+    gpu_memory_utilization: float = 0.9
+    swap_space: int = GiB // 2  # bytes of CPU memory for swapped-out blocks, per worker
+    num_gpu_blocks_override: int | None = None
+    num_gpu_blocks: int | None = None  # set once the executor has measured
+    num_cpu_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
+               f"must be a power of two in [1, 128], got {self.block_size!r}")
+        if self.kv_cache_memory is not None:
+            _check(self.kv_cache_memory > 0, "kv_cache_memory",
+                   f"must be > 0 (bytes, or a fraction of RAM <= 1), got {self.kv_cache_memory}")
+        _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+               f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check(self.swap_space >= 0, "swap_space", f"must be >= 0 bytes, got {self.swap_space}")
+        if self.num_gpu_blocks_override is not None:
+            _check(self.num_gpu_blocks_override > 0, "num_gpu_blocks_override", "must be > 0")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # "uni" | "mp" | "ray" | an Executor subclass | "module:Class"; None picks uni or mp.
+    distributed_executor_backend: Any = None
+    worker_cls: str = "fleetllm.worker.worker.Worker"
+    startup_timeout: float = 120.0  # seconds for worker processes to come up
+    world_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 1, name, f"must be an int >= 1, got "
+                   f"{value!r}")
+        self.world_size = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+        backend = self.distributed_executor_backend
+        _check(not isinstance(backend, str) or backend in ("uni", "mp", "ray") or ":" in backend,
+               "distributed_executor_backend",
+               "must be 'uni', 'mp', 'ray', an Executor subclass or 'module:Class'; "
+               f"got {backend!r}")
+        _check(backend != "uni" or self.world_size == 1, "distributed_executor_backend",
+               f"'uni' runs one worker; world_size is {self.world_size}: use 'mp' or 'ray'")
+        _check("." in self.worker_cls, "worker_cls", f"must be 'module.Class', got "
+               f"{self.worker_cls!r}")
+        _check(self.startup_timeout > 0, "startup_timeout", "must be > 0 seconds")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len)
+    max_model_len: int = 0  # copied from ModelConfig
+    preemption_mode: str = "recompute"  # or "swap"
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs",
+               f"must be an int >= 1, got {self.max_num_seqs!r}")
+        _check(self.preemption_mode in ("recompute", "swap"), "preemption_mode",
+               f"must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.max_num_batched_tokens is not None:
+            _check(isinstance(self.max_num_batched_tokens, int)
+                   and self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+                   f"must be an int >= 1, got {self.max_num_batched_tokens!r}")
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        _check(self.device in ("cpu", "cuda"), "device", f"must be auto, cpu or cuda; got "
+               f"{self.device!r}")
+        _check(self.device != "cuda" or torch.cuda.is_available(), "device",
+               "cuda was asked for but torch sees no CUDA device")
+
+
+@dataclass
+class LoadConfig:
+    load_format: str = "auto"  # auto | safetensors | sharded_state | dummy
+
+    def __post_init__(self) -> None:
+        _check(self.load_format in ("auto", "safetensors", "sharded_state", "dummy"),
+               "load_format", f"must be auto, safetensors, sharded_state or dummy; got "
+               f"{self.load_format!r}")
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    parallel_config: ParallelConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig
+    load_config: LoadConfig
+    lora_config: Any = None
+    speculative_config: Any = None
+    observability_config: Any = None
+
+    def __post_init__(self) -> None:
+        m, s, p = self.model_config, self.scheduler_config, self.parallel_config
+        s.max_model_len = m.max_model_len
+        if s.max_num_batched_tokens is None:
+            s.max_num_batched_tokens = max(2048, m.max_model_len)
+        a, tp, pp = m.arch, p.tensor_parallel_size, p.pipeline_parallel_size
+        _check(a.num_heads % tp == 0, "tensor_parallel_size",
+               f"{a.num_heads} attention heads are not divisible by tensor_parallel_size={tp}")
+        _check(a.num_kv_heads % tp == 0 or tp % a.num_kv_heads == 0, "tensor_parallel_size",
+               f"{a.num_kv_heads} KV heads and tensor_parallel_size={tp}: one must divide the "
+               "other")
+        _check(a.intermediate_size % tp == 0, "tensor_parallel_size",
+               f"intermediate_size {a.intermediate_size} is not divisible by {tp}")
+        _check(pp <= a.num_layers, "pipeline_parallel_size",
+               f"{pp} stages for a model of {a.num_layers} layers: use at most {a.num_layers}")
+
+    @classmethod
+    def from_kwargs(cls, model: str | os.PathLike, **kwargs: Any) -> EngineConfig:
+        """Build a config from flat vLLM-style keyword arguments."""
+        parts: dict[type, dict[str, Any]] = {c: {} for c in _SECTIONS}
+        extras = {}
+        for key, value in kwargs.items():
+            for section in _SECTIONS:
+                if key in _init_fields(section):
+                    parts[section][key] = value
+                    break
+            else:
+                if key in ("lora_config", "speculative_config", "observability_config"):
+                    extras[key] = value
+                elif key == "device":
+                    parts[DeviceConfig]["device"] = value
+                else:
+                    raise ConfigurationError(f"{key}: unknown engine argument")
+        return cls(
+            model_config=ModelConfig(model=str(model), **parts[ModelConfig]),
+            cache_config=CacheConfig(**parts[CacheConfig]),
+            parallel_config=ParallelConfig(**parts[ParallelConfig]),
+            scheduler_config=SchedulerConfig(**parts[SchedulerConfig]),
+            device_config=DeviceConfig(**parts[DeviceConfig]),
+            load_config=LoadConfig(**parts[LoadConfig]),
+            **extras,
+        )
+
+
+_SECTIONS = (ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, DeviceConfig, LoadConfig)
+
+
+def _init_fields(section: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(section) if f.init and f.name != "model"
+            and not (section is SchedulerConfig and f.name == "max_model_len")}

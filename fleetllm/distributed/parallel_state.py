@@ -1,0 +1,113 @@
+"""Process groups for tensor (TP) and pipeline (PP) parallelism.
+
+Global rank = pp_rank * tp_size + tp_rank: a pipeline stage is a contiguous run of ranks.
+With one worker (the default) every collective is a no-op, so the model code is the same for
+`uni` and `mp`. gloo on CPU, NCCL on CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class GroupCoordinator:
+    """One TP or PP group as seen from this rank."""
+
+    ranks: list[int]  # global ranks in this group, in group order
+    rank_in_group: int
+    group: dist.ProcessGroup | None = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank_in_group == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def send(self, tensors: list[torch.Tensor], dst_in_group: int) -> None:
+        for t in tensors:
+            dist.send(t.contiguous(), dst=self.ranks[dst_in_group], group=self.group)
+
+    def recv(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device,
+             src_in_group: int) -> list[torch.Tensor]:
+        out = []
+        for shape in shapes:
+            t = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(t, src=self.ranks[src_in_group], group=self.group)
+            out.append(t)
+        return out
+
+
+_TP = GroupCoordinator([0], 0)
+_PP = GroupCoordinator([0], 0)
+
+
+def get_tp_group() -> GroupCoordinator:
+    return _TP
+
+
+def get_pp_group() -> GroupCoordinator:
+    return _PP
+
+
+def init_distributed(world_size: int, rank: int, init_method: str | None, tp_size: int,
+                     pp_size: int, device: str, timeout_s: float = 600.0) -> None:
+    """Join the global group and build this rank's TP and PP groups. One worker: nothing."""
+    global _TP, _PP
+    if world_size == 1:
+        _TP, _PP = GroupCoordinator([0], 0), GroupCoordinator([0], 0)
+        return
+    backend = "nccl" if device == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size,
+                                rank=rank, timeout=timedelta(seconds=timeout_s))
+    tp_rank, pp_rank = rank % tp_size, rank // tp_size
+    # new_group must be called by every rank for every group, in the same order.
+    for stage in range(pp_size):
+        ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
+        group = dist.new_group(ranks, backend=backend)
+        if stage == pp_rank:
+            _TP = GroupCoordinator(ranks, tp_rank, group)
+    for column in range(tp_size):
+        ranks = list(range(column, world_size, tp_size))
+        group = dist.new_group(ranks, backend=backend)
+        if column == tp_rank:
+            _PP = GroupCoordinator(ranks, pp_rank, group)
+
+
+def destroy_distributed() -> None:
+    global _TP, _PP
+    _TP, _PP = GroupCoordinator([0], 0), GroupCoordinator([0], 0)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    return _TP.all_reduce(x)
+
+
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return _TP.all_gather(x, dim)

@@ -1,0 +1,85 @@
+"""Typed errors. Every error fleetllm raises on purpose is a FleetLLMError with a stable code.
+
+Messages say what happened and what to do about it.
+"""
+
+from __future__ import annotations
+
+import builtins
+from functools import cache
+
+
+class FleetLLMError(Exception):
+    code = "E000"
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {super().__str__()}"
+
+
+class OutOfMemoryError(FleetLLMError, MemoryError):
+    code = "E001"
+
+
+class WorkerCrashedError(FleetLLMError, RuntimeError):
+    code = "E002"
+
+    def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.rank, self.exitcode))
+
+
+class CommunicationTimeoutError(FleetLLMError, TimeoutError):
+    code = "E003"
+
+
+class ModelLoadError(FleetLLMError, OSError):
+    code = "E004"
+
+    def __str__(self) -> str:  # OSError formats its args itself; keep one plain message
+        return f"[{self.code}] {self.args[0] if self.args else ''}"
+
+
+class ConfigurationError(FleetLLMError, ValueError):
+    """An invalid or incompatible setting. Also a ValueError, so generic handlers catch it."""
+
+    code = "E005"
+
+
+class RemoteWorkerError(FleetLLMError, RuntimeError):
+    """A worker raised while serving a call. The message holds the rank and remote traceback."""
+
+    code = "E006"
+
+
+@cache
+def _remote_class(cls: type[BaseException]) -> type[BaseException]:
+    """The class a worker-side exception is re-raised as in the caller.
+
+    fleetllm errors keep their own type; a builtin exception type (ValueError, KeyError, ...)
+    becomes a subclass of both it and RemoteWorkerError, so `except ValueError` still works.
+    """
+    if issubclass(cls, FleetLLMError):
+        return cls
+    if getattr(builtins, cls.__name__, None) is cls and issubclass(cls, Exception):
+        return type(f"Remote{cls.__name__}", (RemoteWorkerError, cls), {})
+    return RemoteWorkerError
+
+
+def remote_error(rank: int, exc: BaseException, remote_traceback: str) -> BaseException:
+    """Wrap an exception raised by worker `rank` with the rank and its traceback."""
+    message = f"worker rank {rank} raised {type(exc).__name__}: {exc}\n" \
+              f"--- remote traceback (rank {rank}) ---\n{remote_traceback}"
+    cls = _remote_class(type(exc))
+    try:
+        err = cls(message)
+    except Exception:
+        err = RemoteWorkerError(message)
+    if isinstance(err, WorkerCrashedError) and isinstance(exc, WorkerCrashedError):
+        err.rank, err.exitcode = exc.rank, exc.exitcode
+    err.rank = getattr(err, "rank", None) or rank
+    err.remote_traceback = remote_traceback
+    return err

@@ -1,0 +1,3 @@
+from fleetllm.executor.abstract import Executor, ExecutorBase
+
+__all__ = ["Executor", "ExecutorBase"]

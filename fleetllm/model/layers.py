@@ -1,0 +1,194 @@
+"""Building blocks that can be split across tensor-parallel ranks.
+
+Each layer holds only this rank's shard and has a `weight_loader(param, loaded, part=None)`
+that copies its slice out of the full checkpoint tensor. `loaded` may be a torch.Tensor or a
+safetensors slice (read lazily), so each rank reads only its own bytes from disk.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fleetllm.distributed.parallel_state import get_tp_group
+
+
+def narrow(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) [start, start+length) of a tensor or safetensors slice."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, length)
+    index = (slice(start, start + length),) if dim == 0 else (slice(None), slice(start,
+                                                                                start + length))
+    return loaded[index]
+
+
+def load_full(loaded: Any) -> torch.Tensor:
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+
+
+def default_weight_loader(param: nn.Parameter, loaded: Any, part: int | None = None) -> None:
+    tensor = load_full(loaded)
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(f"shape {tuple(tensor.shape)} does not match the model's "
+                         f"{tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Norm of x, or with a residual: (norm(x + residual), x + residual)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(dtype)
+        return out if residual is None else (out, residual)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split across TP ranks. Several logical projections may be
+    merged into one matmul (q/k/v, gate/up): `parts` gives each part's (full size, shard size,
+    shard offset in the full tensor) for this rank."""
+
+    def __init__(self, input_size: int, parts: list[tuple[int, int, int]], bias: bool):
+        super().__init__()
+        self.parts = parts
+        self.part_offsets = [sum(p[1] for p in parts[:i]) for i in range(len(parts))]
+        out = sum(p[1] for p in parts)
+        self.weight = nn.Parameter(torch.empty(out, input_size))
+        self.weight.weight_loader = self.weight_loader
+        self.bias = nn.Parameter(torch.empty(out)) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    @classmethod
+    def split_evenly(cls, input_size: int, output_sizes: list[int], bias: bool
+                     ) -> ColumnParallelLinear:
+        tp = get_tp_group()
+        parts = []
+        for size in output_sizes:
+            shard = size // tp.world_size
+            parts.append((size, shard, tp.rank_in_group * shard))
+        return cls(input_size, parts, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, part: int | None = None) -> None:
+        part = part or 0
+        full, shard, start = self.parts[part]
+        rows = load_full(narrow(loaded, 0, start, shard))
+        param.data.narrow(0, self.part_offsets[part], shard).copy_(rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split across TP ranks; partial sums are all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool):
+        super().__init__()
+        tp = get_tp_group()
+        self.shard = input_size // tp.world_size
+        self.start = tp.rank_in_group * self.shard
+        self.weight = nn.Parameter(torch.empty(output_size, self.shard))
+        self.weight.weight_loader = self.weight_loader
+        self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, part: int | None = None) -> None:
+        param.data.copy_(load_full(narrow(loaded, 1, self.start, self.shard)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = get_tp_group().all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across TP ranks (the last shard zero-padded); the LM head shares the
+    layout, so tied embeddings share the parameter."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        tp = get_tp_group()
+        self.vocab_size = vocab_size
+        self.shard = math.ceil(vocab_size / tp.world_size)
+        self.start = tp.rank_in_group * self.shard
+        self.valid = max(0, min(self.shard, vocab_size - self.start))
+        self.weight = nn.Parameter(torch.zeros(self.shard, hidden_size))
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, part: int | None = None) -> None:
+        if self.valid:
+            param.data[: self.valid].copy_(load_full(narrow(loaded, 0, self.start, self.valid)))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        tp = get_tp_group()
+        if tp.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.valid)
+        out = F.embedding(local.clamp(0, self.shard - 1), self.weight) * inside.unsqueeze(-1)
+        return tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits on every TP rank (gathered)."""
+        local = F.linear(hidden, self.weight)
+        return get_tp_group().all_gather(local, dim=-1)[..., : self.vocab_size]
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (rotate halves), as HF Llama/Qwen. Supports linear and llama3 scaling."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float,
+                 scaling: dict[str, Any] | None):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
+                                    / head_dim))
+        kind = (scaling or {}).get("rope_type", "default")
+        if kind == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif kind != "default":
+            from fleetllm.errors import ConfigurationError
+            raise ConfigurationError(f"rope_scaling: type {kind!r} is not supported (default, "
+                                     "linear, llama3 are)")
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, heads, d], k: [T, kv_heads, d] -> rotated copies."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)

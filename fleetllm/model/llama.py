@@ -1,0 +1,180 @@
+"""The Llama family: Llama 2/3, Mistral (no sliding window), Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+Tensor parallel: q/k/v and gate/up are merged column-parallel projections, o_proj and
+down_proj row-parallel. Pipeline parallel: this rank builds only its stage's layers; the
+first stage embeds, the last normalizes and owns the LM head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fleetllm.attention import AttentionMetadata, TorchAttentionBackend
+from fleetllm.config import ArchConfig
+from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
+from fleetllm.model.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    default_weight_loader,
+)
+
+# HF checkpoint name -> (our merged parameter, part index)
+_MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
+    """Contiguous [start, end) layers of a pipeline stage; earlier stages take the remainder."""
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ArchConfig, max_position: int):
+        super().__init__()
+        tp = get_tp_group()
+        d = self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_heads // tp.world_size
+        if cfg.num_kv_heads >= tp.world_size:
+            self.num_kv_heads = cfg.num_kv_heads // tp.world_size
+            kv_start = tp.rank_in_group * self.num_kv_heads
+        else:  # fewer KV heads than ranks: each rank keeps (a replica of) the one it needs
+            self.num_kv_heads = 1
+            kv_start = tp.rank_in_group * cfg.num_kv_heads // tp.world_size
+        q_full, kv_full = cfg.num_heads * d, cfg.num_kv_heads * d
+        q_shard, kv_shard = self.num_heads * d, self.num_kv_heads * d
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size,
+            [(q_full, q_shard, tp.rank_in_group * q_shard), (kv_full, kv_shard, kv_start * d),
+             (kv_full, kv_shard, kv_start * d)], bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(q_full, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = RotaryEmbedding(d, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.scale = d ** -0.5
+        self.q_size, self.kv_size = q_shard, kv_shard
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor | None,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = TorchAttentionBackend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear.split_evenly(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
+                                           bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, max_position: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, max_position)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, kv_cache, meta):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ArchConfig, max_position: int):
+        super().__init__()
+        pp = get_pp_group()
+        self.cfg = cfg
+        self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
+        self.start_layer, self.end_layer = stage_layers(cfg.num_layers, pp.world_size,
+                                                        pp.rank_in_group)
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+                             if self.is_first_stage or cfg.tie_word_embeddings else None)
+        # Keyed by the global layer index so checkpoint names map directly.
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, max_position)
+                                     for i in range(self.start_layer, self.end_layer)})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last_stage else None
+        self.lm_head = None
+        if self.is_last_stage:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+            if cfg.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor] | None, meta: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (hidden, residual): final normed hidden states on the last stage, else the
+        (hidden, residual) pair to send to the next stage."""
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
+        for i, layer in enumerate(self.layers.values()):
+            hidden, residual = layer(positions, hidden, residual,
+                                     None if kv_caches is None else kv_caches[i], meta)
+        if not self.is_last_stage:
+            return hidden, residual
+        hidden, _ = self.norm(hidden, residual)
+        return hidden, None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.logits(hidden)
+
+    def load_weight(self, name: str, loaded: Any) -> str | None:
+        """Load one checkpoint tensor; returns the parameter name it filled (None: not ours)."""
+        name = name.removeprefix("model.")
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            return None
+        if name.startswith("layers."):
+            index = int(name.split(".")[1])
+            if not self.start_layer <= index < self.end_layer:
+                return None
+        elif name.startswith("embed_tokens.") and self.embed_tokens is None:
+            return None
+        elif name.startswith(("norm.", "lm_head.")) and not self.is_last_stage:
+            return None
+        part = None
+        for hf_name, (ours, index) in _MERGED.items():
+            if f".{hf_name}." in name:
+                name, part = name.replace(hf_name, ours), index
+                break
+        if not hasattr(self, "_param_index"):
+            self._param_index = dict(self.named_parameters())
+        params = self._param_index
+        if name not in params:
+            raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+        param = params[name]
+        getattr(param, "weight_loader", default_weight_loader)(param, loaded, part)
+        return name

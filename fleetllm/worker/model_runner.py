@@ -1,0 +1,185 @@
+"""ModelRunner: ExecuteModelRequest -> flat token batch -> forward -> logits -> sampled tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fleetllm.attention import AttentionMetadata, PrefillSpan
+from fleetllm.config import EngineConfig
+from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
+from fleetllm.model.loader import build_model
+from fleetllm.sequence import (
+    CompletionSequenceGroupOutput,
+    ExecuteModelRequest,
+    Logprob,
+    SamplerOutput,
+    SequenceOutput,
+)
+from fleetllm.worker import sampler
+from fleetllm.worker.sampler import SampleRow
+
+
+@dataclass
+class _Batch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_token_idx: list[int] = field(default_factory=list)  # flat-batch rows needing logits
+    sample_rows: list[SampleRow] = field(default_factory=list)
+    sample_owner: list[tuple[int, int]] = field(default_factory=list)  # (group, parent seq id)
+    # group index -> (first logits row, targets) for prompt logprobs, and whether None leads
+    prompt_lp: dict[int, tuple[int, list[int], bool]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device, is_output_rank: bool):
+        self.config = config
+        self.device = device
+        self.block_size = config.cache_config.block_size
+        self.is_output_rank = is_output_rank
+        self.model = None
+        self.generators: dict[str, torch.Generator] = {}  # per seeded request
+
+    def load_model(self) -> None:
+        self.model = build_model(self.config, self.device)
+        self.dtype = next(self.model.parameters()).dtype
+
+    @torch.inference_mode()
+    def execute_model(self, request: ExecuteModelRequest,
+                      kv_caches: list[torch.Tensor] | None) -> SamplerOutput | None:
+        for request_id in request.finished_requests_ids:
+            self.generators.pop(request_id, None)
+        if not request.seq_group_metadata_list:
+            return SamplerOutput([]) if self.is_output_rank else None
+        batch = self._prepare(request)
+        logits = self._forward(batch, kv_caches)
+        if logits is None or not self.is_output_rank:
+            return None
+        return self._sample(request, batch, logits)
+
+    def _forward(self, batch: _Batch, kv_caches: list[torch.Tensor] | None
+                 ) -> torch.Tensor | None:
+        pp = get_pp_group()
+        intermediate = None
+        if not pp.is_first:
+            shape = (batch.input_ids.shape[0], self.config.model_config.arch.hidden_size)
+            intermediate = tuple(pp.recv([shape, shape], self.dtype, self.device,
+                                         pp.rank_in_group - 1))
+        hidden, residual = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta,
+                                      intermediate)
+        if not pp.is_last:
+            pp.send([hidden, residual], pp.rank_in_group + 1)
+            return None
+        if not batch.logits_token_idx:
+            return None
+        rows = torch.tensor(batch.logits_token_idx, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+    def _prepare(self, request: ExecuteModelRequest) -> _Batch:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefills: list[PrefillSpan] = []
+        dec_idx: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        logits_idx: list[int] = []
+        rows: list[SampleRow] = []
+        owners: list[tuple[int, int]] = []
+        prompt_lp: dict[int, tuple[int, list[int], bool]] = {}
+        for g_index, group in enumerate(request.seq_group_metadata_list):
+            params = group.sampling_params
+            for seq_id, data in group.seq_data.items():
+                seq_len = data.get_len()
+                if group.is_prompt:  # (a chunk of) the prompt, from the cached prefix on
+                    start = data.num_computed_tokens
+                    end = min(seq_len, start + (group.token_chunk_size or seq_len - start))
+                else:  # decode: the one token whose K/V is not cached yet
+                    start, end = seq_len - 1, seq_len
+                table = group.block_tables[seq_id]
+                q_start = len(ids)
+                n_prompt = len(data.prompt_token_ids)
+                for p in range(start, end):
+                    ids.append(data.token_at(p))
+                    positions.append(p)
+                    slots.append(table[p // bs] * bs + p % bs)
+                if end - start == 1:
+                    dec_idx.append(q_start)
+                    dec_tables.append(table[: (end + bs - 1) // bs])
+                    dec_lens.append(end)
+                else:
+                    ctx = None if start == 0 else torch.tensor(
+                        [table[p // bs] * bs + p % bs for p in range(end)], device=self.device)
+                    prefills.append(PrefillSpan(q_start, end - start, end, ctx))
+                if group.is_prompt and params.prompt_logprobs is not None:
+                    last = min(end, n_prompt - 1)  # position p predicts prompt token p + 1
+                    targets = [data.prompt_token_ids[p + 1] for p in range(start, last)]
+                    prompt_lp[g_index] = (len(logits_idx), targets, start == 0)
+                    logits_idx.extend(range(q_start, q_start + len(targets)))
+                if group.do_sample:
+                    draws = params.n if (group.is_prompt and len(group.seq_data) == 1
+                                         and not data.output_token_ids) else 1
+                    generator = self._generator(group.request_id, params.seed)
+                    for _ in range(draws):
+                        rows.append(SampleRow(len(logits_idx), params, data.prompt_token_ids,
+                                              data.output_token_ids, generator))
+                        owners.append((g_index, seq_id))
+                    logits_idx.append(q_start + end - start - 1)
+        dev = self.device
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), prefills)
+        if dec_idx:
+            width = max(len(t) for t in dec_tables)
+            meta.decode_token_idx = torch.tensor(dec_idx, device=dev)
+            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t))
+                                                     for t in dec_tables], device=dev)
+            meta.decode_ctx_lens = torch.tensor(dec_lens, device=dev)
+        return _Batch(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
+                      logits_idx, rows, owners, prompt_lp)
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        if request_id not in self.generators:
+            self.generators[request_id] = torch.Generator(self.device).manual_seed(seed)
+        return self.generators[request_id]
+
+    def _sample(self, request: ExecuteModelRequest, batch: _Batch, logits: torch.Tensor
+                ) -> SamplerOutput:
+        result = sampler.sample(logits, batch.sample_rows)
+        groups = request.seq_group_metadata_list
+        outputs = [CompletionSequenceGroupOutput(g.request_id, []) for g in groups]
+        for (g_index, seq_id), token, lps in zip(batch.sample_owner, result.token_ids,
+                                                 result.logprobs, strict=True):
+            outputs[g_index].samples.append(SequenceOutput(seq_id, token, lps))
+        for g_index, (first, targets, leading_none) in batch.prompt_lp.items():
+            n = groups[g_index].sampling_params.prompt_logprobs
+            chunk: list[dict[int, Logprob] | None] = [None] if leading_none else []
+            if targets:
+                chunk += sampler.prompt_logprobs(logits[first: first + len(targets)], targets, n)
+            outputs[g_index].prompt_logprobs = chunk
+        sampled = torch.tensor(result.token_ids, dtype=torch.long)
+        return SamplerOutput(outputs, sampled_token_ids=sampled)
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward of the largest batch the scheduler may send, without a KV cache."""
+        sc = self.config.scheduler_config
+        total = sc.max_num_batched_tokens
+        num_seqs = max(1, min(sc.max_num_seqs, total))
+        per_seq = max(1, min(total // num_seqs, sc.max_model_len))
+        ids, positions, spans = [], [], []
+        for _ in range(num_seqs):
+            spans.append(PrefillSpan(len(ids), per_seq, per_seq, None))
+            ids += [0] * per_seq
+            positions += list(range(per_seq))
+        dev = self.device
+        meta = AttentionMetadata(torch.zeros(len(ids), dtype=torch.long, device=dev), spans)
+        batch = _Batch(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
+                       [s.q_start + s.q_len - 1 for s in spans])
+        self._forward(batch, None)
+
+    def tp_rank(self) -> int:
+        return get_tp_group().rank_in_group

@@ -1,0 +1,132 @@
+"""Worker: one rank. Owns the device, this rank's model shard and its KV cache."""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import resource
+
+import torch
+
+from fleetllm.config import EngineConfig, GiB
+from fleetllm.distributed import parallel_state
+from fleetllm.errors import OutOfMemoryError
+from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
+from fleetllm.worker.cache_engine import CacheEngine
+from fleetllm.worker.model_runner import ModelRunner
+from fleetllm.worker.worker_base import WorkerBase
+
+CPU_DEFAULT_KV_CACHE = 2 * GiB
+
+
+class Worker(WorkerBase):
+    def __init__(self, config: EngineConfig, local_rank: int = 0, rank: int = 0,
+                 distributed_init_method: str | None = None, is_driver_worker: bool = True):
+        self.config = config
+        self.local_rank = local_rank
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.is_driver_worker = is_driver_worker
+        self.model_runner: ModelRunner | None = None
+        self.cache_engine: CacheEngine | None = None
+
+    def init_device(self) -> None:
+        device = self.config.device_config.device
+        if device == "cuda":
+            self.device = torch.device(f"cuda:{self.local_rank}")
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        torch.manual_seed(self.config.model_config.seed)
+        pc = self.config.parallel_config
+        parallel_state.init_distributed(pc.world_size, self.rank, self.distributed_init_method,
+                                        pc.tensor_parallel_size, pc.pipeline_parallel_size,
+                                        device)
+        tp, pp = parallel_state.get_tp_group(), parallel_state.get_pp_group()
+        # The rank that samples and replies: TP rank 0 of the last pipeline stage.
+        self.is_output_rank = tp.is_first and pp.is_last
+
+    def load_model(self) -> None:
+        self.model_runner = ModelRunner(self.config, self.device, self.is_output_rank)
+        self.model_runner.load_model()
+
+    def _kv_shape(self) -> tuple[int, int, int]:
+        """(layers on this rank, KV heads on this rank, head_dim)."""
+        attn = next(iter(self.model_runner.model.layers.values())).self_attn
+        return len(self.model_runner.model.layers), attn.num_kv_heads, attn.head_dim
+
+    def determine_num_available_blocks(self) -> tuple[int, int]:
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        before = _peak_bytes(self.device)
+        self.model_runner.profile_run()
+        activation_peak = max(0, _peak_bytes(self.device) - before)
+        block_bytes = CacheEngine.block_bytes(self.config, *self._kv_shape(),
+                                              self.model_runner.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * cc.gpu_memory_utilization - (total - free) - activation_peak
+        elif cc.kv_cache_memory is None:
+            budget = CPU_DEFAULT_KV_CACHE
+        elif cc.kv_cache_memory > 1:
+            budget = cc.kv_cache_memory
+        else:
+            budget = cc.kv_cache_memory * _available_ram() - activation_peak
+        num_gpu = cc.num_gpu_blocks_override or int(max(0, budget) // block_bytes)
+        # More than max_num_seqs full-length sequences can never be used: don't allocate it.
+        per_seq = math.ceil(sc.max_model_len / cc.block_size)
+        num_gpu = min(num_gpu, sc.max_num_seqs * per_seq + 1)
+        if cc.num_gpu_blocks_override is None and num_gpu < per_seq:
+            raise OutOfMemoryError(
+                f"rank {self.rank}: the KV cache budget of {max(0, budget) / GiB:.3f} GiB holds "
+                f"{num_gpu} blocks of {block_bytes} bytes, fewer than the {per_seq} blocks one "
+                f"sequence of max_model_len={sc.max_model_len} needs. Raise kv_cache_memory / "
+                "gpu_memory_utilization, or reduce max_model_len or max_num_batched_tokens.")
+        num_cpu = min(int(cc.swap_space // block_bytes), sc.max_num_seqs * per_seq + 1)
+        gc.collect()
+        return num_gpu, num_cpu
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.cache_engine = None  # free the old pools first when re-initializing
+        self.cache_engine = CacheEngine(self.config, *self._kv_shape(), self.model_runner.dtype,
+                                        self.device, num_gpu_blocks, num_cpu_blocks)
+        self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
+
+    def execute_model(self, execute_model_req: ExecuteModelRequest
+                      ) -> list[SamplerOutput] | None:
+        req = execute_model_req
+        cache = self.cache_engine
+        if cache is None:
+            raise RuntimeError("execute_model before initialize_cache")
+        cache.swap_out(req.blocks_to_swap_out)
+        cache.swap_in(req.blocks_to_swap_in)
+        cache.copy(req.blocks_to_copy)
+        output = self.model_runner.execute_model(req, cache.gpu_cache)
+        return None if output is None else [output]
+
+    def check_health(self) -> None:
+        if self.model_runner is None or self.model_runner.model is None:
+            raise RuntimeError(f"rank {self.rank}: no model loaded")
+
+    def shutdown(self) -> None:
+        self.cache_engine = None
+        self.model_runner = None
+        if self.config.parallel_config.world_size > 1:
+            parallel_state.destroy_distributed()
+
+
+def _peak_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

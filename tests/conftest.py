@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny random-weight checkpoints made with transformers (no downloads)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY_CONFIGS = {
+    # Llama with GQA (4 query heads, 2 KV heads)
+    "llama_gqa": ("LlamaForCausalLM", dict(num_key_value_heads=2)),
+    # Qwen2: bias on q/k/v
+    "qwen2_bias": ("Qwen2ForCausalLM", dict(num_key_value_heads=2)),
+    # Llama with tied input/output embeddings
+    "llama_tied": ("LlamaForCausalLM", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+}
+
+
+def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random-weight HF checkpoint (config.json + model.safetensors) at path."""
+    import transformers
+
+    cfg_cls = {"LlamaForCausalLM": transformers.LlamaConfig,
+               "Qwen2ForCausalLM": transformers.Qwen2Config,
+               "Qwen3ForCausalLM": transformers.Qwen3Config}[arch]
+    kwargs = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                  head_dim=16)
+    kwargs.update(overrides)
+    config = cfg_cls(**kwargs)
+    config.architectures = [arch]
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config)
+    with torch.no_grad():  # random init is tiny; widen it so logits are not all near-equal
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.08)
+            if name.endswith("bias"):
+                p.normal_(0, 0.3)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: make_checkpoint(root / name, arch, seed=i, **kw)
+            for i, (name, (arch, kw)) in enumerate(TINY_CONFIGS.items())}

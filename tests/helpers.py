@@ -1,0 +1,92 @@
+"""Test helpers: drive an executor with hand-built requests, and run HF as the reference."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fleetllm.sampling_params import SamplingParams
+from fleetllm.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMetadata
+
+
+class BlockAllocator:
+    """A trivial block allocator for hand-built requests (the engine has the real one)."""
+
+    def __init__(self, block_size: int, first: int = 1):
+        self.block_size = block_size
+        self.next = first
+        self.tables: dict[int, list[int]] = {}
+
+    def ensure(self, seq_id: int, num_tokens: int) -> list[int]:
+        table = self.tables.setdefault(seq_id, [])
+        while len(table) * self.block_size < num_tokens:
+            table.append(self.next)
+            self.next += 1
+        return table
+
+
+def greedy_run(executor, prompts: list[list[int]], max_tokens: int, block_size: int = 16,
+               logprobs: int = 5, chunk: int | None = None):
+    """Prefill all prompts in one batch (optionally in chunks), then decode together.
+    Returns per prompt: (token ids, list of {token: logprob} dicts)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs)
+    alloc = BlockAllocator(block_size)
+    datas = {i: SequenceData(list(p)) for i, p in enumerate(prompts)}
+    out_lps: dict[int, list[dict]] = {i: [] for i in datas}
+    for step in range(max_tokens + 100):
+        groups = []
+        for i, d in datas.items():
+            if len(d.output_token_ids) >= max_tokens:
+                continue
+            is_prompt = d.num_computed_tokens < len(d.prompt_token_ids)
+            if is_prompt:
+                size = min(chunk or len(d.prompt_token_ids),
+                           len(d.prompt_token_ids) - d.num_computed_tokens)
+                do_sample = d.num_computed_tokens + size == len(d.prompt_token_ids)
+            else:
+                size, do_sample = 1, True
+            table = alloc.ensure(i, d.num_computed_tokens + size)
+            groups.append(SequenceGroupMetadata(f"r{i}", is_prompt, {i: d}, params,
+                                                {i: list(table)}, size, do_sample))
+        if not groups:
+            break
+        [out] = executor.execute_model(ExecuteModelRequest(groups))
+        for g, o in zip(groups, out.outputs, strict=True):
+            [seq_id] = g.seq_data
+            d = datas[seq_id]
+            d.num_computed_tokens += g.token_chunk_size
+            if g.do_sample:
+                [s] = o.samples
+                d.output_token_ids.append(s.output_token)
+                out_lps[seq_id].append({k: v.logprob for k, v in s.logprobs.items()})
+    return [(datas[i].output_token_ids, out_lps[i]) for i in range(len(prompts))]
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int):
+    """HF generate, greedy: (token ids, per-step full log-softmax rows)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0, eos_token_id=None)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return tokens, [torch.log_softmax(x[0].float(), -1) for x in out.logits]
+
+
+def load_hf(path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def check_close(ours: tuple[list[int], list[dict]], ref: tuple[list[int], list], top: int = 5,
+                atol: float = 1e-3) -> None:
+    """Tokens equal and our top-N logprobs within atol of HF's."""
+    tokens, lps = ours
+    ref_tokens, ref_rows = ref
+    assert tokens == ref_tokens, (tokens, ref_tokens)
+    for lp, row in zip(lps, ref_rows, strict=True):
+        for tok, value in lp.items():
+            assert math.isclose(value, row[tok].item(), abs_tol=atol), (tok, value, row[tok])
+        ref_top = set(row.topk(top).indices.tolist())
+        assert ref_top <= set(lp), (ref_top, set(lp))

@@ -1,0 +1,543 @@
+#!/usr/bin/env python3
+"""Train fleetllm's bundled demo model: a tiny Llama that completes Python code.
+
+The corpus is the Python standard library's own ``.py`` sources (found through
+``sysconfig.get_paths()["stdlib"]``), so the model can be rebuilt on any machine
+with no downloads. The script:
+
+1. collects the stdlib sources deterministically (sorted relative paths) and holds
+   out every ``--heldout-every``-th file for validation;
+2. trains a byte-level BPE tokenizer (``tokenizers``) on the training files;
+3. trains a small ``transformers.LlamaForCausalLM`` with plain PyTorch
+   (AdamW, warmup + cosine LR, grad clipping) on EOS-joined documents packed
+   into fixed-length windows;
+4. saves a normal Hugging Face checkpoint directory (config.json,
+   model.safetensors, generation_config.json, tokenizer files) plus README.md,
+   training_log.json and heldout_files.txt.
+
+Usage (the shipped model)::
+
+    nice -n 19 python tools/train_demo_model.py --out models/fleetllm-demo-py
+
+``--smoke`` trains a throwaway model on a handful of files for a few steps (tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import shlex
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+EOS_TOKEN = "<|endoftext|>"
+
+# Directory names under the stdlib that are skipped: third-party packages, test
+# suites, build config, and data-like modules (codec tables, pydoc topic dumps)
+# that would teach the model little about Python code.
+SKIP_DIRS = frozenset(
+    {
+        "site-packages",
+        "dist-packages",
+        "__pycache__",
+        "test",
+        "tests",
+        "idlelib",
+        "lib2to3",
+        "turtledemo",
+        "ensurepip",
+        "encodings",
+        "pydoc_data",
+        "__phello__",
+        "lib-dynload",
+    }
+)
+MAX_FILE_BYTES = 400_000
+
+
+@dataclass
+class CorpusFile:
+    rel: str
+    text: str
+
+
+def stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"]).resolve()
+
+
+def collect_corpus(root: Path) -> list[CorpusFile]:
+    """All usable stdlib ``.py`` files, sorted by relative path (deterministic)."""
+    rels: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in SKIP_DIRS and not d.startswith("config-")
+        )
+        for name in filenames:
+            if not name.endswith(".py") or name.startswith("_sysconfigdata"):
+                continue
+            rels.append(Path(dirpath, name).relative_to(root).as_posix())
+    files: list[CorpusFile] = []
+    for rel in sorted(rels):
+        path = root / rel
+        if path.stat().st_size > MAX_FILE_BYTES:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if text.strip():
+            files.append(CorpusFile(rel, text))
+    return files
+
+
+def split_corpus(
+    files: list[CorpusFile], every: int
+) -> tuple[list[CorpusFile], list[CorpusFile]]:
+    """Hold out every ``every``-th file (indices every//2, every//2 + every, ...)."""
+    offset = every // 2
+    train = [f for i, f in enumerate(files) if i % every != offset]
+    heldout = [f for i, f in enumerate(files) if i % every == offset]
+    return train, heldout
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return tok
+
+
+def wrap_tokenizer(tok: Any, max_len: int) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=EOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        unk_token=EOS_TOKEN,
+        model_max_length=max_len,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def save_tokenizer(hf_tok: Any, out: Path) -> None:
+    hf_tok.save_pretrained(str(out))
+    # Pin the class name every transformers version understands (v5 would write
+    # its internal "TokenizersBackend" name, which 4.x cannot resolve).
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["clean_up_tokenization_spaces"] = False
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    special = {"bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN,
+               "unk_token": EOS_TOKEN}
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+
+def encode_docs(tok: Any, texts: list[str], eos_id: int) -> Any:
+    """Token ids of all documents, each followed by EOS, as one uint16 array."""
+    import numpy as np
+
+    ids: list[int] = [eos_id]
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(eos_id)
+    return np.asarray(ids, dtype=np.uint16)
+
+
+def lr_at(step: int, total: int, warmup: int, peak: float, min_ratio: float) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def evaluate(model: Any, windows: Any, batch_size: int) -> float:
+    """Mean per-token cross entropy (nats) over ``windows`` (N x (L+1) int64)."""
+    import torch
+    import torch.nn.functional as F
+
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, windows.shape[0], batch_size):
+            batch = windows[i : i + batch_size]
+            logits = model(input_ids=batch[:, :-1]).logits
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(),
+                batch[:, 1:].reshape(-1),
+                reduction="sum",
+            )
+            total += loss.item()
+            count += batch[:, 1:].numel()
+    model.train()
+    return total / max(1, count)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="models/fleetllm-demo-py", help="output checkpoint dir")
+    p.add_argument("--steps", type=int, default=2400)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default 5%%)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-windows", type=int, default=64,
+                   help="held-out windows for periodic eval (final eval uses all)")
+    p.add_argument("--heldout-every", type=int, default=50)
+    p.add_argument("--max-files", type=int, default=None, help="use only the first N files")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-kv-heads", type=int, default=2)
+    p.add_argument("--intermediate-size", type=int, default=688)
+    p.add_argument("--max-position-embeddings", type=int, default=512)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="dtype the weights are saved in (training is always float32)")
+    p.add_argument("--no-progress", action="store_true", help="disable the tqdm bar")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny throwaway run on a few files for a few steps (tests)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.steps = 4
+        args.batch_size = 2
+        args.seq_len = 64
+        args.max_files = 20
+        args.heldout_every = 10
+        args.vocab_size = 384
+        args.hidden_size = 64
+        args.num_layers = 2
+        args.num_heads = 4
+        args.num_kv_heads = 2
+        args.intermediate_size = 128
+        args.max_position_embeddings = 128
+        args.eval_every = 2
+        args.eval_windows = 4
+    if args.warmup is None:
+        args.warmup = max(1, args.steps // 20)
+    return args
+
+
+def write_readme(out: Path, info: dict[str, Any], heldout: list[str]) -> None:
+    a = info["args"]
+    lines = [
+        "# fleetllm-demo-py",
+        "",
+        "A tiny Llama-architecture causal LM trained from scratch on the Python standard",
+        "library's own source code. It is fleetllm's bundled demo / test model: small enough",
+        "to ship in the repository and run on a CPU, trained enough that greedy completions",
+        "look like Python. It is not useful for anything else.",
+        "",
+        "## How it was made",
+        "",
+        "```",
+        info["command"],
+        "```",
+        "",
+        f"- Script: `tools/train_demo_model.py` (plain PyTorch loop over "
+        f"`transformers.LlamaForCausalLM`), seed {a['seed']}, {a['threads']} torch threads.",
+        f"- Machine: {info['machine']}; Python {info['python']}, torch {info['torch']}, "
+        f"transformers {info['transformers']}, tokenizers {info['tokenizers']}.",
+        f"- Wall time: {info['wall_time_s'] / 60:.1f} min total "
+        f"({info['train_time_s'] / 60:.1f} min in the training loop).",
+        "",
+        "## Corpus",
+        "",
+        f"- `.py` files under `sysconfig.get_paths()['stdlib']` (Python {info['python']}), "
+        "sorted by relative path; skipped directories: "
+        + ", ".join(f"`{d}`" for d in sorted(SKIP_DIRS))
+        + f", `config-*`; skipped files: `_sysconfigdata*`, files > {MAX_FILE_BYTES} bytes, "
+        "non-UTF-8 files.",
+        f"- {info['n_files']} files ({info['n_chars']:,} characters): "
+        f"{info['n_train_files']} for training ({info['n_train_tokens']:,} tokens), "
+        f"{info['n_heldout_files']} held out ({info['n_heldout_tokens']:,} tokens). "
+        f"Held out = every {a['heldout_every']}th file by sorted path "
+        f"(index % {a['heldout_every']} == {a['heldout_every'] // 2}).",
+        "- Documents are joined with `<|endoftext|>` and packed into "
+        f"{a['seq_len']}-token windows.",
+        "",
+        "## Tokenizer",
+        "",
+        f"Byte-level BPE (`tokenizers`; ByteLevel pre-tokenizer and decoder, GPT-2 regex), "
+        f"vocab {info['vocab_size']}, trained on the training files only. "
+        "`<|endoftext|>` (id 0) is BOS, EOS, PAD and UNK. Decoding reproduces the input "
+        "bytes exactly (spaces, newlines, indentation). No BOS is added automatically.",
+        "",
+        "## Model",
+        "",
+        f"`LlamaForCausalLM`: hidden {a['hidden_size']}, {a['num_layers']} layers, "
+        f"{a['num_heads']} attention heads / {a['num_kv_heads']} KV heads (GQA), "
+        f"intermediate {a['intermediate_size']}, max positions {a['max_position_embeddings']}, "
+        f"rope_theta 10000, tied embeddings: **{info['n_params']:,} parameters**, "
+        f"weights stored as {a['dtype']}.",
+        "",
+        "## Training",
+        "",
+        f"{a['steps']} steps x batch {a['batch_size']} x {a['seq_len']} tokens "
+        f"({info['tokens_seen']:,} tokens, {info['epochs']:.2f} epochs); AdamW "
+        f"(betas 0.9/0.95, weight decay {a['weight_decay']} on matrices), peak LR {a['lr']}, "
+        f"{a['warmup']} warmup steps then cosine to {a['min_lr_ratio']}x, grad-norm clip "
+        f"{a['grad_clip']}.",
+        "",
+        "## Results",
+        "",
+        f"- Final train loss (mean of last {info['train_loss_window']} steps): "
+        f"**{info['final_train_loss']:.4f}** nats/token",
+        f"- Final held-out loss (all {info['n_heldout_windows']} held-out windows): "
+        f"**{info['final_heldout_loss']:.4f}** nats/token "
+        f"(perplexity {math.exp(info['final_heldout_loss']):.2f}; a uniform guess is "
+        f"ln({info['vocab_size']}) = {math.log(info['vocab_size']):.2f})",
+        "",
+        "Greedy completion of `def fibonacci(n):` (48 new tokens):",
+        "",
+        "```python",
+        info["sample"],
+        "```",
+        "",
+        "Per-eval history is in `training_log.json`.",
+        "",
+        "## Held-out files",
+        "",
+        "Relative to the stdlib directory (also in `heldout_files.txt`):",
+        "",
+        *[f"- `{h}`" for h in heldout],
+        "",
+    ]
+    (out / "README.md").write_text("\n".join(lines))
+
+
+def greedy_sample(model: Any, hf_tok: Any, prompt: str, new_tokens: int) -> str:
+    import torch
+
+    model.eval()
+    ids = hf_tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        out = model.generate(
+            ids, max_new_tokens=new_tokens, do_sample=False,
+            pad_token_id=hf_tok.pad_token_id, eos_token_id=hf_tok.eos_token_id,
+        )
+    model.train()
+    return hf_tok.decode(out[0], skip_special_tokens=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.time()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))
+
+    import numpy as np
+    import tokenizers
+    import torch
+    import torch.nn.functional as F
+    import transformers
+    from tqdm import tqdm
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # ---- corpus ---------------------------------------------------------------
+    root = stdlib_dir()
+    files = collect_corpus(root)
+    if args.max_files is not None:
+        files = files[: args.max_files]
+    train_files, heldout_files = split_corpus(files, args.heldout_every)
+    if not train_files or not heldout_files:
+        raise SystemExit("corpus too small for a train/held-out split")
+    print(f"corpus: {len(files)} files from {root} "
+          f"({len(train_files)} train, {len(heldout_files)} held out)", flush=True)
+
+    # ---- tokenizer ------------------------------------------------------------
+    tok = train_tokenizer([f.text for f in train_files], args.vocab_size)
+    eos_id = tok.token_to_id(EOS_TOKEN)
+    sample_text = train_files[0].text[:2000]
+    if tok.decode(tok.encode(sample_text).ids) != sample_text:
+        raise SystemExit("tokenizer does not round-trip")
+    hf_tok = wrap_tokenizer(tok, args.max_position_embeddings)
+    vocab_size = tok.get_vocab_size()
+
+    train_ids = encode_docs(tok, [f.text for f in train_files], eos_id)
+    heldout_ids = encode_docs(tok, [f.text for f in heldout_files], eos_id)
+    print(f"tokens: {len(train_ids):,} train, {len(heldout_ids):,} held out "
+          f"(vocab {vocab_size})", flush=True)
+
+    win = args.seq_len + 1  # inputs + shifted targets
+
+    def to_windows(ids: Any) -> Any:
+        # Non-overlapping windows with stride seq_len (each target predicted once).
+        n = (len(ids) - 1) // args.seq_len
+        idx = np.arange(n)[:, None] * args.seq_len + np.arange(win)[None, :]
+        return torch.from_numpy(ids[idx].astype(np.int64))
+
+    train_windows = to_windows(train_ids)
+    heldout_windows = to_windows(heldout_ids)
+    if train_windows.shape[0] < args.batch_size or heldout_windows.shape[0] == 0:
+        raise SystemExit("not enough tokens for one batch / one held-out window")
+
+    # ---- model ----------------------------------------------------------------
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        max_position_embeddings=args.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        initializer_range=0.02,
+        use_cache=True,
+    )
+    model = LlamaForCausalLM(config)
+    model.config.rope_theta = 10000.0
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params:,} parameters", flush=True)
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+    )
+
+    gen = torch.Generator().manual_seed(args.seed)
+    order = torch.randperm(train_windows.shape[0], generator=gen)
+    cursor = 0
+    eval_subset = heldout_windows[: args.eval_windows]
+
+    history: list[dict[str, float]] = []
+    recent: list[float] = []
+    model.train()
+    t_train = time.time()
+    bar = tqdm(range(args.steps), desc="train", disable=args.no_progress,
+               dynamic_ncols=True, mininterval=2.0)
+    for step in bar:
+        if cursor + args.batch_size > len(order):
+            order = torch.randperm(train_windows.shape[0], generator=gen)
+            cursor = 0
+        batch = train_windows[order[cursor : cursor + args.batch_size]]
+        cursor += args.batch_size
+        lr = lr_at(step, args.steps, args.warmup, args.lr, args.min_lr_ratio)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        logits = model(input_ids=batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        recent.append(loss.item())
+        recent = recent[-50:]
+        postfix: dict[str, Any] = {"loss": f"{loss.item():.3f}", "lr": f"{lr:.2e}"}
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            ev = evaluate(model, eval_subset, args.batch_size)
+            history.append({"step": step + 1, "train_loss": sum(recent) / len(recent),
+                            "heldout_loss": ev, "lr": lr, "grad_norm": float(gnorm),
+                            "elapsed_s": time.time() - t_train})
+            postfix["heldout"] = f"{ev:.3f}"
+            if args.no_progress:
+                print(f"step {step + 1}: train {sum(recent) / len(recent):.4f} "
+                      f"heldout {ev:.4f}", flush=True)
+        bar.set_postfix(postfix, refresh=False)
+    bar.close()
+    train_time = time.time() - t_train
+
+    final_heldout = evaluate(model, heldout_windows, args.batch_size)
+    final_train = sum(recent) / len(recent)
+    print(f"final: train loss {final_train:.4f}, held-out loss {final_heldout:.4f} nats "
+          f"({heldout_windows.shape[0]} windows)", flush=True)
+
+    sample = greedy_sample(model, hf_tok, "def fibonacci(n):", 48)
+    print("greedy sample:\n" + sample, flush=True)
+
+    # ---- save -----------------------------------------------------------------
+    save_dtype = getattr(torch, args.dtype)
+    model.to(save_dtype)
+    model.config.torch_dtype = args.dtype
+    model.generation_config = GenerationConfig(
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+    )
+    model.save_pretrained(str(out), safe_serialization=True)
+    save_tokenizer(hf_tok, out)
+    heldout_rel = [f.rel for f in heldout_files]
+    (out / "heldout_files.txt").write_text("\n".join(heldout_rel) + "\n")
+
+    cmd_args = [a for a in (sys.argv[1:] if argv is None else argv)]
+    command = "python tools/train_demo_model.py " + " ".join(shlex.quote(a) for a in cmd_args)
+    info: dict[str, Any] = {
+        "command": command.strip(),
+        "args": vars(args),
+        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores ({platform.system()})",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "stdlib_dir": str(root),
+        "n_files": len(files),
+        "n_chars": sum(len(f.text) for f in files),
+        "n_train_files": len(train_files),
+        "n_heldout_files": len(heldout_files),
+        "n_train_tokens": int(len(train_ids)),
+        "n_heldout_tokens": int(len(heldout_ids)),
+        "n_heldout_windows": int(heldout_windows.shape[0]),
+        "vocab_size": vocab_size,
+        "n_params": n_params,
+        "tokens_seen": args.steps * args.batch_size * args.seq_len,
+        "epochs": args.steps * args.batch_size / train_windows.shape[0],
+        "train_loss_window": len(recent),
+        "final_train_loss": final_train,
+        "final_heldout_loss": final_heldout,
+        "train_time_s": train_time,
+        "wall_time_s": time.time() - t_start,
+        "sample": sample,
+        "history": history,
+    }
+    (out / "training_log.json").write_text(json.dumps(info, indent=2) + "\n")
+    write_readme(out, info, heldout_rel)
+    print(f"saved to {out} in {info['wall_time_s']:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
