@@ -83,3 +83,10 @@ def remote_error(rank: int, exc: BaseException, remote_traceback: str) -> BaseEx
     err.rank = getattr(err, "rank", None) or rank
     err.remote_traceback = remote_traceback
     return err
+
+
+class InvalidRequestError(FleetLLMError, ValueError):
+    """A request that can never be served (too long, bad token ids, duplicate id, ...).
+    Rejected before it is queued; other requests are unaffected."""
+
+    code = "E007"

@@ -34,7 +34,7 @@ def greedy_run(executor, prompts: list[list[int]], max_tokens: int, block_size: 
     alloc = BlockAllocator(block_size)
     datas = {i: SequenceData(list(p)) for i, p in enumerate(prompts)}
     out_lps: dict[int, list[dict]] = {i: [] for i in datas}
-    for step in range(max_tokens + 100):
+    for _ in range(max_tokens + 100):
         groups = []
         for i, d in datas.items():
             if len(d.output_token_ids) >= max_tokens:

@@ -48,7 +48,7 @@ def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
         _init_dummy(model, mc.seed)
     else:
         _load_safetensors(model, Path(mc.model))
-    return model.to(dtype=dtype).eval()
+    return model.to(dtype=dtype).eval().requires_grad_(False)
 
 
 def _load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:

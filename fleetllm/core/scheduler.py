@@ -1,0 +1,285 @@
+"""Continuous-batching scheduler with chunked prefill and preemption.
+
+Each step picks which requests run and how many tokens each computes, within a token budget
+(max_num_batched_tokens) and a sequence budget (max_num_seqs):
+
+1. running groups, oldest first: one token per sequence for decodes, a chunk of the remaining
+   prompt for prefills. Tokens for the decodes are reserved first, so a long prefill never
+   stalls the running decodes. If the device pool is full, the newest running groups are
+   preempted (recompute or swap) until the current one fits.
+2. if nothing was preempted: swapped groups come back in, oldest first, while they fit.
+3. if nothing was preempted and none is left swapped: waiting groups, FCFS, each with a chunk of
+   its prompt; admission stops at the first that does not fit.
+
+Who updates what: the scheduler moves groups between queues, sets sequence statuses and owns
+the block tables. It never advances `num_computed_tokens` (except resetting it to 0 on
+recompute preemption): the engine adds each scheduled group's `token_chunk_size` to its
+sequences after the step, then appends sampled tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from fleetllm.config import CacheConfig, SchedulerConfig
+from fleetllm.core.block_manager import BlockManager
+from fleetllm.errors import OutOfMemoryError
+from fleetllm.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
+
+
+@dataclass
+class ScheduledSequenceGroup:
+    seq_group: SequenceGroup
+    token_chunk_size: int  # new tokens computed this step, per sequence
+    do_sample: bool  # the chunk reaches the end of the sequence: sample the next token
+
+
+@dataclass
+class SchedulerOutputs:
+    scheduled_seq_groups: list[ScheduledSequenceGroup] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)  # {cpu: device}
+    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)  # {device: cpu}
+    blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)  # {src: [dst, ...]}
+    # Requests that can never be scheduled; their seqs are FINISHED_IGNORED.
+    ignored_seq_groups: list[SequenceGroup] = field(default_factory=list)
+    preempted: int = 0  # groups preempted this step
+    running_queue_size: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing for the workers to do (ignored groups still need reporting)."""
+        return not (self.scheduled_seq_groups or self.blocks_to_swap_in
+                    or self.blocks_to_swap_out or self.blocks_to_copy)
+
+
+@dataclass
+class _Budget:
+    max_tokens: int
+    max_seqs: int
+    tokens: int = 0
+    seqs: int = 0
+
+    @property
+    def tokens_left(self) -> int:
+        return self.max_tokens - self.tokens
+
+    def fits_seqs(self, n: int) -> bool:
+        return self.seqs + n <= self.max_seqs
+
+
+def _by_arrival(queue: Iterable[SequenceGroup]) -> deque[SequenceGroup]:
+    return deque(sorted(queue, key=lambda g: g.arrival_time))  # stable: ties keep order
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+        if cache_config.num_gpu_blocks is None:
+            raise ValueError("cache_config.num_gpu_blocks must be measured before the "
+                             "scheduler is built")
+        self.config = scheduler_config
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens or \
+            max(2048, scheduler_config.max_model_len)
+        self.block_manager = BlockManager(cache_config.block_size, cache_config.num_gpu_blocks,
+                                          cache_config.num_cpu_blocks or 0)
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: deque[SequenceGroup] = deque()
+        self.swapped: deque[SequenceGroup] = deque()
+        self.num_preemptions = 0
+        self._finished_ids: list[str] = []  # handed out by free_finished_seq_groups
+
+    # ------------------------------------------------------------------ queue API
+
+    def add_seq_group(self, seq_group: SequenceGroup) -> None:
+        self.waiting.append(seq_group)
+
+    def abort_seq_group(self, request_id: str | Iterable[str]) -> None:
+        ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in [g for g in queue if g.request_id in ids]:
+                queue.remove(group)
+                for seq in group.seqs:
+                    if not seq.is_finished():
+                        seq.status = SequenceStatus.FINISHED_ABORTED
+                    self.block_manager.free(seq)
+                self._finished_ids.append(group.request_id)
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def get_num_unfinished_seq_groups(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        self.block_manager.fork(parent, child)
+
+    def free_seq(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+
+    def free_finished_seq_groups(self) -> list[str]:
+        """Drop finished groups from running, free their blocks, and return the ids of every
+        request that ended since the last call (finished or aborted)."""
+        self._reap_finished()
+        ids, self._finished_ids = self._finished_ids, []
+        return ids
+
+    def _reap_finished(self) -> None:
+        kept: deque[SequenceGroup] = deque()
+        for group in self.running:
+            for seq in group.seqs:
+                if seq.is_finished():  # free_seq is idempotent; catch any the engine missed
+                    self.block_manager.free(seq)
+            if group.is_finished():
+                self._finished_ids.append(group.request_id)
+            else:
+                kept.append(group)
+        self.running = kept
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
+        self._reap_finished()
+        out = SchedulerOutputs()
+        budget = _Budget(self.max_num_batched_tokens, self.config.max_num_seqs)
+        metadata: list[SequenceGroupMetadata] = []
+        self._schedule_running(out, budget, metadata)
+        if not out.preempted:
+            self._schedule_swapped(out, budget, metadata)
+            if not self.swapped:  # swapped groups are older: they go before new ones
+                self._schedule_waiting(out, budget, metadata)
+        out.num_batched_tokens = budget.tokens
+        out.running_queue_size = len(self.running)
+        return metadata, out
+
+    def _schedule_running(self, out: SchedulerOutputs, budget: _Budget,
+                          metadata: list[SequenceGroupMetadata]) -> None:
+        self.running = _by_arrival(self.running)
+        # Decode tokens of the whole queue are reserved before any prefill chunk is sized.
+        reserved = sum(len(g.unfinished_seqs()) for g in self.running if not g.is_prefill())
+        kept: deque[SequenceGroup] = deque()
+        while self.running:
+            group = self.running.popleft()
+            n = len(group.unfinished_seqs())
+            if group.is_prefill():
+                chunk = min(self._uncomputed(group), (budget.tokens_left - reserved) // n)
+            else:
+                reserved -= n
+                chunk = 1 if n <= budget.tokens_left else 0
+            if chunk <= 0 or not budget.fits_seqs(n):
+                kept.append(group)  # keeps its blocks; runs in a later step
+                continue
+            while not self.block_manager.can_ensure(group, chunk):
+                if not self.running:  # it is the lowest priority itself
+                    self._preempt(group, out)
+                    break
+                victim = self.running.pop()
+                if not victim.is_prefill():
+                    reserved -= len(victim.unfinished_seqs())
+                self._preempt(victim, out)
+            else:
+                self._schedule_group(group, chunk, n, out, budget, metadata)
+                kept.append(group)
+        self.running = kept
+
+    def _schedule_swapped(self, out: SchedulerOutputs, budget: _Budget,
+                          metadata: list[SequenceGroupMetadata]) -> None:
+        bm = self.block_manager
+        self.swapped = _by_arrival(self.swapped)
+        while self.swapped:
+            group = self.swapped[0]
+            n = len(group.unfinished_seqs())
+            chunk = min(self._uncomputed(group), budget.tokens_left // n)
+            if bm.num_required_blocks(group, max(chunk, 1)) > bm.num_gpu_blocks:
+                self._ignore(self.swapped.popleft(), out)  # cannot fit even alone
+                continue
+            if chunk <= 0 or not budget.fits_seqs(n) or not bm.can_swap_in(group, chunk):
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.update(bm.swap_in(group))
+            for seq in group.unfinished_seqs():
+                seq.status = SequenceStatus.RUNNING
+            self._schedule_group(group, chunk, n, out, budget, metadata)
+            self.running.append(group)
+
+    def _schedule_waiting(self, out: SchedulerOutputs, budget: _Budget,
+                          metadata: list[SequenceGroupMetadata]) -> None:
+        bm = self.block_manager
+        while self.waiting:
+            group = self.waiting[0]
+            seqs = group.unfinished_seqs()
+            width = group.max_num_running_seqs()
+            if (width > self.config.max_num_seqs
+                    or len(seqs) * bm.num_blocks_for(seqs[0].get_len()) > bm.num_gpu_blocks):
+                self._ignore(self.waiting.popleft(), out)  # could never be scheduled
+                continue
+            chunk = min(self._uncomputed(group), budget.tokens_left // len(seqs))
+            if chunk <= 0 or not budget.fits_seqs(width) or not bm.can_allocate(group, chunk):
+                break  # FCFS: nothing overtakes the head of the queue
+            self.waiting.popleft()
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+            self._schedule_group(group, chunk, width, out, budget, metadata)
+            self.running.append(group)
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _uncomputed(group: SequenceGroup) -> int:
+        # The seqs of a group advance together; a decode has exactly one uncomputed token.
+        return max(s.data.num_uncomputed_tokens() for s in group.unfinished_seqs())
+
+    def _schedule_group(self, group: SequenceGroup, chunk: int, num_seqs: int,
+                        out: SchedulerOutputs, budget: _Budget,
+                        metadata: list[SequenceGroupMetadata]) -> None:
+        seqs = group.unfinished_seqs()
+        tables = {}
+        for seq in seqs:
+            cows = self.block_manager.ensure_slots(seq, seq.data.num_computed_tokens + chunk)
+            for src, dst in cows:
+                out.blocks_to_copy.setdefault(src, []).append(dst)
+            tables[seq.seq_id] = list(self.block_manager.get_block_table(seq))
+        data = seqs[0].data
+        do_sample = data.num_computed_tokens + chunk == data.get_len()
+        out.scheduled_seq_groups.append(ScheduledSequenceGroup(group, chunk, do_sample))
+        budget.tokens += chunk * len(seqs)
+        budget.seqs += num_seqs
+        metadata.append(SequenceGroupMetadata(
+            request_id=group.request_id, is_prompt=group.is_prefill(),
+            seq_data={s.seq_id: s.data for s in seqs}, sampling_params=group.sampling_params,
+            block_tables=tables, token_chunk_size=chunk, do_sample=do_sample))
+        if group.metrics.first_scheduled_time is None:
+            now = time.time()
+            group.metrics.first_scheduled_time = now
+            group.metrics.time_in_queue = now - group.arrival_time
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutputs) -> None:
+        seqs = group.unfinished_seqs()
+        if len(seqs) > 1 or self.config.preemption_mode == "swap":
+            if not self.block_manager.can_swap_out(group):
+                raise OutOfMemoryError(
+                    f"request {group.request_id} must be preempted by swapping but the CPU "
+                    f"swap pool ({self.block_manager.num_cpu_blocks} blocks) is full; raise "
+                    "swap_space (or lower max_num_seqs / n)")
+            out.blocks_to_swap_out.update(self.block_manager.swap_out(group))
+            for seq in seqs:
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(group)
+        else:  # recompute: drop the cache; the prompt and outputs are prefilled again later
+            for seq in seqs:
+                self.block_manager.free(seq)
+                seq.status = SequenceStatus.WAITING
+                seq.data.num_computed_tokens = 0
+            self.waiting.appendleft(group)
+        out.preempted += 1
+        self.num_preemptions += 1
+
+    def _ignore(self, group: SequenceGroup, out: SchedulerOutputs) -> None:
+        for seq in group.seqs:
+            if not seq.is_finished():
+                seq.status = SequenceStatus.FINISHED_IGNORED
+            self.block_manager.free(seq)
+        out.ignored_seq_groups.append(group)
+        self._finished_ids.append(group.request_id)

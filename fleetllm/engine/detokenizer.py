@@ -1,0 +1,71 @@
+"""Incremental detokenization and stop-string handling.
+
+Decoding only the last few tokens each step (not the whole output) keeps detokenization
+O(1) per token, while still handling multi-byte characters split across tokens and
+tokenizers that merge spaces into the next token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fleetllm.sampling_params import SamplingParams
+from fleetllm.sequence import Logprob, Sequence
+
+_LOOKBACK = 6  # tokens of context decoded before the new ones
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def start(self, seq: Sequence, params: SamplingParams) -> None:
+        """Seed the incremental state with the prompt's tail."""
+        if self.tokenizer is None:
+            return
+        tokens = self.tokenizer.convert_ids_to_tokens(
+            seq.prompt_token_ids[-_LOOKBACK - 1:], skip_special_tokens=params.skip_special_tokens)
+        seq.tokens = tokens
+        seq.prefix_offset = max(len(tokens) - _LOOKBACK, 0)
+        seq.read_offset = len(tokens)
+
+    def decode_new_token(self, seq: Sequence, params: SamplingParams) -> str:
+        """Append the text of the sequence's last token; returns the new text."""
+        if self.tokenizer is None:
+            return ""
+        tok = self.tokenizer
+        new = tok.convert_ids_to_tokens([seq.output_token_ids[-1]],
+                                        skip_special_tokens=params.skip_special_tokens)
+        seq.tokens = (seq.tokens or []) + new
+        prefix = tok.convert_tokens_to_string(seq.tokens[seq.prefix_offset: seq.read_offset])
+        text = tok.convert_tokens_to_string(seq.tokens[seq.prefix_offset:])
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 character: wait for the next token
+        new_text = text[len(prefix):]
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(seq.tokens)
+        seq.output_text += new_text
+        return new_text
+
+    def decode_logprobs(self, logprobs: dict[int, Logprob]) -> None:
+        if self.tokenizer is None:
+            return
+        for token_id, lp in logprobs.items():
+            if lp.decoded_token is None:
+                lp.decoded_token = self.tokenizer.decode([token_id])
+
+
+def find_stop_string(seq: Sequence, new_text_len: int, params: SamplingParams) -> str | None:
+    """If a stop string appeared in the newly added text, truncate the output there (keeping
+    the stop string when include_stop_str_in_output) and return it."""
+    if not params.stop or not new_text_len:
+        return None
+    text = seq.output_text
+    for stop in params.stop:
+        # Only matches that overlap the new text can be new.
+        start = max(0, len(text) - new_text_len - len(stop) + 1)
+        index = text.find(stop, start)
+        if index != -1:
+            end = index + len(stop) if params.include_stop_str_in_output else index
+            seq.output_text = text[:end]
+            return stop
+    return None

@@ -1,0 +1,239 @@
+"""LLMEngine: requests in, RequestOutputs out, one `step()` at a time.
+
+step(): Scheduler.schedule() -> ExecuteModelRequest -> executor.execute_model -> append
+sampled tokens, fork n>1 samples, detokenize, check stop conditions -> RequestOutputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from fleetllm.config import EngineConfig, read_json
+from fleetllm.core.scheduler import Scheduler, SchedulerOutputs
+from fleetllm.engine.detokenizer import Detokenizer, find_stop_string
+from fleetllm.engine.outputs import RequestOutput
+from fleetllm.errors import InvalidRequestError
+from fleetllm.executor import Executor
+from fleetllm.sampling_params import SamplingParams
+from fleetllm.sequence import (
+    ExecuteModelRequest,
+    SamplerOutput,
+    Sequence,
+    SequenceGroup,
+    SequenceOutput,
+    SequenceStatus,
+)
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict[str, Any]
+
+
+def load_tokenizer(path: str) -> Any:
+    """The checkpoint's HF tokenizer, or None when the directory ships none."""
+    if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer.model",
+                                                   "vocab.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, log_stats: bool = False):
+        self.config = config
+        self.model_config = config.model_config
+        self.log_stats = log_stats
+        self.tokenizer = load_tokenizer(config.model_config.tokenizer)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.eos_token_ids = self._eos_token_ids()
+        self.model_executor: Executor = Executor.get_class(config)(config)
+        try:
+            num_gpu, num_cpu = self.model_executor.determine_num_available_blocks()
+            self.model_executor.initialize_cache(num_gpu, num_cpu)
+        except BaseException:
+            self.model_executor.shutdown()
+            raise
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        self.seq_groups: dict[str, SequenceGroup] = {}
+        self._seq_ids = itertools.count()
+        self._finished_since_last_step: list[str] = []
+
+    @classmethod
+    def from_engine_args(cls, model: str, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    def _eos_token_ids(self) -> list[int]:
+        ids = list(self.model_config.arch.eos_token_ids)
+        gen_cfg = Path(self.model_config.model) / "generation_config.json"
+        if gen_cfg.exists():
+            eos = read_json(gen_cfg).get("eos_token_id")
+            ids += [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return sorted(set(ids))
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ----------------------------------------------------------------- requests in
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    sampling_params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. Raises InvalidRequestError (and queues nothing) if it can never be
+        served."""
+        params = sampling_params or SamplingParams()
+        if request_id in self.seq_groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._validate(token_ids, params)
+        params.eos_token_ids = self.eos_token_ids
+        seq = Sequence(next(self._seq_ids), text, token_ids)
+        self.detokenizer.start(seq, params)
+        group = SequenceGroup(request_id, [seq], params, arrival_time)
+        self.seq_groups[request_id] = group
+        self.scheduler.add_seq_group(group)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if not isinstance(prompt, str):
+            raise InvalidRequestError("a prompt is a string or {'prompt_token_ids': [...]}, "
+                                      f"got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"{self.model_config.model} has no tokenizer: pass "
+                                      "{'prompt_token_ids': [...]} instead of text")
+        return prompt, self.tokenizer.encode(prompt)
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        n, limit = len(token_ids), self.model_config.max_model_len
+        vocab = self.model_config.arch.vocab_size
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if n > limit:
+            raise InvalidRequestError(f"the prompt has {n} tokens, more than max_model_len="
+                                      f"{limit}; shorten it or raise max_model_len")
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                                      f"[0, {vocab})")
+        cc = self.config.cache_config
+        if math.ceil(n / cc.block_size) > cc.num_gpu_blocks:
+            raise InvalidRequestError(f"the prompt needs {math.ceil(n / cc.block_size)} KV "
+                                      f"blocks but the whole pool has {cc.num_gpu_blocks}")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none")
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.scheduler.abort_seq_group(ids)
+        for rid in ids:
+            if self.seq_groups.pop(rid, None) is not None:
+                self._finished_since_last_step.append(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_seqs()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_seq_groups()
+
+    # ----------------------------------------------------------------- the loop
+
+    def step(self) -> list[RequestOutput]:
+        metadata, sched = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if not sched.is_empty:
+            request = ExecuteModelRequest(
+                metadata, blocks_to_swap_in=sched.blocks_to_swap_in,
+                blocks_to_swap_out=sched.blocks_to_swap_out,
+                blocks_to_copy=sched.blocks_to_copy, running_queue_size=sched.running_queue_size,
+                finished_requests_ids=self._finished_since_last_step)
+            self._finished_since_last_step = []
+            [result] = self.model_executor.execute_model(request)
+            outputs = self._process(sched, result)
+        for group in sched.ignored_seq_groups:
+            self.seq_groups.pop(group.request_id, None)
+            outputs.append(RequestOutput.from_seq_group(group))
+        self._finished_since_last_step += self.scheduler.free_finished_seq_groups()
+        return outputs
+
+    def _process(self, sched: SchedulerOutputs, result: SamplerOutput) -> list[RequestOutput]:
+        now = time.time()
+        outputs = []
+        for scheduled, group_out in zip(sched.scheduled_seq_groups, result.outputs,
+                                        strict=True):
+            group = scheduled.seq_group
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                seq.data.num_computed_tokens += scheduled.token_chunk_size
+            if group_out.prompt_logprobs is not None and group.prompt_logprobs is not None \
+                    and len(group.prompt_logprobs) < len(group.prompt_token_ids):
+                group.prompt_logprobs.extend(group_out.prompt_logprobs)
+            if not group_out.samples:
+                continue
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            self._append_samples(group, group_out.samples)
+            if group.is_finished():
+                group.metrics.finished_time = now
+                self.seq_groups.pop(group.request_id, None)
+            outputs.append(RequestOutput.from_seq_group(group))
+        return outputs
+
+    def _append_samples(self, group: SequenceGroup, samples: list[SequenceOutput]) -> None:
+        by_parent: dict[int, list[SequenceOutput]] = {}
+        for sample in samples:
+            by_parent.setdefault(sample.parent_seq_id, []).append(sample)
+        by_id = {seq.seq_id: seq for seq in group.seqs}
+        for parent_id, parent_samples in by_parent.items():
+            parent = by_id[parent_id]
+            seqs = [parent]
+            for _ in parent_samples[1:]:  # n > 1: the prompt's other samples fork the parent
+                child = parent.fork(next(self._seq_ids))
+                self.scheduler.fork_seq(parent, child)
+                group.seqs.append(child)
+                seqs.append(child)
+            for seq, sample in zip(seqs, parent_samples, strict=True):
+                seq.append_token(sample.output_token, sample.logprobs)
+                self._check_stop(seq, group.sampling_params)
+                if seq.is_finished():
+                    self.scheduler.free_seq(seq)
+
+    def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
+        if params.logprobs is not None:
+            self.detokenizer.decode_logprobs(seq.output_logprobs[-1])
+        new_text = self.detokenizer.decode_new_token(seq, params)
+        token = seq.output_token_ids[-1]
+        n_out = len(seq.output_token_ids)
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in params.eos_token_ids:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                return
+            if token in params.stop_token_ids:
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+                return
+            stop = find_stop_string(seq, len(new_text), params)
+            if stop is not None:
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+                return
+        if (params.max_tokens is not None and n_out >= params.max_tokens) or \
+                seq.get_len() >= self.model_config.max_model_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+
+    def shutdown(self) -> None:
+        executor = getattr(self, "model_executor", None)
+        if executor is not None:
+            executor.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass

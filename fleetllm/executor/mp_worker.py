@@ -1,0 +1,110 @@
+"""The body of one "mp" worker process: connect, build the Worker, then serve calls.
+
+Runs in a process started with the spawn context. Messages are pickled (see mp_transport for
+why that is acceptable: the channel is a private ipc:// socket in a 0700 directory).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+import zmq
+
+from fleetllm.executor import mp_transport as tr
+from fleetllm.worker.worker_base import WorkerWrapperBase, run_method
+
+PARENT_CHECK_S = 1.0
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the driver is gone (SIGKILLed), even while a call is running."""
+    while True:
+        time.sleep(PARENT_CHECK_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def worker_main(rank: int, world_size: int, config: Any, ipc_addr: str, init_method: str,
+                parent_pid: int) -> None:
+    # Ctrl-C in a terminal reaches the whole process group: let the driver decide and clean
+    # up. SIGTERM keeps its default action (the driver uses it to stop a stuck worker).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # gloo must only ever bind loopback; respect a user's explicit choice.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="fleetllm-parent-watch",
+                     daemon=True).start()
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    ctx = zmq.Context(1)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, tr.identity(rank))
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(ipc_addr)
+
+    def reply(call_id: int, status: int, value: Any) -> None:
+        try:
+            payload = tr.dumps_reply(call_id, status, value)
+        except Exception as e:  # an unpicklable result: report that instead
+            payload = tr.dumps_reply(call_id, tr.ERR, tr.error_payload(
+                TypeError(f"rank {rank}: the result cannot be pickled: {e}")))
+        sock.send(payload)
+
+    reply(-1, tr.HELLO, os.getpid())
+    wrapper = WorkerWrapperBase(config, rpc_rank=rank)
+    try:
+        wrapper.init_worker(local_rank=rank, rank=rank, distributed_init_method=init_method,
+                            is_driver_worker=rank == 0)
+        wrapper.execute_method("init_device")
+        wrapper.execute_method("load_model")
+    except BaseException as e:
+        reply(-1, tr.START_ERR, tr.error_payload(e))
+        sock.close(linger=2000)
+        ctx.term()
+        sys.exit(1)
+    reply(-1, tr.READY, None)
+
+    decoder = tr.DeltaDecoder()
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    try:
+        while True:
+            if not poller.poll(PARENT_CHECK_S * 1000):  # idle: block, never spin
+                if os.getppid() != parent_pid:
+                    os._exit(1)
+                continue
+            header, body = sock.recv_multipart()
+            call_id, kind, unique = tr.HEADER.unpack(header)
+            if kind == tr.EXIT:
+                break
+            try:
+                method, args, kwargs = pickle.loads(body)
+                if kind == tr.EXEC:
+                    try:
+                        request = decoder.decode(args[0])
+                    except tr.DeltaDesync:
+                        reply(call_id, tr.RESYNC, None)
+                        continue
+                    result = wrapper.worker.execute_model(request)
+                else:
+                    result = run_method(wrapper.worker, method, args, kwargs or {})
+            except BaseException as e:
+                reply(call_id, tr.ERR, tr.error_payload(e))
+                continue
+            if unique < 0 or unique == rank:
+                reply(call_id, tr.OK, result)
+            else:
+                reply(call_id, tr.ACK, None)
+    finally:
+        try:
+            if wrapper.worker is not None:
+                wrapper.worker.shutdown()
+        finally:
+            sock.close(linger=1000)
+            ctx.term()
