@@ -1,52 +1,61 @@
 """The body of one "mp" worker process: connect, build the Worker, then serve calls.
 
 Runs in a process started with the spawn context. Messages are pickled (see mp_transport for
-why that is acceptable: the channel is a private ipc:// socket in a 0700 directory).
+why that is acceptable: the channel is a private AF_UNIX socket in a 0700 directory).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import select
+import shutil
 import signal
+import socket
 import sys
 import threading
 import time
 from typing import Any
 
 import torch
-import zmq
 
 from fleetllm.executor import mp_transport as tr
+from fleetllm.executor.mp_delta import DeltaDecoder, DeltaDesync
 from fleetllm.worker.worker_base import WorkerWrapperBase, run_method
 
 PARENT_CHECK_S = 1.0
 
-def _watch_parent(parent_pid: int) -> None:
-    """Exit when the driver is gone (SIGKILLed), even while a call is running."""
+
+def _exit_if_orphaned(parent_pid: int, tmpdir: str) -> None:
+    """The driver is gone (SIGKILLed): nobody else will clean up, so remove the private temp
+    dir (every worker tries; ignore_errors makes that safe) and exit at once."""
+    if os.getppid() != parent_pid:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        os._exit(1)
+
+
+def _watch_parent(parent_pid: int, tmpdir: str) -> None:
+    """Exit when the driver is gone, even while a call is running. (Not PR_SET_PDEATHSIG: it
+    fires when the *thread* that started us exits, e.g. an executor built in a worker thread.)
+    """
     while True:
         time.sleep(PARENT_CHECK_S)
-        if os.getppid() != parent_pid:
-            os._exit(1)
+        _exit_if_orphaned(parent_pid, tmpdir)
 
 
-def worker_main(rank: int, world_size: int, config: Any, ipc_addr: str, init_method: str,
+def worker_main(rank: int, world_size: int, config: Any, sock_path: str, init_method: str,
                 parent_pid: int) -> None:
     # Ctrl-C in a terminal reaches the whole process group: let the driver decide and clean
     # up. SIGTERM keeps its default action (the driver uses it to stop a stuck worker).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # gloo must only ever bind loopback; respect a user's explicit choice.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    threading.Thread(target=_watch_parent, args=(parent_pid,), name="fleetllm-parent-watch",
-                     daemon=True).start()
-
+    tmpdir = os.path.dirname(sock_path)
+    threading.Thread(target=_watch_parent, args=(parent_pid, tmpdir),
+                     name="fleetllm-parent-watch", daemon=True).start()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    ctx = zmq.Context(1)
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, tr.identity(rank))
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.connect(ipc_addr)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(sock_path)
 
     def reply(call_id: int, status: int, value: Any) -> None:
         try:
@@ -54,9 +63,9 @@ def worker_main(rank: int, world_size: int, config: Any, ipc_addr: str, init_met
         except Exception as e:  # an unpicklable result: report that instead
             payload = tr.dumps_reply(call_id, tr.ERR, tr.error_payload(
                 TypeError(f"rank {rank}: the result cannot be pickled: {e}")))
-        sock.send(payload)
+        tr.send_frame(sock, payload)
 
-    reply(-1, tr.HELLO, os.getpid())
+    reply(-1, tr.HELLO, (rank, os.getpid()))
     wrapper = WorkerWrapperBase(config, rpc_rank=rank)
     try:
         wrapper.init_worker(local_rank=rank, rank=rank, distributed_init_method=init_method,
@@ -65,30 +74,30 @@ def worker_main(rank: int, world_size: int, config: Any, ipc_addr: str, init_met
         wrapper.execute_method("load_model")
     except BaseException as e:
         reply(-1, tr.START_ERR, tr.error_payload(e))
-        sock.close(linger=2000)
-        ctx.term()
+        sock.close()
         sys.exit(1)
     reply(-1, tr.READY, None)
 
-    decoder = tr.DeltaDecoder()
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
+    decoder = DeltaDecoder()
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
     try:
         while True:
             if not poller.poll(PARENT_CHECK_S * 1000):  # idle: block, never spin
-                if os.getppid() != parent_pid:
-                    os._exit(1)
+                _exit_if_orphaned(parent_pid, tmpdir)
                 continue
-            header, body = sock.recv_multipart()
-            call_id, kind, unique = tr.HEADER.unpack(header)
+            frame = tr.recv_frame(sock)
+            if frame is None:  # the driver closed the channel
+                break
+            call_id, kind, unique = tr.HEADER.unpack_from(frame)
             if kind == tr.EXIT:
                 break
             try:
-                method, args, kwargs = pickle.loads(body)
+                method, args, kwargs = pickle.loads(memoryview(frame)[tr.HEADER.size:])
                 if kind == tr.EXEC:
                     try:
                         request = decoder.decode(args[0])
-                    except tr.DeltaDesync:
+                    except DeltaDesync:
                         reply(call_id, tr.RESYNC, None)
                         continue
                     result = wrapper.worker.execute_model(request)
@@ -106,5 +115,4 @@ def worker_main(rank: int, world_size: int, config: Any, ipc_addr: str, init_met
             if wrapper.worker is not None:
                 wrapper.worker.shutdown()
         finally:
-            sock.close(linger=1000)
-            ctx.term()
+            sock.close()

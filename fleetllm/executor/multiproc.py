@@ -1,11 +1,11 @@
 """MultiprocExecutor ("mp"): one worker process per rank on this machine.
 
-Transport: one zmq ROUTER socket in the driver, bound to `ipc://<tmp>/rpc` where <tmp> is a
-private directory made with mode 0700; each worker connects a DEALER with identity b"w<rank>".
-Messages are pickled (callables with cloudpickle): acceptable only because the channel is
-private to this user and machine; never a TCP socket. torch.distributed rendezvous uses a
-`file://` store in the same directory and gloo binds loopback only (GLOO_SOCKET_IFNAME=lo).
-See mp_transport for the message format and the delta encoding of execute_model requests.
+Transport: one AF_UNIX stream socket per worker; the driver listens on `<tmp>/rpc` where <tmp>
+is a private directory made with mode 0700, and checks each connecting peer's pid. Messages
+are pickled (callables with cloudpickle): acceptable only because the channel is private to
+this user and machine; never a TCP socket. torch.distributed rendezvous uses a `file://` store
+in the same directory and gloo binds loopback only (GLOO_SOCKET_IFNAME=lo). See mp_transport
+for the frame format (and why not zmq) and mp_delta for the delta encoding of execute_model.
 
 Failure handling: a monitor thread waits on every worker's process sentinel. When one dies it
 records a WorkerCrashedError, wakes any call in progress through a pipe the call also polls,
@@ -23,16 +23,16 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import select
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
 import weakref
 from multiprocessing.connection import wait as wait_sentinels
 from typing import Any
-
-import zmq
 
 from fleetllm.errors import (
     CommunicationTimeoutError,
@@ -42,6 +42,7 @@ from fleetllm.errors import (
 )
 from fleetllm.executor import mp_transport as tr
 from fleetllm.executor.abstract import Executor, RpcMethod
+from fleetllm.executor.mp_delta import DeltaEncoder
 from fleetllm.executor.mp_worker import worker_main
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
 
@@ -81,27 +82,22 @@ class _WorkerGroup:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.tmpdir = _private_tmpdir()
-        self.ctx = zmq.Context(1)
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(f"ipc://{self.tmpdir}/rpc")
-        self.idents = [tr.identity(r) for r in range(world_size)]
-        self.rank_of = {ident: r for r, ident in enumerate(self.idents)}
+        self.sock_path = os.path.join(self.tmpdir, "rpc")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.sock_path)
+        os.chmod(self.sock_path, 0o600)
+        self.listener.listen(world_size)
+        self.channel: tr.DriverChannel | None = None
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self.pids: list[int | None] = [None] * world_size
         self.failure: WorkerCrashedError | None = None
+        self.started = False
         self.closing = False
         self.lock = threading.Lock()
         self.proc_lock = threading.Lock()
         self.notify_r, self.notify_w = os.pipe()  # monitor -> a call waiting for replies
         self.stop_r, self.stop_w = os.pipe()  # close -> monitor
         self.monitor: threading.Thread | None = None
-        self.poller = zmq.Poller()
-        self.poller.register(self.sock, zmq.POLLIN)
-        self.poller.register(self.notify_r, zmq.POLLIN)
 
     def start_monitor(self) -> None:
         self.monitor = threading.Thread(target=self._monitor, name="fleetllm-mp-monitor",
@@ -116,8 +112,9 @@ class _WorkerGroup:
         rank = min(by_sentinel[s] for s in ready if s in by_sentinel)
         proc = self.procs[rank]
         proc.join(1.0)
+        when = "" if self.started else " during startup"
         self.failure = WorkerCrashedError(
-            f"worker rank {rank} (pid {proc.pid}) died unexpectedly with "
+            f"worker rank {rank} (pid {proc.pid}) died unexpectedly{when} with "
             f"{_describe_exit(proc.exitcode)}; the executor is unusable, create a new one",
             rank=rank, exitcode=proc.exitcode)
         os.write(self.notify_w, b"!")
@@ -150,19 +147,20 @@ class _WorkerGroup:
             self.closing = True
         _LIVE_GROUPS.discard(self)
         os.write(self.stop_w, b"!")
-        if polite and self.failure is None:
+        if polite and self.failure is None and self.channel is not None:
             header = tr.HEADER.pack(0, tr.EXIT, -1)
             for r, p in enumerate(self.procs):
                 if p.is_alive():
                     try:
-                        self.sock.send_multipart([self.idents[r], header, b""], zmq.NOBLOCK)
-                    except zmq.ZMQError:
+                        self.channel.conns[r].send(tr.frame_bytes(header))
+                    except OSError:
                         pass
         self.stop_processes(grace=EXIT_GRACE_S if polite else 0.0)
         if self.monitor is not None and self.monitor is not threading.current_thread():
             self.monitor.join(5.0)
-        self.sock.close(linger=0)
-        self.ctx.term()
+        if self.channel is not None:
+            self.channel.close()
+        self.listener.close()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
         for fd in (self.notify_r, self.notify_w, self.stop_r, self.stop_w):
             try:
@@ -202,7 +200,7 @@ class MultiprocExecutor(Executor):
                     f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} "
                     f"workers, but only {torch.cuda.device_count()} CUDA devices are visible")
         self._call_id = 0
-        self._encoder = tr.DeltaEncoder()
+        self._encoder = DeltaEncoder()
         self._group = group = _WorkerGroup(self.world_size)
         self._finalizer = weakref.finalize(self, group.close)
         _LIVE_GROUPS.add(group)
@@ -214,7 +212,6 @@ class MultiprocExecutor(Executor):
             self._finalizer.detach()
             group.close(polite=False)
             raise
-        group.start_monitor()
 
     @property
     def worker_pids(self) -> list[int | None]:
@@ -230,48 +227,62 @@ class MultiprocExecutor(Executor):
         init_method = f"file://{g.tmpdir}/dist_store"
         for rank in range(self.world_size):
             p = mp.Process(target=worker_main, name=f"fleetllm-worker-{rank}", daemon=True,
-                           args=(rank, self.world_size, self.config,
-                                 f"ipc://{g.tmpdir}/rpc", init_method, os.getpid()))
+                           args=(rank, self.world_size, self.config, g.sock_path, init_method,
+                                 os.getpid()))
             p.start()
             g.procs.append(p)
-        poller = zmq.Poller()
-        poller.register(g.sock, zmq.POLLIN)
-        by_sentinel = {p.sentinel: r for r, p in enumerate(g.procs)}
-        for s in by_sentinel:
-            poller.register(s, zmq.POLLIN)
+        g.start_monitor()
         deadline = time.monotonic() + startup_timeout
-        ready: set[int] = set()
-        while len(ready) < self.world_size:
+
+        def left_ms() -> float:
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = sorted(set(range(self.world_size)) - ready)
+                missing = [r for r in range(self.world_size) if r not in ready]
                 raise CommunicationTimeoutError(
-                    f"worker ranks {missing} did not finish starting (init_device, load_model)"
-                    f" within startup_timeout={startup_timeout}s")
-            events = dict(poller.poll(left * 1000))
-            if g.sock in events:
-                while True:
-                    try:
-                        ident, payload = g.sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    rank = g.rank_of[ident]
-                    _, status, value = pickle.loads(payload)
-                    if status == tr.HELLO:
-                        g.pids[rank] = value
-                    elif status == tr.READY:
-                        ready.add(rank)
-                    elif status == tr.START_ERR:
-                        exc, tb = tr.load_error(value)
-                        raise remote_error(rank, exc, f"(during worker startup)\n{tb}")
-            for s, rank in by_sentinel.items():
-                if s in events:
-                    p = g.procs[rank]
-                    p.join(1.0)
-                    raise WorkerCrashedError(
-                        f"worker rank {rank} (pid {p.pid}) died during startup with "
-                        f"{_describe_exit(p.exitcode)}; its traceback, if any, is on stderr",
-                        rank=rank, exitcode=p.exitcode)
+                    f"worker ranks {missing} did not finish starting (connect, init_device, "
+                    f"load_model) within startup_timeout={startup_timeout}s")
+            return left * 1000
+
+        # 1. every worker connects and says who it is (checked against the pid we started)
+        ready: set[int] = set()
+        conns: list[socket.socket | None] = [None] * self.world_size
+        poller = select.poll()
+        poller.register(g.listener.fileno(), select.POLLIN)
+        poller.register(g.notify_r, select.POLLIN)
+        while any(c is None for c in conns):
+            events = dict(poller.poll(left_ms()))
+            if g.notify_r in events:
+                self._raise_if_unusable()
+            if g.listener.fileno() in events:
+                conn, _ = g.listener.accept()
+                conn.settimeout(max(1.0, left_ms() / 1000))
+                hello = tr.recv_frame(conn)
+                conn.settimeout(None)
+                _, status, (rank, pid) = pickle.loads(hello) if hello else (0, -1, (-1, 0))
+                if (status != tr.HELLO or not 0 <= rank < self.world_size
+                        or conns[rank] is not None or tr.peer_pid(conn) != g.procs[rank].pid):
+                    conn.close()  # not one of ours
+                    continue
+                conns[rank], g.pids[rank] = conn, pid
+        g.channel = ch = tr.DriverChannel(conns, g.notify_r)
+        # 2. each worker reports READY, or START_ERR with its traceback
+        while len(ready) < self.world_size:
+            woke = ch.poll(left_ms())
+            if woke:
+                ch.poll(0)  # a START_ERR already sent explains the death better
+            for rank, payload in ch.inbox:
+                if payload is None:
+                    continue
+                _, status, value = pickle.loads(payload)
+                if status == tr.READY:
+                    ready.add(rank)
+                elif status == tr.START_ERR:
+                    exc, tb = tr.load_error(value)
+                    raise remote_error(rank, exc, f"(during worker startup)\n{tb}")
+            ch.inbox.clear()
+            if woke:
+                self._raise_if_unusable()
+        g.started = True
 
     # ------------------------------------------------------------------------------ calls
 
@@ -283,32 +294,38 @@ class MultiprocExecutor(Executor):
         if g.closing:
             raise WorkerCrashedError("the executor is shut down")
 
+    def _await_failure(self, rank: int) -> None:
+        """A worker's channel hung up: give the monitor up to 1 s to name the cause."""
+        g = self._group
+        end = time.monotonic() + 1.0
+        while g.failure is None and time.monotonic() < end:
+            select.select([g.notify_r], [], [], max(0.0, end - time.monotonic()))
+        self._raise_if_unusable()
+        raise WorkerCrashedError(f"worker rank {rank} closed its channel unexpectedly",
+                                 rank=rank)
+
     def _call(self, kind: int, method: RpcMethod, args: tuple, kwargs: dict[str, Any] | None,
               timeout: float | None, unique_reply_rank: int | None,
               return_exceptions: bool) -> list[Any]:
         self._raise_if_unusable()
-        g = self._group
+        ch = self._group.channel
         self._call_id += 1
         call_id = self._call_id
         header = tr.HEADER.pack(call_id, kind, -1 if unique_reply_rank is None
                                 else unique_reply_rank)
         body = tr.dumps_call(method, args, kwargs)
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            for ident in g.idents:
-                g.sock.send_multipart([ident, header, body], copy=False)
-        except zmq.ZMQError as e:
-            self._encoder.need_reset = True  # some ranks may have missed this message
-            end = time.monotonic() + 1.0  # a dead peer: let the monitor name it
-            while g.failure is None and time.monotonic() < end:
-                time.sleep(0.01)
-            self._raise_if_unusable()
-            raise WorkerCrashedError(f"cannot reach the workers: {e}") from e
+        for rank in range(self.world_size):
+            try:
+                ch.send(rank, header, body)
+            except OSError:
+                self._encoder.need_reset = True  # some ranks missed this message
+                self._await_failure(rank)
         return self._gather(call_id, method, deadline, return_exceptions)
 
     def _gather(self, call_id: int, method: RpcMethod, deadline: float | None,
                 return_exceptions: bool) -> list[Any]:
-        g = self._group
+        ch = self._group.channel
         n = self.world_size
         results: list[Any] = [None] * n
         done = [False] * n
@@ -317,23 +334,12 @@ class MultiprocExecutor(Executor):
         resync = False
         error_deadline = None
         while pending:
-            self._raise_if_unusable()
-            now = time.monotonic()
-            ends = [t for t in (deadline, error_deadline) if t is not None]
-            if ends and min(ends) <= now:
-                break
-            wait_ms = None if not ends else max(0.0, (min(ends) - now) * 1000)
-            events = g.poller.poll(wait_ms)
-            if not events:
-                continue
-            while pending:
-                try:
-                    ident, payload = g.sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                rank = g.rank_of.get(ident)
+            for rank, payload in ch.inbox:
+                if payload is None:
+                    ch.inbox.clear()
+                    self._await_failure(rank)
                 cid, status, value = pickle.loads(payload)
-                if rank is None or cid != call_id or done[rank]:
+                if cid != call_id or done[rank]:
                     continue  # a late reply to a call that timed out or failed: drop it
                 done[rank] = True
                 pending -= 1
@@ -344,8 +350,17 @@ class MultiprocExecutor(Executor):
                     errors[rank] = remote_error(rank, exc, tb)
                 elif status == tr.RESYNC:
                     resync = True
+            ch.inbox.clear()
             if errors and not return_exceptions and not resync and error_deadline is None:
                 error_deadline = time.monotonic() + ERROR_GRACE_S
+            self._raise_if_unusable()
+            if not pending:
+                break
+            now = time.monotonic()
+            ends = [t for t in (deadline, error_deadline) if t is not None]
+            if ends and min(ends) <= now:
+                break
+            ch.poll(None if not ends else (min(ends) - now) * 1000)
         if resync and not pending:
             raise _Resync()
         if errors and not return_exceptions:

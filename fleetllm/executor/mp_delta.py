@@ -1,0 +1,160 @@
+"""Delta encoding of ExecuteModelRequest for the "mp" channel.
+
+A decode step must not resend whole token histories. The driver's DeltaEncoder remembers, per
+seq_id, how many prompt/output tokens the workers already hold and sends only the new output
+tokens (num_computed_tokens and block tables always go in full); SamplingParams are sent once
+per request. Each worker keeps the same state in a DeltaDecoder and rebuilds full SequenceData
+objects before calling Worker.execute_model. Entries are dropped for finished_requests_ids
+(request_id -> seq_ids is tracked from the metadata).
+
+Every worker sees the same message stream in the same order, so all ranks' caches are
+identical: if decoding fails on one rank it fails on all, before anything has run, and they
+all answer RESYNC; the driver then resends the step in full with a cache reset. The driver also
+falls back to full data whenever its own bookkeeping does not match the request (a new or
+forked sequence, a changed prompt length, an output history that is not an extension of what
+was sent, a different request id for the seq id).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fleetllm.sampling_params import SamplingParams
+from fleetllm.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMetadata
+
+# per-sequence entry kinds inside an EncodedRequest
+_FULL, _DELTA = 0, 1
+
+
+@dataclass
+class EncodedRequest:
+    """An ExecuteModelRequest with token histories replaced by deltas where possible."""
+
+    # per group: (request_id, is_prompt, seqs, sampling_params or None, block_tables,
+    #             token_chunk_size, do_sample); seqs: [(seq_id, kind, a, b, num_computed)]
+    #   kind _FULL: a = prompt ids, b = output ids; _DELTA: a = None, b = new output ids
+    groups: list[tuple]
+    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
+    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
+    blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)
+    num_lookahead_slots: int = 0
+    running_queue_size: int | None = None
+    finished_requests_ids: list[str] = field(default_factory=list)
+    reset: bool = False  # workers clear their whole cache before decoding
+
+
+class DeltaDesync(Exception):
+    """The worker's cache does not match what the driver assumed: resend full data."""
+
+
+class DeltaEncoder:
+    """Driver side: what the workers hold, per seq id and per request id."""
+
+    def __init__(self) -> None:
+        # seq_id -> [request_id, prompt list as sent, prompt_len, output_len, last output token]
+        # (the prompt is kept by reference: the engine's list, not a copy)
+        self.seqs: dict[int, list] = {}
+        self.req_seqs: dict[str, set[int]] = {}
+        self.params: dict[str, SamplingParams] = {}
+        self.need_reset = False
+
+    def reset(self) -> None:
+        """Forget everything: the next message resends full data and clears worker caches."""
+        self.seqs.clear()
+        self.req_seqs.clear()
+        self.params.clear()
+        self.need_reset = True
+
+    def encode(self, req: ExecuteModelRequest, full: bool = False) -> EncodedRequest:
+        if full:
+            self.reset()
+        reset, self.need_reset = self.need_reset, False
+        for rid in req.finished_requests_ids:  # workers drop these before decoding the groups
+            for sid in self.req_seqs.pop(rid, ()):
+                self.seqs.pop(sid, None)
+            self.params.pop(rid, None)
+        groups = []
+        for g in req.seq_group_metadata_list:
+            rid = g.request_id
+            known = self.params.get(rid)
+            if known is not None and (known is g.sampling_params or known == g.sampling_params):
+                params = None
+            else:
+                params = self.params[rid] = g.sampling_params
+            seqs = []
+            for sid, data in g.seq_data.items():
+                prompt, out = data.prompt_token_ids, data.output_token_ids
+                st = self.seqs.get(sid)
+                if (st is not None and st[0] == rid and st[2] == len(prompt)
+                        and (st[1] is prompt or st[1] == prompt) and st[3] <= len(out)
+                        and (st[3] == 0 or out[st[3] - 1] == st[4])):
+                    seqs.append((sid, _DELTA, None, out[st[3]:], data.num_computed_tokens))
+                else:
+                    seqs.append((sid, _FULL, list(prompt), list(out), data.num_computed_tokens))
+                    if st is not None and st[0] != rid:
+                        self.req_seqs.get(st[0], set()).discard(sid)
+                    st = self.seqs[sid] = [rid, prompt, len(prompt), 0, None]
+                    self.req_seqs.setdefault(rid, set()).add(sid)
+                st[1] = prompt
+                st[3] = len(out)
+                st[4] = out[-1] if out else None
+            groups.append((rid, g.is_prompt, seqs, params, g.block_tables, g.token_chunk_size,
+                           g.do_sample))
+        return EncodedRequest(groups, req.blocks_to_swap_in, req.blocks_to_swap_out,
+                              req.blocks_to_copy, req.num_lookahead_slots,
+                              req.running_queue_size, list(req.finished_requests_ids), reset)
+
+
+class DeltaDecoder:
+    """Worker side: per-seq SequenceData caches, rebuilt into full requests."""
+
+    def __init__(self) -> None:
+        self.seqs: dict[int, tuple[str, list[int], list[int]]] = {}  # id -> (rid, prompt, out)
+        self.req_seqs: dict[str, set[int]] = {}
+        self.params: dict[str, SamplingParams] = {}
+
+    def clear(self) -> None:
+        self.seqs.clear()
+        self.req_seqs.clear()
+        self.params.clear()
+
+    def decode(self, enc: EncodedRequest) -> ExecuteModelRequest:
+        if enc.reset:
+            self.clear()
+        for rid in enc.finished_requests_ids:
+            for sid in self.req_seqs.pop(rid, ()):
+                self.seqs.pop(sid, None)
+            self.params.pop(rid, None)
+        # Validate everything before changing anything: a desync leaves the cache untouched
+        # on every rank alike, and nothing has run.
+        for rid, _, seqs, params, *_ in enc.groups:
+            if params is None and rid not in self.params:
+                raise DeltaDesync(f"no sampling params cached for request {rid!r}")
+            for sid, kind, _, _, _ in seqs:
+                if kind == _DELTA and (sid not in self.seqs or self.seqs[sid][0] != rid):
+                    raise DeltaDesync(f"sequence {sid} of request {rid!r} is not cached")
+        groups = []
+        for rid, is_prompt, seqs, params, tables, chunk, do_sample in enc.groups:
+            if params is None:
+                params = self.params[rid]
+            else:
+                self.params[rid] = params
+            seq_data = {}
+            for sid, kind, a, b, computed in seqs:
+                if kind == _DELTA:
+                    _, prompt, out = self.seqs[sid]
+                    out.extend(b)
+                else:
+                    old = self.seqs.get(sid)
+                    if old is not None and old[0] != rid:
+                        self.req_seqs.get(old[0], set()).discard(sid)
+                    prompt, out = a, b
+                    self.seqs[sid] = (rid, prompt, out)
+                    self.req_seqs.setdefault(rid, set()).add(sid)
+                seq_data[sid] = SequenceData(prompt, out, computed)
+            groups.append(SequenceGroupMetadata(rid, is_prompt, seq_data, params, tables, chunk,
+                                                do_sample))
+        return ExecuteModelRequest(groups, enc.blocks_to_swap_in, enc.blocks_to_swap_out,
+                                   enc.blocks_to_copy, enc.num_lookahead_slots,
+                                   enc.running_queue_size, enc.finished_requests_ids)
+
