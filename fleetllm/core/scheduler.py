@@ -89,7 +89,7 @@ class Scheduler:
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = 0
-        self._finished_ids: list[str] = []  # handed out by free_finished_seq_groups
+        self._finished_ids: list[str] = []  # finished while running; see free_finished_...
 
     # ------------------------------------------------------------------ queue API
 
@@ -105,7 +105,6 @@ class Scheduler:
                     if not seq.is_finished():
                         seq.status = SequenceStatus.FINISHED_ABORTED
                     self.block_manager.free(seq)
-                self._finished_ids.append(group.request_id)
 
     def has_unfinished_seqs(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -120,8 +119,9 @@ class Scheduler:
         self.block_manager.free(seq)
 
     def free_finished_seq_groups(self) -> list[str]:
-        """Drop finished groups from running, free their blocks, and return the ids of every
-        request that ended since the last call (finished or aborted)."""
+        """Drop finished groups from running, free their blocks, and return the ids of the
+        groups that finished running since the last call. Aborted and ignored requests are not
+        included: the caller knows those already."""
         self._reap_finished()
         ids, self._finished_ids = self._finished_ids, []
         return ids
@@ -171,6 +171,7 @@ class Scheduler:
             if chunk <= 0 or not budget.fits_seqs(n):
                 kept.append(group)  # keeps its blocks; runs in a later step
                 continue
+            # Make room by preempting from the back; the else branch runs when it fits.
             while not self.block_manager.can_ensure(group, chunk):
                 if not self.running:  # it is the lowest priority itself
                     self._preempt(group, out)
@@ -282,4 +283,3 @@ class Scheduler:
                 seq.status = SequenceStatus.FINISHED_IGNORED
             self.block_manager.free(seq)
         out.ignored_seq_groups.append(group)
-        self._finished_ids.append(group.request_id)
