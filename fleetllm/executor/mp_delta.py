@@ -42,6 +42,12 @@ class EncodedRequest:
     finished_requests_ids: list[str] = field(default_factory=list)
     reset: bool = False  # workers clear their whole cache before decoding
 
+    def __reduce__(self):  # positional: no field names on the wire
+        return (EncodedRequest, (self.groups, self.blocks_to_swap_in, self.blocks_to_swap_out,
+                                 self.blocks_to_copy, self.num_lookahead_slots,
+                                 self.running_queue_size, self.finished_requests_ids,
+                                 self.reset))
+
 
 class DeltaDesync(Exception):
     """The worker's cache does not match what the driver assumed: resend full data."""

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+import cloudpickle
 import torch
 
 from fleetllm.executor import mp_transport as tr
@@ -60,9 +61,12 @@ def worker_main(rank: int, world_size: int, config: Any, sock_path: str, init_me
     def reply(call_id: int, status: int, value: Any) -> None:
         try:
             payload = tr.dumps_reply(call_id, status, value)
-        except Exception as e:  # an unpicklable result: report that instead
-            payload = tr.dumps_reply(call_id, tr.ERR, tr.error_payload(
-                TypeError(f"rank {rank}: the result cannot be pickled: {e}")))
+        except Exception:
+            try:  # a lambda or local object in the result
+                payload = cloudpickle.dumps((call_id, status, value))
+            except Exception as e:  # an unpicklable result: report that instead
+                payload = tr.dumps_reply(call_id, tr.ERR, tr.error_payload(
+                    TypeError(f"rank {rank}: the result cannot be pickled: {e}")))
         tr.send_frame(sock, payload)
 
     reply(-1, tr.HELLO, (rank, os.getpid()))
@@ -87,7 +91,11 @@ def worker_main(rank: int, world_size: int, config: Any, sock_path: str, init_me
                 _exit_if_orphaned(parent_pid, tmpdir)
                 continue
             frame = tr.recv_frame(sock)
-            if frame is None:  # the driver closed the channel
+            if frame is None:  # the channel closed without EXIT: was the driver killed?
+                end = time.monotonic() + 2.0
+                while time.monotonic() < end:
+                    _exit_if_orphaned(parent_pid, tmpdir)
+                    time.sleep(0.05)
                 break
             call_id, kind, unique = tr.HEADER.unpack_from(frame)
             if kind == tr.EXIT:
