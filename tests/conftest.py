@@ -44,7 +44,34 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
             if name.endswith("bias"):
                 p.normal_(0, 0.3)
     model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer(path, kwargs["vocab_size"])
     return path
+
+
+_CORPUS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)\n",
+    "The quick brown fox jumps over the lazy dog. Hello world, hello engine!\n",
+    "import os\nimport sys\n\nclass Engine:\n    def step(self):\n        pass\n",
+    "for i in range(10):\n    print(i, 'tokens per second', i * 2.5)\n",
+]
+
+
+def make_tokenizer(path: Path, vocab_size: int) -> None:
+    """A small byte-level BPE tokenizer (ids 0-2 are <pad>, <s>, </s>) saved beside a
+    checkpoint, so text prompts and stop strings can be tested without any download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    fast.save_pretrained(path)
 
 
 @pytest.fixture(scope="session")

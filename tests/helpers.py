@@ -90,3 +90,16 @@ def check_close(ours: tuple[list[int], list[dict]], ref: tuple[list[int], list],
             assert math.isclose(value, row[tok].item(), abs_tol=atol), (tok, value, row[tok])
         ref_top = set(row.topk(top).indices.tolist())
         assert ref_top <= set(lp), (ref_top, set(lp))
+
+
+def check_logprobs_close(ours_tokens: list[int], ours_lps: list[dict], ref_tokens: list[int],
+                         ref_rows: list[torch.Tensor], top: int = 5) -> bool:
+    """vLLM's check_logprobs_close: returns True when the tokens are equal; otherwise, at the
+    first differing position each side's token must be in the other's top-N."""
+    for pos, (a, b) in enumerate(zip(ours_tokens, ref_tokens, strict=True)):
+        if a != b:
+            assert b in ours_lps[pos], f"pos {pos}: HF's {b} not in our top-{top}"
+            assert a in set(ref_rows[pos].topk(top).indices.tolist()), \
+                f"pos {pos}: our {a} not in HF's top-{top}"
+            return False
+    return True

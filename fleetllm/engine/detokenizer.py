@@ -23,8 +23,7 @@ class Detokenizer:
         """Seed the incremental state with the prompt's tail."""
         if self.tokenizer is None:
             return
-        tokens = self.tokenizer.convert_ids_to_tokens(
-            seq.prompt_token_ids[-_LOOKBACK - 1:], skip_special_tokens=params.skip_special_tokens)
+        tokens = self._tokens(seq.prompt_token_ids[-_LOOKBACK - 1:], params)
         seq.tokens = tokens
         seq.prefix_offset = max(len(tokens) - _LOOKBACK, 0)
         seq.read_offset = len(tokens)
@@ -34,9 +33,7 @@ class Detokenizer:
         if self.tokenizer is None:
             return ""
         tok = self.tokenizer
-        new = tok.convert_ids_to_tokens([seq.output_token_ids[-1]],
-                                        skip_special_tokens=params.skip_special_tokens)
-        seq.tokens = (seq.tokens or []) + new
+        seq.tokens = (seq.tokens or []) + self._tokens(seq.output_token_ids[-1:], params)
         prefix = tok.convert_tokens_to_string(seq.tokens[seq.prefix_offset: seq.read_offset])
         text = tok.convert_tokens_to_string(seq.tokens[seq.prefix_offset:])
         if len(text) <= len(prefix) or text.endswith("\ufffd"):
@@ -45,6 +42,13 @@ class Detokenizer:
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(seq.tokens)
         seq.output_text += new_text
         return new_text
+
+    def _tokens(self, ids: list[int], params: SamplingParams) -> list[str]:
+        # Ids past the tokenizer's vocabulary (models pad their embedding tables) have no
+        # text: they come back as None and count as empty.
+        tokens = self.tokenizer.convert_ids_to_tokens(
+            ids, skip_special_tokens=params.skip_special_tokens)
+        return [t for t in tokens if t is not None]
 
     def decode_logprobs(self, logprobs: dict[int, Logprob]) -> None:
         if self.tokenizer is None:
