@@ -50,11 +50,13 @@ _HELP = {
 }
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Add --model and the engine flags; returns the engine flags' actions."""
     parser.add_argument("--model", default=None,
                         help=f"checkpoint directory (default: the bundled demo model, "
                              f"{DEMO_MODEL.name})")
     group = parser.add_argument_group("engine")
+    actions = []
     for section in (ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, DeviceConfig,
                     LoadConfig):
         for f in dataclasses.fields(section):
@@ -64,8 +66,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             flag = "--" + f.name.replace("_", "-")
             default = f.default if f.default is not dataclasses.MISSING else None
             kind = _arg_type(f.name, default)
-            group.add_argument(flag, dest=f.name, type=kind, default=None,
-                               help=f"{_HELP.get(f.name, '')} (default: {default})")
+            actions.append(group.add_argument(
+                flag, dest=f.name, type=kind, default=None,
+                help=f"{_HELP.get(f.name, '')} (default: {default})"))
+    return actions
 
 
 def _arg_type(name: str, default: Any):
@@ -81,12 +85,10 @@ def _arg_type(name: str, default: Any):
     return str
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = {a.dest for a in _engine_actions}
-    return {k: v for k, v in vars(args).items() if k in names and v is not None}
-
-
-_engine_actions: list[argparse.Action] = []
+def engine_kwargs_from(args: argparse.Namespace, actions: list[argparse.Action]
+                       ) -> dict[str, Any]:
+    """The engine flags the user set, as LLM(...) keyword arguments."""
+    return {a.dest: getattr(args, a.dest) for a in actions if getattr(args, a.dest) is not None}
 
 
 def resolve_model(model: str | None) -> str:
@@ -108,7 +110,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens, stop=args.stop or None,
                             ignore_eos=args.ignore_eos,
                             repetition_penalty=args.repetition_penalty)
-    with LLM(resolve_model(args.model), **engine_kwargs(args)) as llm:
+    with LLM(resolve_model(args.model), **engine_kwargs_from(args, args.engine_actions)) as llm:
         outputs = llm.generate(args.prompts, params, use_tqdm=not args.quiet)
     for out in outputs:
         if out.error:
@@ -151,9 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--quiet", action="store_true", help="print only prompt + completion")
-    before = len(gen._actions)
-    add_engine_args(gen)
-    _engine_actions[:] = [a for a in gen._actions[before:] if a.dest != "model"]
+    gen.set_defaults(engine_actions=add_engine_args(gen))
     bench = sub.add_parser("bench", help="benchmarks: throughput | rpc (see each one's --help)")
     bench.add_argument("which", choices=["throughput", "rpc"])
     return parser

@@ -1,0 +1,85 @@
+"""Offline throughput: N random requests through LLM.generate, next to HF `generate` on the
+same requests in the same run.
+
+    python benchmarks/throughput.py [--model DIR] [--num-prompts 64] [--input-len 128]
+                                    [--output-len 64] [--hf-batch-size 8] [engine flags]
+    fleetllm bench throughput ...   (the same)
+
+Prints requests/s and output tokens/s for fleetllm and HF, and their ratio. Without --model
+it uses the bundled demo model. Every request generates exactly --output-len tokens
+(ignore_eos), so both sides do the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fleetllm.cli import add_engine_args, engine_kwargs_from, resolve_model
+
+    parser = argparse.ArgumentParser(prog="fleetllm bench throughput")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--hf-batch-size", type=int, default=8,
+                        help="HF generate batch size (left-padded); 0 skips the HF peer")
+    parser.add_argument("--data-seed", dest="bench_seed", type=int, default=0,
+                        help="seed for the random prompts")
+    actions = add_engine_args(parser)
+    args = parser.parse_args(argv)
+    model = resolve_model(args.model)
+
+    import torch
+
+    from fleetllm import LLM, SamplingParams
+
+    rng = random.Random(args.bench_seed)
+    with LLM(model, **engine_kwargs_from(args, actions)) as llm:
+        vocab = min(llm.llm_engine.model_config.arch.vocab_size,
+                    len(llm.get_tokenizer()) if llm.get_tokenizer() else 10**9)
+        prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)]
+                   for _ in range(args.num_prompts)]
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2),
+                     use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        ours = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"model: {model}")
+    print(f"requests: {args.num_prompts} x ({args.input_len} in, {args.output_len} out), "
+          f"torch threads: {torch.get_num_threads()}")
+    print(f"fleetllm: {args.num_prompts / ours:8.2f} requests/s  {out_tokens / ours:9.1f} "
+          f"output tokens/s  ({ours:.2f} s)")
+    if args.hf_batch_size:
+        hf = _hf_generate(model, prompts, args.output_len, args.hf_batch_size)
+        print(f"HF generate (batch {args.hf_batch_size}): {args.num_prompts / hf:8.2f} "
+              f"requests/s  {out_tokens / hf:9.1f} output tokens/s  ({hf:.2f} s)")
+        print(f"ratio fleetllm / HF: {hf / ours:.2f}x")
+    return 0
+
+
+def _hf_generate(model: str, prompts: list[list[int]], output_len: int,
+                 batch_size: int) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i: i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.no_grad():
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                        min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+    return time.perf_counter() - start
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
