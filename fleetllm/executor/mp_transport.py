@@ -131,6 +131,7 @@ class DriverChannel:
         self.bufs = [bytearray() for _ in conns]
         self.inbox: list[tuple[int, bytes | None]] = []  # (rank, payload or None at EOF)
         self.eof = [False] * len(conns)
+        self.broken = False
         self.rank_of = {c.fileno(): r for r, c in enumerate(conns)}
         self.wake_fd = wake_fd
         self.poller = select.poll()
@@ -149,6 +150,7 @@ class DriverChannel:
         if sent == size + _LEN.size:
             return
         rest = memoryview(b"".join(bufs))[sent:]
+        self.broken = True  # until the frame is complete: an interrupted send corrupts it
         while rest:
             ready = select.select([c for r, c in enumerate(self.conns) if not self.eof[r]],
                                   [conn], [], 1.0)
@@ -161,6 +163,7 @@ class DriverChannel:
                     rest = rest[conn.send(rest):]
                 except BlockingIOError:
                     pass
+        self.broken = False
 
     def poll(self, timeout_ms: float | None) -> bool:
         """Wait for replies (or the wake fd); move complete frames to the inbox. True when the

@@ -24,14 +24,10 @@ import multiprocessing
 import os
 import pickle
 import select
-import shutil
-import signal
 import socket
-import tempfile
 import threading
 import time
 import weakref
-from multiprocessing.connection import wait as wait_sentinels
 from typing import Any
 
 from fleetllm.errors import (
@@ -43,145 +39,19 @@ from fleetllm.errors import (
 from fleetllm.executor import mp_transport as tr
 from fleetllm.executor.abstract import Executor, RpcMethod
 from fleetllm.executor.mp_delta import DeltaEncoder
+from fleetllm.executor.mp_group import (
+    LIVE_GROUPS,
+    WorkerGroup,
+    install_sigterm_handler,
+)
 from fleetllm.executor.mp_worker import worker_main
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
 
 ERROR_GRACE_S = 0.05  # after a first error, how long to wait for the other ranks' replies
-EXIT_GRACE_S = 5.0  # shutdown: how long workers get to exit before SIGTERM, then SIGKILL
-
-_LIVE_GROUPS: weakref.WeakSet[_WorkerGroup] = weakref.WeakSet()
 
 
 class _Resync(Exception):
     """Workers could not decode a delta-encoded request: send it again in full."""
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "an unknown exit status"
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
-
-
-def _private_tmpdir() -> str:
-    # ipc:// paths are limited to ~107 bytes: fall back to /tmp when $TMPDIR is deep.
-    base = tempfile.gettempdir()
-    if len(base) > 60:
-        base = "/tmp"
-    return tempfile.mkdtemp(prefix="fleetllm-mp-", dir=base)  # mode 0700
-
-
-class _WorkerGroup:
-    """The worker processes and channels. Referenced by the monitor thread, the finalizer and
-    the SIGTERM handler, never the executor itself, so the executor can be garbage collected."""
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self.tmpdir = _private_tmpdir()
-        self.sock_path = os.path.join(self.tmpdir, "rpc")
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(self.sock_path)
-        os.chmod(self.sock_path, 0o600)
-        self.listener.listen(world_size)
-        self.channel: tr.DriverChannel | None = None
-        self.procs: list[multiprocessing.process.BaseProcess] = []
-        self.pids: list[int | None] = [None] * world_size
-        self.failure: WorkerCrashedError | None = None
-        self.started = False
-        self.closing = False
-        self.lock = threading.Lock()
-        self.proc_lock = threading.Lock()
-        self.notify_r, self.notify_w = os.pipe()  # monitor -> a call waiting for replies
-        self.stop_r, self.stop_w = os.pipe()  # close -> monitor
-        self.monitor: threading.Thread | None = None
-
-    def start_monitor(self) -> None:
-        self.monitor = threading.Thread(target=self._monitor, name="fleetllm-mp-monitor",
-                                        daemon=True)
-        self.monitor.start()
-
-    def _monitor(self) -> None:
-        by_sentinel = {p.sentinel: r for r, p in enumerate(self.procs)}
-        ready = wait_sentinels([*by_sentinel, self.stop_r])
-        if self.closing or self.stop_r in ready:
-            return
-        rank = min(by_sentinel[s] for s in ready if s in by_sentinel)
-        proc = self.procs[rank]
-        proc.join(1.0)
-        when = "" if self.started else " during startup"
-        self.failure = WorkerCrashedError(
-            f"worker rank {rank} (pid {proc.pid}) died unexpectedly{when} with "
-            f"{_describe_exit(proc.exitcode)}; the executor is unusable, create a new one",
-            rank=rank, exitcode=proc.exitcode)
-        os.write(self.notify_w, b"!")
-        self.stop_processes(grace=0.0)
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
-
-    def stop_processes(self, grace: float) -> None:
-        """Wait `grace` seconds for the workers to exit, then SIGTERM, then SIGKILL."""
-        with self.proc_lock:
-            deadline = time.monotonic() + grace
-            for p in self.procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-            for p in self.procs:
-                if p.is_alive():
-                    p.terminate()
-            deadline = time.monotonic() + 2.0
-            for p in self.procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-            for p in self.procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5.0)
-
-    def close(self, polite: bool = True) -> None:
-        """Idempotent. polite: ask the workers to exit first (not from a signal handler, which
-        may have interrupted a half-sent message)."""
-        with self.lock:
-            if self.closing:
-                return
-            self.closing = True
-        _LIVE_GROUPS.discard(self)
-        os.write(self.stop_w, b"!")
-        if polite and self.failure is None and self.channel is not None:
-            header = tr.HEADER.pack(0, tr.EXIT, -1)
-            for r, p in enumerate(self.procs):
-                if p.is_alive():
-                    try:
-                        self.channel.conns[r].send(tr.frame_bytes(header))
-                    except OSError:
-                        pass
-        self.stop_processes(grace=EXIT_GRACE_S if polite else 0.0)
-        if self.monitor is not None and self.monitor is not threading.current_thread():
-            self.monitor.join(5.0)
-        if self.channel is not None:
-            self.channel.close()
-        self.listener.close()
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
-        for fd in (self.notify_r, self.notify_w, self.stop_r, self.stop_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    for group in list(_LIVE_GROUPS):
-        group.close(polite=False)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _install_sigterm_handler() -> None:
-    """Only over the default action and only from the main thread: never a user's handler."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 class MultiprocExecutor(Executor):
@@ -200,11 +70,12 @@ class MultiprocExecutor(Executor):
                     f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} "
                     f"workers, but only {torch.cuda.device_count()} CUDA devices are visible")
         self._call_id = 0
+        self._rpc_lock = threading.Lock()  # one call at a time on the channel
         self._encoder = DeltaEncoder()
-        self._group = group = _WorkerGroup(self.world_size)
+        self._group = group = WorkerGroup(self.world_size)
         self._finalizer = weakref.finalize(self, group.close)
-        _LIVE_GROUPS.add(group)
-        _install_sigterm_handler()
+        LIVE_GROUPS.add(group)
+        install_sigterm_handler()
         try:
             self._start_workers(pc.startup_timeout)
         except BaseException:
@@ -293,6 +164,9 @@ class MultiprocExecutor(Executor):
             raise WorkerCrashedError(f.args[0], rank=f.rank, exitcode=f.exitcode)
         if g.closing:
             raise WorkerCrashedError("the executor is shut down")
+        if g.channel is not None and g.channel.broken:
+            raise WorkerCrashedError("a call was interrupted while sending a message, which "
+                                     "left the channel unusable; create a new executor")
 
     def _await_failure(self, rank: int) -> None:
         """A worker's channel hung up: give the monitor up to 1 s to name the cause."""
@@ -307,6 +181,13 @@ class MultiprocExecutor(Executor):
     def _call(self, kind: int, method: RpcMethod, args: tuple, kwargs: dict[str, Any] | None,
               timeout: float | None, unique_reply_rank: int | None,
               return_exceptions: bool) -> list[Any]:
+        with self._rpc_lock:
+            return self._call_locked(kind, method, args, kwargs, timeout, unique_reply_rank,
+                                     return_exceptions)
+
+    def _call_locked(self, kind: int, method: RpcMethod, args: tuple,
+                     kwargs: dict[str, Any] | None, timeout: float | None,
+                     unique_reply_rank: int | None, return_exceptions: bool) -> list[Any]:
         self._raise_if_unusable()
         ch = self._group.channel
         self._call_id += 1
@@ -321,6 +202,9 @@ class MultiprocExecutor(Executor):
             except OSError:
                 self._encoder.need_reset = True  # some ranks missed this message
                 self._await_failure(rank)
+            except BaseException:  # e.g. KeyboardInterrupt between two ranks' sends
+                self._encoder.need_reset = True
+                raise
         return self._gather(call_id, method, deadline, return_exceptions)
 
     def _gather(self, call_id: int, method: RpcMethod, deadline: float | None,
