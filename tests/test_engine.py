@@ -36,8 +36,9 @@ def test_generate_matches_hf_for_32_prompts(tiny_models, name):
     assert equal >= 31
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_gives_the_same_results(tiny_models, mode):
+@pytest.mark.parametrize("mode, swap_space", [("recompute", 1 << 28), ("swap", 1 << 28),
+                                              ("swap", 0)])  # no CPU pool: falls back
+def test_preemption_gives_the_same_results(tiny_models, mode, swap_space):
     prompts = random_prompts(12, 40, 90, seed=5)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     path = tiny_models["llama_gqa"]
@@ -45,7 +46,8 @@ def test_preemption_gives_the_same_results(tiny_models, mode):
         reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                   use_tqdm=False)]
     # 40 blocks of 16 tokens: room for ~4 of the 12 sequences at full length.
-    with LLM(path, num_gpu_blocks_override=40, preemption_mode=mode) as llm:
+    with LLM(path, num_gpu_blocks_override=40, preemption_mode=mode,
+             swap_space=swap_space) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         scheduler = llm.llm_engine.scheduler
         assert scheduler.num_preemptions > 0

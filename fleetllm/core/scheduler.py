@@ -258,7 +258,11 @@ class Scheduler:
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutputs) -> None:
         seqs = group.unfinished_seqs()
-        if len(seqs) > 1 or self.config.preemption_mode == "swap":
+        # Forked sequences can only be swapped; a single one falls back to recompute when the
+        # CPU pool is full.
+        swap = len(seqs) > 1 or (self.config.preemption_mode == "swap"
+                                 and self.block_manager.can_swap_out(group))
+        if swap:
             if not self.block_manager.can_swap_out(group):
                 raise OutOfMemoryError(
                     f"request {group.request_id} must be preempted by swapping but the CPU "
