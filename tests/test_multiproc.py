@@ -6,7 +6,9 @@ tensor/pipeline parallelism belong with the engine's tests once LLM is complete.
 
 from __future__ import annotations
 
+import gc
 import json
+import multiprocessing
 import os
 import pickle
 import random
@@ -137,8 +139,6 @@ def test_pipeline_and_tp_pp_greedy_match_uni(models, reference, name, tp, pp):
 
 
 def test_invalid_layouts_fail_before_any_process_starts(models):
-    import multiprocessing
-
     before = set(multiprocessing.active_children())
     with pytest.raises(ConfigurationError, match="tensor_parallel_size"):
         EngineConfig.from_kwargs(model=str(models["kv1"]), tensor_parallel_size=3)
@@ -335,6 +335,7 @@ def test_killed_worker_raises_crash_error_quickly_and_cleans_up(models):
     assert time.monotonic() - start < 1.0
     assert wait_until(lambda: not any(alive(p) for p in pids), 10)
     assert wait_until(lambda: not os.path.exists(tmpdir), 10)
+    assert not [p for p in multiprocessing.active_children() if p.pid in pids]
     ex.shutdown()
     ex.shutdown()  # idempotent
     assert shm_entries() <= shm_before
@@ -344,11 +345,10 @@ def test_garbage_collection_ends_workers(models):
     ex = make_executor(models["kv1"], pipeline_parallel_size=2)
     pids, tmpdir = ex.worker_pids, ex.tmpdir
     del ex
-    import gc
-
     gc.collect()
     assert wait_until(lambda: not any(alive(p) for p in pids), 10)
     assert not os.path.exists(tmpdir)
+    assert not [p for p in multiprocessing.active_children() if p.pid in pids]
 
 
 # ------------------------------------------------------------------------------ driver signals

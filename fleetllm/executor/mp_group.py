@@ -37,7 +37,7 @@ def describe_exit(code: int | None) -> str:
 
 
 def _private_tmpdir() -> str:
-    # ipc:// paths are limited to ~107 bytes: fall back to /tmp when $TMPDIR is deep.
+    # AF_UNIX socket paths are limited to 107 bytes: use /tmp when $TMPDIR is deep.
     base = tempfile.gettempdir()
     if len(base) > 60:
         base = "/tmp"

@@ -126,15 +126,19 @@ class MultiprocExecutor(Executor):
                 self._raise_if_unusable()
             if g.listener.fileno() in events:
                 conn, _ = g.listener.accept()
+                rank = next((r for r, p in enumerate(g.procs) if p.pid == tr.peer_pid(conn)
+                             and conns[r] is None), None)
+                if rank is None:  # not one of our workers: never unpickle what it sends
+                    conn.close()
+                    continue
                 conn.settimeout(max(1.0, left_ms() / 1000))
                 hello = tr.recv_frame(conn)
                 conn.settimeout(None)
-                _, status, (rank, pid) = pickle.loads(hello) if hello else (0, -1, (-1, 0))
-                if (status != tr.HELLO or not 0 <= rank < self.world_size
-                        or conns[rank] is not None or tr.peer_pid(conn) != g.procs[rank].pid):
-                    conn.close()  # not one of ours
+                expected = (tr.HELLO, (rank, g.procs[rank].pid))
+                if hello is None or pickle.loads(hello)[1:] != expected:
+                    conn.close()
                     continue
-                conns[rank], g.pids[rank] = conn, pid
+                conns[rank], g.pids[rank] = conn, g.procs[rank].pid
         g.channel = ch = tr.DriverChannel(conns, g.notify_r)
         # 2. each worker reports READY, or START_ERR with its traceback
         while len(ready) < self.world_size:
@@ -237,9 +241,9 @@ class MultiprocExecutor(Executor):
             ch.inbox.clear()
             if errors and not return_exceptions and not resync and error_deadline is None:
                 error_deadline = time.monotonic() + ERROR_GRACE_S
-            self._raise_if_unusable()
             if not pending:
                 break
+            self._raise_if_unusable()
             now = time.monotonic()
             ends = [t for t in (deadline, error_deadline) if t is not None]
             if ends and min(ends) <= now:
