@@ -221,6 +221,36 @@ def test_executor_resyncs_when_workers_lack_a_sequence(tp2, reference):
 # ------------------------------------------------------------------------------ collective_rpc
 
 
+def tcp_local_addresses(worker=None) -> list[str]:
+    """Local IPv4/IPv6 addresses (hex, as in /proc/net/tcp*) of this process's TCP sockets."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    addresses = []
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                if cols[9] in inodes:
+                    addresses.append(cols[1].split(":")[0])
+    return addresses
+
+
+def test_workers_use_loopback_only(tp2):
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        assert tp2.collective_rpc(lambda w: os.environ["GLOO_SOCKET_IFNAME"]) == ["lo", "lo"]
+    # 127.0.0.1, ::1 and ::ffff:127.0.0.1 as /proc/net/tcp{,6} write them
+    loopback = {"0100007F", "00000000000000000000000001000000",
+                "0000000000000000FFFF00000100007F"}
+    for addresses in tp2.collective_rpc(tcp_local_addresses):
+        assert addresses and set(addresses) <= loopback, addresses  # gloo's sockets
+
+
 def test_collective_rpc_semantics(tp2):
     ex = tp2
     assert ex.collective_rpc("check_health") == [None, None]
