@@ -44,8 +44,8 @@ def _watch_parent(parent_pid: int, tmpdir: str) -> None:
         _exit_if_orphaned(parent_pid, tmpdir)
 
 
-def worker_main(rank: int, world_size: int, config: Any, sock_path: str, init_method: str,
-                parent_pid: int) -> None:
+def worker_main(rank: int, world_size: int, config_bytes: bytes, sock_path: str,
+                init_method: str, parent_pid: int) -> None:
     # Ctrl-C in a terminal reaches the whole process group: let the driver decide and clean
     # up. SIGTERM keeps its default action (the driver uses it to stop a stuck worker).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -71,6 +71,7 @@ def worker_main(rank: int, world_size: int, config: Any, sock_path: str, init_me
         tr.send_frame(sock, payload)
 
     reply(-1, tr.HELLO, (rank, os.getpid()))
+    config = pickle.loads(config_bytes)  # cloudpickle output; private channel (see above)
     wrapper = WorkerWrapperBase(config, rpc_rank=rank)
     try:
         wrapper.init_worker(local_rank=rank, rank=rank, distributed_init_method=init_method,

@@ -20,15 +20,19 @@ parent disappears (SIGKILL of the driver).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
 import select
 import socket
+import sys
 import threading
 import time
 import weakref
 from typing import Any
+
+import cloudpickle
 
 from fleetllm.errors import (
     CommunicationTimeoutError,
@@ -48,6 +52,21 @@ from fleetllm.executor.mp_worker import worker_main
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
 
 ERROR_GRACE_S = 0.05  # after a first error, how long to wait for the other ranks' replies
+
+
+@contextlib.contextmanager
+def _main_not_reimported():
+    """Workers need nothing from the user's __main__. Spawn would re-run the user's script in
+    every worker, which starts workers again unless the script is guarded by
+    `if __name__ == "__main__":`; hiding the main module while starting them avoids that."""
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
 
 
 class _Resync(Exception):
@@ -96,12 +115,16 @@ class MultiprocExecutor(Executor):
         g = self._group
         mp = multiprocessing.get_context("spawn")
         init_method = f"file://{g.tmpdir}/dist_store"
-        for rank in range(self.world_size):
-            p = mp.Process(target=worker_main, name=f"fleetllm-worker-{rank}", daemon=True,
-                           args=(rank, self.world_size, self.config, g.sock_path, init_method,
-                                 os.getpid()))
-            p.start()
-            g.procs.append(p)
+        # cloudpickle: a config may name classes defined in the user's script, which the
+        # workers do not import (see _main_not_reimported).
+        config = cloudpickle.dumps(self.config)
+        with _main_not_reimported():
+            for rank in range(self.world_size):
+                p = mp.Process(target=worker_main, name=f"fleetllm-worker-{rank}", daemon=True,
+                               args=(rank, self.world_size, config, g.sock_path, init_method,
+                                     os.getpid()))
+                p.start()
+                g.procs.append(p)
         g.start_monitor()
         deadline = time.monotonic() + startup_timeout
 
