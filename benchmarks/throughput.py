@@ -2,10 +2,12 @@
 same requests in the same run.
 
     python benchmarks/throughput.py [--model DIR] [--num-prompts 64] [--input-len 128]
-                                    [--output-len 64] [--hf-batch-size 8] [engine flags]
+                                    [--output-len 64] [--hf-batch-size 8]
+                                    [--compare-backend uni] [engine flags]
     fleetllm bench throughput ...   (the same)
 
-Prints requests/s and output tokens/s for fleetllm and HF, and their ratio. Without --model
+Prints requests/s and output tokens/s for fleetllm and HF, and their ratio; with
+--compare-backend, also fleetllm on that executor backend (e.g. `mp` against `uni`). Without --model
 it uses the bundled demo model. Every request generates exactly --output-len tokens
 (ignore_eos), so both sides do the same work.
 """
@@ -26,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--hf-batch-size", type=int, default=8,
                         help="HF generate batch size (left-padded); 0 skips the HF peer")
+    parser.add_argument("--compare-backend", default=None,
+                        help="also run fleetllm with this distributed_executor_backend "
+                             "(same requests, same run) and print the ratio")
     parser.add_argument("--data-seed", dest="bench_seed", type=int, default=0,
                         help="seed for the random prompts")
     actions = add_engine_args(parser)
@@ -34,12 +39,38 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    rng = random.Random(args.bench_seed)
+    kwargs = engine_kwargs_from(args, actions)
+    ours, outputs, prompts = _run_fleetllm(model, kwargs, args, rng)
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"model: {model}")
+    print(f"requests: {args.num_prompts} x ({args.input_len} in, {args.output_len} out), "
+          f"torch threads: {torch.get_num_threads()}")
+    print(f"fleetllm: {args.num_prompts / ours:8.2f} requests/s  {out_tokens / ours:9.1f} "
+          f"output tokens/s  ({ours:.2f} s)")
+    if args.compare_backend:
+        peer_kwargs = {**kwargs, "distributed_executor_backend": args.compare_backend}
+        peer, _, _ = _run_fleetllm(model, peer_kwargs, args, random.Random(args.bench_seed))
+        backend = kwargs.get("distributed_executor_backend", "default")
+        print(f"fleetllm ({args.compare_backend}): {args.num_prompts / peer:8.2f} requests/s  "
+              f"{out_tokens / peer:9.1f} output tokens/s  ({peer:.2f} s)")
+        print(f"ratio {backend} / {args.compare_backend}: {peer / ours:.3f}x")
+    if args.hf_batch_size:
+        hf = _hf_generate(model, prompts, args.output_len, args.hf_batch_size)
+        print(f"HF generate (batch {args.hf_batch_size}): {args.num_prompts / hf:8.2f} "
+              f"requests/s  {out_tokens / hf:9.1f} output tokens/s  ({hf:.2f} s)")
+        print(f"ratio fleetllm / HF: {hf / ours:.2f}x")
+    return 0
+
+
+def _run_fleetllm(model: str, kwargs: dict, args: argparse.Namespace, rng: random.Random):
+    """(seconds, outputs, prompts) for one timed LLM.generate over random requests."""
     from fleetllm import LLM, SamplingParams
 
-    rng = random.Random(args.bench_seed)
-    with LLM(model, **engine_kwargs_from(args, actions)) as llm:
+    with LLM(model, **kwargs) as llm:
+        tokenizer = llm.get_tokenizer()
         vocab = min(llm.llm_engine.model_config.arch.vocab_size,
-                    len(llm.get_tokenizer()) if llm.get_tokenizer() else 10**9)
+                    len(tokenizer) if tokenizer else 10**9)
         prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)]
                    for _ in range(args.num_prompts)]
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -48,19 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                use_tqdm=False)
-        ours = time.perf_counter() - start
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(f"model: {model}")
-    print(f"requests: {args.num_prompts} x ({args.input_len} in, {args.output_len} out), "
-          f"torch threads: {torch.get_num_threads()}")
-    print(f"fleetllm: {args.num_prompts / ours:8.2f} requests/s  {out_tokens / ours:9.1f} "
-          f"output tokens/s  ({ours:.2f} s)")
-    if args.hf_batch_size:
-        hf = _hf_generate(model, prompts, args.output_len, args.hf_batch_size)
-        print(f"HF generate (batch {args.hf_batch_size}): {args.num_prompts / hf:8.2f} "
-              f"requests/s  {out_tokens / hf:9.1f} output tokens/s  ({hf:.2f} s)")
-        print(f"ratio fleetllm / HF: {hf / ours:.2f}x")
-    return 0
+        return time.perf_counter() - start, outputs, prompts
 
 
 def _hf_generate(model: str, prompts: list[list[int]], output_len: int,

@@ -131,7 +131,8 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     import importlib
 
     module = importlib.import_module(args.which)
-    return module.main(rest) or 0
+    result = module.main(rest)  # an exit code, or the figures (a dict) it printed
+    return result if isinstance(result, int) else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

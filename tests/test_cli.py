@@ -44,6 +44,14 @@ def test_help_lists_vllm_flag_names():
 def test_bench_throughput_prints_ratio_against_hf(tiny_models):
     proc = run("bench", "throughput", "--model", str(tiny_models["llama_gqa"]),
                "--num-prompts", "4", "--input-len", "16", "--output-len", "4",
-               "--hf-batch-size", "2", "--kv-cache-memory", "33554432")
+               "--hf-batch-size", "2", "--kv-cache-memory", "33554432",
+               "--compare-backend", "uni")
     assert proc.returncode == 0, proc.stderr
     assert "requests/s" in proc.stdout and "ratio fleetllm / HF" in proc.stdout
+    assert "ratio default / uni" in proc.stdout
+
+
+def test_bench_rpc_prints_round_trips_next_to_uni():
+    proc = run("bench", "rpc", "--backend", "mp", "--tensor-parallel-size", "2", "--iters", "50")
+    assert proc.returncode == 0, proc.stderr
+    assert "median" in proc.stdout and "uni" in proc.stdout
