@@ -196,7 +196,7 @@ def evaluate(model: Any, windows: Any, batch_size: int) -> float:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="models/fleetllm-demo-py", help="output checkpoint dir")
-    p.add_argument("--steps", type=int, default=2400)
+    p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
@@ -228,8 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.steps = 4
         args.batch_size = 2
         args.seq_len = 64
-        args.max_files = 20
-        args.heldout_every = 10
+        args.max_files = 10
+        args.heldout_every = 5
         args.vocab_size = 384
         args.hidden_size = 64
         args.num_layers = 2
@@ -351,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))
+    # Sleep rather than spin while waiting for work: this trains on shared CPUs.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     import numpy as np
     import tokenizers
