@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as fleetllm sets it; before torch loads
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download; fail fast if tried
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 TINY_CONFIGS = {

@@ -165,20 +165,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_run(self) -> None:
-        """A forward of the largest batch the scheduler may send, without a KV cache."""
+        """A forward of the largest batch the scheduler may send, without a KV cache: the
+        full token budget in as few max_model_len sequences as fit (the activation peak grows
+        with tokens and the longest attention, not with the number of sequences), then
+        logits for max_num_seqs rows."""
         sc = self.config.scheduler_config
         total = sc.max_num_batched_tokens
-        num_seqs = max(1, min(sc.max_num_seqs, total))
-        per_seq = max(1, min(total // num_seqs, sc.max_model_len))
         ids, positions, spans = [], [], []
-        for _ in range(num_seqs):
-            spans.append(PrefillSpan(len(ids), per_seq, per_seq, None))
-            ids += [0] * per_seq
-            positions += list(range(per_seq))
+        while len(ids) < total:
+            length = min(sc.max_model_len, total - len(ids))
+            spans.append(PrefillSpan(len(ids), length, length, None))
+            ids += [0] * length
+            positions += list(range(length))
         dev = self.device
         meta = AttentionMetadata(torch.zeros(len(ids), dtype=torch.long, device=dev), spans)
+        rows = [i % len(ids) for i in range(min(sc.max_num_seqs, len(ids)))]
         batch = _Batch(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
-                       [s.q_start + s.q_len - 1 for s in spans])
+                       rows)
         self._forward(batch, None)
 
     def tp_rank(self) -> int:
