@@ -7,7 +7,6 @@ sampled tokens, fork n>1 samples, detokenize, check stop conditions -> RequestOu
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 import time
 from pathlib import Path
@@ -29,8 +28,6 @@ from fleetllm.sequence import (
     SequenceStatus,
 )
 
-logger = logging.getLogger(__name__)
-
 PromptType = str | dict[str, Any]
 
 
@@ -45,10 +42,9 @@ def load_tokenizer(path: str) -> Any:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, log_stats: bool = False):
+    def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = config.model_config
-        self.log_stats = log_stats
         self.tokenizer = load_tokenizer(config.model_config.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = self._eos_token_ids()

@@ -8,7 +8,7 @@ import torch
 
 from fleetllm.attention import AttentionMetadata, PrefillSpan
 from fleetllm.config import EngineConfig
-from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
+from fleetllm.distributed.parallel_state import get_pp_group
 from fleetllm.model.loader import build_model
 from fleetllm.sequence import (
     CompletionSequenceGroupOutput,
@@ -183,6 +183,3 @@ class ModelRunner:
         batch = _Batch(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
                        rows)
         self._forward(batch, None)
-
-    def tp_rank(self) -> int:
-        return get_tp_group().rank_in_group
