@@ -256,3 +256,25 @@ def test_dummy_weights_and_out_of_memory(tiny_models):
                                                            match="max_model_len"):
         ex.determine_num_available_blocks()
     assert torch.get_num_threads() >= 1
+
+
+def test_sharded_checkpoint_with_index_loads_the_same_weights(tiny_models, tmp_path):
+    import shutil
+
+    import transformers
+
+    src = tiny_models["llama_gqa"]
+    sharded = tmp_path / "sharded"
+    model = transformers.AutoModelForCausalLM.from_pretrained(src)
+    model.save_pretrained(sharded, safe_serialization=True, max_shard_size="60KB")
+    shutil.copy(src / "tokenizer.json", sharded / "tokenizer.json")
+    assert (sharded / "model.safetensors.index.json").exists()
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    prompts = [[5, 6, 7, 8], [9] * 20]
+    with make_executor(src) as a, make_executor(sharded) as b:
+        assert greedy_run(a, prompts, 6) == greedy_run(b, prompts, 6)
+    # A shard listed in the index but missing is named in the error.
+    victim = sorted(sharded.glob("model-*.safetensors"))[0]
+    victim.unlink()
+    with pytest.raises(ModelLoadError, match=victim.name):
+        make_executor(sharded)

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
 
 from fleetllm.config import EngineConfig, read_json
+from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
 from fleetllm.errors import ModelLoadError
 from fleetllm.model.llama import LlamaForCausalLM
 
@@ -54,7 +56,10 @@ def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
 def _load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
     expected = {name for name, _ in model.named_parameters()}
     loaded: set[str] = set()
-    for path in checkpoint_files(model_dir):
+    files = checkpoint_files(model_dir)
+    first_rank = get_tp_group().is_first and get_pp_group().is_first
+    for path in tqdm(files, desc="Loading safetensors shards", unit="file",
+                     disable=len(files) < 2 or not first_rank):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
