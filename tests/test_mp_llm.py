@@ -71,3 +71,22 @@ def test_script_without_main_guard_runs_mp(tiny_models, tmp_path):
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("tokens 4") == 1
+
+
+def test_mp_driver_exits_without_leaked_semaphore_warning(tiny_models, tmp_path):
+    """tqdm's default multiprocessing lock used to be reported as leaked at exit."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "from fleetllm import LLM, SamplingParams\n"
+        "if __name__ == '__main__':\n"
+        f"    with LLM({str(tiny_models['llama_gqa'])!r}, kv_cache_memory=1 << 25,\n"
+        "             distributed_executor_backend='mp') as llm:\n"
+        "        llm.generate('def f(x):', SamplingParams(max_tokens=3))\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Processed prompts" in proc.stderr  # the progress bar was drawn
+    assert "leaked" not in proc.stderr, proc.stderr[-2000:]

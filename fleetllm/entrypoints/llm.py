@@ -8,11 +8,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tqdm import tqdm
-
 from fleetllm.engine.llm_engine import LLMEngine, PromptType
 from fleetllm.engine.outputs import RequestOutput
 from fleetllm.errors import InvalidRequestError
+from fleetllm.progress import ProgressBar
 from fleetllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -74,8 +73,8 @@ class LLM:
 
     def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
         engine = self.llm_engine
-        bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True,
-                   disable=not use_tqdm)
+        bar = ProgressBar(total=total, desc="Processed prompts", dynamic_ncols=True,
+                          disable=not use_tqdm)
         start, in_tokens, out_tokens = time.perf_counter(), 0, 0
         bar.update(len(results))
         while engine.has_unfinished_requests():

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from tqdm import tqdm
 
 from fleetllm.config import EngineConfig, read_json
 from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
 from fleetllm.errors import ModelLoadError
 from fleetllm.model.llama import LlamaForCausalLM
+from fleetllm.progress import ProgressBar
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -58,8 +58,8 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
     loaded: set[str] = set()
     files = checkpoint_files(model_dir)
     first_rank = get_tp_group().is_first and get_pp_group().is_first
-    for path in tqdm(files, desc="Loading safetensors shards", unit="file",
-                     disable=len(files) < 2 or not first_rank):
+    for path in ProgressBar(files, desc="Loading safetensors shards", unit="file",
+                            disable=len(files) < 2 or not first_rank):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
