@@ -28,6 +28,10 @@ class WorkerCrashedError(FleetLLMError, RuntimeError):
         self.rank = rank
         self.exitcode = exitcode
 
+    @property
+    def exit_code(self) -> int | None:  # both spellings are in common use
+        return self.exitcode
+
     def __reduce__(self):
         return (type(self), (self.args[0], self.rank, self.exitcode))
 
