@@ -20,6 +20,13 @@ TINY_CONFIGS = {
     "qwen2_bias": ("Qwen2ForCausalLM", dict(num_key_value_heads=2)),
     # Llama with tied input/output embeddings
     "llama_tied": ("LlamaForCausalLM", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    # Qwen3: RMSNorm on q and k per head
+    "qwen3_qknorm": ("Qwen3ForCausalLM", dict(num_key_value_heads=2)),
+    # Llama 3 style rope scaling; small theta and original context so that ignoring the
+    # scaling would change the angles by radians within the test prompts
+    "llama3_rope": ("LlamaForCausalLM", dict(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 100.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
 }
 
 

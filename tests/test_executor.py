@@ -36,7 +36,8 @@ def llama_executor(tiny_models):
         yield executor
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_bias", "llama_tied"])
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_bias", "llama_tied", "qwen3_qknorm",
+                                  "llama3_rope"])
 def test_batched_prefill_then_decode_matches_hf(tiny_models, name):
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 7, 16, 33, 70)]
