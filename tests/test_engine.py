@@ -200,3 +200,26 @@ def test_output_metrics_and_text(tiny_models):
     assert completion.logprobs[0][completion.token_ids[0]].decoded_token is not None
     m = out.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_prompt_chunks_alone_and_recompute_keep_results_and_prompt_logprobs(tiny_models):
+    """A step of nothing but non-final prompt chunks, and prompts preempted by recompute
+    part-way: same tokens and exactly one prompt logprob per prompt token."""
+    prompts = random_prompts(6, 40, 80, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=1)
+    path = tiny_models["llama_gqa"]
+    with LLM(path, kv_cache_memory=KV) as llm:
+        reference = llm.generate(prompts, params, use_tqdm=False)
+    with LLM(path, kv_cache_memory=KV, max_num_batched_tokens=16) as llm:
+        [alone] = llm.generate(prompts[0], params, use_tqdm=False)  # chunks only, 1 request
+    assert alone.outputs[0].token_ids == reference[0].outputs[0].token_ids
+    with LLM(path, num_gpu_blocks_override=12, max_num_batched_tokens=32) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    for out, ref in zip(outputs, reference, strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+        for mine, theirs in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:], strict=True):
+            assert mine.keys() == theirs.keys()
+            for k in mine:
+                assert abs(mine[k].logprob - theirs[k].logprob) < 1e-4

@@ -167,11 +167,15 @@ class LLMEngine:
         for scheduled, group_out in zip(sched.scheduled_seq_groups, result.outputs,
                                         strict=True):
             group = scheduled.seq_group
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
+            seqs = group.get_seqs(SequenceStatus.RUNNING)
+            chunk_start = seqs[0].data.num_computed_tokens
+            for seq in seqs:
                 seq.data.num_computed_tokens += scheduled.token_chunk_size
-            if group_out.prompt_logprobs is not None and group.prompt_logprobs is not None \
-                    and len(group.prompt_logprobs) < len(group.prompt_token_ids):
-                group.prompt_logprobs.extend(group_out.prompt_logprobs)
+            if group_out.prompt_logprobs is not None and group.prompt_logprobs is not None:
+                if chunk_start == 0:  # computed from its first token (again, if preempted)
+                    group.prompt_logprobs = list(group_out.prompt_logprobs)
+                elif len(group.prompt_logprobs) < len(group.prompt_token_ids):
+                    group.prompt_logprobs.extend(group_out.prompt_logprobs)
             if not group_out.samples:
                 continue
             if group.metrics.first_token_time is None:

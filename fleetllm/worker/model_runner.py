@@ -72,9 +72,8 @@ class ModelRunner:
         if not pp.is_last:
             pp.send([hidden, residual], pp.rank_in_group + 1)
             return None
-        if not batch.logits_token_idx:
-            return None
-        rows = torch.tensor(batch.logits_token_idx, device=self.device)
+        # Possibly no rows (a step of non-final prompt chunks): empty logits, empty samples.
+        rows = torch.tensor(batch.logits_token_idx, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows))
 
     def _prepare(self, request: ExecuteModelRequest) -> _Batch:
