@@ -153,8 +153,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: dict[str, Any] | None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
-                                    / head_dim))
+        # float32 whatever the model's dtype (as HF computes them); cast when applied
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64)
+                                    .to(torch.float32) / head_dim))
         kind = (scaling or {}).get("rope_type", "default")
         if kind == "linear":
             inv_freq = inv_freq / scaling["factor"]

@@ -39,7 +39,7 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ArchConfig, max_position: int):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding):
         super().__init__()
         tp = get_tp_group()
         d = self.head_dim = cfg.head_dim
@@ -59,7 +59,7 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(q_full, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = RotaryEmbedding(d, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = rotary  # one cos/sin table shared by every layer
         self.scale = d ** -0.5
         self.q_size, self.kv_size = q_shard, kv_shard
 
@@ -91,9 +91,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, max_position: int):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding):
         super().__init__()
-        self.self_attn = Attention(cfg, max_position)
+        self.self_attn = Attention(cfg, rotary)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -119,8 +119,9 @@ class LlamaForCausalLM(nn.Module):
                                                         pp.rank_in_group)
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
                              if self.is_first_stage or cfg.tie_word_embeddings else None)
+        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         # Keyed by the global layer index so checkpoint names map directly.
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, max_position)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, rotary)
                                      for i in range(self.start_layer, self.end_layer)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last_stage else None
         self.lm_head = None

@@ -44,13 +44,19 @@ def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
     if load_format == "sharded_state":
         raise ModelLoadError("load_format='sharded_state' is not supported yet; use "
                              "'safetensors' (a later release adds sharded state)")
-    with torch.device(device):
-        model = LlamaForCausalLM(mc.arch, max_position=mc.max_model_len)
+    # Built directly in its final dtype on its device: no float32 copy of a bf16 checkpoint.
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(mc.arch, max_position=mc.max_model_len)
+    finally:
+        torch.set_default_dtype(default_dtype)
     if load_format == "dummy":
         _init_dummy(model, mc.seed)
     else:
         _load_safetensors(model, Path(mc.model))
-    return model.to(dtype=dtype).eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
 
 
 def _load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
@@ -86,4 +92,4 @@ def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
         if "norm" in name:
             param.data.fill_(1.0)
         else:
-            param.data.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+            param.data.copy_(torch.randn(param.shape, generator=gen) * 0.02)  # casts

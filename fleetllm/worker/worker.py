@@ -58,12 +58,16 @@ class Worker(WorkerBase):
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         cc, sc = self.config.cache_config, self.config.scheduler_config
+        if self.device.type == "cuda":  # measure the profile run's peak alone
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
         before = _peak_bytes(self.device)
         self.model_runner.profile_run()
         activation_peak = max(0, _peak_bytes(self.device) - before)
         block_bytes = CacheEngine.block_bytes(self.config, *self._kv_shape(),
                                               self.model_runner.dtype)
         if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the profile's cached blocks are in activation_peak
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * cc.gpu_memory_utilization - (total - free) - activation_peak
         elif cc.kv_cache_memory is None:
