@@ -23,7 +23,7 @@ from fleetllm.config import (
 )
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "models" / "fleetllm-demo-py"
-_SKIP = {"model", "num_gpu_blocks", "num_cpu_blocks", "max_model_len_copy"}
+_SKIP = {"model", "num_gpu_blocks", "num_cpu_blocks"}
 _HELP = {
     "tokenizer": "tokenizer directory (default: the model directory)",
     "dtype": "auto (float32 on CPU, the checkpoint's dtype on CUDA), float32, float16, "
@@ -43,7 +43,8 @@ _HELP = {
     "worker_cls": "worker class, module.Class",
     "startup_timeout": "seconds to wait for workers to start",
     "max_num_seqs": "most sequences in one batch",
-    "max_num_batched_tokens": "token budget of one step (default max(2048, max_model_len))",
+    "max_num_batched_tokens": "token budget of one step; longer prompts are prefilled in "
+                              "chunks",
     "preemption_mode": "recompute or swap, when KV blocks run out",
     "device": "auto, cpu or cuda",
     "load_format": "auto, safetensors, dummy (random weights)",
@@ -79,8 +80,7 @@ def _arg_type(name: str, default: Any):
         return lambda s: int(float(s))
     if isinstance(default, bool):
         return lambda s: s.lower() in ("1", "true", "yes")
-    if isinstance(default, int) or name in ("max_model_len", "max_num_batched_tokens",
-                                            "num_gpu_blocks_override"):
+    if isinstance(default, int) or name in ("max_model_len", "num_gpu_blocks_override"):
         return int
     return str
 

@@ -172,6 +172,9 @@ class CacheConfig:
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
                f"must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.swap_space >= 0, "swap_space", f"must be >= 0 bytes, got {self.swap_space}")
+        _check(self.swap_space == 0 or self.swap_space >= 1 << 20, "swap_space",
+               f"is in bytes: {self.swap_space} is less than 1 MiB (for {self.swap_space} GiB "
+               f"pass {int(self.swap_space * GiB)})")
         if self.num_gpu_blocks_override is not None:
             _check(self.num_gpu_blocks_override > 0, "num_gpu_blocks_override", "must be > 0")
 
@@ -209,7 +212,9 @@ class ParallelConfig:
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len)
+    # Tokens computed in one step. Prompts longer than this are prefilled in chunks, so the
+    # budget need not grow with max_model_len (the profile run uses this many tokens).
+    max_num_batched_tokens: int = 2048
     max_model_len: int = 0  # copied from ModelConfig
     preemption_mode: str = "recompute"  # or "swap"
 
@@ -218,10 +223,9 @@ class SchedulerConfig:
                f"must be an int >= 1, got {self.max_num_seqs!r}")
         _check(self.preemption_mode in ("recompute", "swap"), "preemption_mode",
                f"must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.max_num_batched_tokens is not None:
-            _check(isinstance(self.max_num_batched_tokens, int)
-                   and self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
-                   f"must be an int >= 1, got {self.max_num_batched_tokens!r}")
+        _check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+               "max_num_batched_tokens", f"must be an int >= 1, got "
+               f"{self.max_num_batched_tokens!r}")
 
 
 @dataclass
@@ -262,8 +266,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         m, s, p = self.model_config, self.scheduler_config, self.parallel_config
         s.max_model_len = m.max_model_len
-        if s.max_num_batched_tokens is None:
-            s.max_num_batched_tokens = max(2048, m.max_model_len)
         a, tp, pp = m.arch, p.tensor_parallel_size, p.pipeline_parallel_size
         _check(a.num_heads % tp == 0, "tensor_parallel_size",
                f"{a.num_heads} attention heads are not divisible by tensor_parallel_size={tp}")
@@ -288,8 +290,6 @@ class EngineConfig:
             else:
                 if key in ("lora_config", "speculative_config", "observability_config"):
                     extras[key] = value
-                elif key == "device":
-                    parts[DeviceConfig]["device"] = value
                 else:
                     raise ConfigurationError(f"{key}: unknown engine argument")
         return cls(

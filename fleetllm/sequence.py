@@ -126,6 +126,8 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
+        if self is SequenceStatus.FINISHED_IGNORED:
+            return "length"  # as vLLM reports a request that could never be scheduled
         return self.value if self.finished else None
 
 

@@ -108,6 +108,9 @@ def test_sampling_knobs_change_generation(tiny_models):
                                                                  use_tqdm=False)]
         greedy = gen(temperature=0)
         assert gen(temperature=0) == greedy
+        shared = SamplingParams(max_tokens=2)
+        llm.generate(prompts, shared, use_tqdm=False)
+        assert shared.eos_token_ids == []  # the engine works on a copy
         assert gen(temperature=1.0, seed=1) != greedy
         assert gen(temperature=1.0, seed=1, top_k=1) == greedy  # top-1 is greedy
         assert gen(temperature=1.0, seed=1, top_p=1e-6) == greedy  # nucleus of one token
@@ -143,6 +146,9 @@ def test_stop_strings_stop_tokens_and_min_tokens(tiny_models):
             temperature=0, max_tokens=30, stop_token_ids=[token]), use_tqdm=False)[0].outputs[0]
         assert out.token_ids == base.token_ids[:base.token_ids.index(token) + 1]
         assert out.stop_reason == token and out.finish_reason == "stop"
+        # As in vLLM, the stopping token's text is not in the output.
+        # (A partial UTF-8 character before it is withheld, as during streaming.)
+        assert out.text == llm.get_tokenizer().decode(out.token_ids[:-1]).rstrip("\ufffd")
         out = llm.generate("def hello(world):", SamplingParams(
             temperature=0, max_tokens=30, min_tokens=10, stop_token_ids=[token]),
             use_tqdm=False)[0].outputs[0]
@@ -183,6 +189,10 @@ def test_too_long_prompt_is_rejected_and_others_complete(tiny_models):
     assert outputs[1].outputs[0].finish_reason == "error"
     assert "max_model_len=128" in outputs[1].error
     assert "vocabulary" in outputs[3].error
+    with LLM(tiny_models["llama_gqa"], kv_cache_memory=KV) as llm, \
+            pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        llm.llm_engine.add_request("s", {"prompt_token_ids": [5]},
+                                   SamplingParams(stop_token_ids=[10**6], min_tokens=1))
 
 
 def test_output_metrics_and_text(tiny_models):

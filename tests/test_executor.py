@@ -203,6 +203,7 @@ def test_executor_get_class(tiny_models):
      "distributed_executor_backend"),
     ({"load_format": "pickle"}, "load_format"),
     ({"kv_cache_memory": -1}, "kv_cache_memory"),
+    ({"swap_space": 4}, "swap_space"),  # bytes, not vLLM's GiB: a clear hint instead of 0
     ({"no_such_option": 1}, "no_such_option"),
 ])
 def test_bad_config_values_raise_configuration_error(tiny_models, kwargs, field):

@@ -81,8 +81,7 @@ class Scheduler:
             raise ValueError("cache_config.num_gpu_blocks must be measured before the "
                              "scheduler is built")
         self.config = scheduler_config
-        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens or \
-            max(2048, scheduler_config.max_model_len)
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.block_manager = BlockManager(cache_config.block_size, cache_config.num_gpu_blocks,
                                           cache_config.num_cpu_blocks or 0)
         self.waiting: deque[SequenceGroup] = deque()

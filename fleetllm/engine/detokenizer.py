@@ -33,7 +33,7 @@ class Detokenizer:
         if self.tokenizer is None:
             return ""
         tok = self.tokenizer
-        seq.tokens = (seq.tokens or []) + self._tokens(seq.output_token_ids[-1:], params)
+        seq.tokens.extend(self._tokens(seq.output_token_ids[-1:], params))
         prefix = tok.convert_tokens_to_string(seq.tokens[seq.prefix_offset: seq.read_offset])
         text = tok.convert_tokens_to_string(seq.tokens[seq.prefix_offset:])
         if len(text) <= len(prefix) or text.endswith("\ufffd"):

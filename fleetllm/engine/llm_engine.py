@@ -6,6 +6,7 @@ sampled tokens, fork n>1 samples, detokenize, check stop conditions -> RequestOu
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -84,12 +85,13 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         """Queue a request. Raises InvalidRequestError (and queues nothing) if it can never be
         served."""
-        params = sampling_params or SamplingParams()
         if request_id in self.seq_groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
+        # A copy: the caller's SamplingParams may serve other requests (and other models).
+        params = dataclasses.replace(sampling_params or SamplingParams(),
+                                     eos_token_ids=self.eos_token_ids)
         self._validate(token_ids, params)
-        params.eos_token_ids = self.eos_token_ids
         seq = Sequence(next(self._seq_ids), text, token_ids)
         self.detokenizer.start(seq, params)
         group = SequenceGroup(request_id, [seq], params, arrival_time)
@@ -125,6 +127,10 @@ class LLMEngine:
         if math.ceil(n / cc.block_size) > cc.num_gpu_blocks:
             raise InvalidRequestError(f"the prompt needs {math.ceil(n / cc.block_size)} KV "
                                       f"blocks but the whole pool has {cc.num_gpu_blocks}")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
+                                      f"[0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none")
 
@@ -155,8 +161,9 @@ class LLMEngine:
             self._finished_since_last_step = []
             [result] = self.model_executor.execute_model(request)
             outputs = self._process(sched, result)
-        for group in sched.ignored_seq_groups:
+        for group in sched.ignored_seq_groups:  # may have run before: workers drop its state
             self.seq_groups.pop(group.request_id, None)
+            self._finished_since_last_step.append(group.request_id)
             outputs.append(RequestOutput.from_seq_group(group))
         self._finished_since_last_step += self.scheduler.free_finished_seq_groups()
         return outputs
@@ -213,11 +220,13 @@ class LLMEngine:
         token = seq.output_token_ids[-1]
         n_out = len(seq.output_token_ids)
         if n_out >= params.min_tokens:
-            if not params.ignore_eos and token in params.eos_token_ids:
+            eos = not params.ignore_eos and token in params.eos_token_ids
+            if eos or token in params.stop_token_ids:
+                # The stopping token's text is not part of the output (as in vLLM).
+                if new_text and not params.include_stop_str_in_output:
+                    seq.output_text = seq.output_text[:-len(new_text)]
                 seq.status = SequenceStatus.FINISHED_STOPPED
-                return
-            if token in params.stop_token_ids:
-                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+                seq.stop_reason = None if eos else token
                 return
             stop = find_stop_string(seq, len(new_text), params)
             if stop is not None:

@@ -24,7 +24,6 @@ Worker -> driver payload: pickled (call_id, status, value); status OK, ACK, ERR 
 from __future__ import annotations
 
 import errno
-import os
 import pickle
 import select
 import socket
@@ -216,13 +215,6 @@ class DriverChannel:
 def peer_pid(conn: socket.socket) -> int:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", creds)[0]
-
-
-def unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def frame_bytes(*parts: bytes) -> bytes:
