@@ -433,3 +433,15 @@ def test_driver_signal_or_exit_ends_every_worker(models, tmp_path, sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_timeout_also_bounds_sending_to_a_worker_that_stopped_reading(models):
+    """A worker stuck in a call stops reading; a big message then cannot be delivered. The
+    call's timeout bounds the send too (it used to wait forever)."""
+    with make_executor(models["kv1"], tensor_parallel_size=2) as ex:
+        with pytest.raises(CommunicationTimeoutError):
+            ex.collective_rpc(lambda w: time.sleep(30 if w.rank == 1 else 0), timeout=0.5)
+        start = time.monotonic()
+        with pytest.raises(CommunicationTimeoutError, match="stopped reading"):
+            ex.collective_rpc(lambda w, blob: None, args=(b"x" * (64 << 20),), timeout=2)
+        assert time.monotonic() - start < 3

@@ -28,6 +28,7 @@ import pickle
 import select
 import socket
 import struct
+import time
 import traceback
 from typing import Any
 
@@ -138,7 +139,9 @@ class DriverChannel:
             self.poller.register(c.fileno(), select.POLLIN)
         self.poller.register(wake_fd, select.POLLIN)
 
-    def send(self, rank: int, *parts: bytes) -> None:
+    def send(self, rank: int, *parts: bytes, deadline: float | None = None) -> None:
+        """Send one frame; past `deadline` (time.monotonic()) raise TimeoutError, leaving
+        the channel broken (a frame was cut)."""
         conn = self.conns[rank]
         size = sum(len(p) for p in parts)
         bufs = [_LEN.pack(size), *parts]
@@ -151,6 +154,8 @@ class DriverChannel:
         rest = memoryview(b"".join(bufs))[sent:]
         self.broken = True  # until the frame is complete: an interrupted send corrupts it
         while rest:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"worker rank {rank} stopped reading its channel")
             ready = select.select([c for r, c in enumerate(self.conns) if not self.eof[r]],
                                   [conn], [], 1.0)
             for c in ready[0]:

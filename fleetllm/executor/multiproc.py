@@ -225,7 +225,12 @@ class MultiprocExecutor(Executor):
         deadline = None if timeout is None else time.monotonic() + timeout
         for rank in range(self.world_size):
             try:
-                ch.send(rank, header, body)
+                ch.send(rank, header, body, deadline=deadline)
+            except TimeoutError as e:  # (an OSError too: caught first)
+                self._encoder.need_reset = True
+                raise CommunicationTimeoutError(
+                    f"collective_rpc: {e} within timeout={timeout}s; the channel is unusable, "
+                    "create a new executor") from e
             except OSError:
                 self._encoder.need_reset = True  # some ranks missed this message
                 self._await_failure(rank)
