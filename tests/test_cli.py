@@ -45,7 +45,7 @@ def test_bench_throughput_prints_ratio_against_hf(tiny_models):
     proc = run("bench", "throughput", "--model", str(tiny_models["llama_gqa"]),
                "--num-prompts", "4", "--input-len", "16", "--output-len", "4",
                "--hf-batch-size", "2", "--kv-cache-memory", "33554432",
-               "--compare-backend", "uni")
+               "--compare-backend", "uni", "--repeat", "1")
     assert proc.returncode == 0, proc.stderr
     assert "requests/s" in proc.stdout and "ratio fleetllm / HF" in proc.stdout
     assert "ratio default / uni" in proc.stdout
