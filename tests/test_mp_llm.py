@@ -90,3 +90,24 @@ def test_mp_driver_exits_without_leaked_semaphore_warning(tiny_models, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Processed prompts" in proc.stderr  # the progress bar was drawn
     assert "leaked" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_dropping_the_llm_ends_its_workers(tiny_models):
+    import os
+    import time
+
+    llm = LLM(tiny_models["llama_gqa"], kv_cache_memory=KV, tensor_parallel_size=2)
+    pids = llm.llm_engine.model_executor.collective_rpc(lambda w: os.getpid())
+    del llm  # no shutdown(), no gc.collect(): the last reference going is enough
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_running(p) for p in pids):
+        time.sleep(0.1)
+    assert not any(_running(p) for p in pids)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False

@@ -237,12 +237,4 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
 
     def shutdown(self) -> None:
-        executor = getattr(self, "model_executor", None)
-        if executor is not None:
-            executor.shutdown()
-
-    def __del__(self) -> None:
-        try:
-            self.shutdown()
-        except Exception:
-            pass
+        self.model_executor.shutdown()

@@ -90,18 +90,12 @@ class LLM:
         bar.close()
 
     def shutdown(self) -> None:
-        engine = getattr(self, "llm_engine", None)
-        if engine is not None:
-            engine.shutdown()
+        """Stop the workers now. Dropping the last reference to the LLM does the same (the
+        executor, which owns the workers, cleans up when it is collected)."""
+        self.llm_engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-    def __del__(self) -> None:
-        try:
-            self.shutdown()
-        except Exception:
-            pass

@@ -101,17 +101,17 @@ class ModelRunner:
                 table = group.block_tables[seq_id]
                 q_start = len(ids)
                 n_prompt = len(data.prompt_token_ids)
-                for p in range(start, end):
-                    ids.append(data.token_at(p))
-                    positions.append(p)
-                    slots.append(table[p // bs] * bs + p % bs)
+                new_slots = _slots(table, start, end, bs)
+                ids.extend(data.token_at(p) for p in range(start, end))
+                positions.extend(range(start, end))
+                slots.extend(new_slots)
                 if end - start == 1:
                     dec_idx.append(q_start)
                     dec_tables.append(table[: (end + bs - 1) // bs])
                     dec_lens.append(end)
                 else:
                     ctx = None if start == 0 else torch.tensor(
-                        [table[p // bs] * bs + p % bs for p in range(end)], device=self.device)
+                        _slots(table, 0, start, bs) + new_slots, device=self.device)
                     prefills.append(PrefillSpan(q_start, end - start, end, ctx))
                 if group.is_prompt and params.prompt_logprobs is not None:
                     last = min(end, n_prompt - 1)  # position p predicts prompt token p + 1
@@ -182,3 +182,8 @@ class ModelRunner:
         batch = _Batch(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
                        rows)
         self._forward(batch, None)
+
+
+def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions [start, end) of a sequence with this block table."""
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]

@@ -76,17 +76,17 @@ class Worker(WorkerBase):
             budget = cc.kv_cache_memory
         else:
             budget = cc.kv_cache_memory * _available_ram() - activation_peak
-        num_gpu = cc.num_gpu_blocks_override or int(max(0, budget) // block_bytes)
         # More than max_num_seqs full-length sequences can never be used: don't allocate it.
         per_seq = math.ceil(sc.max_model_len / cc.block_size)
-        num_gpu = min(num_gpu, sc.max_num_seqs * per_seq + 1)
+        usable = sc.max_num_seqs * per_seq + 1
+        num_gpu = min(cc.num_gpu_blocks_override or int(max(0, budget) // block_bytes), usable)
         if cc.num_gpu_blocks_override is None and num_gpu < per_seq:
             raise OutOfMemoryError(
                 f"rank {self.rank}: the KV cache budget of {max(0, budget) / GiB:.3f} GiB holds "
                 f"{num_gpu} blocks of {block_bytes} bytes, fewer than the {per_seq} blocks one "
                 f"sequence of max_model_len={sc.max_model_len} needs. Raise kv_cache_memory / "
                 "gpu_memory_utilization, or reduce max_model_len or max_num_batched_tokens.")
-        num_cpu = min(int(cc.swap_space // block_bytes), sc.max_num_seqs * per_seq + 1)
+        num_cpu = min(int(cc.swap_space // block_bytes), usable)
         gc.collect()
         return num_gpu, num_cpu
 
@@ -94,7 +94,6 @@ class Worker(WorkerBase):
         self.cache_engine = None  # free the old pools first when re-initializing
         self.cache_engine = CacheEngine(self.config, *self._kv_shape(), self.model_runner.dtype,
                                         self.device, num_gpu_blocks, num_cpu_blocks)
-        self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
 
     def execute_model(self, execute_model_req: ExecuteModelRequest
                       ) -> list[SamplerOutput] | None:
