@@ -13,17 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fleetllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    LoadConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
+from fleetllm.config import engine_arg_fields
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "models" / "fleetllm-demo-py"
-_SKIP = {"model", "num_gpu_blocks", "num_cpu_blocks"}
+_MEASURED = {"num_gpu_blocks", "num_cpu_blocks"}  # set by the engine, not by users
 _HELP = {
     "tokenizer": "tokenizer directory (default: the model directory)",
     "dtype": "auto (float32 on CPU, the checkpoint's dtype on CUDA), float32, float16, "
@@ -58,18 +51,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
                              f"{DEMO_MODEL.name})")
     group = parser.add_argument_group("engine")
     actions = []
-    for section in (ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, DeviceConfig,
-                    LoadConfig):
-        for f in dataclasses.fields(section):
-            if not f.init or f.name in _SKIP or (section is SchedulerConfig
-                                                 and f.name == "max_model_len"):
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            default = f.default if f.default is not dataclasses.MISSING else None
-            kind = _arg_type(f.name, default)
-            actions.append(group.add_argument(
-                flag, dest=f.name, type=kind, default=None,
-                help=f"{_HELP.get(f.name, '')} (default: {default})"))
+    for _, f in engine_arg_fields():
+        if f.name in _MEASURED:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        actions.append(group.add_argument(
+            "--" + f.name.replace("_", "-"), dest=f.name, type=_arg_type(f.name, default),
+            default=None, help=f"{_HELP.get(f.name, '')} (default: {default})"))
     return actions
 
 

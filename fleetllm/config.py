@@ -281,17 +281,15 @@ class EngineConfig:
     def from_kwargs(cls, model: str | os.PathLike, **kwargs: Any) -> EngineConfig:
         """Build a config from flat vLLM-style keyword arguments."""
         parts: dict[type, dict[str, Any]] = {c: {} for c in _SECTIONS}
+        section_of = {f.name: section for section, f in engine_arg_fields()}
         extras = {}
         for key, value in kwargs.items():
-            for section in _SECTIONS:
-                if key in _init_fields(section):
-                    parts[section][key] = value
-                    break
+            if key in section_of:
+                parts[section_of[key]][key] = value
+            elif key in ("lora_config", "speculative_config", "observability_config"):
+                extras[key] = value
             else:
-                if key in ("lora_config", "speculative_config", "observability_config"):
-                    extras[key] = value
-                else:
-                    raise ConfigurationError(f"{key}: unknown engine argument")
+                raise ConfigurationError(f"{key}: unknown engine argument")
         return cls(
             model_config=ModelConfig(model=str(model), **parts[ModelConfig]),
             cache_config=CacheConfig(**parts[CacheConfig]),
@@ -306,6 +304,9 @@ class EngineConfig:
 _SECTIONS = (ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, DeviceConfig, LoadConfig)
 
 
-def _init_fields(section: type) -> set[str]:
-    return {f.name for f in dataclasses.fields(section) if f.init and f.name != "model"
-            and not (section is SchedulerConfig and f.name == "max_model_len")}
+def engine_arg_fields() -> list[tuple[type, dataclasses.Field]]:
+    """(section, field) for each keyword argument from_kwargs routes to a section: the init
+    fields, less `model` (positional) and the scheduler's copy of max_model_len."""
+    return [(section, f) for section in _SECTIONS for f in dataclasses.fields(section)
+            if f.init and f.name != "model"
+            and not (section is SchedulerConfig and f.name == "max_model_len")]
