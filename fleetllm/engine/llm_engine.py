@@ -113,26 +113,26 @@ class LLMEngine:
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         n, limit = len(token_ids), self.model_config.max_model_len
-        vocab = self.model_config.arch.vocab_size
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
         if n > limit:
             raise InvalidRequestError(f"the prompt has {n} tokens, more than max_model_len="
                                       f"{limit}; shorten it or raise max_model_len")
-        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                                      f"[0, {vocab})")
+        self._check_in_vocab("prompt token ids", token_ids)
         cc = self.config.cache_config
         if math.ceil(n / cc.block_size) > cc.num_gpu_blocks:
             raise InvalidRequestError(f"the prompt needs {math.ceil(n / cc.block_size)} KV "
                                       f"blocks but the whole pool has {cc.num_gpu_blocks}")
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
-                                      f"[0, {vocab})")
+        self._check_in_vocab("stop_token_ids", params.stop_token_ids)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none")
+
+    def _check_in_vocab(self, what: str, ids: list[int]) -> None:
+        vocab = self.model_config.arch.vocab_size
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise InvalidRequestError(f"{what} {bad[:5]} are outside the vocabulary "
+                                      f"[0, {vocab})")
 
     def abort_request(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
