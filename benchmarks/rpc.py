@@ -51,8 +51,8 @@ def bench_backend(model: str, backend: str, tp: int, pp: int, iters: int) -> dic
     from fleetllm.executor import Executor
     from fleetllm.sequence import ExecuteModelRequest
 
-    load_format = "dummy" if not (Path(model) / "model.safetensors").exists() and not any(
-        Path(model).glob("*.safetensors")) else "auto"
+    # Without weights (the default tiny config) the workers use random ones.
+    load_format = "auto" if any(Path(model).glob("*.safetensors")) else "dummy"
     cfg = EngineConfig.from_kwargs(model=model, tensor_parallel_size=tp,
                                    pipeline_parallel_size=pp,
                                    distributed_executor_backend=backend,
