@@ -89,6 +89,13 @@ def remote_error(rank: int, exc: BaseException, remote_traceback: str) -> BaseEx
     return err
 
 
+class EngineShutdownError(FleetLLMError, RuntimeError):
+    """The LLM / engine / executor was shut down (or is shutting down): create a new one.
+    Not a crash: nothing is restarted or retried on it."""
+
+    code = "E008"
+
+
 class InvalidRequestError(FleetLLMError, ValueError):
     """A request that can never be served (too long, bad token ids, duplicate id, ...).
     Rejected before it is queued; other requests are unaffected."""
