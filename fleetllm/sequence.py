@@ -28,6 +28,9 @@ class SequenceData:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are already in the cache
+    # Which of the request's n samples this is (0 for the first). Seeded sampling draws from
+    # (seed, sample_index, position), so a recomputed or re-run sample draws the same tokens.
+    sample_index: int = 0
 
     def get_len(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -49,7 +52,10 @@ class SequenceData:
 class SequenceGroupMetadata:
     """One request's slice of a step. `token_chunk_size` new tokens per sequence are computed,
     starting at each sequence's num_computed_tokens; None means all uncomputed tokens. A
-    non-final prefill chunk has do_sample=False."""
+    non-final prefill chunk has do_sample=False. `is_prompt` is the group's stage as the
+    scheduler records it (a prompt, or a recompute after preemption, until its first sampled
+    step completes), never inferred from token counts: a final prefill chunk of one token is
+    still a prompt step, and a fresh prompt's sampled step draws all n samples."""
 
     request_id: str
     is_prompt: bool
@@ -118,7 +124,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH_CAPPED = "length"
     FINISHED_ABORTED = "abort"
-    FINISHED_IGNORED = "ignored"  # rejected: could never be scheduled
+    FINISHED_IGNORED = "error"  # could never be scheduled (SequenceGroup.error says why)
 
     @property
     def finished(self) -> bool:
@@ -126,8 +132,6 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        if self is SequenceStatus.FINISHED_IGNORED:
-            return "length"  # as vLLM reports a request that could never be scheduled
         return self.value if self.finished else None
 
 
@@ -140,6 +144,9 @@ class Sequence:
         self.data = SequenceData(list(prompt_token_ids))
         self.status = SequenceStatus.WAITING
         self.output_text = ""
+        # Characters at the end of output_text not shown yet: they could still begin a stop
+        # string, and text once returned is never taken back (streaming needs that).
+        self.held_back = 0
         self.output_logprobs: list[dict[int, Logprob]] = []
         self.cumulative_logprob = 0.0
         self.stop_reason: int | str | None = None
@@ -159,6 +166,11 @@ class Sequence:
     def get_len(self) -> int:
         return self.data.get_len()
 
+    @property
+    def visible_text(self) -> str:
+        """The output text that may be shown: all of it but what is held back."""
+        return self.output_text[:len(self.output_text) - self.held_back]
+
     def append_token(self, token_id: int, logprobs: dict[int, Logprob]) -> None:
         self.data.output_token_ids.append(token_id)
         self.output_logprobs.append(logprobs)
@@ -168,13 +180,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    def fork(self, new_seq_id: int) -> Sequence:
+    def fork(self, new_seq_id: int, sample_index: int) -> Sequence:
         child = Sequence.__new__(Sequence)
         child.__dict__.update(self.__dict__)
         child.seq_id = new_seq_id
         child.data = SequenceData(self.data.prompt_token_ids,
                                   list(self.data.output_token_ids),
-                                  self.data.num_computed_tokens)
+                                  self.data.num_computed_tokens, sample_index)
         child.output_logprobs = list(self.output_logprobs)
         child.tokens = None if self.tokens is None else list(self.tokens)
         return child
@@ -200,6 +212,10 @@ class SequenceGroup:
         self.metrics = RequestMetrics(arrival_time or time.time())
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             None if sampling_params.prompt_logprobs is None else [])
+        # The stage, set by the scheduler: True from admission (and again after a recompute
+        # preemption) until a step that sampled from it has been applied.
+        self.in_prefill = True
+        self.error: str | None = None  # why it ended with finish_reason "error"
 
     @property
     def prompt(self) -> str | None:
@@ -227,8 +243,7 @@ class SequenceGroup:
 
     def is_prefill(self) -> bool:
         """Still computing its prompt (or recomputing after preemption)."""
-        return any(s.data.num_uncomputed_tokens() > 1 for s in self.unfinished_seqs()) or \
-            all(s.data.num_computed_tokens == 0 for s in self.unfinished_seqs())
+        return self.in_prefill
 
     def max_num_running_seqs(self) -> int:
         """Sequences this group will run at its widest: n before its prompt is sampled."""

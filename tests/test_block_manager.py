@@ -27,7 +27,7 @@ def make_group(num_tokens: int, rid: str = "r") -> SequenceGroup:
 
 
 def fork_into(bm: BlockManager, group: SequenceGroup, parent: Sequence) -> Sequence:
-    child = parent.fork(next(_ids))
+    child = parent.fork(next(_ids), sample_index=1)
     bm.fork(parent, child)
     group.seqs.append(child)
     return child

@@ -8,15 +8,15 @@ from collections import Counter
 import torch
 
 from fleetllm.sampling_params import SamplingParams
-from fleetllm.worker.sampler import SampleRow, prompt_logprobs, sample
+from fleetllm.worker.sampler import SampleRow, draw_seed, prompt_logprobs, sample
 
 LOGITS = torch.log(torch.tensor([0.40, 0.25, 0.15, 0.10, 0.05, 0.03, 0.02]))
 
 
 def draw(params: SamplingParams, times: int = 400, outputs=(), prompt=(), seed=None,
          logits=LOGITS) -> Counter:
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    rows = [SampleRow(0, params, list(prompt), list(outputs), gen) for _ in range(times)]
+    rows = [SampleRow(0, params, list(prompt), list(outputs),
+                      None if seed is None else draw_seed(seed, 0, i)) for i in range(times)]
     return Counter(sample(logits.unsqueeze(0), rows).token_ids)
 
 
@@ -70,17 +70,33 @@ def test_min_tokens_blocks_stop_tokens():
 
 def test_seeded_draws_are_reproducible_and_independent_of_the_batch():
     params = SamplingParams(temperature=1.0, seed=7)
-    gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    alone = [sample(LOGITS.unsqueeze(0), [SampleRow(0, params, [], [], gen_a)]).token_ids[0]
-             for _ in range(20)]
+    alone = [sample(LOGITS.unsqueeze(0), [SampleRow(0, params, [], [], draw_seed(7, 0, p))]
+                    ).token_ids[0] for p in range(20)]
     crowd = []
-    for _ in range(20):  # the same request among unseeded neighbours
+    for p in range(20):  # the same request among unseeded neighbours
         rows = [SampleRow(0, SamplingParams(temperature=1.0), [], [], None),
-                SampleRow(0, params, [], [], gen_b),
+                SampleRow(0, params, [], [], draw_seed(7, 0, p)),
                 SampleRow(0, SamplingParams(temperature=1.0), [], [], None)]
         crowd.append(sample(LOGITS.unsqueeze(0), rows).token_ids[1])
     assert alone == crowd
     assert len(set(alone)) > 1
+
+
+def test_draw_seeds_are_a_function_of_seed_sample_and_position():
+    """Counter-based: the same (seed, sample, position) always draws the same token, in any
+    order, and changing any of the three gives another stream."""
+    def token(seed: int, index: int, position: int) -> int:
+        row = SampleRow(0, SamplingParams(temperature=1.0, seed=seed), [], [],
+                        draw_seed(seed, index, position))
+        return sample(LOGITS.unsqueeze(0), [row]).token_ids[0]
+
+    forward = [token(3, 1, p) for p in range(40)]
+    assert [token(3, 1, p) for p in reversed(range(40))] == forward[::-1]
+    assert forward != [token(3, 0, p) for p in range(40)]
+    assert forward != [token(4, 1, p) for p in range(40)]
+    assert forward != [token(3, 1, p + 1) for p in range(40)]
+    seeds = {draw_seed(s, i, p) for s in range(4) for i in range(4) for p in range(64)}
+    assert len(seeds) == 4 * 4 * 64 and all(0 <= x < 1 << 63 for x in seeds)
 
 
 def test_prompt_logprobs_rank_and_top_n():

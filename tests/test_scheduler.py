@@ -1,7 +1,7 @@
 """Scheduler: budgets, chunked prefill, priorities, preemption, abort and ignore.
 
-`FakeEngine` plays the engine's part of the step loop (advance num_computed_tokens by the
-chunk, sample a token when do_sample, fork n > 1 requests, finish after max_tokens) and keeps
+`FakeEngine` plays the engine's part of the step loop (`complete_step`, sample a token when
+do_sample, fork n > 1 requests, finish after max_tokens) and keeps
 a fake KV cache: every step it applies the swaps and copies the scheduler asked for, writes
 each scheduled token into the slot its block table names, and checks that every scheduled
 sequence reads back its own tokens. A block handed to two owners, a lost swap or a missed
@@ -18,7 +18,6 @@ import pytest
 
 from fleetllm.config import CacheConfig, SchedulerConfig
 from fleetllm.core.scheduler import Scheduler, SchedulerOutputs
-from fleetllm.errors import OutOfMemoryError
 from fleetllm.sampling_params import SamplingParams
 from fleetllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -50,6 +49,7 @@ class FakeEngine:
         self.cpu: dict[tuple[int, int], int] = {}
         self.first_scheduled: list[str] = []
         self.finished: list[str] = []
+        self.in_prompt: dict[str, bool] = {}  # the stage each request must be sent with
         self.steps = 0
 
     def add(self, group: SequenceGroup) -> SequenceGroup:
@@ -87,7 +87,11 @@ class FakeEngine:
                 end = start + meta.token_chunk_size
                 assert end <= data.get_len()
                 assert meta.do_sample == (end == data.get_len())
-                assert meta.is_prompt == (meta.token_chunk_size > 1 or start == 0)
+                if start == 0:  # admitted, or recomputed after preemption
+                    self.in_prompt[meta.request_id] = True
+                # The stage is the scheduler's record, not a guess from token counts: a
+                # final prompt chunk of one token is still a prompt step.
+                assert meta.is_prompt == self.in_prompt[meta.request_id]
                 table = meta.block_tables[seq_id]
                 for p in range(start, end):  # the forward pass writes all new K/V first...
                     self.gpu[(table[p // self.bs], p % self.bs)] = data.token_at(p)
@@ -95,23 +99,24 @@ class FakeEngine:
         for table, data, end in spans:  # ...then attention reads each sequence's context
             got = [self.gpu.get((table[p // self.bs], p % self.bs)) for p in range(end)]
             assert got == data.all_token_ids[:end], "a sequence read someone else's K/V"
+        self.sched.complete_step(out)
         for sched in out.scheduled_seq_groups:
-            self._advance(sched.seq_group, sched.token_chunk_size, sched.do_sample)
+            if sched.do_sample:
+                self.in_prompt[sched.seq_group.request_id] = False
+            self._advance(sched.seq_group, sched.do_sample)
             if sched.seq_group.request_id not in self.first_scheduled:
                 self.first_scheduled.append(sched.seq_group.request_id)
         self.finished += self.sched.free_finished_seq_groups()
         return out
 
-    def _advance(self, group: SequenceGroup, chunk: int, do_sample: bool) -> None:
+    def _advance(self, group: SequenceGroup, do_sample: bool) -> None:
         seqs = group.get_seqs(SequenceStatus.RUNNING)
-        for seq in seqs:
-            seq.data.num_computed_tokens += chunk
         if not do_sample:
             return
         params = group.sampling_params
         if params.n > 1 and len(group.seqs) == 1 and not seqs[0].output_token_ids:
-            for _ in range(params.n - 1):  # fork after the prompt is done: share its blocks
-                child = seqs[0].fork(next(_ids))
+            for index in range(1, params.n):  # fork after the prompt: share its blocks
+                child = seqs[0].fork(next(_ids), sample_index=index)
                 self.sched.fork_seq(seqs[0], child)
                 group.seqs.append(child)
             seqs = group.seqs
@@ -265,7 +270,7 @@ def test_swap_preemption_round_trip():
     assert_all_free(engine.sched)
 
 
-def test_multi_sequence_group_is_swapped_even_in_recompute_mode():
+def test_multi_sequence_group_is_swapped_even_in_recompute_mode_else_recomputed():
     # "pair" alone needs 9 blocks at its longest (a shared prompt block + 4 each), "old" 4.
     engine = FakeEngine(make_scheduler(block_size=4, gpu=10, cpu=16))
     engine.add(make_group("old", 4, max_tokens=12, arrival=1.0))
@@ -277,11 +282,15 @@ def test_multi_sequence_group_is_swapped_even_in_recompute_mode():
     engine.run()
     assert_completed(pair)
 
+    # No CPU pool: the pair is recomputed, both samples (2 x 5 blocks unshared fit in 10).
     no_cpu = FakeEngine(make_scheduler(block_size=4, gpu=10, cpu=0))
-    no_cpu.add(make_group("old", 4, max_tokens=12, arrival=1.0))
-    no_cpu.add(make_group("pair", 5, max_tokens=12, n=2, arrival=2.0))
-    with pytest.raises(OutOfMemoryError, match="swap_space"):
-        no_cpu.run()
+    old = no_cpu.add(make_group("old", 4, max_tokens=12, arrival=1.0))
+    pair = no_cpu.add(make_group("pair", 5, max_tokens=12, n=2, arrival=2.0))
+    no_cpu.run()
+    assert no_cpu.sched.num_preemptions > 0 and not no_cpu.sched.swapped
+    assert_completed(old)
+    assert_completed(pair)
+    assert_all_free(no_cpu.sched)
 
 
 def test_abort_frees_every_block():

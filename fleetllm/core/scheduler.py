@@ -11,10 +11,16 @@ Each step picks which requests run and how many tokens each computes, within a t
 3. if nothing was preempted and none is left swapped: waiting groups, FCFS, each with a chunk of
    its prompt; admission stops at the first that does not fit.
 
-Who updates what: the scheduler moves groups between queues, sets sequence statuses and owns
-the block tables. It never advances `num_computed_tokens` (except resetting it to 0 on
-recompute preemption): the engine adds each scheduled group's `token_chunk_size` to its
-sequences after the step, then appends sampled tokens.
+Who updates what: the scheduler moves groups between queues, sets sequence statuses, owns the
+block tables and each group's stage (`in_prefill`). `schedule()` only plans: once the workers
+have run the step, the engine calls `complete_step()` (the chunks are now cached; a sampled
+group leaves the prefill stage), then appends the sampled tokens. If the step failed instead,
+`requeue_after_failed_step()` sends every group the step touched back to be recomputed (its
+KV blocks may be half-written, its swap or copy may not have happened): no token is lost.
+
+Preemption: a single sequence is recomputed or swapped (`preemption_mode`); a group of n > 1
+samples is swapped when the CPU pool has room (its samples keep sharing their prompt blocks),
+else recomputed, every sample from its prompt and its own tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ from dataclasses import dataclass, field
 
 from fleetllm.config import CacheConfig, SchedulerConfig
 from fleetllm.core.block_manager import BlockManager
-from fleetllm.errors import OutOfMemoryError
 from fleetllm.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
 
 
@@ -46,6 +51,7 @@ class SchedulerOutputs:
     blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)  # {src: [dst, ...]}
     # Requests that can never be scheduled; their seqs are FINISHED_IGNORED.
     ignored_seq_groups: list[SequenceGroup] = field(default_factory=list)
+    swapped_out: list[SequenceGroup] = field(default_factory=list)  # preempted by swapping
     preempted: int = 0  # groups preempted this step
     running_queue_size: int = 0
 
@@ -125,6 +131,38 @@ class Scheduler:
         ids, self._finished_ids = self._finished_ids, []
         return ids
 
+    def complete_step(self, out: SchedulerOutputs) -> None:
+        """The workers ran `out`: its chunks are cached now; a group that sampled has left the
+        prefill stage. (Call before appending the sampled tokens.)"""
+        for scheduled in out.scheduled_seq_groups:
+            group = scheduled.seq_group
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                seq.data.num_computed_tokens += scheduled.token_chunk_size
+            if scheduled.do_sample:
+                group.in_prefill = False
+
+    def requeue_after_failed_step(self, out: SchedulerOutputs) -> None:
+        """The step `out` failed: its groups (and the ones it swapped out, whose copy may not
+        have happened) drop their KV state and wait to be recomputed. Their tokens are kept;
+        other groups are untouched."""
+        touched = [s.seq_group for s in out.scheduled_seq_groups] + out.swapped_out
+        ids = {id(g) for g in touched}
+        for queue in (self.running, self.swapped):
+            for group in [g for g in queue if id(g) in ids]:
+                queue.remove(group)
+        for group in touched:
+            if not group.is_finished() and group not in self.waiting:
+                self._reset_for_recompute(group)
+                self.waiting.append(group)
+        self.waiting = _by_arrival(self.waiting)
+
+    def _reset_for_recompute(self, group: SequenceGroup) -> None:
+        for seq in group.unfinished_seqs():
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.WAITING
+            seq.data.num_computed_tokens = 0
+        group.in_prefill = True
+
     def _reap_finished(self) -> None:
         kept: deque[SequenceGroup] = deque()
         for group in self.running:
@@ -193,7 +231,8 @@ class Scheduler:
             n = len(group.unfinished_seqs())
             chunk = min(self._uncomputed(group), budget.tokens_left // n)
             if bm.num_required_blocks(group, max(chunk, 1)) > bm.num_gpu_blocks:
-                self._ignore(self.swapped.popleft(), out)  # cannot fit even alone
+                self._ignore(self.swapped.popleft(), out, "its KV blocks no longer fit in "
+                             f"the whole pool of {bm.num_gpu_blocks} blocks")
                 continue
             if chunk <= 0 or not budget.fits_seqs(n) or not bm.can_swap_in(group, chunk):
                 break
@@ -211,9 +250,12 @@ class Scheduler:
             group = self.waiting[0]
             seqs = group.unfinished_seqs()
             width = group.max_num_running_seqs()
-            if (width > self.config.max_num_seqs
-                    or len(seqs) * bm.num_blocks_for(seqs[0].get_len()) > bm.num_gpu_blocks):
-                self._ignore(self.waiting.popleft(), out)  # could never be scheduled
+            need = len(seqs) * bm.num_blocks_for(seqs[0].get_len())
+            if width > self.config.max_num_seqs or need > bm.num_gpu_blocks:
+                self._ignore(self.waiting.popleft(), out,  # could never be scheduled
+                             f"{width} sequences of {seqs[0].get_len()} tokens need {need} KV "
+                             f"blocks and {width} of max_num_seqs={self.config.max_num_seqs}; "
+                             f"the pool has {bm.num_gpu_blocks} blocks")
                 continue
             chunk = min(self._uncomputed(group), budget.tokens_left // len(seqs))
             if chunk <= 0 or not budget.fits_seqs(width) or not bm.can_allocate(group, chunk):
@@ -257,30 +299,24 @@ class Scheduler:
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutputs) -> None:
         seqs = group.unfinished_seqs()
-        # Forked sequences can only be swapped; a single one falls back to recompute when the
-        # CPU pool is full.
-        swap = len(seqs) > 1 or (self.config.preemption_mode == "swap"
-                                 and self.block_manager.can_swap_out(group))
+        # Forked samples prefer swapping (they keep sharing their prompt blocks); anything
+        # falls back to recompute when the CPU pool cannot take it.
+        swap = (len(seqs) > 1 or self.config.preemption_mode == "swap") and \
+            self.block_manager.can_swap_out(group)
         if swap:
-            if not self.block_manager.can_swap_out(group):
-                raise OutOfMemoryError(
-                    f"request {group.request_id} must be preempted by swapping but the CPU "
-                    f"swap pool ({self.block_manager.num_cpu_blocks} blocks) is full; raise "
-                    "swap_space (or lower max_num_seqs / n)")
             out.blocks_to_swap_out.update(self.block_manager.swap_out(group))
             for seq in seqs:
                 seq.status = SequenceStatus.SWAPPED
             self.swapped.append(group)
+            out.swapped_out.append(group)
         else:  # recompute: drop the cache; the prompt and outputs are prefilled again later
-            for seq in seqs:
-                self.block_manager.free(seq)
-                seq.status = SequenceStatus.WAITING
-                seq.data.num_computed_tokens = 0
+            self._reset_for_recompute(group)
             self.waiting.appendleft(group)
         out.preempted += 1
         self.num_preemptions += 1
 
-    def _ignore(self, group: SequenceGroup, out: SchedulerOutputs) -> None:
+    def _ignore(self, group: SequenceGroup, out: SchedulerOutputs, why: str) -> None:
+        group.error = f"request {group.request_id} cannot be scheduled: {why}"
         for seq in group.seqs:
             if not seq.is_finished():
                 seq.status = SequenceStatus.FINISHED_IGNORED

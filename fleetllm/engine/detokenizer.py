@@ -59,17 +59,34 @@ class Detokenizer:
 
 
 def find_stop_string(seq: Sequence, new_text_len: int, params: SamplingParams) -> str | None:
-    """If a stop string appeared in the newly added text, truncate the output there (keeping
-    the stop string when include_stop_str_in_output) and return it."""
+    """If a stop string appeared in the newly added text, truncate the output at the earliest
+    match (keeping the stop string when include_stop_str_in_output) and return it. Of several
+    matches the one that starts first wins, whatever the order of the list."""
     if not params.stop or not new_text_len:
         return None
     text = seq.output_text
+    best: tuple[int, str] | None = None
     for stop in params.stop:
         # Only matches that overlap the new text can be new.
         start = max(0, len(text) - new_text_len - len(stop) + 1)
         index = text.find(stop, start)
-        if index != -1:
-            end = index + len(stop) if params.include_stop_str_in_output else index
-            seq.output_text = text[:end]
-            return stop
-    return None
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, stop)
+    if best is None:
+        return None
+    index, stop = best
+    seq.output_text = text[:index + len(stop) if params.include_stop_str_in_output else index]
+    return stop
+
+
+def held_back_length(text: str, stops: list[str]) -> int:
+    """Length of the longest end of `text` that could still grow into a stop string (a proper
+    prefix of one). Showing only what comes before it keeps streamed text monotonic: a stop
+    string found later never cuts into text already returned."""
+    held = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), held, -1):
+            if text.endswith(stop[:k]):
+                held = k
+                break
+    return held

@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from fleetllm.config import EngineConfig, read_json
 from fleetllm.core.scheduler import Scheduler, SchedulerOutputs
-from fleetllm.engine.detokenizer import Detokenizer, find_stop_string
+from fleetllm.engine.detokenizer import Detokenizer, find_stop_string, held_back_length
 from fleetllm.engine.outputs import RequestOutput
 from fleetllm.errors import InvalidRequestError
 from fleetllm.executor import Executor
@@ -59,7 +60,15 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
         self.seq_groups: dict[str, SequenceGroup] = {}
         self._seq_ids = itertools.count()
+        # Ended since the workers last heard: they drop per-request state for these ids.
         self._finished_since_last_step: list[str] = []
+        self._unreported: list[SequenceGroup] = []  # ended without a step; reported next
+        # add_request/abort_request may come from another thread while step() runs: they are
+        # applied when the step ends, never in the middle of one.
+        self._lock = threading.Lock()
+        self._stepping = False
+        self._deferred_adds: list[SequenceGroup] = []
+        self._deferred_aborts: list[str] = []
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs: Any) -> LLMEngine:
@@ -85,8 +94,6 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         """Queue a request. Raises InvalidRequestError (and queues nothing) if it can never be
         served."""
-        if request_id in self.seq_groups:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         # A copy: the caller's SamplingParams may serve other requests (and other models).
         params = dataclasses.replace(sampling_params or SamplingParams(),
@@ -95,8 +102,14 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), text, token_ids)
         self.detokenizer.start(seq, params)
         group = SequenceGroup(request_id, [seq], params, arrival_time)
-        self.seq_groups[request_id] = group
-        self.scheduler.add_seq_group(group)
+        with self._lock:
+            if request_id in self.seq_groups:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            self.seq_groups[request_id] = group
+            if self._stepping:
+                self._deferred_adds.append(group)
+            else:
+                self.scheduler.add_seq_group(group)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -135,36 +148,74 @@ class LLMEngine:
                                       f"[0, {vocab})")
 
     def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop requests and free their blocks. No output for them is returned after this
+        call returns (an abort that lands while a step runs, from another thread, is applied
+        when that step ends and that step's outputs for them are dropped)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._lock:
+            if self._stepping:
+                self._deferred_aborts.extend(ids)
+                return
+            self._abort(ids)
+
+    def _abort(self, ids: list[str]) -> None:
         self.scheduler.abort_seq_group(ids)
         for rid in ids:
             if self.seq_groups.pop(rid, None) is not None:
                 self._finished_since_last_step.append(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_seqs()
+        return self.scheduler.has_unfinished_seqs() or bool(self._unreported)
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_seq_groups()
+        return self.scheduler.get_num_unfinished_seq_groups() + len(self._unreported)
 
     # ----------------------------------------------------------------- the loop
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, run and apply one step. Atomic: if the executor raises, no token is
+        appended and no output is lost; the groups the step touched are recomputed by a later
+        step (their KV blocks may be half-written), and the exception propagates."""
+        with self._lock:
+            self._stepping = True
+        try:
+            outputs = self._step()
+        finally:
+            with self._lock:
+                self._stepping = False
+                for group in self._deferred_adds:
+                    self.scheduler.add_seq_group(group)
+                aborted, self._deferred_aborts, self._deferred_adds = \
+                    set(self._deferred_aborts), [], []
+                if aborted:
+                    self._abort(list(aborted))
+        return [o for o in outputs if o.request_id not in aborted] if aborted else outputs
+
+    def _step(self) -> list[RequestOutput]:
         metadata, sched = self.scheduler.schedule()
+        # Requests that can never be scheduled end here; reported even if the step fails.
+        for group in sched.ignored_seq_groups:  # may have run before: workers drop its state
+            self.seq_groups.pop(group.request_id, None)
+            self._finished_since_last_step.append(group.request_id)
+            self._unreported.append(group)
         outputs: list[RequestOutput] = []
         if not sched.is_empty:
+            finished_ids = list(self._finished_since_last_step)
             request = ExecuteModelRequest(
                 metadata, blocks_to_swap_in=sched.blocks_to_swap_in,
                 blocks_to_swap_out=sched.blocks_to_swap_out,
                 blocks_to_copy=sched.blocks_to_copy, running_queue_size=sched.running_queue_size,
-                finished_requests_ids=self._finished_since_last_step)
-            self._finished_since_last_step = []
-            [result] = self.model_executor.execute_model(request)
+                finished_requests_ids=finished_ids)
+            try:
+                [result] = self.model_executor.execute_model(request)
+            except BaseException:
+                self.scheduler.requeue_after_failed_step(sched)
+                raise
+            del self._finished_since_last_step[:len(finished_ids)]  # the workers have them
+            self.scheduler.complete_step(sched)
             outputs = self._process(sched, result)
-        for group in sched.ignored_seq_groups:  # may have run before: workers drop its state
-            self.seq_groups.pop(group.request_id, None)
-            self._finished_since_last_step.append(group.request_id)
-            outputs.append(RequestOutput.from_seq_group(group))
+        outputs += [RequestOutput.from_seq_group(g) for g in self._unreported]
+        self._unreported = []
         self._finished_since_last_step += self.scheduler.free_finished_seq_groups()
         return outputs
 
@@ -174,10 +225,10 @@ class LLMEngine:
         for scheduled, group_out in zip(sched.scheduled_seq_groups, result.outputs,
                                         strict=True):
             group = scheduled.seq_group
+            if group.is_finished():  # aborted while the step ran
+                continue
             seqs = group.get_seqs(SequenceStatus.RUNNING)
-            chunk_start = seqs[0].data.num_computed_tokens
-            for seq in seqs:
-                seq.data.num_computed_tokens += scheduled.token_chunk_size
+            chunk_start = seqs[0].data.num_computed_tokens - scheduled.token_chunk_size
             if group_out.prompt_logprobs is not None and group.prompt_logprobs is not None:
                 if chunk_start == 0:  # computed from its first token (again, if preempted)
                     group.prompt_logprobs = list(group_out.prompt_logprobs)
@@ -202,8 +253,9 @@ class LLMEngine:
         for parent_id, parent_samples in by_parent.items():
             parent = by_id[parent_id]
             seqs = [parent]
-            for _ in parent_samples[1:]:  # n > 1: the prompt's other samples fork the parent
-                child = parent.fork(next(self._seq_ids))
+            # n > 1: a fresh prompt's samples 1..n-1 fork the parent (sample 0), in order.
+            for index in range(1, len(parent_samples)):
+                child = parent.fork(next(self._seq_ids), sample_index=index)
                 self.scheduler.fork_seq(parent, child)
                 group.seqs.append(child)
                 seqs.append(child)
@@ -211,23 +263,24 @@ class LLMEngine:
                 seq.append_token(sample.output_token, sample.logprobs)
                 self._check_stop(seq, group.sampling_params)
                 if seq.is_finished():
+                    seq.held_back = 0  # the whole text is final now
                     self.scheduler.free_seq(seq)
 
     def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
         if params.logprobs is not None:
             self.detokenizer.decode_logprobs(seq.output_logprobs[-1])
-        new_text = self.detokenizer.decode_new_token(seq, params)
         token = seq.output_token_ids[-1]
         n_out = len(seq.output_token_ids)
+        eos = not params.ignore_eos and token in params.eos_token_ids
+        stop_token = n_out >= params.min_tokens and (eos or token in params.stop_token_ids)
+        # The stopping token's text is not part of the output (as in vLLM): not decoded.
+        new_text = "" if stop_token and not params.include_stop_str_in_output else \
+            self.detokenizer.decode_new_token(seq, params)
+        if stop_token:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            seq.stop_reason = None if eos else token
+            return
         if n_out >= params.min_tokens:
-            eos = not params.ignore_eos and token in params.eos_token_ids
-            if eos or token in params.stop_token_ids:
-                # The stopping token's text is not part of the output (as in vLLM).
-                if new_text and not params.include_stop_str_in_output:
-                    seq.output_text = seq.output_text[:-len(new_text)]
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                seq.stop_reason = None if eos else token
-                return
             stop = find_stop_string(seq, len(new_text), params)
             if stop is not None:
                 seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
@@ -235,6 +288,8 @@ class LLMEngine:
         if (params.max_tokens is not None and n_out >= params.max_tokens) or \
                 seq.get_len() >= self.model_config.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+            return
+        seq.held_back = held_back_length(seq.output_text, params.stop)
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()

@@ -36,13 +36,14 @@ class RequestOutput:
     def from_seq_group(cls, group: SequenceGroup) -> RequestOutput:
         want_logprobs = group.sampling_params.logprobs is not None
         outputs = [CompletionOutput(
-            index=i, text=seq.output_text, token_ids=list(seq.output_token_ids),
+            index=i, text=seq.visible_text, token_ids=list(seq.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob,
             logprobs=list(seq.output_logprobs) if want_logprobs else None,
             finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason)
             for i, seq in enumerate(group.seqs)]
         return cls(group.request_id, group.prompt, list(group.prompt_token_ids),
-                   group.prompt_logprobs, outputs, group.is_finished(), group.metrics)
+                   group.prompt_logprobs, outputs, group.is_finished(), group.metrics,
+                   group.error)
 
     @classmethod
     def rejected(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],

@@ -31,7 +31,8 @@ class EncodedRequest:
     """An ExecuteModelRequest with token histories replaced by deltas where possible."""
 
     # per group: (request_id, is_prompt, seqs, sampling_params or None, block_tables,
-    #             token_chunk_size, do_sample); seqs: [(seq_id, kind, a, b, num_computed)]
+    #             token_chunk_size, do_sample);
+    #   seqs: [(seq_id, kind, a, b, num_computed, sample_index)]
     #   kind _FULL: a = prompt ids, b = output ids; _DELTA: a = None, b = new output ids
     groups: list[tuple]
     blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
@@ -94,9 +95,11 @@ class DeltaEncoder:
                 if (st is not None and st[0] == rid and st[2] == len(prompt)
                         and (st[1] is prompt or st[1] == prompt) and st[3] <= len(out)
                         and (st[3] == 0 or out[st[3] - 1] == st[4])):
-                    seqs.append((sid, _DELTA, None, out[st[3]:], data.num_computed_tokens))
+                    seqs.append((sid, _DELTA, None, out[st[3]:], data.num_computed_tokens,
+                                 data.sample_index))
                 else:
-                    seqs.append((sid, _FULL, list(prompt), list(out), data.num_computed_tokens))
+                    seqs.append((sid, _FULL, list(prompt), list(out), data.num_computed_tokens,
+                                 data.sample_index))
                     if st is not None and st[0] != rid:
                         self.req_seqs.get(st[0], set()).discard(sid)
                     st = self.seqs[sid] = [rid, prompt, len(prompt), 0, None]
@@ -136,7 +139,7 @@ class DeltaDecoder:
         for rid, _, seqs, params, *_ in enc.groups:
             if params is None and rid not in self.params:
                 raise DeltaDesync(f"no sampling params cached for request {rid!r}")
-            for sid, kind, _, _, _ in seqs:
+            for sid, kind, *_ in seqs:
                 if kind == _DELTA and (sid not in self.seqs or self.seqs[sid][0] != rid):
                     raise DeltaDesync(f"sequence {sid} of request {rid!r} is not cached")
         groups = []
@@ -146,7 +149,7 @@ class DeltaDecoder:
             else:
                 self.params[rid] = params
             seq_data = {}
-            for sid, kind, a, b, computed in seqs:
+            for sid, kind, a, b, computed, sample_index in seqs:
                 if kind == _DELTA:
                     _, prompt, out = self.seqs[sid]
                     out.extend(b)
@@ -157,7 +160,7 @@ class DeltaDecoder:
                     prompt, out = a, b
                     self.seqs[sid] = (rid, prompt, out)
                     self.req_seqs.setdefault(rid, set()).add(sid)
-                seq_data[sid] = SequenceData(prompt, out, computed)
+                seq_data[sid] = SequenceData(prompt, out, computed, sample_index)
             groups.append(SequenceGroupMetadata(rid, is_prompt, seq_data, params, tables, chunk,
                                                 do_sample))
         return ExecuteModelRequest(groups, enc.blocks_to_swap_in, enc.blocks_to_swap_out,

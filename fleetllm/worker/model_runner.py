@@ -40,7 +40,6 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.is_output_rank = is_output_rank
         self.model = None
-        self.generators: dict[str, torch.Generator] = {}  # per seeded request
 
     def load_model(self) -> None:
         self.model = build_model(self.config, self.device)
@@ -49,8 +48,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, request: ExecuteModelRequest,
                       kv_caches: list[torch.Tensor] | None) -> SamplerOutput | None:
-        for request_id in request.finished_requests_ids:
-            self.generators.pop(request_id, None)
         if not request.seq_group_metadata_list:
             return SamplerOutput([]) if self.is_output_rank else None
         batch = self._prepare(request)
@@ -119,12 +116,16 @@ class ModelRunner:
                     prompt_lp[g_index] = (len(logits_idx), targets, start == 0)
                     logits_idx.extend(range(q_start, q_start + len(targets)))
                 if group.do_sample:
-                    draws = params.n if (group.is_prompt and len(group.seq_data) == 1
-                                         and not data.output_token_ids) else 1
-                    generator = self._generator(group.request_id, params.seed)
-                    for _ in range(draws):
+                    # A fresh prompt's sampled step draws all n samples (indices 0..n-1);
+                    # after that each sequence draws its own (a recompute too).
+                    fresh = (group.is_prompt and len(group.seq_data) == 1
+                             and not data.output_token_ids)
+                    indices = range(params.n) if fresh else (data.sample_index,)
+                    for index in indices:
+                        seed = None if params.seed is None else \
+                            sampler.draw_seed(params.seed, index, seq_len)
                         rows.append(SampleRow(len(logits_idx), params, data.prompt_token_ids,
-                                              data.output_token_ids, generator))
+                                              data.output_token_ids, seed))
                         owners.append((g_index, seq_id))
                     logits_idx.append(q_start + end - start - 1)
         dev = self.device
@@ -137,13 +138,6 @@ class ModelRunner:
             meta.decode_ctx_lens = torch.tensor(dec_lens, device=dev)
         return _Batch(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
                       logits_idx, rows, owners, prompt_lp)
-
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        if request_id not in self.generators:
-            self.generators[request_id] = torch.Generator(self.device).manual_seed(seed)
-        return self.generators[request_id]
 
     def _sample(self, request: ExecuteModelRequest, batch: _Batch, logits: torch.Tensor
                 ) -> SamplerOutput:

@@ -3,8 +3,10 @@
 Order per row: penalties (repetition, frequency, presence), min_tokens masking, then greedy
 argmax, or temperature -> top-k -> top-p -> min-p -> a draw. Returned logprobs are those of
 the raw model distribution (before penalties and temperature), as vLLM reports them.
-Seeded requests draw from their own torch.Generator, so their tokens do not depend on what
-else is in the batch.
+Seeded draws are counter-based: the noise of a draw is a function of (seed, sample index,
+position) alone, not of a generator's history, so a seeded request's tokens do not depend on
+what else is in the batch, on preemption, on a failed step retried, or on which worker
+process runs it.
 """
 
 from __future__ import annotations
@@ -25,13 +27,26 @@ class SampleRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None
+    seed: int | None  # this draw's own seed (see draw_seed); None: the global generator
 
 
 @dataclass
 class SampleResult:
     token_ids: list[int]
     logprobs: list[dict[int, Logprob]]
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, sample_index: int, position: int) -> int:
+    """The seed of one draw: a splitmix64-style mix of the request's seed, which of its n
+    samples is drawing, and the position of the token drawn."""
+    x = (seed * 0x9E3779B97F4A7C15 + (sample_index + 1) * 0xBF58476D1CE4E5B9
+         + (position + 1) * 0x94D049BB133111EB) & _MASK64
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        x = ((x ^ (x >> shift)) * mult) & _MASK64
+    return (x ^ (x >> 31)) & ((1 << 63) - 1)
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
@@ -96,9 +111,12 @@ def _draw(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p. Per-row noise
     # lets a seeded row use its own generator.
     noise = torch.empty_like(probs).exponential_()
+    generator = None
     for i, r in enumerate(rows):
-        if r.generator is not None:
-            noise[i].exponential_(generator=r.generator)
+        if r.seed is not None:
+            if generator is None:
+                generator = torch.Generator(dev)
+            noise[i].exponential_(generator=generator.manual_seed(r.seed))
     return (probs / noise).argmax(dim=-1)
 
 
