@@ -15,8 +15,10 @@ Who updates what: the scheduler moves groups between queues, sets sequence statu
 block tables and each group's stage (`in_prefill`). `schedule()` only plans: once the workers
 have run the step, the engine calls `complete_step()` (the chunks are now cached; a sampled
 group leaves the prefill stage), then appends the sampled tokens. If the step failed instead,
-`requeue_after_failed_step()` sends every group the step touched back to be recomputed (its
-KV blocks may be half-written, its swap or copy may not have happened): no token is lost.
+`requeue_after_failed_step()` leaves every group as it was before the step (nothing advanced;
+the chunk is computed again by the next step, into the blocks already allocated for it),
+except groups whose blocks the step copied or moved (copy-on-write, swap in or out): that copy
+may not have happened, so they drop their KV and are recomputed. No token is lost.
 
 Preemption: a single sequence is recomputed or swapped (`preemption_mode`); a group of n > 1
 samples is swapped when the CPU pool has room (its samples keep sharing their prompt blocks),
@@ -51,7 +53,8 @@ class SchedulerOutputs:
     blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)  # {src: [dst, ...]}
     # Requests that can never be scheduled; their seqs are FINISHED_IGNORED.
     ignored_seq_groups: list[SequenceGroup] = field(default_factory=list)
-    swapped_out: list[SequenceGroup] = field(default_factory=list)  # preempted by swapping
+    # Groups whose blocks this step copies or moves (copy-on-write, swap in, swap out).
+    kv_moved: list[SequenceGroup] = field(default_factory=list)
     preempted: int = 0  # groups preempted this step
     running_queue_size: int = 0
 
@@ -142,18 +145,15 @@ class Scheduler:
                 group.in_prefill = False
 
     def requeue_after_failed_step(self, out: SchedulerOutputs) -> None:
-        """The step `out` failed: its groups (and the ones it swapped out, whose copy may not
-        have happened) drop their KV state and wait to be recomputed. Their tokens are kept;
-        other groups are untouched."""
-        touched = [s.seq_group for s in out.scheduled_seq_groups] + out.swapped_out
-        ids = {id(g) for g in touched}
+        """The step `out` failed. Groups whose blocks it copied or moved drop their KV and
+        wait to be recomputed (their tokens are kept); all others stay as they are."""
+        moved = {id(g): g for g in out.kv_moved if not g.is_finished()}
         for queue in (self.running, self.swapped):
-            for group in [g for g in queue if id(g) in ids]:
+            for group in [g for g in queue if id(g) in moved]:
                 queue.remove(group)
-        for group in touched:
-            if not group.is_finished() and group not in self.waiting:
-                self._reset_for_recompute(group)
-                self.waiting.append(group)
+        for group in moved.values():
+            self._reset_for_recompute(group)
+            self.waiting.append(group)
         self.waiting = _by_arrival(self.waiting)
 
     def _reset_for_recompute(self, group: SequenceGroup) -> None:
@@ -238,6 +238,7 @@ class Scheduler:
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.update(bm.swap_in(group))
+            out.kv_moved.append(group)
             for seq in group.unfinished_seqs():
                 seq.status = SequenceStatus.RUNNING
             self._schedule_group(group, chunk, n, out, budget, metadata)
@@ -282,6 +283,8 @@ class Scheduler:
             cows = self.block_manager.ensure_slots(seq, seq.data.num_computed_tokens + chunk)
             for src, dst in cows:
                 out.blocks_to_copy.setdefault(src, []).append(dst)
+            if cows and group not in out.kv_moved:
+                out.kv_moved.append(group)
             tables[seq.seq_id] = list(self.block_manager.get_block_table(seq))
         data = seqs[0].data
         do_sample = data.num_computed_tokens + chunk == data.get_len()
@@ -308,7 +311,7 @@ class Scheduler:
             for seq in seqs:
                 seq.status = SequenceStatus.SWAPPED
             self.swapped.append(group)
-            out.swapped_out.append(group)
+            out.kv_moved.append(group)
         else:  # recompute: drop the cache; the prompt and outputs are prefilled again later
             self._reset_for_recompute(group)
             self.waiting.appendleft(group)

@@ -136,6 +136,9 @@ class LLMEngine:
         if math.ceil(n / cc.block_size) > cc.num_gpu_blocks:
             raise InvalidRequestError(f"the prompt needs {math.ceil(n / cc.block_size)} KV "
                                       f"blocks but the whole pool has {cc.num_gpu_blocks}")
+        if params.n > self.scheduler.config.max_num_seqs:
+            raise InvalidRequestError(f"n={params.n} samples can never run together with "
+                                      f"max_num_seqs={self.scheduler.config.max_num_seqs}")
         self._check_in_vocab("stop_token_ids", params.stop_token_ids)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none")
@@ -174,8 +177,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and apply one step. Atomic: if the executor raises, no token is
-        appended and no output is lost; the groups the step touched are recomputed by a later
-        step (their KV blocks may be half-written), and the exception propagates."""
+        appended and no output or finished-request notice is lost; the next step computes the
+        same chunks again (see Scheduler.requeue_after_failed_step), and the exception
+        propagates."""
         with self._lock:
             self._stepping = True
         try:

@@ -1,0 +1,212 @@
+"""Randomized differential test of the scheduler, block manager and engine.
+
+Each workload draws requests (prompts of 1-300 tokens, n 1-4, greedy, seeded or unseeded
+sampling, stop strings, max_tokens 1-24), an engine shape (max_num_batched_tokens 8-256,
+max_num_seqs 1-16, a KV pool from barely enough for the largest request to several times
+that, recompute or swap preemption, with or without a CPU swap pool, block size 4 or 16),
+aborts at random steps and executor faults (a step that raises before or after the workers
+ran). It runs them together and checks, against each request run alone in a large pool with
+no faults:
+- every request gets exactly one terminal output with n completions (an aborted one gets
+  nothing after the abort), and nothing after it;
+- greedy and seeded requests produce identical tokens and text (streamed outputs before
+  the end are prefixes of the reference);
+- streamed text only grows;
+- afterwards every KV block is free (device and CPU pools) and no request is left;
+- no exception escapes except the injected faults.
+
+FLEETLLM_RANDOM_WORKLOADS=N runs more (the default keeps `make test` near a minute);
+FLEETLLM_RANDOM_SEED picks another series.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from fleetllm import LLM, SamplingParams
+from fleetllm.config import CacheConfig, SchedulerConfig
+from fleetllm.core.scheduler import Scheduler
+from fleetllm.errors import InvalidRequestError, RemoteWorkerError
+
+NUM_WORKLOADS = int(os.environ.get("FLEETLLM_RANDOM_WORKLOADS", "60"))
+SERIES = int(os.environ.get("FLEETLLM_RANDOM_SEED", "20261123"))
+STOP_POOL = ["e", "s ", "(", "in", "ar", ":\n", "the", "xyz", "lo w", ")\n    "]
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt: dict
+    params: SamplingParams
+    abort_at: int | None = None  # step index at which it is aborted
+    outputs: list = field(default_factory=list)  # (step, RequestOutput)
+    aborted_at: int | None = None
+
+    @property
+    def reproducible(self) -> bool:
+        return self.params.greedy or self.params.seed is not None
+
+
+def draw_requests(rng: random.Random, index: int) -> list[Req]:
+    reqs = []
+    for i in range(rng.randint(1, 8)):
+        length = rng.choice([rng.randint(1, 20), rng.randint(1, 80), rng.randint(1, 300)])
+        kind = rng.choice(["greedy", "greedy", "seeded", "seeded", "random"])
+        params = SamplingParams(
+            n=rng.choice([1, 1, 2, 3, 4]),
+            temperature=0.0 if kind == "greedy" else rng.choice([0.7, 1.0, 1.3]),
+            top_p=rng.choice([1.0, 1.0, 0.9]), top_k=rng.choice([-1, -1, 20]),
+            seed=rng.randrange(1000) if kind == "seeded" else None,
+            max_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.7,
+            stop=rng.sample(STOP_POOL, rng.randint(1, 3)) if rng.random() < 0.3 else None,
+            include_stop_str_in_output=rng.random() < 0.3,
+            presence_penalty=rng.choice([0.0, 0.0, 0.0, 0.5]),
+            logprobs=rng.choice([None, None, 2]))
+        prompt = {"prompt_token_ids": [rng.randrange(3, 500) for _ in range(length)]}
+        abort_at = rng.randrange(30) if rng.random() < 0.15 else None
+        reqs.append(Req(f"w{index}-r{i}", prompt, params, abort_at))
+    return reqs
+
+
+def completions(output) -> list[tuple[list[int], str, str | None]]:
+    return [(c.token_ids, c.text, c.finish_reason) for c in output.outputs]
+
+
+class Faults:
+    """Replaces execute_model: some calls raise, before or after the workers ran."""
+
+    def __init__(self, inner, rng: random.Random, rate: float):
+        self.inner, self.rng, self.rate = inner, rng, rate
+        self.count = 0
+
+    def __call__(self, request):
+        fail = self.rng.random() < self.rate
+        if fail and self.rng.random() < 0.5:
+            self.count += 1
+            raise RemoteWorkerError("injected fault before the step ran")
+        result = self.inner(request)
+        if fail:
+            self.count += 1
+            raise RemoteWorkerError("injected fault after the step ran")
+        return result
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_models):
+    """One LLM per block size, each with a large pool; workloads install small schedulers."""
+    llms = {bs: LLM(tiny_models["llama_gqa"], kv_cache_memory=64 << 20, block_size=bs,
+                    swap_space=16 << 20, max_num_seqs=256) for bs in (4, 16)}
+    yield llms
+    for llm in llms.values():
+        llm.shutdown()
+
+
+def reference(llm: LLM, req: Req) -> list:
+    """The request alone, in the engine's own large pool, no faults."""
+    [out] = llm.generate(req.prompt, req.params, use_tqdm=False)
+    return completions(out)
+
+
+def run_workload(llm: LLM, reqs: list[Req], rng: random.Random) -> tuple[Scheduler, int]:
+    engine = llm.llm_engine
+    cc = engine.config.cache_config
+    bs = cc.block_size
+    need = max(r.params.n * -(-(len(r.prompt["prompt_token_ids"]) + r.params.max_tokens) // bs)
+               for r in reqs)
+    num_blocks = min(cc.num_gpu_blocks, need + rng.choice([0, 1, rng.randint(0, 3 * need)]))
+    swap_blocks = rng.choice([0, rng.randint(1, need), min(cc.num_cpu_blocks, 4 * need)])
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=rng.randint(1, 16),
+                        max_num_batched_tokens=rng.choice([8, 16, 32, 64, 128, 256]),
+                        max_model_len=engine.model_config.max_model_len,
+                        preemption_mode=rng.choice(["recompute", "swap"])),
+        CacheConfig(block_size=bs, num_gpu_blocks=num_blocks, num_cpu_blocks=swap_blocks))
+    saved_scheduler, saved_execute = engine.scheduler, engine.model_executor.execute_model
+    engine.scheduler = scheduler
+    faults = Faults(saved_execute, rng, rng.choice([0.0, 0.0, 0.05, 0.2]))
+    engine.model_executor.execute_model = faults
+    try:
+        pending = list(reqs)
+        for req in list(pending):
+            try:
+                engine.add_request(req.rid, req.prompt, req.params)
+            except InvalidRequestError:
+                assert req.params.n > scheduler.config.max_num_seqs
+                pending.remove(req)
+                req.outputs.append((-1, None))
+        step = 0
+        while engine.has_unfinished_requests():
+            for req in pending:
+                if req.abort_at == step and req.aborted_at is None:
+                    engine.abort_request(req.rid)
+                    req.aborted_at = step
+            try:
+                outs = engine.step()
+            except RemoteWorkerError as e:
+                assert "injected" in str(e)
+                continue
+            finally:
+                step += 1
+                assert step < 5000, "no progress"
+            by_id = {r.rid: r for r in pending}
+            for out in outs:
+                by_id[out.request_id].outputs.append((step, out))
+        assert not engine.seq_groups
+    finally:
+        engine.scheduler = saved_scheduler
+        engine.model_executor.execute_model = saved_execute
+    return scheduler, faults.count
+
+
+def check(req: Req, ref: list, scheduler: Scheduler) -> None:
+    if req.outputs and req.outputs[0][1] is None:  # rejected at add_request: n too wide
+        return
+    outs = [o for _, o in req.outputs]
+    if req.aborted_at is not None:
+        assert all(step <= req.aborted_at for step, _ in req.outputs), "output after abort"
+    finished = [o for o in outs if o.finished]
+    if req.aborted_at is None or finished:
+        assert len(finished) == 1 and outs[-1].finished, f"{req.rid}: terminal outputs"
+        assert len(outs[-1].outputs) == req.params.n, f"{req.rid}: lost samples"
+        assert outs[-1].error is None, outs[-1].error
+    texts: dict[int, str] = {}
+    for out in outs:
+        for c in out.outputs:
+            assert c.text.startswith(texts.get(c.index, "")), f"{req.rid}: text shrank"
+            texts[c.index] = c.text
+            if req.reproducible:
+                ref_tokens = ref[c.index][0]
+                assert c.token_ids == ref_tokens[:len(c.token_ids)], f"{req.rid}: tokens"
+                assert ref[c.index][1].startswith(c.text), f"{req.rid}: text"
+    if finished and req.reproducible:
+        assert completions(finished[0]) == ref, f"{req.rid}: differs from the reference"
+    elif finished:  # unseeded sampling: only the shape can be compared
+        for c in finished[0].outputs:
+            assert 1 <= len(c.token_ids) <= req.params.max_tokens
+
+
+def test_random_workloads_match_requests_run_alone(engines):
+    rng = random.Random(SERIES)
+    totals = {"requests": 0, "preemptions": 0, "faults": 0, "aborted": 0}
+    for index in range(NUM_WORKLOADS):
+        llm = engines[rng.choice([4, 16])]
+        reqs = draw_requests(rng, index)
+        refs = {r.rid: reference(llm, r) for r in reqs}
+        scheduler, faults = run_workload(llm, reqs, rng)
+        for req in reqs:
+            check(req, refs[req.rid], scheduler)
+        bm = scheduler.block_manager
+        assert bm.num_free_gpu_blocks == bm.num_gpu_blocks, "device blocks leaked"
+        assert bm.num_free_cpu_blocks == bm.num_cpu_blocks, "CPU blocks leaked"
+        assert not bm.block_tables and not bm.cpu_tables
+        totals["requests"] += len(reqs)
+        totals["preemptions"] += scheduler.num_preemptions
+        totals["faults"] += faults
+        totals["aborted"] += sum(r.aborted_at is not None for r in reqs)
+    print(f"{NUM_WORKLOADS} workloads: {totals}")
+    # The series must exercise what it claims to.
+    assert totals["preemptions"] > 0 and totals["faults"] > 0 and totals["aborted"] > 0
