@@ -187,6 +187,10 @@ class ParallelConfig:
     distributed_executor_backend: Any = None
     worker_cls: str = "fleetllm.worker.worker.Worker"
     startup_timeout: float = 120.0  # seconds for worker processes to come up
+    # Seconds one execute_model step may take before the executor gives up on its workers.
+    # Enforced by the process-based backends (mp): 'uni' runs the step in this process and
+    # cannot interrupt it.
+    execute_model_timeout: float = 300.0
     world_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -207,6 +211,10 @@ class ParallelConfig:
         _check("." in self.worker_cls, "worker_cls", f"must be 'module.Class', got "
                f"{self.worker_cls!r}")
         _check(self.startup_timeout > 0, "startup_timeout", "must be > 0 seconds")
+        timeout = self.execute_model_timeout
+        _check(isinstance(timeout, int | float) and not isinstance(timeout, bool)
+               and 0 < timeout < float("inf"), "execute_model_timeout",
+               f"must be a finite number of seconds > 0, got {timeout!r}")
 
 
 @dataclass
