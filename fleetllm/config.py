@@ -130,7 +130,10 @@ class ModelConfig:
             raise ModelLoadError(f"{path / 'config.json'} lacks the field {e}") from e
         self.tokenizer = self.tokenizer or self.model
         limit = self.arch.max_position_embeddings
-        if self.arch.sliding_window:  # no sliding-window attention: stay inside the window
+        if self.arch.sliding_window and self.arch.architecture.startswith("Qwen"):
+            # Qwen windows only some layers (max_window_layers), which the model does not
+            # follow: stay inside the window, where windowed and full attention agree.
+            # (Mistral windows every layer; the attention backend applies it.)
             limit = min(limit, self.arch.sliding_window)
         if self.max_model_len is None:
             self.max_model_len = limit
