@@ -164,8 +164,10 @@ class DriverChannel:
         while rest:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"worker rank {rank} stopped reading its channel")
+            # wake at the deadline, not up to a second after it
+            wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
             ready = select.select([c for r, c in enumerate(self.conns) if not self.eof[r]],
-                                  [conn], [], 1.0)
+                                  [conn], [], wait)
             for c in ready[0]:
                 self._pump(self.rank_of[c.fileno()])
             if self.eof[rank]:
