@@ -130,7 +130,10 @@ class ModelConfig:
             raise ModelLoadError(f"{path / 'config.json'} lacks the field {e}") from e
         self.tokenizer = self.tokenizer or self.model
         limit = self.arch.max_position_embeddings
-        if self.arch.sliding_window:  # no sliding-window attention: stay inside the window
+        if self.arch.sliding_window and self.arch.architecture.startswith("Qwen"):
+            # Qwen windows only some layers (max_window_layers), which the model does not
+            # follow: stay inside the window, where windowed and full attention agree.
+            # (Mistral windows every layer; the attention backend applies it.)
             limit = min(limit, self.arch.sliding_window)
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -187,6 +190,10 @@ class ParallelConfig:
     distributed_executor_backend: Any = None
     worker_cls: str = "fleetllm.worker.worker.Worker"
     startup_timeout: float = 120.0  # seconds for worker processes to come up
+    # Seconds one execute_model step may take before the executor gives up on its workers.
+    # Enforced by the process-based backends (mp): 'uni' runs the step in this process and
+    # cannot interrupt it.
+    execute_model_timeout: float = 300.0
     world_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -207,6 +214,10 @@ class ParallelConfig:
         _check("." in self.worker_cls, "worker_cls", f"must be 'module.Class', got "
                f"{self.worker_cls!r}")
         _check(self.startup_timeout > 0, "startup_timeout", "must be > 0 seconds")
+        timeout = self.execute_model_timeout
+        _check(isinstance(timeout, int | float) and not isinstance(timeout, bool)
+               and 0 < timeout < float("inf"), "execute_model_timeout",
+               f"must be a finite number of seconds > 0, got {timeout!r}")
 
 
 @dataclass

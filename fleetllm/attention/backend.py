@@ -10,6 +10,12 @@ The batch is a flat list of tokens, no padding between sequences. Sequences with
 token (decode) are attended together through their block tables; sequences with several
 (prefill, chunked prefill, prefill after a cached prefix) one at a time.
 A faster kernel (e.g. FlashAttention on CUDA) fits behind the same `forward` signature.
+
+Sliding-window attention (Mistral), as transformers defines it: the query at position p sees
+the keys at positions (p - window, p]. Context positions are cache positions (a sequence's
+context always starts at position 0), so the window is a mask on them; prefill and decode also
+skip the keys no query of theirs can see. Blocks that fell out of the window stay allocated
+(the block manager does not know about windows).
 """
 
 from __future__ import annotations
@@ -40,10 +46,12 @@ class AttentionMetadata:
 class TorchAttentionBackend:
     @staticmethod
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [T, H, d]; k, v: [T, KVH, d]; returns [T, H, d]."""
+                meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
+        """q: [T, H, d]; k, v: [T, KVH, d]; returns [T, H, d]. sliding_window: see above."""
+        window = sliding_window
         if kv_cache is None:  # profiling run before the cache exists: attend within the batch
-            return _prefill_all(q, k, v, meta, scale)
+            return _prefill_all(q, k, v, meta, scale, window)
         num_slots = kv_cache.shape[1] * kv_cache.shape[2]
         k_cache = kv_cache[0].view(num_slots, *kv_cache.shape[3:])
         v_cache = kv_cache[1].view(num_slots, *kv_cache.shape[3:])
@@ -52,40 +60,63 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
+            prefix = span.ctx_len - span.q_len
             if span.ctx_slots is None:
                 ks, vs = k[rows], v[rows]
             else:
-                ks, vs = k_cache[span.ctx_slots], v_cache[span.ctx_slots]
-            out[rows] = _attend(q[rows], ks, vs, span.ctx_len - span.q_len, scale)
+                # With a window, the cached keys before the first query's window are unseen.
+                skip = 0 if window is None else max(0, prefix - window + 1)
+                slots = span.ctx_slots[skip:]
+                ks, vs, prefix = k_cache[slots], v_cache[slots], prefix - skip
+            out[rows] = _attend(q[rows], ks, vs, prefix, scale, window)
         if meta.decode_token_idx is not None:
-            out[meta.decode_token_idx] = _decode(q[meta.decode_token_idx], kv_cache, meta, scale)
+            out[meta.decode_token_idx] = _decode(q[meta.decode_token_idx], kv_cache, meta, scale,
+                                                 window)
         return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
-            scale: float) -> torch.Tensor:
-    """Causal attention of q (the last len(q) of len(k) positions) over k, v."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float,
+            window: int | None = None) -> torch.Tensor:
+    """Causal attention of q (the last len(q) of len(k) positions) over k, v; with a window,
+    query i (at key index prefix + i) sees the keys in (prefix + i - window, prefix + i]."""
     q_, k_, v_ = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    if prefix == 0:
+    if prefix == 0 and (window is None or window >= q.shape[0]):
         o = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=scale,
                                            enable_gqa=True)
     else:
-        i = torch.arange(q.shape[0], device=q.device).unsqueeze(1)
+        pos = torch.arange(q.shape[0], device=q.device).unsqueeze(1) + prefix
         j = torch.arange(k.shape[0], device=q.device).unsqueeze(0)
-        o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=j <= i + prefix, scale=scale,
+        mask = j <= pos
+        if window is not None:
+            mask &= j > pos - window
+        o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=scale,
                                            enable_gqa=True)
     return o.transpose(0, 1)
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-            scale: float) -> torch.Tensor:
-    """One query per sequence over its paged context. q: [B, H, d]."""
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+            window: int | None = None) -> torch.Tensor:
+    """One query per sequence over its paged context. q: [B, H, d]. The query is at position
+    len - 1; with a window it sees positions [len - window, len)."""
     tables, lens = meta.decode_block_tables, meta.decode_ctx_lens
     b, max_blocks = tables.shape
     block_size, kvh, d = kv_cache.shape[2:]
+    first = torch.zeros_like(lens)  # per sequence: the first block gathered
+    if window is not None:
+        width = -(-window // block_size) + 1  # blocks a window can straddle
+        if width < max_blocks:  # gather only the blocks inside each sequence's window
+            first = (lens - window).clamp(min=0) // block_size
+            cols = first.unsqueeze(1) + torch.arange(width, device=q.device)
+            # columns past a table's end are clamped to a real entry; the mask hides them
+            tables = tables.gather(1, cols.clamp(max=max_blocks - 1))
+            max_blocks = width
     keys = kv_cache[0][tables].view(b, max_blocks * block_size, kvh, d).transpose(1, 2)
     values = kv_cache[1][tables].view(b, max_blocks * block_size, kvh, d).transpose(1, 2)
-    visible = torch.arange(max_blocks * block_size, device=q.device) < lens.unsqueeze(1)
+    pos = (first * block_size).unsqueeze(1) + torch.arange(max_blocks * block_size,
+                                                           device=q.device)
+    visible = pos < lens.unsqueeze(1)
+    if window is not None:
+        visible &= pos >= (lens - window).unsqueeze(1)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values,
                                        attn_mask=visible[:, None, None, :], scale=scale,
                                        enable_gqa=True)
@@ -93,9 +124,9 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
 
 
 def _prefill_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                 scale: float) -> torch.Tensor:
+                 scale: float, window: int | None) -> torch.Tensor:
     out = torch.empty_like(q)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
-        out[rows] = _attend(q[rows], k[rows], v[rows], 0, scale)
+        out[rows] = _attend(q[rows], k[rows], v[rows], 0, scale, window)
     return out

@@ -3,6 +3,11 @@
 Global rank = pp_rank * tp_size + tp_rank: a pipeline stage is a contiguous run of ranks.
 With one worker (the default) every collective is a no-op, so the model code is the same for
 `uni` and `mp`. gloo on CPU, NCCL on CUDA.
+
+Every collective a group performs (all_reduce, all_gather, send, recv, broadcast, barrier) is
+counted on entry (collective_count): when a call fails on one rank, the mp executor learns
+whether that rank had entered any collective, i.e. whether its peers' collectives may now be
+paired with stale ones.
 """
 
 from __future__ import annotations
@@ -12,6 +17,19 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+_collective_ops = 0  # collectives this process has entered (see collective_count)
+
+
+def collective_count() -> int:
+    """How many collective operations this process has entered through its groups (counted
+    before the operation runs, so one that raised or never returned counts too)."""
+    return _collective_ops
+
+
+def _entering_collective() -> None:
+    global _collective_ops
+    _collective_ops += 1
 
 
 @dataclass
@@ -37,6 +55,7 @@ class GroupCoordinator:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return x
+        _entering_collective()
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -44,11 +63,13 @@ class GroupCoordinator:
         if self.world_size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        _entering_collective()
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
     def send(self, tensors: list[torch.Tensor], dst_in_group: int) -> None:
         for t in tensors:
+            _entering_collective()
             dist.send(t.contiguous(), dst=self.ranks[dst_in_group], group=self.group)
 
     def recv(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device,
@@ -56,9 +77,23 @@ class GroupCoordinator:
         out = []
         for shape in shapes:
             t = torch.empty(shape, dtype=dtype, device=device)
+            _entering_collective()
             dist.recv(t, src=self.ranks[src_in_group], group=self.group)
             out.append(t)
         return out
+
+    def broadcast(self, x: torch.Tensor, src_in_group: int = 0) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        _entering_collective()
+        dist.broadcast(x, src=self.ranks[src_in_group], group=self.group)
+        return x
+
+    def barrier(self) -> None:
+        if self.world_size == 1:
+            return
+        _entering_collective()
+        dist.barrier(group=self.group)
 
 
 _TP = GroupCoordinator([0], 0)

@@ -1,6 +1,7 @@
 """Lifecycle of the "mp" worker processes: their private temp dir and listening socket, the
-monitor thread that turns a dead worker into WorkerCrashedError, and cleanup on shutdown,
-garbage collection, interpreter exit and SIGTERM. See multiproc.py for the overview.
+monitor thread that turns a dead worker into WorkerCrashedError, stopping the workers when the
+driver fails the executor, and cleanup on shutdown, garbage collection, interpreter exit and
+SIGTERM. See multiproc.py for the overview.
 """
 
 from __future__ import annotations
@@ -83,11 +84,27 @@ class WorkerGroup:
         proc = self.procs[rank]
         proc.join(1.0)
         when = "" if self.started else " during startup (its traceback is on stderr)"
-        self.failure = WorkerCrashedError(
-            f"worker rank {rank} (pid {proc.pid}) died unexpectedly{when} with "
-            f"{describe_exit(proc.exitcode)}; the executor is unusable, create a new one",
-            rank=rank, exitcode=proc.exitcode)
+        with self.lock:  # fail() may have stopped the workers meanwhile: its cause stands
+            if self.closing or self.failure is not None:
+                return
+            self.failure = WorkerCrashedError(
+                f"worker rank {rank} (pid {proc.pid}) died unexpectedly{when} with "
+                f"{describe_exit(proc.exitcode)}; the executor is unusable, create a new one",
+                rank=rank, exitcode=proc.exitcode)
         os.write(self.notify_w, b"!")
+        self.stop_processes(grace=0.0)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def fail(self, error: WorkerCrashedError) -> None:
+        """The driver gave up on the workers (out of step or stuck in a call): record `error`
+        for every later call, then stop the processes at once and remove the temp dir. A
+        worker stuck in a collective cannot be told to exit: it is terminated."""
+        with self.lock:
+            if self.closing:
+                return
+            if self.failure is None:
+                self.failure = error
+            os.write(self.stop_w, b"!")  # these exits are ours: the monitor stands down
         self.stop_processes(grace=0.0)
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 

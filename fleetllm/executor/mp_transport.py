@@ -18,7 +18,10 @@ Driver -> worker payload: HEADER (call_id, kind, unique_reply_rank) + pickled (m
   rank replies with its result; >= 0: only that rank sends its result, the others send a tiny
   ACK on success (errors are always sent, so a failure on any rank surfaces in the same call).
 Worker -> driver payload: pickled (call_id, status, value); status OK, ACK, ERR or RESYNC, and
-  at startup HELLO (value: (rank, pid)), READY or START_ERR with call_id -1.
+  at startup HELLO (value: (rank, pid)), READY or START_ERR with call_id -1. An ERR's value is
+  (error_payload(exc), entered_collective): whether the rank entered any collective operation
+  during the call (parallel_state.collective_count moved), which tells the driver whether the
+  other ranks' collectives can still be in step. START_ERR's value is error_payload(exc).
 """
 
 from __future__ import annotations
@@ -68,6 +71,11 @@ def error_payload(exc: BaseException) -> tuple[bytes | None, str, str, str]:
     except Exception:
         blob = None
     return blob, type(exc).__name__, str(exc), tb
+
+
+def error_reply(exc: BaseException, entered_collective: bool) -> tuple[tuple, bool]:
+    """The value of an ERR reply (see the module docstring)."""
+    return error_payload(exc), entered_collective
 
 
 def load_error(payload: tuple[bytes | None, str, str, str]) -> tuple[BaseException, str]:
@@ -156,8 +164,10 @@ class DriverChannel:
         while rest:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"worker rank {rank} stopped reading its channel")
+            # wake at the deadline, not up to a second after it
+            wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
             ready = select.select([c for r, c in enumerate(self.conns) if not self.eof[r]],
-                                  [conn], [], 1.0)
+                                  [conn], [], wait)
             for c in ready[0]:
                 self._pump(self.rank_of[c.fileno()])
             if self.eof[rank]:

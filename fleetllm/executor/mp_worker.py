@@ -20,6 +20,7 @@ from typing import Any
 import cloudpickle
 import torch
 
+from fleetllm.distributed import parallel_state
 from fleetllm.executor import mp_transport as tr
 from fleetllm.executor.mp_delta import DeltaDecoder, DeltaDesync
 from fleetllm.worker.worker_base import WorkerWrapperBase, run_method
@@ -66,8 +67,8 @@ def worker_main(rank: int, world_size: int, config_bytes: bytes, sock_path: str,
             try:  # a lambda or local object in the result
                 payload = cloudpickle.dumps((call_id, status, value))
             except Exception as e:  # an unpicklable result: report that instead
-                payload = tr.dumps_reply(call_id, tr.ERR, tr.error_payload(
-                    TypeError(f"rank {rank}: the result cannot be pickled: {e}")))
+                payload = tr.dumps_reply(call_id, tr.ERR, tr.error_reply(
+                    TypeError(f"rank {rank}: the result cannot be pickled: {e}"), False))
         tr.send_frame(sock, payload)
 
     reply(-1, tr.HELLO, (rank, os.getpid()))
@@ -102,6 +103,7 @@ def worker_main(rank: int, world_size: int, config_bytes: bytes, sock_path: str,
             call_id, kind, unique = tr.HEADER.unpack_from(frame)
             if kind == tr.EXIT:
                 break
+            collectives_before = parallel_state.collective_count()
             try:
                 method, args, kwargs = pickle.loads(memoryview(frame)[tr.HEADER.size:])
                 if kind == tr.EXEC:
@@ -114,7 +116,9 @@ def worker_main(rank: int, world_size: int, config_bytes: bytes, sock_path: str,
                 else:
                     result = run_method(wrapper.worker, method, args, kwargs or {})
             except BaseException as e:
-                reply(call_id, tr.ERR, tr.error_payload(e))
+                # The driver needs to know whether the peers' collectives are still in step.
+                entered = parallel_state.collective_count() != collectives_before
+                reply(call_id, tr.ERR, tr.error_reply(e, entered))
                 continue
             if unique < 0 or unique == rank:
                 reply(call_id, tr.OK, result)

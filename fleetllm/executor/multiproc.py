@@ -11,6 +11,24 @@ Failure handling: a monitor thread waits on every worker's process sentinel. Whe
 records a WorkerCrashedError, wakes any call in progress through a pipe the call also polls,
 kills the remaining workers and removes the temp dir. Every later call raises the same error.
 
+execute_model is stricter than collective_rpc: its ranks run collectives together (TP
+all_reduce/all_gather, PP send/recv), so a rank that fails or stalls mid-step leaves its peers
+waiting in a collective, and their next step's collectives would pair with stale ones.
+- A worker exception fails the executor: the driver stops every worker (terminates it: one in a
+  collective cannot be told to exit), removes the temp dir and raises WorkerCrashedError naming
+  the first rank to fail, with its remote traceback (the remote error is the __cause__). Each
+  worker says with its error whether it entered a collective during the call
+  (parallel_state.collective_count). Only when every rank raises the same error (type and
+  message) before any collective is nobody out of step: the executor stays usable and the call
+  raises the remote error. A rank that does not report within EXEC_ERROR_GRACE_S of a first
+  such error is presumed waiting in a collective.
+- No reply within ParallelConfig.execute_model_timeout raises CommunicationTimeoutError and
+  fails the executor likewise (_exec_timed_out decides). Only process-based backends enforce
+  it: 'uni' runs the step in the caller's process and cannot interrupt it.
+- After any failed execute_model the delta encoder resends full data (need_reset).
+Later calls raise WorkerCrashedError on a failed executor; after shutdown() EngineShutdownError,
+even if it had failed before (not a crash to restart from).
+
 Shutdown: shutdown(), garbage collection and interpreter exit (weakref.finalize) ask the
 workers to exit, then terminate and kill them. SIGTERM of the driver (when it had the default
 handler) cleans up, then dies by SIGTERM as before. Workers ignore SIGINT (the driver's
@@ -30,13 +48,14 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, NoReturn
 
 import cloudpickle
 
 from fleetllm.errors import (
     CommunicationTimeoutError,
     ConfigurationError,
+    EngineShutdownError,
     WorkerCrashedError,
     remote_error,
 )
@@ -51,7 +70,25 @@ from fleetllm.executor.mp_group import (
 from fleetllm.executor.mp_worker import worker_main
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
 
-ERROR_GRACE_S = 0.05  # after a first error, how long to wait for the other ranks' replies
+ERROR_GRACE_S = 0.05  # collective_rpc: after a first error, wait this long for other replies
+# execute_model: after a first error raised before any collective, how long the other ranks
+# get to report the same error (a rank that does not is presumably waiting in a collective).
+EXEC_ERROR_GRACE_S = 2.0
+
+
+def _out_of_step(info: dict[int, tuple[str, str, bool]], done: list[bool]) -> str | None:
+    """Why the errors of an execute_model call so far may leave the ranks' collectives out of
+    step (None: not yet known). Only when every rank raises the same error before entering
+    any collective are they known to be in step (nobody ran one)."""
+    entered = [r for r, (_, _, e) in info.items() if e]
+    if entered:
+        return f"after entering a collective operation (ranks {entered})"
+    finished = [r for r, d in enumerate(done) if d and r not in info]
+    if finished:
+        return f"while ranks {finished} completed the step"
+    if len({(t, m) for t, m, _ in info.values()}) > 1:
+        return "while other ranks raised different errors"
+    return None
 
 
 @contextlib.contextmanager
@@ -186,11 +223,13 @@ class MultiprocExecutor(Executor):
 
     def _raise_if_unusable(self) -> None:
         g = self._group
+        if g.closing:  # the user's shutdown stands over an earlier failure: no restart wanted
+            earlier = "" if g.failure is None else \
+                f" (it had failed before: {g.failure.args[0].splitlines()[0]})"
+            raise EngineShutdownError(f"the executor is shut down{earlier}; create a new one")
         if g.failure is not None:
             f = g.failure
             raise WorkerCrashedError(f.args[0], rank=f.rank, exitcode=f.exitcode)
-        if g.closing:
-            raise WorkerCrashedError("the executor is shut down")
         if g.channel is not None and g.channel.broken:
             raise WorkerCrashedError("a call was interrupted while sending a message, which "
                                      "left the channel unusable; create a new executor")
@@ -205,16 +244,22 @@ class MultiprocExecutor(Executor):
         raise WorkerCrashedError(f"worker rank {rank} closed its channel unexpectedly",
                                  rank=rank)
 
+    def _fail(self, error: WorkerCrashedError) -> None:
+        """Give up on the workers: every later call raises `error` (see WorkerGroup.fail)."""
+        self._encoder.need_reset = True
+        self._group.fail(error)
+
     def _call(self, kind: int, method: RpcMethod, args: tuple, kwargs: dict[str, Any] | None,
               timeout: float | None, unique_reply_rank: int | None,
-              return_exceptions: bool) -> list[Any]:
+              return_exceptions: bool, exec_call: bool = False) -> list[Any]:
         with self._rpc_lock:
             return self._call_locked(kind, method, args, kwargs, timeout, unique_reply_rank,
-                                     return_exceptions)
+                                     return_exceptions, exec_call)
 
     def _call_locked(self, kind: int, method: RpcMethod, args: tuple,
                      kwargs: dict[str, Any] | None, timeout: float | None,
-                     unique_reply_rank: int | None, return_exceptions: bool) -> list[Any]:
+                     unique_reply_rank: int | None, return_exceptions: bool,
+                     exec_call: bool) -> list[Any]:
         self._raise_if_unusable()
         ch = self._group.channel
         self._call_id += 1
@@ -228,6 +273,8 @@ class MultiprocExecutor(Executor):
                 ch.send(rank, header, body, deadline=deadline)
             except TimeoutError as e:  # (an OSError too: caught first)
                 self._encoder.need_reset = True
+                if exec_call:
+                    self._exec_timed_out([rank], timeout, e)
                 raise CommunicationTimeoutError(
                     f"collective_rpc: {e} within timeout={timeout}s; the channel is unusable, "
                     "create a new executor") from e
@@ -237,18 +284,20 @@ class MultiprocExecutor(Executor):
             except BaseException:  # e.g. KeyboardInterrupt between two ranks' sends
                 self._encoder.need_reset = True
                 raise
-        return self._gather(call_id, method, deadline, return_exceptions)
+        return self._gather(call_id, method, timeout, deadline, return_exceptions, exec_call)
 
-    def _gather(self, call_id: int, method: RpcMethod, deadline: float | None,
-                return_exceptions: bool) -> list[Any]:
+    def _gather(self, call_id: int, method: RpcMethod, timeout: float | None,
+                deadline: float | None, return_exceptions: bool, exec_call: bool) -> list[Any]:
         ch = self._group.channel
         n = self.world_size
         results: list[Any] = [None] * n
         done = [False] * n
         pending = n
-        errors: dict[int, BaseException] = {}
+        errors: dict[int, BaseException] = {}  # in order of arrival
+        error_info: dict[int, tuple[str, str, bool]] = {}  # (type, message, entered collective)
         resync = False
         error_deadline = None
+        grace = EXEC_ERROR_GRACE_S if exec_call else ERROR_GRACE_S
         while pending:
             for rank, payload in ch.inbox:
                 if payload is None:
@@ -262,13 +311,19 @@ class MultiprocExecutor(Executor):
                 if status == tr.OK:
                     results[rank] = value
                 elif status == tr.ERR:
-                    exc, tb = tr.load_error(value)
+                    err, entered = value
+                    exc, tb = tr.load_error(err)
                     errors[rank] = remote_error(rank, exc, tb)
+                    error_info[rank] = (err[1], err[2], entered)
                 elif status == tr.RESYNC:
                     resync = True
             ch.inbox.clear()
             if errors and not return_exceptions and not resync and error_deadline is None:
-                error_deadline = time.monotonic() + ERROR_GRACE_S
+                error_deadline = time.monotonic() + grace
+            if exec_call and errors:
+                reason = _out_of_step(error_info, done)
+                if reason is not None:
+                    self._exec_failed(errors, reason)
             if not pending:
                 break
             self._raise_if_unusable()
@@ -277,18 +332,49 @@ class MultiprocExecutor(Executor):
             if ends and min(ends) <= now:
                 break
             ch.poll(None if not ends else (min(ends) - now) * 1000)
+        missing = [r for r in range(n) if not done[r]]
+        if exec_call and errors and missing:
+            self._exec_failed(errors, f"while ranks {missing} did not report the same error "
+                                      "in time (presumably waiting in a collective operation)")
         if resync and not pending:
             raise _Resync()
         if errors and not return_exceptions:
             raise errors[min(errors)]
         if pending:
+            if exec_call:
+                self._exec_timed_out(missing, timeout)
             name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
-            missing = [r for r in range(n) if not done[r]]
             raise CommunicationTimeoutError(
                 f"collective_rpc({name!r}) got no reply from worker ranks {missing} in time")
         for r, e in errors.items():
             results[r] = e
         return results
+
+    def _exec_failed(self, errors: dict[int, BaseException], reason: str) -> NoReturn:
+        """An execute_model call failed in a way that may leave the ranks' collectives out of
+        step: stop every worker and raise WorkerCrashedError naming the first rank to fail."""
+        rank, remote = next(iter(errors.items()))
+        error = WorkerCrashedError(
+            f"execute_model failed on worker rank {rank} {reason}; the ranks' collective "
+            "operations may be out of step, so every worker was stopped and the executor is "
+            f"unusable: create a new one\n{remote.args[0]}", rank=rank)
+        self._fail(error)
+        raise error from remote
+
+    def _exec_timed_out(self, missing: list[int], timeout: float | None,
+                        cause: BaseException | None = None) -> NoReturn:
+        """Decide what to do with an execute_model call that ranks `missing` did not answer
+        within execute_model_timeout. They are alive but stuck (in the model, or in a
+        collective whose peer is gone), a collective cannot be interrupted, and the peers'
+        next collectives would pair with the stuck ones: so today, stop every worker and fail
+        the executor. (The place to add "wait once more, then restart the workers".)"""
+        what = (f"execute_model: no reply from worker ranks {missing} within "
+                f"execute_model_timeout={timeout}s")
+        self._fail(WorkerCrashedError(f"{what}; the workers were stopped and the executor is "
+                                      "unusable: create a new one",
+                                      rank=missing[0] if len(missing) == 1 else None))
+        raise CommunicationTimeoutError(f"{what}; every worker was stopped, the executor is "
+                                        "unusable: create a new one") from cause
 
     def collective_rpc(self, method: RpcMethod, timeout: float | None = None,
                        args: tuple = (), kwargs: dict[str, Any] | None = None,
@@ -297,18 +383,24 @@ class MultiprocExecutor(Executor):
                           return_exceptions)
 
     def execute_model(self, execute_model_req: ExecuteModelRequest) -> list[SamplerOutput]:
-        rank = self.output_rank
         if not self.delta_encoding:
-            return self._call(tr.CALL, "execute_model", (execute_model_req,), None, None, rank,
-                              False)[rank]
-        encoded = self._encoder.encode(execute_model_req)
+            return self._exec(tr.CALL, execute_model_req)
         try:
-            return self._call(tr.EXEC, "execute_model", (encoded,), None, None, rank,
-                              False)[rank]
+            return self._exec(tr.EXEC, self._encoder.encode(execute_model_req))
         except _Resync:
-            encoded = self._encoder.encode(execute_model_req, full=True)
-            return self._call(tr.EXEC, "execute_model", (encoded,), None, None, rank,
-                              False)[rank]
+            return self._exec(tr.EXEC, self._encoder.encode(execute_model_req, full=True))
+
+    def _exec(self, kind: int, request: Any) -> list[SamplerOutput]:
+        rank = self.output_rank
+        try:
+            return self._call(kind, "execute_model", (request,), None,
+                              self.parallel_config.execute_model_timeout, rank, False,
+                              exec_call=True)[rank]
+        except _Resync:
+            raise
+        except BaseException:  # the workers may hold part of this step: resend in full
+            self._encoder.need_reset = True
+            raise
 
     def _shutdown(self) -> None:
         self._finalizer()  # runs group.close() once

@@ -1,4 +1,4 @@
-"""The Llama family: Llama 2/3, Mistral (no sliding window), Qwen2 (qkv bias), Qwen3 (q/k norm).
+"""The Llama family: Llama 2/3, Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (q/k norm).
 
 Tensor parallel: q/k/v and gate/up are merged column-parallel projections, o_proj and
 down_proj row-parallel. Pipeline parallel: this rank builds only its stage's layers; the
@@ -62,6 +62,7 @@ class Attention(nn.Module):
         self.rotary = rotary  # one cos/sin table shared by every layer
         self.scale = d ** -0.5
         self.q_size, self.kv_size = q_shard, kv_shard
+        self.sliding_window = cfg.sliding_window  # every layer, as Mistral
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor | None,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -73,7 +74,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = TorchAttentionBackend.forward(q, k, v, kv_cache, meta, self.scale)
+        o = TorchAttentionBackend.forward(q, k, v, kv_cache, meta, self.scale,
+                                          self.sliding_window)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
