@@ -8,12 +8,9 @@ a bad setting fails before any process starts, with a ConfigurationError naming 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +18,7 @@ from typing import Any
 import torch
 
 from fleetllm.errors import ConfigurationError, ModelLoadError
+from fleetllm.utils import check_field_types
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -34,56 +32,6 @@ logger = logging.getLogger(__name__)
 def _check(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise ConfigurationError(f"{field_name}: {message}")
-
-
-def _check_types(section: Any) -> None:
-    """Check each init field of a config section against its annotation, before any range
-    check compares it: a wrong type is then a ConfigurationError naming the field, not a
-    TypeError from `"16" >= 1`. Generic over the annotations, so a new field is covered."""
-    hints = _type_hints(type(section))
-    for f in dataclasses.fields(section):
-        if not f.init:  # derived, maybe not set yet
-            continue
-        value = getattr(section, f.name)
-        if not _matches(value, hints[f.name]):
-            raise ConfigurationError(f"{f.name}: must be {_describe(hints[f.name])}, got "
-                                     f"{value!r}")
-
-
-@functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _union_args(hint: Any) -> tuple[Any, ...]:
-    is_union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
-    return typing.get_args(hint) if is_union else ()
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    if _union_args(hint):
-        return any(_matches(value, h) for h in _union_args(hint))
-    if hint is Any:  # a class since Python 3.11, but not one to isinstance against
-        return True
-    if hint is type(None):
-        return value is None
-    if hint in (int, float) and isinstance(value, bool):  # True is no count or size
-        return False
-    if hint is float:  # an int is fine where a float is expected, as in Python
-        return isinstance(value, int | float)
-    if isinstance(hint, type):
-        return isinstance(value, hint)
-    return True  # a generic (list[int], ...): the section checks it itself
-
-
-def _describe(hint: Any) -> str:
-    if _union_args(hint):
-        return " or ".join(_describe(h) for h in _union_args(hint))
-    names = {int: "an int", float: "a number", str: "a string", bool: "True or False",
-             type(None): "None"}
-    if hint in names:
-        return names[hint]
-    return f"a {hint.__module__}.{hint.__qualname__}" if isinstance(hint, type) else str(hint)
 
 
 @dataclass
@@ -178,7 +126,7 @@ class ModelConfig:
             self.model = os.fspath(self.model)
         if isinstance(self.tokenizer, os.PathLike):
             self.tokenizer = os.fspath(self.tokenizer)
-        _check_types(self)
+        check_field_types(self)
         path = Path(self.model)
         if not path.is_dir():
             raise ModelLoadError(f"model path {self.model!r} is not a directory; pass a local "
@@ -224,7 +172,7 @@ class CacheConfig:
     num_cpu_blocks: int | None = None
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_field_types(self)
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
                f"must be a power of two in [1, 128], got {self.block_size!r}")
         if self.kv_cache_memory is not None:
@@ -251,7 +199,7 @@ class ParallelConfig:
     world_size: int = field(init=False)
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_field_types(self)
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 1, name, f"must be an int >= 1, got "
@@ -282,7 +230,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # or "swap"
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_field_types(self)
         _check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs",
                f"must be an int >= 1, got {self.max_num_seqs!r}")
         _check(self.preemption_mode in ("recompute", "swap"), "preemption_mode",
@@ -297,7 +245,7 @@ class DeviceConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_field_types(self)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         _check(self.device in ("cpu", "cuda"), "device", f"must be auto, cpu or cuda; got "
@@ -311,7 +259,7 @@ class LoadConfig:
     load_format: str = "auto"  # auto | safetensors | sharded_state | dummy
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_field_types(self)
         _check(self.load_format in ("auto", "safetensors", "sharded_state", "dummy"),
                "load_format", f"must be auto, safetensors, sharded_state or dummy; got "
                f"{self.load_format!r}")
