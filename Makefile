@@ -32,4 +32,4 @@ test: lint
 	fi
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info build dist

@@ -1,22 +1,30 @@
-"""The `fleetllm` command: generate, bench.
+"""The `fleetllm` command: generate, bench throughput, bench rpc.
 
 Engine flags are derived from the config dataclasses, with vLLM's names
-(--tensor-parallel-size, --max-model-len, --block-size, ...), so they never drift.
-Errors print one line and exit non-zero; --debug shows the traceback.
+(--tensor-parallel-size, --max-model-len, --block-size, ...), so they never drift; vLLM's
+other engine flags are accepted or refused as EngineConfig.from_kwargs decides (VLLM_ARGS).
+Errors print one line and exit non-zero; --debug (before or after the subcommand) shows the
+traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
+import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fleetllm.config import engine_arg_fields
+from fleetllm import __version__
+from fleetllm.config import VLLM_ARGS, engine_arg_fields
 
-DEMO_MODEL = Path(__file__).resolve().parent.parent / "models" / "fleetllm-demo-py"
+# Package data (pyproject's package-data), so a wheel install has it too.
+DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
 _MEASURED = {"num_gpu_blocks", "num_cpu_blocks"}  # set by the engine, not by users
+# Help per engine flag. One that states its default itself gets no "(default: ...)" added.
 _HELP = {
     "tokenizer": "tokenizer directory (default: the model directory)",
     "dtype": "auto (float32 on CPU, the checkpoint's dtype on CUDA), float32, float16, "
@@ -24,15 +32,16 @@ _HELP = {
     "max_model_len": "longest prompt + output, in tokens (default: the model's)",
     "seed": "random seed for weights (dummy) and unseeded sampling",
     "block_size": "tokens per KV cache block",
-    "kv_cache_memory": "CPU KV cache budget: bytes (> 1) or a fraction of RAM (<= 1); "
-                       "default 2 GiB",
+    "kv_cache_memory": "CPU KV cache budget: bytes (> 1) or a fraction of RAM (<= 1) "
+                       "(default: 2 GiB)",
     "gpu_memory_utilization": "CUDA: fraction of GPU memory for weights, activations, KV",
     "swap_space": "bytes of CPU memory per worker for preempted (swapped) KV blocks",
-    "num_gpu_blocks_override": "use exactly this many KV blocks (testing)",
+    "num_gpu_blocks_override": "use exactly this many KV blocks, for tests (default: as many "
+                               "as fit)",
     "tensor_parallel_size": "split each layer across this many workers",
     "pipeline_parallel_size": "split the layers into this many stages",
     "distributed_executor_backend": "uni (one process), mp (local processes), ray, or "
-                                    "module:Class",
+                                    "module:Class (default: uni for one worker, else mp)",
     "worker_cls": "worker class, module.Class",
     "startup_timeout": "seconds to wait for workers to start",
     "max_num_seqs": "most sequences in one batch",
@@ -44,33 +53,81 @@ _HELP = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default exactly once: argparse appends it unless the help text states
+    it already, or there is none to show (a switch; None, as engine flags have so that an unset
+    flag leaves the config's own default in force: their help states that default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.nargs == 0 or action.default is None or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def _parse_int(text: str) -> int:
+    """An int; also written as a float with no fraction, as byte counts often are (5e8)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+    return int(value)
+
+
+def _arg_type(hint: Any, default: Any) -> Callable[[str], Any]:
+    """How a flag's value is parsed: from the field's annotation (`float | None` is a float),
+    or from its default's type where the annotation says nothing (Any). Nothing is keyed by
+    field name, so a new config field gets the right type with no entry here."""
+    kinds = set(typing.get_args(hint) or (hint,)) - {type(None)}
+    if not kinds or Any in kinds:
+        kinds = {type(default)} if default not in (None, dataclasses.MISSING) else set()
+    if kinds == {bool}:  # a switch: --flag / --no-flag
+        return bool
+    if kinds == {int}:
+        return _parse_int
+    if kinds and kinds <= {int, float}:
+        return float
+    return str
+
+
+def _add_flag(group: argparse._ArgumentGroup, name: str, parse: Callable[[str], Any],
+              help: str) -> argparse.Action:
+    flag = "--" + name.replace("_", "-")
+    if parse is bool:  # a switch takes no value: `--enforce-eager PROMPT` must not eat PROMPT
+        return group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                                  default=None, help=help)
+    return group.add_argument(flag, dest=name, type=parse, default=None, help=help)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     """Add --model and the engine flags; returns the engine flags' actions."""
     parser.add_argument("--model", default=None,
-                        help=f"checkpoint directory (default: the bundled demo model, "
-                             f"{DEMO_MODEL.name})")
+                        help="checkpoint directory (default: the bundled demo model)")
     group = parser.add_argument_group("engine")
     actions = []
-    for _, f in engine_arg_fields():
+    for section, f in engine_arg_fields():
         if f.name in _MEASURED:
             continue
         default = f.default if f.default is not dataclasses.MISSING else None
-        actions.append(group.add_argument(
-            "--" + f.name.replace("_", "-"), dest=f.name, type=_arg_type(f.name, default),
-            default=None, help=f"{_HELP.get(f.name, '')} (default: {default})"))
+        text = _HELP.get(f.name, f.name.replace("_", " "))
+        if "default" not in text:
+            text += f" (default: {default})".replace("%", "%%")
+        hint = typing.get_type_hints(section).get(f.name, Any)
+        actions.append(_add_flag(group, f.name, _arg_type(hint, default), text))
+    compat = parser.add_argument_group(
+        "vLLM compatibility", "vLLM's other engine flags (--enforce-eager, "
+        "--trust-remote-code, --quantization, ...) are accepted: those that change nothing "
+        "here with a warning; unsupported ones that would change results are refused.")
+    for name, arg in VLLM_ARGS.items():
+        actions.append(_add_flag(compat, name, _arg_type(Any, arg.default), argparse.SUPPRESS))
+    parser.set_defaults(engine_actions=actions)
     return actions
-
-
-def _arg_type(name: str, default: Any):
-    if name in ("kv_cache_memory", "gpu_memory_utilization", "startup_timeout"):
-        return float
-    if name == "swap_space":
-        return lambda s: int(float(s))
-    if isinstance(default, bool):
-        return lambda s: s.lower() in ("1", "true", "yes")
-    if isinstance(default, int) or name in ("max_model_len", "num_gpu_blocks_override"):
-        return int
-    return str
 
 
 def engine_kwargs_from(args: argparse.Namespace, actions: list[argparse.Action]
@@ -85,8 +142,11 @@ def resolve_model(model: str | None) -> str:
     if not DEMO_MODEL.is_dir():
         from fleetllm.errors import ModelLoadError
 
-        raise ModelLoadError(f"no --model given and the bundled demo model is missing at "
-                             f"{DEMO_MODEL}")
+        raise ModelLoadError(
+            f"no --model given and the bundled demo model is missing at {DEMO_MODEL}: pass "
+            "--model DIR (a local Hugging Face checkpoint), reinstall fleetllm (its wheel "
+            "ships the model), or rebuild it from a source checkout with `python "
+            f"tools/train_demo_model.py --out {DEMO_MODEL}` (about 30 minutes on 2 cores)")
     return str(DEMO_MODEL)
 
 
@@ -113,51 +173,70 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 1 if any(o.error for o in outputs) else 0
 
 
-def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
-    root = Path(__file__).resolve().parent.parent / "benchmarks"
-    sys.path.insert(0, str(root))
-    import importlib
+def _add_generate(sub: Any, common: argparse.ArgumentParser) -> None:
+    gen = sub.add_parser("generate", parents=[common], formatter_class=HelpFormatter,
+                         help="generate completions for prompts",
+                         description="Generate completions for prompts (vLLM's flag names).")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="text to complete")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens per completion")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=-1, help="sample from the k likeliest; -1: "
+                     "all")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this "
+                     "fraction of the likeliest's probability")
+    gen.add_argument("--n", type=int, default=1, help="completions per prompt")
+    gen.add_argument("--sampling-seed", type=int, default=None,
+                     help="seed for this request's sampling (default: none, unseeded)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="> 1 discourages repeating prompt and output tokens")
+    gen.add_argument("--stop", action="append",
+                     help="stop string, repeatable (default: none)")
+    gen.add_argument("--ignore-eos", action="store_true", help="continue past end-of-sequence")
+    gen.add_argument("--quiet", action="store_true", help="print only prompt + completion")
+    add_engine_args(gen)
+    gen.set_defaults(run=cmd_generate)
 
-    module = importlib.import_module(args.which)
-    result = module.main(rest)  # an exit code, or the figures (a dict) it printed
-    return result if isinstance(result, int) else 0
+
+def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
+    from fleetllm.benchmarks import rpc, throughput
+
+    bench = sub.add_parser("bench", help="benchmarks: throughput | rpc",
+                           description="Benchmarks; `fleetllm bench NAME --help` for each.")
+    which = bench.add_subparsers(dest="benchmark", required=True, metavar="NAME")
+    for name, module in (("throughput", throughput), ("rpc", rpc)):
+        summary = (module.__doc__ or name).split("\n\n")[0]
+        parser = which.add_parser(name, parents=[common], formatter_class=HelpFormatter,
+                                  help=summary.split(":")[0], description=summary)
+        module.add_arguments(parser)
+        parser.set_defaults(run=module.run)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fleetllm", description="fleetllm: a small "
-                                     "vLLM-style LLM inference engine")
+    # --debug is on every subcommand too; SUPPRESS there keeps `fleetllm --debug generate`
+    # (the subcommand's unset default would otherwise overwrite the top-level value).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks on errors")
+    parser = argparse.ArgumentParser(prog="fleetllm", formatter_class=HelpFormatter,
+                                     description="fleetllm: a small vLLM-style LLM inference "
+                                     "engine")
+    parser.add_argument("--version", action="version", version=f"fleetllm {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate completions for prompts")
-    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--n", type=int, default=1, help="completions per prompt")
-    gen.add_argument("--sampling-seed", type=int, default=None,
-                     help="seed for this request's sampling")
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--quiet", action="store_true", help="print only prompt + completion")
-    gen.set_defaults(engine_actions=add_engine_args(gen))
-    bench = sub.add_parser("bench", help="benchmarks: throughput | rpc (see each one's --help)")
-    bench.add_argument("which", choices=["throughput", "rpc"])
+    _add_generate(sub, common)
+    _add_bench(sub, common)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    if args.command != "bench" and rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args = build_parser().parse_args(argv)
+    # fleetllm's warnings (e.g. an ignored vLLM flag) as one plain line each.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:
-        if args.command == "generate":
-            return cmd_generate(args)
-        return cmd_bench(args, rest)
+        result = args.run(args)  # an exit code, or the figures (a dict) a benchmark printed
+        return result if isinstance(result, int) else 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

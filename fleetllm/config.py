@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from fleetllm.errors import ConfigurationError, ModelLoadError
+from fleetllm.utils import check_field_types
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -24,6 +26,7 @@ SUPPORTED_ARCHITECTURES = (
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16}
 GiB = 1 << 30
+logger = logging.getLogger(__name__)
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:
@@ -119,6 +122,11 @@ class ModelConfig:
     arch: ArchConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        if isinstance(self.tokenizer, os.PathLike):
+            self.tokenizer = os.fspath(self.tokenizer)
+        check_field_types(self)
         path = Path(self.model)
         if not path.is_dir():
             raise ModelLoadError(f"model path {self.model!r} is not a directory; pass a local "
@@ -167,6 +175,7 @@ class CacheConfig:
     num_cpu_blocks: int | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
                f"must be a power of two in [1, 128], got {self.block_size!r}")
         if self.kv_cache_memory is not None:
@@ -197,6 +206,7 @@ class ParallelConfig:
     world_size: int = field(init=False)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 1, name, f"must be an int >= 1, got "
@@ -205,7 +215,8 @@ class ParallelConfig:
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
         backend = self.distributed_executor_backend
-        _check(not isinstance(backend, str) or backend in ("uni", "mp", "ray") or ":" in backend,
+        _check(isinstance(backend, type) or (isinstance(backend, str) and (
+            backend in ("uni", "mp", "ray") or ":" in backend)),
                "distributed_executor_backend",
                "must be 'uni', 'mp', 'ray', an Executor subclass or 'module:Class'; "
                f"got {backend!r}")
@@ -230,6 +241,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # or "swap"
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         _check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs",
                f"must be an int >= 1, got {self.max_num_seqs!r}")
         _check(self.preemption_mode in ("recompute", "swap"), "preemption_mode",
@@ -244,6 +256,7 @@ class DeviceConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         _check(self.device in ("cpu", "cuda"), "device", f"must be auto, cpu or cuda; got "
@@ -257,6 +270,7 @@ class LoadConfig:
     load_format: str = "auto"  # auto | safetensors | sharded_state | dummy
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         _check(self.load_format in ("auto", "safetensors", "sharded_state", "dummy"),
                "load_format", f"must be auto, safetensors, sharded_state or dummy; got "
                f"{self.load_format!r}")
@@ -290,7 +304,8 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str | os.PathLike, **kwargs: Any) -> EngineConfig:
-        """Build a config from flat vLLM-style keyword arguments."""
+        """Build a config from flat vLLM-style keyword arguments. vLLM arguments fleetllm
+        has no field for are in VLLM_ARGS: ignored with a warning, or refused."""
         parts: dict[type, dict[str, Any]] = {c: {} for c in _SECTIONS}
         section_of = {f.name: section for section, f in engine_arg_fields()}
         extras = {}
@@ -299,6 +314,8 @@ class EngineConfig:
                 parts[section_of[key]][key] = value
             elif key in ("lora_config", "speculative_config", "observability_config"):
                 extras[key] = value
+            elif key in VLLM_ARGS:
+                VLLM_ARGS[key].accept(key, value)
             else:
                 raise ConfigurationError(f"{key}: unknown engine argument")
         return cls(
@@ -310,6 +327,64 @@ class EngineConfig:
             load_config=LoadConfig(**parts[LoadConfig]),
             **extras,
         )
+
+
+@dataclass(frozen=True)
+class VllmArg:
+    """A vLLM engine argument fleetllm has no field for, accepted so that vLLM scripts and
+    command lines run unchanged, or refused with the reason."""
+
+    default: Any  # vLLM's default ("off"); its type is also the CLI flag's
+    note: str  # why it is ignored, or why it is not supported
+    refuse: bool = False  # True: any value but `default` would change results: an error
+
+    def accept(self, name: str, value: Any) -> None:
+        if not self.refuse:
+            logger.warning("%s=%r is accepted for vLLM compatibility and ignored: %s", name,
+                           value, self.note)
+        elif value != self.default:
+            raise ConfigurationError(f"{name}: {value!r} is not supported: {self.note}")
+
+
+VLLM_ARGS: dict[str, VllmArg] = {
+    # Tuning of machinery fleetllm does not have: the results are the same without it.
+    "enforce_eager": VllmArg(False, "fleetllm has no CUDA graphs, it always runs eagerly"),
+    "max_seq_len_to_capture": VllmArg(8192, "fleetllm has no CUDA graphs"),
+    "max_context_len_to_capture": VllmArg(None, "fleetllm has no CUDA graphs"),
+    "disable_custom_all_reduce": VllmArg(False, "fleetllm has no custom all-reduce"),
+    "trust_remote_code": VllmArg(False, "fleetllm runs its own model code, never a "
+                                        "checkpoint's"),
+    "tokenizer_mode": VllmArg("auto", "the checkpoint's tokenizer is loaded with "
+                                      "transformers' AutoTokenizer"),
+    "disable_log_stats": VllmArg(False, "fleetllm has no stats logger"),
+    "disable_log_requests": VllmArg(False, "fleetllm does not log requests"),
+    "enable_prefix_caching": VllmArg(False, "fleetllm has no prefix caching"),
+    "enable_chunked_prefill": VllmArg(None, "fleetllm always prefills in chunks of "
+                                            "max_num_batched_tokens"),
+    "use_v2_block_manager": VllmArg(True, "fleetllm has one block manager"),
+    "num_scheduler_steps": VllmArg(1, "fleetllm schedules every step"),
+    "disable_async_output_proc": VllmArg(False, "fleetllm processes outputs in step"),
+    "download_dir": VllmArg(None, "fleetllm loads local directories and never downloads"),
+    "disable_sliding_window": VllmArg(False, "max_model_len is capped at the sliding "
+                                             "window either way"),
+    # Features that change the results, which fleetllm does not implement: refused unless
+    # they hold vLLM's default, which means what fleetllm does anyway.
+    "quantization": VllmArg(None, "fleetllm runs unquantized checkpoints only", True),
+    "kv_cache_dtype": VllmArg("auto", "the KV cache is kept in the model's dtype ('auto')",
+                              True),
+    "speculative_model": VllmArg(None, "no speculative decoding in fleetllm", True),
+    "num_speculative_tokens": VllmArg(None, "no speculative decoding in fleetllm", True),
+    "enable_lora": VllmArg(False, "no LoRA adapters in fleetllm", True),
+    "enable_prompt_adapter": VllmArg(False, "no prompt adapters in fleetllm", True),
+    "rope_scaling": VllmArg(None, "rope scaling comes from the checkpoint's config.json",
+                            True),
+    "rope_theta": VllmArg(None, "rope_theta comes from the checkpoint's config.json", True),
+    "hf_overrides": VllmArg(None, "the checkpoint's config.json is used as it is", True),
+    "revision": VllmArg(None, "fleetllm loads a local directory as it is", True),
+    "tokenizer_revision": VllmArg(None, "fleetllm loads a local directory as it is", True),
+    "skip_tokenizer_init": VllmArg(False, "outputs always carry text when there is a "
+                                          "tokenizer", True),
+}
 
 
 _SECTIONS = (ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, DeviceConfig, LoadConfig)

@@ -7,6 +7,20 @@ from dataclasses import dataclass, field
 from fleetllm.errors import ConfigurationError
 
 _GREEDY_EPS = 1e-5
+_INTS = ("n", "top_k", "min_tokens")
+_OPTIONAL_INTS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
+_NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty")
+_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """An int or a float, as vLLM accepts for its float fields (temperature=1 is fine)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass
@@ -37,34 +51,47 @@ class SamplingParams:
             if not ok:
                 raise ConfigurationError(f"{name}: {message}, got {getattr(self, name)!r}")
 
-        check(isinstance(self.n, int) and self.n >= 1, "n", "must be an int >= 1")
+        # Types first, so a wrong one is reported by name rather than as a TypeError from a
+        # range comparison below. bool is an int to Python but never a count or a number here.
+        for name in _INTS:
+            check(_is_int(getattr(self, name)), name, "must be an int")
+        for name in _OPTIONAL_INTS:
+            check(getattr(self, name) is None or _is_int(getattr(self, name)), name,
+                  "must be an int or None")
+        for name in _NUMBERS:
+            check(_is_number(getattr(self, name)), name, "must be a number")
+        for name in _BOOLS:
+            check(isinstance(getattr(self, name), bool), name, "must be True or False")
+        check(self.stop is None or isinstance(self.stop, str) or (
+            isinstance(self.stop, list | tuple) and all(isinstance(s, str) and s
+                                                         for s in self.stop)),
+              "stop", "must be a string or a list of non-empty strings")
+        for name in ("stop_token_ids", "eos_token_ids"):
+            value = getattr(self, name)
+            check(value is None or (isinstance(value, list | tuple) and all(
+                _is_int(t) and t >= 0 for t in value)), name,
+                "must be a list of non-negative ints")
+
+        check(self.n >= 1, "n", "must be >= 1")
         check(self.temperature >= 0, "temperature", "must be >= 0")
         check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0), "top_k",
+        check(self.top_k == -1 or self.top_k >= 0, "top_k",
               "must be -1 (off), 0 (off) or a positive int")
         check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        check(self.seed is None or isinstance(self.seed, int), "seed", "must be an int or None")
         check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
         check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
-        check(self.max_tokens is None or (isinstance(self.max_tokens, int)
-              and self.max_tokens >= 1), "max_tokens", "must be None or an int >= 1")
-        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
-              "must be an int >= 0")
+        check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+              "must be None or >= 1")
+        check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
               "must be <= max_tokens")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            check(value is None or (isinstance(value, int) and 0 <= value <= 20), name,
-                  "must be None or an int in [0, 20]")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        check(all(isinstance(s, str) and s for s in self.stop), "stop",
-              "must be non-empty strings")
+            check(value is None or 0 <= value <= 20, name, "must be None or in [0, 20]")
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-              "must be non-negative ints")
+        self.eos_token_ids = list(self.eos_token_ids)
         if self.temperature < _GREEDY_EPS:  # greedy: these knobs have no effect
             self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
         if self.top_k == 0:

@@ -15,7 +15,7 @@ import torch
 
 from fleetllm import LLM, SamplingParams
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "fleetllm-demo-py"
+DEMO = Path(__file__).resolve().parents[1] / "fleetllm" / "demo_model"
 
 
 def heldout_ids(tokenizer, limit: int = 256) -> list[int]:

@@ -1,7 +1,7 @@
 """The demo-model training script runs end to end, and the shipped demo model is trained.
 
 ``tools/train_demo_model.py --smoke`` trains a throwaway model in a few seconds; the
-shipped ``models/fleetllm-demo-py`` must load with plain Hugging Face transformers and
+shipped ``fleetllm/demo_model`` must load with plain Hugging Face transformers and
 predict held-out stdlib code far better than a uniform guess.
 """
 
@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "train_demo_model.py"
-SHIPPED = REPO / "models" / "fleetllm-demo-py"
+SHIPPED = REPO / "fleetllm" / "demo_model"
 CHECKPOINT_FILES = (
     "config.json",
     "model.safetensors",

@@ -17,7 +17,7 @@ with no downloads. The script:
 
 Usage (the shipped model)::
 
-    nice -n 19 python tools/train_demo_model.py --out models/fleetllm-demo-py
+    nice -n 19 python tools/train_demo_model.py --out fleetllm/demo_model
 
 ``--smoke`` trains a throwaway model on a handful of files for a few steps (tests).
 """
@@ -195,7 +195,7 @@ def evaluate(model: Any, windows: Any, batch_size: int) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="models/fleetllm-demo-py", help="output checkpoint dir")
+    p.add_argument("--out", default="fleetllm/demo_model", help="output checkpoint dir")
     p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)

@@ -1,4 +1,5 @@
-"""LLM: the offline API. `LLM(model, **engine_kwargs).generate(prompts, sampling_params)`."""
+"""LLM: the offline API. `LLM(model, **engine_kwargs).generate(prompts, sampling_params)`,
+and `.chat(messages)` with the tokenizer's chat template, as in vLLM."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from typing import Any
 
 from fleetllm.engine.llm_engine import LLMEngine, PromptType
 from fleetllm.engine.outputs import RequestOutput
-from fleetllm.errors import InvalidRequestError
+from fleetllm.errors import ConfigurationError, EngineShutdownError, InvalidRequestError
 from fleetllm.progress import ProgressBar
 from fleetllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+Conversation = Sequence[dict[str, Any]]
 
 
 class LLM:
@@ -23,25 +25,32 @@ class LLM:
     Keyword arguments are EngineConfig.from_kwargs's, with vLLM's names:
     tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend, dtype,
     block_size, seed, max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory,
-    swap_space, preemption_mode, load_format, device, ...
+    swap_space, preemption_mode, load_format, device, ... vLLM arguments that mean nothing
+    here (enforce_eager, trust_remote_code, ...) are accepted with a warning; unsupported ones
+    that would change results (quantization, ...) raise ConfigurationError.
     """
 
     def __init__(self, model: str, **engine_kwargs: Any):
         self.llm_engine = LLMEngine.from_engine_args(str(model), **engine_kwargs)
         self._request_ids = itertools.count()
+        self._is_shutdown = False
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
+    def generate(self, prompts: PromptType | Sequence[PromptType] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, *,
+                 prompt_token_ids: list[int] | list[list[int]] | None = None
+                 ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. A prompt the
         engine rejects (e.g. longer than max_model_len) gets an output with finish_reason
-        "error" and the reason in `.error`; the others still complete."""
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
-        prompts = list(prompts)
+        "error" and the reason in `.error`; the others still complete.
+
+        `prompt_token_ids` is vLLM's older keyword: one list of token ids, or a list of them;
+        with `prompts` as well, those strings are the outputs' prompt text."""
+        self._check_not_shut_down()
+        prompts = _prompt_list(prompts, prompt_token_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -60,8 +69,11 @@ class LLM:
             try:
                 engine.add_request(request_id, prompt, params)
             except InvalidRequestError as e:
-                logger.warning("request %s rejected: %s", request_id, e)
-                text = prompt if isinstance(prompt, str) else None
+                # Reported in the output's .error (the CLI prints it): logging it as well
+                # would show the same error twice.
+                logger.debug("request %s rejected: %s", request_id, e)
+                text = prompt.get("prompt") if isinstance(prompt, dict) else (
+                    prompt if isinstance(prompt, str) else None)
                 ids = prompt.get("prompt_token_ids", []) if isinstance(prompt, dict) else []
                 results[request_id] = RequestOutput.rejected(request_id, text, list(ids), str(e))
         try:
@@ -70,6 +82,40 @@ class LLM:
             engine.abort_request([r for r in order if r not in results])
             raise
         return [results[r] for r in order]
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to conversations ([{"role": ..., "content": ...}, ...]) rendered
+        with the tokenizer's chat template, or `chat_template` (a Jinja string). One
+        conversation gives a list of one output; a list of them, one output each."""
+        self._check_not_shut_down()
+        tokenizer = self.get_tokenizer()
+        model = self.llm_engine.model_config.model
+        if tokenizer is None:
+            raise InvalidRequestError(f"chat needs a tokenizer and {model} has none")
+        if not (chat_template or getattr(tokenizer, "chat_template", None)):
+            raise ConfigurationError(f"chat_template: the tokenizer of {model} has none; pass "
+                                     "chat_template=<a Jinja template string>")
+        one = not messages or not isinstance(messages[0], list | tuple)
+        conversations = [messages] if one else list(messages)
+        from jinja2 import TemplateError
+
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            try:
+                text = tokenizer.apply_chat_template(
+                    list(conversation), chat_template=chat_template, tokenize=False,
+                    add_generation_prompt=add_generation_prompt)
+            except (TemplateError, ValueError, TypeError, KeyError) as e:
+                raise InvalidRequestError(f"the chat template cannot render this "
+                                          f"conversation: {e}") from e
+            # The template writes the special tokens it wants (BOS, role markers): encoding
+            # must not add a second BOS, as vLLM's chat does not.
+            prompts.append({"prompt": text, "prompt_token_ids":
+                            tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
         engine = self.llm_engine
@@ -91,11 +137,37 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the workers now. Dropping the last reference to the LLM does the same (the
-        executor, which owns the workers, cleans up when it is collected)."""
+        executor, which owns the workers, cleans up when it is collected). Later calls raise
+        EngineShutdownError."""
+        self._is_shutdown = True
         self.llm_engine.shutdown()
+
+    def _check_not_shut_down(self) -> None:
+        if self._is_shutdown:
+            raise EngineShutdownError("this LLM was shut down; create a new LLM to generate "
+                                      "again")
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType] | None,
+                 prompt_token_ids: list[int] | list[list[int]] | None) -> list[PromptType]:
+    """generate()'s prompts as a list, from `prompts`, vLLM's `prompt_token_ids`, or both."""
+    if prompt_token_ids is None:
+        if prompts is None:
+            raise InvalidRequestError("generate() needs prompts or prompt_token_ids")
+        return [prompts] if isinstance(prompts, str | dict) else list(prompts)
+    ids = list(prompt_token_ids)
+    if ids and not isinstance(ids[0], list | tuple):  # one prompt's ids
+        ids = [ids]
+    if prompts is None:
+        return [{"prompt_token_ids": list(p)} for p in ids]
+    texts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if len(texts) != len(ids) or not all(isinstance(t, str) for t in texts):
+        raise InvalidRequestError(f"with prompt_token_ids, prompts must be as many strings "
+                                  f"({len(ids)}); got {len(texts)} prompts")
+    return [{"prompt": t, "prompt_token_ids": list(p)} for t, p in zip(texts, ids, strict=True)]

@@ -6,7 +6,6 @@ on every worker, results in rank order). Everything else is built on collective_
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -14,18 +13,10 @@ from typing import Any, TypeVar
 from fleetllm.config import EngineConfig
 from fleetllm.errors import ConfigurationError
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
+from fleetllm.utils import resolve_qualname
 
 R = TypeVar("R")
 RpcMethod = str | Callable[..., Any]
-
-
-def resolve_qualname(name: str) -> Any:
-    """Import "pkg.module:Name" or "pkg.module.Name"."""
-    module_name, _, attr = name.rpartition(":") if ":" in name else name.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigurationError(f"cannot import {name!r}: {e}") from e
 
 
 class Executor(ABC):

@@ -6,7 +6,7 @@ import threading
 import traceback
 from typing import Any
 
-from fleetllm.errors import CommunicationTimeoutError, remote_error
+from fleetllm.errors import CommunicationTimeoutError, EngineShutdownError, remote_error
 from fleetllm.executor.abstract import Executor, RpcMethod
 from fleetllm.worker.worker_base import WorkerWrapperBase, run_method
 
@@ -22,6 +22,9 @@ class UniProcExecutor(Executor):
     def collective_rpc(self, method: RpcMethod, timeout: float | None = None,
                        args: tuple = (), kwargs: dict[str, Any] | None = None,
                        return_exceptions: bool = False) -> list[Any]:
+        if self._is_shutdown:  # the worker has freed its cache: say so, not what broke
+            raise EngineShutdownError("the executor was shut down; create a new LLM (or "
+                                      "executor) to run the model again")
         worker = self.driver_worker.worker
         try:
             if timeout is None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from fleetllm.config import EngineConfig
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
+from fleetllm.utils import resolve_qualname
 
 
 class WorkerBase(ABC):
@@ -55,8 +56,6 @@ class WorkerWrapperBase:
 
     def init_worker(self, local_rank: int, rank: int, distributed_init_method: str | None,
                     is_driver_worker: bool) -> None:
-        from fleetllm.executor.abstract import resolve_qualname
-
         cls = resolve_qualname(self.config.parallel_config.worker_cls)
         self.worker = cls(self.config, local_rank=local_rank, rank=rank,
                           distributed_init_method=distributed_init_method,

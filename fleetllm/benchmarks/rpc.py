@@ -1,7 +1,8 @@
 """Round-trip latency of the executor's RPC path: a no-op collective_rpc and an empty
 execute_model (ExecuteModelRequest([])), for a backend next to `uni` measured in the same run.
 
-    python benchmarks/rpc.py --backend mp --tensor-parallel-size 2 [--model PATH] [--iters N]
+    fleetllm bench rpc --backend mp --tensor-parallel-size 2 [--model PATH] [--iters N]
+    python -m fleetllm.benchmarks.rpc ...   (the same)
 
 Without --model a tiny Llama config is written to a temp dir and loaded with dummy weights.
 """
@@ -67,15 +68,29 @@ def bench_backend(model: str, backend: str, tp: int, pp: int, iters: int) -> dic
         }
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="mp", help="executor backend to compare with uni")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=2)
-    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=2,
+                        help="workers per pipeline stage")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                        help="pipeline stages")
     parser.add_argument("--model", default=None, help="checkpoint dir (default: tiny, dummy)")
-    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--iters", type=int, default=2000, help="timed calls per measurement")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from fleetllm.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="python -m fleetllm.benchmarks.rpc",
+                                     description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Measure, print, and return the figures."""
     with tempfile.TemporaryDirectory(prefix="fleetllm-bench-") as tmp:
         model = args.model
         if model is None:

@@ -1,10 +1,10 @@
 """Offline throughput: N random requests through LLM.generate, next to HF `generate` on the
 same requests in the same run.
 
-    python benchmarks/throughput.py [--model DIR] [--num-prompts 64] [--input-len 128]
-                                    [--output-len 64] [--hf-batch-size 8]
-                                    [--compare-backend uni] [engine flags]
-    fleetllm bench throughput ...   (the same)
+    fleetllm bench throughput [--model DIR] [--num-prompts 64] [--input-len 128]
+                              [--output-len 64] [--hf-batch-size 8]
+                              [--compare-backend uni] [engine flags]
+    python -m fleetllm.benchmarks.throughput ...   (the same)
 
 Prints requests/s and output tokens/s for fleetllm and HF (each the best of --repeat runs),
 and their ratio; with --compare-backend, also fleetllm on that executor backend (e.g. `mp`
@@ -19,31 +19,40 @@ import argparse
 import random
 import time
 
+from fleetllm.cli import HelpFormatter, add_engine_args, engine_kwargs_from, resolve_model
 
-def main(argv: list[str] | None = None) -> int:
-    from fleetllm.cli import add_engine_args, engine_kwargs_from, resolve_model
 
-    parser = argparse.ArgumentParser(prog="fleetllm bench throughput")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=64,
+                        help="generated tokens per request")
     parser.add_argument("--hf-batch-size", type=int, default=8,
                         help="HF generate batch size (left-padded); 0 skips the HF peer")
     parser.add_argument("--compare-backend", default=None,
                         help="also run fleetllm with this distributed_executor_backend "
-                             "(same requests, same run) and print the ratio")
+                             "(same requests, same run) and print the ratio (default: none)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="timed runs per engine; the fastest counts (this 2-core machine's "
                              "run-to-run noise is larger than the differences measured)")
     parser.add_argument("--data-seed", dest="bench_seed", type=int, default=0,
                         help="seed for the random prompts")
-    actions = add_engine_args(parser)
-    args = parser.parse_args(argv)
-    model = resolve_model(args.model)
+    add_engine_args(parser)
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fleetllm.benchmarks.throughput",
+                                     description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    model = resolve_model(args.model)
     import torch
 
-    kwargs = engine_kwargs_from(args, actions)
+    kwargs = engine_kwargs_from(args, args.engine_actions)
     variants = [kwargs]
     if args.compare_backend:
         variants.append({**kwargs, "distributed_executor_backend": args.compare_backend})

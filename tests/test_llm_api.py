@@ -1,0 +1,158 @@
+"""LLM as a vLLM drop-in: prompt_token_ids=, chat(), vLLM-only engine arguments, and what
+happens after shutdown()."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+
+from fleetllm import LLM, SamplingParams
+from fleetllm.config import EngineConfig
+from fleetllm.errors import (
+    ConfigurationError,
+    EngineShutdownError,
+    FleetLLMError,
+    InvalidRequestError,
+)
+from fleetllm.executor import Executor
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+# Arguments vLLM scripts pass that change nothing here.
+HARMLESS = dict(enforce_eager=True, trust_remote_code=True, tokenizer_mode="auto",
+                disable_log_stats=True, disable_custom_all_reduce=True,
+                max_seq_len_to_capture=8192, disable_log_requests=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    with LLM(tiny_models["llama_gqa"], kv_cache_memory=32 << 20) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_models, tmp_path_factory):
+    """A copy of the tiny checkpoint whose tokenizer has a chat template."""
+    path = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(tiny_models["llama_gqa"], path)
+    cfg_path = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    return path
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+# ---------------------------------------------------------------- prompt_token_ids=
+
+def test_generate_takes_vllm_prompt_token_ids(llm):
+    ids = [[5, 6, 7, 8], [9, 10]]
+    ref = llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY, use_tqdm=False)
+    outs = llm.generate(prompt_token_ids=ids, sampling_params=GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == ids and token_ids(outs) == token_ids(ref)
+    [one] = llm.generate(prompt_token_ids=ids[0], sampling_params=GREEDY, use_tqdm=False)
+    assert one.prompt_token_ids == ids[0] and one.outputs[0].token_ids == token_ids(ref)[0]
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids"):
+        llm.generate(sampling_params=GREEDY)
+    named = llm.generate(["x", "y"], GREEDY, prompt_token_ids=ids, use_tqdm=False)
+    assert [o.prompt for o in named] == ["x", "y"] and token_ids(named) == token_ids(ref)
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids"):
+        llm.generate(["a"], GREEDY, prompt_token_ids=ids)
+
+
+# ---------------------------------------------------------------- chat()
+
+def test_chat_applies_the_tokenizers_template(chat_model):
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    rendered = "<system>be brief\n<user>hello\n<assistant>"
+    with LLM(chat_model, kv_cache_memory=32 << 20) as llm:
+        tok = llm.get_tokenizer()
+        [out] = llm.chat(conv, GREEDY, use_tqdm=False)
+        assert out.prompt == rendered
+        # Tokenized without special tokens: the template writes whatever it needs.
+        ids = tok.encode(rendered, add_special_tokens=False)
+        assert out.prompt_token_ids == ids
+        [ref] = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        outs = llm.chat([conv, conv[1:]], GREEDY, add_generation_prompt=False, use_tqdm=False)
+        assert [o.prompt for o in outs] == ["<system>be brief\n<user>hello\n", "<user>hello\n"]
+        [out] = llm.chat(conv[1:], GREEDY, chat_template="{{ messages[0]['content'] }}!",
+                         use_tqdm=False)
+        assert out.prompt == "hello!"
+
+
+def test_chat_without_a_template_says_so(llm):
+    with pytest.raises((ConfigurationError, InvalidRequestError), match="chat_template"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)
+    [out] = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False,
+                     chat_template="{{ messages[0]['content'] }}")
+    assert out.prompt == "hi"
+
+
+# ---------------------------------------------------------------- vLLM engine arguments
+
+def test_vllm_engine_args_that_mean_nothing_warn_once_each(tiny_models, caplog):
+    caplog.set_level(logging.WARNING)
+    EngineConfig.from_kwargs(model=str(tiny_models["llama_gqa"]), **HARMLESS)
+    for name in HARMLESS:
+        assert sum(name in r.getMessage() for r in caplog.records) == 1, name
+    caplog.clear()
+    # vLLM's "off" values of unsupported features are what fleetllm does: no noise.
+    EngineConfig.from_kwargs(model=str(tiny_models["llama_gqa"]), quantization=None,
+                             kv_cache_dtype="auto", speculative_model=None, enable_lora=False)
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(quantization="awq"), "quantization"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
+    (dict(speculative_model="/some/draft"), "speculative_model"),
+    (dict(enable_lora=True), "enable_lora"),
+])
+def test_vllm_engine_args_that_would_change_results_are_refused(tiny_models, kwargs, name):
+    with pytest.raises(ConfigurationError, match=f"^\\[E005\\] {name}: .*not supported"):
+        LLM(tiny_models["llama_gqa"], **kwargs)
+
+
+def test_llm_accepts_harmless_vllm_args(tiny_models):
+    with LLM(tiny_models["llama_gqa"], kv_cache_memory=32 << 20, **HARMLESS) as llm:
+        [out] = llm.generate("hello", GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+
+
+# ---------------------------------------------------------------- after shutdown
+
+def test_llm_after_shutdown_raises_engine_shutdown_error(chat_model):
+    llm = LLM(chat_model, kv_cache_memory=32 << 20)
+    llm.shutdown()
+    for call in (lambda: llm.generate("hello", GREEDY, use_tqdm=False),
+                 lambda: llm.generate(prompt_token_ids=[5, 6], use_tqdm=False),
+                 lambda: llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)):
+        with pytest.raises(EngineShutdownError, match="shut down") as info:
+            call()
+        assert info.value.code == "E008" and isinstance(info.value, FleetLLMError)
+    llm.shutdown()  # still harmless
+
+
+def test_uniproc_executor_after_shutdown_raises_engine_shutdown_error(tiny_models):
+    cfg = EngineConfig.from_kwargs(model=str(tiny_models["llama_gqa"]),
+                                   kv_cache_memory=32 << 20)
+    executor = Executor.get_class(cfg)(cfg)
+    executor.initialize_cache(*executor.determine_num_available_blocks())
+    executor.shutdown()
+    for call in (lambda: executor.collective_rpc("check_health"),
+                 lambda: executor.collective_rpc(lambda w: 1, timeout=5),
+                 lambda: executor.determine_num_available_blocks(),
+                 lambda: executor.check_health()):
+        with pytest.raises(EngineShutdownError, match="shut down"):
+            call()
+    # return_exceptions is about the workers' errors; a shut-down executor has none to run.
+    with pytest.raises(EngineShutdownError):
+        executor.collective_rpc("check_health", return_exceptions=True)
