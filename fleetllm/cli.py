@@ -143,8 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--quiet", action="store_true", help="print only prompt + completion")
     gen.set_defaults(engine_actions=add_engine_args(gen))
+    from fleetllm.entrypoints.openai.cli_args import add_serve_args
+    add_serve_args(sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API"))
     bench = sub.add_parser("bench", help="benchmarks: throughput | rpc (see each one's --help)")
-    bench.add_argument("which", choices=["throughput", "rpc"])
+    bench.add_argument("which", choices=["throughput", "rpc", "serve"])
     return parser
 
 
@@ -157,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "serve":
+            from fleetllm.entrypoints.openai.launcher import run_serve
+            return run_serve(args)
         return cmd_bench(args, rest)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
