@@ -71,3 +71,41 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state not in ("Z", "X")
+
+
+class AppClient:
+    """Drive an ASGI app in-process, on one event loop, through httpx's ASGI transport."""
+
+    def __init__(self, app, headers: dict[str, str] | None = None):
+        import asyncio
+
+        import httpx
+
+        self._runner = asyncio.Runner()
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                        base_url="http://app", headers=headers, timeout=60)
+
+    def request(self, method: str, path: str, **kwargs):
+        return self._runner.run(self.client.request(method, path, **kwargs))
+
+    def run(self, coro):
+        return self._runner.run(coro)
+
+    def close(self) -> None:
+        self._runner.run(self.client.aclose())
+        self._runner.close()
+
+
+def assert_error(response, status: int, param: str | None = None) -> dict:
+    """An error in OpenAI's shape, small; returns its "error" object."""
+    assert response.status_code == status, (response.status_code, response.text[:500])
+    assert len(response.content) < 8192, len(response.content)
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["code"] == status
+    if param is not None:
+        assert error["param"] == param, error
+    return error

@@ -13,6 +13,9 @@ transport); launcher.py serves it with uvicorn and drains it on SIGTERM.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+from typing import TypeVar
+
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
@@ -38,6 +41,8 @@ from fleetllm.entrypoints.openai.serving_chat import ServingChat
 from fleetllm.entrypoints.openai.serving_completion import ServingCompletion
 from fleetllm.entrypoints.openai.serving_engine import json_response, parse_body
 from fleetllm.entrypoints.openai.serving_tokenization import ServingTokenization
+
+T = TypeVar("T")
 
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None,
@@ -87,18 +92,27 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
-        return await completion.create(await parse_body(raw, CompletionRequest), raw)
+        return await _mapped(completion.create(await parse_body(raw, CompletionRequest), raw))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
-        return await chat.create(await parse_body(raw, ChatCompletionRequest), raw)
+        return await _mapped(chat.create(await parse_body(raw, ChatCompletionRequest), raw))
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> dict:
-        return await tokenization.tokenize(await parse_body(raw, TokenizeRequest))
+        return await _mapped(tokenization.tokenize(await parse_body(raw, TokenizeRequest)))
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> dict:
-        return await tokenization.detokenize(await parse_body(raw, DetokenizeRequest))
+        return await _mapped(tokenization.detokenize(await parse_body(raw, DetokenizeRequest)))
 
     return app
+
+
+async def _mapped(call: Awaitable[T]) -> T:
+    """Engine errors (dead: 503, rejected: 400) become APIErrors here, so that they are
+    answered like any other error rather than reported as crashes of the app."""
+    try:
+        return await call
+    except Exception as e:
+        raise api_error_from(e) from None
