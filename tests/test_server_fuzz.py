@@ -78,6 +78,7 @@ chat = st.fixed_dictionaries({}, optional={
 tokenize = st.fixed_dictionaries({}, optional={
     "prompt": maybe(st.text(max_size=20)), "messages": maybe(st.lists(message, max_size=2)),
     "tokens": maybe(token_ids), "add_special_tokens": maybe(st.booleans())})
+URL_CHARS = st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="?#%")
 content_types = st.sampled_from([None, "application/json", "text/plain",
                                  "application/json; charset=utf-8",
                                  "application/x-www-form-urlencoded", "application/jsonx"])
@@ -101,8 +102,7 @@ def requests(draw) -> tuple[str, str, bytes, dict[str, str]]:
         method = draw(st.sampled_from(["GET", "PUT", "DELETE", "POST", "PATCH"]))
         path = draw(st.sampled_from([*ENDPOINTS, "/v1/models", "/v1", "/metrics/x",
                                      "/v1/completions/1"])
-                    | st.text(st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="?#%"),
-                              max_size=10).map(lambda t: "/" + t))
+                    | st.text(URL_CHARS, max_size=10).map(lambda t: "/" + t))
         body = b""
     return method, path, body, ({"content-type": ctype} if ctype else {})
 
