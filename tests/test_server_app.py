@@ -4,6 +4,7 @@ and draining engines (issue: OpenAI-compatible server)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import threading
 
@@ -208,3 +209,18 @@ def test_a_dead_engine_is_503_everywhere(model):
     finally:
         client.close()
         eng.shutdown()
+
+
+def test_serve_flags_default_to_loopback_and_warn_when_exposed(caplog):
+    from fleetllm.cli import build_parser
+    from fleetllm.entrypoints.openai.launcher import warn_if_exposed
+
+    args = build_parser().parse_args(["serve", "/some/model", "--tensor-parallel-size", "2"])
+    assert (args.host, args.port, args.shutdown_timeout) == ("127.0.0.1", 8000, 10.0)
+    assert args.model_tag == "/some/model" and args.tensor_parallel_size == 2
+    with caplog.at_level(logging.WARNING, logger="fleetllm.serve"):
+        assert warn_if_exposed("0.0.0.0", None)
+    assert "without --api-key" in caplog.text
+    for host, key in (("127.0.0.1", None), ("::1", None), ("localhost", None),
+                      ("0.0.0.0", "k")):
+        assert not warn_if_exposed(host, key)

@@ -99,10 +99,7 @@ class RequestStream:
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Engine loop side."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
-            pass
+        _deliver_threadsafe([(self, item)])
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -156,7 +153,7 @@ class RequestStream:
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, *, step_timeout_s: float = 60.0,
-                 health_probe_interval_s: float = 10.0,
+                 health_probe_interval_s: float = 5.0,
                  stat_loggers: list[StatLogger] | None = None):
         self.engine = engine
         self.model_config = engine.model_config
@@ -184,7 +181,7 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(cls, model: str, *, step_timeout_s: float = 60.0,
-                         health_probe_interval_s: float = 10.0,
+                         health_probe_interval_s: float = 5.0,
                          stat_loggers: list[StatLogger] | None = None,
                          **engine_kwargs: Any) -> AsyncLLMEngine:
         return cls(LLMEngine.from_engine_args(str(model), **engine_kwargs),
@@ -370,7 +367,7 @@ class AsyncLLMEngine:
         outputs = self._busy(self.engine.step)
         now = time.time()
         stats = IterationStats()
-        deliveries = []
+        deliveries: list[tuple[RequestStream, RequestOutput | BaseException]] = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted meanwhile: its consumer is gone
@@ -381,8 +378,7 @@ class AsyncLLMEngine:
             deliveries.append((stream, out))
         # Metrics first: a client that has its last token has it counted too.
         self._publish(stats)
-        for stream, out in deliveries:
-            stream.put(out)
+        _deliver_threadsafe(deliveries)
 
     def _publish(self, stats: IterationStats) -> None:
         sched = self.engine.scheduler
@@ -414,6 +410,25 @@ class AsyncLLMEngine:
         for stream in self._streams.values():
             stream.put(make_error())
         self._streams.clear()
+
+
+def _deliver_threadsafe(items: list[tuple[RequestStream, RequestOutput | BaseException]]
+                        ) -> None:
+    """Hand items to their streams' event loops: one wake-up per loop per step, not one per
+    request (64 streams would otherwise cost 64 self-pipe writes every step)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream._loop, []).append((stream._queue, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # that event loop is closed: nobody is listening
+            pass
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
 
 
 def _dead(cause: BaseException) -> EngineDeadError:

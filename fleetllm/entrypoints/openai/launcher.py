@@ -92,9 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = resolve_model(args.model_tag or args.model)
     chat_template = load_chat_template(args.chat_template)
-    if not _is_loopback(args.host) and not args.api_key:
-        logger.warning("listening on %s without --api-key: anyone who can reach this address "
-                       "can use the model", args.host)
+    warn_if_exposed(args.host, args.api_key)
     engine = AsyncLLMEngine.from_engine_args(model, step_timeout_s=args.step_timeout,
                                              **engine_kwargs_from(args, args.engine_actions))
     try:
@@ -114,6 +112,15 @@ def run_serve(args: argparse.Namespace) -> int:
         engine.shutdown()
     logger.info("stopped")
     return 0
+
+
+def warn_if_exposed(host: str, api_key: str | None) -> bool:
+    """Log a warning (and return True) for a non-loopback address without an API key."""
+    if api_key or _is_loopback(host):
+        return False
+    logger.warning("listening on %s without --api-key: anyone who can reach this address can "
+                   "use the model", host)
+    return True
 
 
 def load_chat_template(value: str | None) -> str | None:

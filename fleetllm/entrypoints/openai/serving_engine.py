@@ -226,6 +226,13 @@ class OpenAIServing:
 async def merge_streams(streams: list[RequestStream]
                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from several streams as they come; closes them all at the end."""
+    if len(streams) == 1:  # the common case needs no task and no queue
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].close()
+        return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream) -> None:
