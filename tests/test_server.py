@@ -221,6 +221,21 @@ def test_client_disconnect_aborts_and_frees_kv_blocks(server):
     assert 0 < generated < 2 * 900
 
 
+def test_a_client_that_gives_up_on_a_plain_request_aborts_it(server):
+    body = {"model": MODEL, "prompt": [9] * 20, "max_tokens": 900, "ignore_eos": True,
+            "n": 2, "temperature": 1.0}
+    with pytest.raises(httpx.ReadTimeout):  # httpx closes the connection on a timeout
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+    t0 = time.monotonic()
+    while True:
+        values = scrape(server)
+        if metric(values, "fleetllm:kv_cache_usage_perc") == 0.0 and \
+                metric(values, "fleetllm:num_requests_running") == 0:
+            break
+        assert time.monotonic() - t0 < 1.0, values
+        time.sleep(0.02)
+
+
 def test_metrics_move_by_exactly_the_expected_amounts(server, client):
     before = scrape(server)
     lengths = [5, 7, 9]
