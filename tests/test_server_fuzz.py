@@ -4,7 +4,6 @@ never a 5xx, every error in OpenAI's shape and small, and the server still serve
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 
 import pytest
@@ -140,7 +139,6 @@ def check(response) -> str:
 
 def test_fuzzed_requests_never_5xx_and_errors_keep_their_shape(app):
     outcomes: Counter[str] = Counter()
-    start = time.monotonic()
 
     @settings(max_examples=650, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
@@ -151,7 +149,6 @@ def test_fuzzed_requests_never_5xx_and_errors_keep_their_shape(app):
 
     one()
     assert outcomes["error"] >= 500, outcomes
-    assert time.monotonic() - start < 60, outcomes
     assert app.request("GET", "/health").status_code == 200
     r = app.request("POST", "/v1/completions", json={"model": "tiny", "prompt": "hello",
                                                      "max_tokens": 4, "ignore_eos": True})
