@@ -198,10 +198,32 @@ def _add_generate(sub: Any, common: argparse.ArgumentParser) -> None:
     gen.set_defaults(run=cmd_generate)
 
 
+def _run_serve(args: argparse.Namespace) -> int:
+    from fleetllm.entrypoints.openai.launcher import run_serve  # the web stack, only here
+
+    return run_serve(args)
+
+
+def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
+    from fleetllm.entrypoints.openai.cli_args import add_serve_args
+
+    serve = sub.add_parser("serve", parents=[common], formatter_class=HelpFormatter,
+                           help="serve an OpenAI-compatible HTTP API",
+                           description="Serve an OpenAI-compatible HTTP API (vLLM's flags).")
+    add_serve_args(serve)
+    serve.set_defaults(run=_run_serve)
+
+
+def _run_bench_serve(args: argparse.Namespace) -> int | dict:
+    from fleetllm.benchmarks import serve
+
+    return serve.main(args.argv)
+
+
 def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
     from fleetllm.benchmarks import rpc, throughput
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput | rpc",
+    bench = sub.add_parser("bench", help="benchmarks: throughput | rpc | serve",
                            description="Benchmarks; `fleetllm bench NAME --help` for each.")
     which = bench.add_subparsers(dest="benchmark", required=True, metavar="NAME")
     for name, module in (("throughput", throughput), ("rpc", rpc)):
@@ -210,6 +232,10 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
                                   help=summary.split(":")[0], description=summary)
         module.add_arguments(parser)
         parser.set_defaults(run=module.run)
+    # bench serve passes every flag it does not know to the server it starts: it parses its
+    # own arguments (and --help).
+    serve = which.add_parser("serve", add_help=False, help="online serving load benchmark")
+    serve.set_defaults(run=_run_bench_serve, passthrough=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,13 +251,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub, common)
+    _add_serve(sub, common)
     _add_bench(sub, common)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "passthrough", False):
+        args.argv = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     # fleetllm's warnings (e.g. an ignored vLLM flag) as one plain line each.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:

@@ -1,0 +1,225 @@
+"""Online serving benchmark, like vLLM's: N streaming requests against an OpenAI-compatible
+server at a Poisson request rate, then throughput and TTFT / ITL / E2E latency.
+
+    fleetllm bench serve --base-url http://127.0.0.1:8000 [--num-prompts 200]
+        [--input-len 128 --output-len 64 | --dataset prompts.jsonl]
+        [--request-rate 8 | inf] [--max-concurrency N] [--json result.json]
+    fleetllm bench serve [--num-prompts ...] [serve flags: --model DIR, engine flags ...]
+
+Without --base-url it starts `fleetllm serve` itself (every flag this benchmark does not know
+goes to the server) and stops it at the end. Random prompts are token ids cut from random
+English-like text tokenized by the server's /tokenize, so they are exactly --input-len tokens;
+every request asks for exactly its output length (ignore_eos). A --dataset JSONL line is
+{"prompt": "..."} or {"prompt_token_ids": [...]}, optionally with "output_len".
+
+TTFT is the time to the first streamed token, ITL the gaps between streamed chunks (the
+server may merge tokens into one chunk when the client reads slower than it generates), E2E
+the whole request. main() returns the figures as a dict (also written by --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+_WORDS = ("the of and to in is was for on that with as by at from his her which an be this "
+          "are were had have not but all they one can there their been has more if will "
+          "would about who out so what up time into year some could them other than then "
+          "only its over also after first two may new any these most world engine token "
+          "model server request stream batch cache block layer python function return value "
+          "import class def print range list dict error tensor worker process").split()
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+
+
+def main(argv: list[str] | None = None) -> int | dict:
+    parser = argparse.ArgumentParser(prog="fleetllm bench serve",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base-url", default=None,
+                        help="a running server (default: start one with the other flags)")
+    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--dataset", default=None, help="JSONL file of prompts")
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="requests per second, Poisson arrivals (default inf: all at once)")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--data-seed", type=int, default=0)
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the figures here")
+    parser.add_argument("--quiet", action="store_true")
+    args, server_args = parser.parse_known_args(argv)
+    try:
+        import httpx  # noqa: F401 - fail before starting anything
+    except ImportError:
+        print("error: fleetllm bench serve needs httpx (pip install httpx)")
+        return 1
+    server = None
+    if args.base_url is None:
+        from fleetllm.entrypoints.openai.local_server import LocalServer
+
+        server = LocalServer(server_args)
+        args.base_url = server.url
+    elif server_args:
+        parser.error(f"unrecognized arguments: {' '.join(server_args)}")
+    try:
+        result = asyncio.run(_run(args))
+    finally:
+        if server is not None:
+            server.stop()
+    if not args.quiet:
+        _print(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.max_concurrency or args.num_prompts or 1)
+    timeout = httpx.Timeout(None, connect=30.0)
+    async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers,
+                                 limits=limits, timeout=timeout) as client:
+        prompts = await _prompts(client, args)
+        rng = random.Random(args.data_seed)
+        gate = asyncio.Semaphore(args.max_concurrency or len(prompts) or 1)
+
+        async def limited(prompt: Any, output_len: int) -> RequestResult:
+            async with gate:
+                return await _one(client, args.endpoint, prompt, output_len)
+
+        tasks = []
+        start = time.perf_counter()
+        for prompt, output_len in prompts:
+            tasks.append(asyncio.create_task(limited(prompt, output_len)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return _summarize(results, duration, args)
+
+
+async def _prompts(client: Any, args: argparse.Namespace) -> list[tuple[Any, int]]:
+    if args.dataset:
+        out = []
+        with open(args.dataset) as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    prompt = row.get("prompt_token_ids") or row["prompt"]
+                    out.append((prompt, int(row.get("output_len", args.output_len))))
+        return out[:args.num_prompts] if args.num_prompts else out
+    rng = random.Random(args.data_seed)
+    need = args.input_len + args.num_prompts
+    ids: list[int] = []
+    words = need
+    while len(ids) < need:  # a word is about one token: tokenize more until there are enough
+        text = " ".join(rng.choice(_WORDS) for _ in range(words))
+        r = await client.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+        r.raise_for_status()
+        ids = r.json()["tokens"]
+        words *= 2
+    return [(ids[i:i + args.input_len], args.output_len) for i in range(args.num_prompts)]
+
+
+async def _one(client: Any, endpoint: str, prompt: Any, output_len: int) -> RequestResult:
+    body = {"prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "stream": True,
+            "temperature": 0.0, "stream_options": {"include_usage": True}}
+    result = RequestResult()
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", endpoint, json=body) as r:
+            if r.status_code != 200:
+                result.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = str(chunk["error"].get("message"))
+                    return result
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    now = time.perf_counter()
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itls.append(now - last)
+                    last = now
+        result.e2e = time.perf_counter() - start
+        result.ok = True
+    except Exception as e:  # one failed request is a figure, not the end of the benchmark
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+def _stats(values: list[float], name: str) -> dict[str, float]:
+    if not values:
+        return {f"mean_{name}_ms": 0.0, f"median_{name}_ms": 0.0, f"p99_{name}_ms": 0.0}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return {f"mean_{name}_ms": statistics.fmean(ordered) * 1000,
+            f"median_{name}_ms": statistics.median(ordered) * 1000, f"p99_{name}_ms": p99 * 1000}
+
+
+def _summarize(results: list[RequestResult], duration: float, args: argparse.Namespace
+               ) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "base_url": args.base_url, "num_prompts": len(results), "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+        "max_concurrency": args.max_concurrency, "duration_s": duration,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": output_tokens / duration if duration else 0.0,
+        **_stats([r.ttft for r in ok], "ttft"),
+        **_stats([x for r in ok for x in r.itls], "itl"),
+        **_stats([r.e2e for r in ok], "e2e"),
+    }
+
+
+def _print(result: dict[str, Any]) -> None:
+    print(f"{' Serving Benchmark Result ':=^60}")
+    rows = [("Successful requests", result["completed"]), ("Failed requests", result["failed"]),
+            ("Request rate (req/s)", result["request_rate"]),
+            ("Benchmark duration (s)", f"{result['duration_s']:.2f}"),
+            ("Total generated tokens", result["total_output_tokens"]),
+            ("Request throughput (req/s)", f"{result['request_throughput']:.2f}"),
+            ("Output token throughput (tok/s)", f"{result['output_throughput']:.2f}")]
+    for name, label in (("ttft", "Time to First Token"), ("itl", "Inter-token Latency"),
+                        ("e2e", "End-to-end Latency")):
+        rows.append((f"--- {label}", ""))
+        rows += [(f"{kind.capitalize()} {name.upper()} (ms)", f"{result[f'{kind}_{name}_ms']:.2f}")
+                 for kind in ("mean", "median", "p99")]
+    for label, value in rows:
+        print(f"{label:<40}{value:>20}" if value != "" else f"{label:-<60}")
+    for error in result["errors"]:
+        print(f"error: {error}")
+    print("=" * 60)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""AsyncLLMEngine: one background thread steps an LLMEngine; many asyncio callers stream.
+
+Threading: LLMEngine is not thread-safe, so exactly one thread (the engine loop) touches it.
+Callers, on any event loop, only enqueue commands (add, abort, stop), which the loop applies
+between steps, and read their outputs from a RequestStream that the loop feeds through
+`loop.call_soon_threadsafe`. Text prompts are tokenized before they are queued, on a tokenizer
+thread of this object (the engine's tokenizer stays on the loop thread), so a huge prompt never
+stalls a step; detokenization stays in the engine, which does it incrementally.
+
+What generate() yields: RequestOutput objects whose `outputs` are StreamingCompletionOutput:
+`text`, `token_ids` and `logprobs` are cumulative (everything released so far), and
+`delta_text`, `delta_token_ids` and `delta_logprobs` hold what is new since the previous
+output yielded for that request. Outputs a slow consumer has not picked up yet are merged (they
+are cumulative), so a consumer is never more than one output behind. While a request has stop
+strings, the last len(longest stop) - 1 characters are held back until the request finishes, so
+streamed text never needs retracting, whatever the engine does with a stop string.
+
+Failure: an exception from step() (a crashed worker, a timeout, ...) is fatal: every open
+stream raises EngineDeadError (the cause chained) and later calls fail at once with it.
+Closing a stream before it finishes (the consumer was cancelled, a client went away) aborts
+the request in the engine, all of its n sequences, which frees its KV blocks before the next
+step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fleetllm.engine.async_stream import (
+    RequestStream,
+    StreamingCompletionOutput,
+    deliver_threadsafe,
+)
+from fleetllm.engine.llm_engine import LLMEngine, PromptType, load_tokenizer
+from fleetllm.engine.outputs import RequestOutput
+from fleetllm.engine.stats import EngineLoad, IterationStats, RequestStatsTracker, StatLogger
+from fleetllm.errors import EngineShutdownError, InvalidRequestError
+from fleetllm.sampling_params import SamplingParams
+
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineUnhealthyError", "RequestAbortedError",
+           "RequestStream", "StreamingCompletionOutput"]
+
+logger = logging.getLogger(__name__)
+
+
+class EngineUnhealthyError(RuntimeError):
+    """The engine cannot serve requests now (dead, or no step has completed in time)."""
+
+
+class EngineDeadError(EngineUnhealthyError):
+    """The engine loop stopped on an error (its __cause__); every request fails with this."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted by someone other than its consumer."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    arrival_time: float
+    stream: RequestStream
+    accepted: concurrent.futures.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str | None  # None: every request
+    error: BaseException | None
+
+
+_STOP = object()
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, *, step_timeout_s: float = 60.0,
+                 health_probe_interval_s: float = 5.0,
+                 stat_loggers: list[StatLogger] | None = None):
+        self.engine = engine
+        self.model_config = engine.model_config
+        # No engine call (a step, an add) may take longer than this while the engine is
+        # healthy: past it, check_health reports the engine wedged.
+        self.step_timeout_s = step_timeout_s
+        self.health_probe_interval_s = health_probe_interval_s
+        self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        self.load = EngineLoad()
+        # The front's own tokenizer: the engine's is used by the loop thread (detokenizing).
+        self.tokenizer = load_tokenizer(engine.model_config.tokenizer)
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="fleetllm-tokenizer")
+        self._commands: queue.Queue[Any] = queue.Queue()
+        self._lock = threading.Lock()  # orders the dead/stopped checks against enqueueing
+        self._fatal: BaseException | None = None
+        self._stopped = False
+        self._busy_since: float | None = None  # monotonic start of the engine call under way
+        self._streams: dict[str, RequestStream] = {}  # loop thread only
+        self._tracker = RequestStatsTracker()
+        self._publish(IterationStats())
+        self._thread = threading.Thread(target=self._run, name="fleetllm-engine-loop",
+                                        daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, model: str, *, step_timeout_s: float = 60.0,
+                         health_probe_interval_s: float = 5.0,
+                         stat_loggers: list[StatLogger] | None = None,
+                         **engine_kwargs: Any) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_engine_args(str(model), **engine_kwargs),
+                   step_timeout_s=step_timeout_s,
+                   health_probe_interval_s=health_probe_interval_s, stat_loggers=stat_loggers)
+
+    # ---------------------------------------------------------------- caller side
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
+                       request_id: str, arrival_time: float | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (see the module docstring). Raises InvalidRequestError
+        for a request the engine rejects, EngineDeadError when the engine dies."""
+        stream = await self.add_request(request_id, prompt, sampling_params, arrival_time)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          sampling_params: SamplingParams | None = None,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Queue a request and wait until the engine has accepted it (or rejected it: raises).
+        The caller must iterate the stream to its end or close() it."""
+        arrival_time = arrival_time or time.time()
+        params = sampling_params or SamplingParams()
+        self._raise_if_unusable()
+        prompt = await self._tokenized(prompt)
+        stream = RequestStream(request_id, params, self)
+        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        self._enqueue(_Add(request_id, prompt, params, arrival_time, stream, accepted))
+        try:
+            await asyncio.wrap_future(accepted)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # queued after the add: it never outlives its caller
+            raise
+        return stream
+
+    def abort(self, request_id: str, error: BaseException | None = None) -> None:
+        """Abort a request (all its sequences) before the next step. Its stream, if anyone
+        still reads it, raises `error` (default RequestAbortedError)."""
+        self._enqueue(_Abort(request_id, error), quiet=True)
+
+    def abort_all(self, error: BaseException | None = None) -> None:
+        self._enqueue(_Abort(None, error), quiet=True)
+
+    def check_health(self) -> None:
+        """Raise EngineUnhealthyError (EngineDeadError, ...) unless the engine can serve."""
+        if self._fatal is not None:
+            raise EngineDeadError(f"the engine died: {self._fatal}") from self._fatal
+        if self._stopped:
+            raise EngineShutdownError("the engine is shut down")
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine loop thread is gone")
+        since = self._busy_since
+        if since is not None and time.monotonic() - since > self.step_timeout_s:
+            raise EngineUnhealthyError(
+                f"no engine step has completed for {time.monotonic() - since:.1f} s "
+                f"(limit {self.step_timeout_s:g} s)")
+
+    @property
+    def errored(self) -> bool:
+        return self._fatal is not None
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop (open streams raise EngineShutdownError), then the executor."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._commands.put(_STOP)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("the engine loop did not stop within %.0f s; stopping the "
+                           "executor under it", timeout)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self.engine.shutdown()
+
+    # ---------------------------------------------------------------- tokenizer
+
+    async def run_in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any,
+                                      **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool,
+                                          functools.partial(fn, *args, **kwargs))
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"{self.model_config.model} has no tokenizer: pass "
+                                      "token ids instead of text")
+        return await self.run_in_tokenizer_thread(self.tokenizer.encode, text,
+                                                  add_special_tokens=add_special_tokens)
+
+    async def _tokenized(self, prompt: PromptType) -> PromptType:
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
+            text = prompt.get("prompt")
+        if isinstance(text, str) and self.tokenizer is not None:
+            return {"prompt": text, "prompt_token_ids": await self.encode(text)}
+        return prompt  # token ids, or something the engine will reject with its message
+
+    def _raise_if_unusable(self) -> None:
+        if self._fatal is not None:
+            raise EngineDeadError(f"the engine died: {self._fatal}") from self._fatal
+        if self._stopped:
+            raise EngineShutdownError("the engine is shut down")
+
+    def _enqueue(self, command: Any, quiet: bool = False) -> None:
+        with self._lock:
+            if self._fatal is not None or self._stopped:
+                if quiet:
+                    return
+                self._raise_if_unusable()
+            self._commands.put(command)
+
+    # ---------------------------------------------------------------- the loop thread
+
+    def _run(self) -> None:
+        try:
+            while self._apply_commands(block=not self.engine.has_unfinished_requests()):
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as e:  # noqa: BLE001 - anything from the engine is fatal
+            self._die(e)
+            return
+        self._end_all(lambda: EngineShutdownError("the engine was shut down"))
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply every queued command; False once asked to stop."""
+        try:
+            command = self._commands.get(timeout=self.health_probe_interval_s) if block \
+                else self._commands.get_nowait()
+        except queue.Empty:
+            if block:  # idle: a worker that died meanwhile must not pass for healthy
+                self._busy(self.engine.model_executor.check_health)
+            return True
+        stats = IterationStats()
+        while command is not _STOP:
+            if isinstance(command, _Add):
+                self._busy(self._add, command)
+            elif command.request_id is None:
+                for request_id in list(self._streams):
+                    self._busy(self._abort, request_id, command.error, stats)
+            else:
+                self._busy(self._abort, command.request_id, command.error, stats)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                self._publish(stats)
+                return True
+        return False
+
+    def _busy(self, fn: Callable[..., Any], *args: Any) -> Any:
+        self._busy_since = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self._busy_since = None
+
+    def _add(self, cmd: _Add) -> None:
+        if cmd.accepted.cancelled():  # the caller went away before it was queued
+            return
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time)
+        except Exception as e:  # a rejected request: it queued nothing, others are unharmed
+            _settle(cmd.accepted, error=e)
+            return
+        self._streams[cmd.request_id] = cmd.stream
+        self._tracker.add(cmd.request_id, cmd.arrival_time)
+        _settle(cmd.accepted)
+
+    def _abort(self, request_id: str, error: BaseException | None,
+               stats: IterationStats) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:  # finished, rejected or already aborted
+            return
+        self.engine.abort_request(request_id)
+        self._tracker.abort(request_id, stats)
+        stream.put(error or RequestAbortedError(f"request {request_id} was aborted"))
+
+    def _step(self) -> None:
+        outputs = self._busy(self.engine.step)
+        now = time.time()
+        stats = IterationStats()
+        deliveries: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted meanwhile: its consumer is gone
+                continue
+            self._tracker.observe(out, now, stats)
+            if out.finished:
+                del self._streams[out.request_id]
+            deliveries.append((stream, out))
+        # Metrics first: a client that has its last token has it counted too.
+        self._publish(stats)
+        deliver_threadsafe(deliveries)
+
+    def _publish(self, stats: IterationStats) -> None:
+        sched = self.engine.scheduler
+        blocks = sched.block_manager
+        self.load = EngineLoad(len(sched.running), len(sched.waiting), len(sched.swapped),
+                               blocks.num_gpu_blocks, blocks.num_free_gpu_blocks)
+        if stats.is_empty():
+            return
+        for stat_logger in tuple(self.stat_loggers):
+            try:
+                stat_logger.record(stats)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("stat logger %r failed", stat_logger)
+
+    def _die(self, error: BaseException) -> None:
+        logger.error("engine loop died: %s", error, exc_info=error)
+        with self._lock:
+            self._fatal = error
+        while True:  # nothing is queued after _fatal is set: settle what is there
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                _settle(command.accepted, error=_dead(error))
+        self._end_all(lambda: _dead(error))
+
+    def _end_all(self, make_error: Callable[[], BaseException]) -> None:
+        for stream in self._streams.values():
+            stream.put(make_error())
+        self._streams.clear()
+
+
+def _dead(cause: BaseException) -> EngineDeadError:
+    err = EngineDeadError(f"the engine died: {cause}")
+    err.__cause__ = cause
+    return err
+
+
+def _settle(future: concurrent.futures.Future, error: BaseException | None = None) -> None:
+    try:
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:  # cancelled by its caller meanwhile
+        pass

@@ -1,0 +1,109 @@
+"""RequestStream: one request's outputs, fed by the engine loop thread and read by one asyncio
+task, with the deltas since the previous read (see async_engine's docstring)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fleetllm.engine.outputs import CompletionOutput, RequestOutput
+from fleetllm.sampling_params import SamplingParams
+from fleetllm.sequence import Logprob
+
+
+class _Aborter(Protocol):
+    def abort(self, request_id: str, error: BaseException | None = None) -> None: ...
+
+
+@dataclass
+class StreamingCompletionOutput(CompletionOutput):
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[dict[int, Logprob]] | None = None
+
+
+class RequestStream:
+    """One request's outputs: fed by the engine loop thread, read by one asyncio task."""
+
+    def __init__(self, request_id: str, params: SamplingParams, engine: _Aborter):
+        self.request_id = request_id
+        self.finished = False
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._error: BaseException | None = None
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self._sent: dict[int, tuple[int, int]] = {}  # index -> (chars, tokens) released
+        self._closed = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Engine loop side."""
+        deliver_threadsafe([(self, item)])
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._error is not None:
+            self.finished, error, self._error = True, self._error, None
+            raise error
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        # Merge whatever else is already here: outputs are cumulative.
+        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
+            following = self._queue.get_nowait()
+            if isinstance(following, BaseException):
+                self._error = following
+                break
+            item = following
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return self._with_deltas(item)
+
+    def _with_deltas(self, out: RequestOutput) -> RequestOutput:
+        completions = []
+        for c in out.outputs:
+            sent_chars, sent_tokens = self._sent.get(c.index, (0, 0))
+            text = c.text
+            if self._holdback and not c.finished():
+                text = text[:max(len(text) - self._holdback, sent_chars)]
+            delta_text = text[sent_chars:]
+            self._sent[c.index] = (max(len(text), sent_chars), len(c.token_ids))
+            completions.append(StreamingCompletionOutput(
+                index=c.index, text=text, token_ids=c.token_ids,
+                cumulative_logprob=c.cumulative_logprob, logprobs=c.logprobs,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason, delta_text=delta_text,
+                delta_token_ids=c.token_ids[sent_tokens:],
+                delta_logprobs=None if c.logprobs is None else c.logprobs[sent_tokens:]))
+        return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids,
+                             out.prompt_logprobs, completions, out.finished, out.metrics,
+                             out.error)
+
+    def close(self) -> None:
+        """Abort the request unless it finished. Synchronous, so that it is safe in a `finally`
+        of a generator being closed or cancelled."""
+        if not self.finished and not self._closed:
+            self._closed = True
+            self._engine.abort(self.request_id)
+
+
+def deliver_threadsafe(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    """Hand items to their streams' event loops: one wake-up per loop per step, not one per
+    request (64 streams would otherwise cost 64 self-pipe writes every step)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream._loop, []).append((stream._queue, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # that event loop is closed: nobody is listening
+            pass
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)

@@ -1,0 +1,99 @@
+"""Per-step request statistics, derived from the outputs of LLMEngine.step().
+
+The async engine's loop thread feeds every step's outputs to a RequestStatsTracker, which
+turns them into one IterationStats per step (tokens, time to first token, inter-token gaps,
+finished requests) for the stat loggers (e.g. the server's Prometheus metrics). Timestamps are
+wall-clock (time.time()), like the engine's RequestMetrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from fleetllm.engine.outputs import RequestOutput
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str  # "stop" | "length" | "abort" | ...
+    # None for aborted requests: their latency says how long the client waited, not the engine.
+    e2e_latency: float | None = None
+    queue_time: float | None = None
+
+
+@dataclass
+class IterationStats:
+    prompt_tokens: int = 0  # of requests whose first token came this step
+    generation_tokens: int = 0  # tokens sampled this step, over all sequences
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)  # one per request per step
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.prompt_tokens or self.generation_tokens or self.finished)
+
+
+@dataclass
+class EngineLoad:
+    """The scheduler's queues and the KV pool, as of the last step (a snapshot: readers on
+    other threads never touch the scheduler itself)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    num_gpu_blocks: int = 0
+    num_free_gpu_blocks: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        if not self.num_gpu_blocks:
+            return 0.0
+        return 1.0 - self.num_free_gpu_blocks / self.num_gpu_blocks
+
+
+class StatLogger(Protocol):
+    def record(self, stats: IterationStats) -> None: ...
+
+
+@dataclass
+class _RequestTimes:
+    arrival_time: float
+    num_tokens: int = 0
+    last_token_time: float | None = None
+
+
+class RequestStatsTracker:
+    """Owned by the engine loop thread: knows each live request's arrival and last token."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, _RequestTimes] = {}
+
+    def add(self, request_id: str, arrival_time: float) -> None:
+        self._requests[request_id] = _RequestTimes(arrival_time)
+
+    def observe(self, out: RequestOutput, now: float, stats: IterationStats) -> None:
+        times = self._requests.get(out.request_id)
+        if times is None:
+            return
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if num_tokens > times.num_tokens:
+            stats.generation_tokens += num_tokens - times.num_tokens
+            if times.last_token_time is None:
+                stats.prompt_tokens += len(out.prompt_token_ids)
+                stats.time_to_first_tokens.append(now - times.arrival_time)
+            else:
+                stats.inter_token_latencies.append(now - times.last_token_time)
+            times.num_tokens, times.last_token_time = num_tokens, now
+        if out.finished:
+            del self._requests[out.request_id]
+            reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
+            scheduled = out.metrics.first_scheduled_time if out.metrics else None
+            stats.finished.append(FinishedRequestStats(
+                reason, e2e_latency=now - times.arrival_time,
+                queue_time=None if scheduled is None else max(0.0, scheduled
+                                                              - times.arrival_time)))
+
+    def abort(self, request_id: str, stats: IterationStats) -> None:
+        if self._requests.pop(request_id, None) is not None:
+            stats.finished.append(FinishedRequestStats("abort"))

@@ -1,0 +1,118 @@
+"""The OpenAI-compatible app: build_app(engine, ...) -> a FastAPI app with these routes.
+
+    GET  /v1/models              POST /v1/completions      POST /v1/chat/completions
+    POST /tokenize               POST /detokenize          GET  /version
+    GET  /health   (200, or 503 when the engine is dead, wedged or the server is draining)
+    GET  /metrics  (Prometheus text)
+
+Bodies are parsed by hand (serving_engine.parse_body) rather than by FastAPI, so that a
+missing content type, malformed JSON or a non-object body is a 400 in OpenAI's error shape
+like every other error. The app runs in-process too (tests drive it through httpx's ASGI
+transport); launcher.py serves it with uvicorn and drains it on SIGTERM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import Response
+
+import fleetllm
+from fleetllm.engine.async_engine import AsyncLLMEngine
+from fleetllm.entrypoints.openai.errors import (
+    api_error_from,
+    error_response,
+    install_error_handlers,
+)
+from fleetllm.entrypoints.openai.gate import ServerGate, ServerState
+from fleetllm.entrypoints.openai.metrics import PrometheusMetrics
+from fleetllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from fleetllm.entrypoints.openai.serving_chat import ServingChat
+from fleetllm.entrypoints.openai.serving_completion import ServingCompletion
+from fleetllm.entrypoints.openai.serving_engine import json_response, parse_body
+from fleetllm.entrypoints.openai.serving_tokenization import ServingTokenization
+
+T = TypeVar("T")
+
+
+def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None,
+              api_key: str | None = None, chat_template: str | None = None,
+              state: ServerState | None = None) -> FastAPI:
+    names = served_model_names or [engine.model_config.model]
+    state = state or ServerState()
+    metrics = PrometheusMetrics(names[0])
+    engine.stat_loggers.append(metrics)
+    completion = ServingCompletion(engine, names, chat_template)
+    chat = ServingChat(engine, names, chat_template)
+    tokenization = ServingTokenization(engine, names, chat_template)
+
+    app = FastAPI(title="fleetllm", version=fleetllm.__version__, openapi_url=None,
+                  docs_url=None, redoc_url=None)
+    app.state.server = state
+    app.state.engine = engine
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    # Outermost: it answers 401/503 before anything below reads the request.
+    app.add_middleware(ServerGate, state=state, api_key=api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.draining:
+            return error_response(503, "the server is shutting down")
+        try:
+            engine.check_health()
+        except Exception as e:
+            err = api_error_from(e)
+            return error_response(503, err.message)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(engine.load), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": fleetllm.__version__}
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        cards = [ModelCard(id=name, root=engine.model_config.model,
+                           max_model_len=engine.model_config.max_model_len) for name in names]
+        return json_response(ModelList(data=cards))
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await _mapped(completion.create(await parse_body(raw, CompletionRequest), raw))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        return await _mapped(chat.create(await parse_body(raw, ChatCompletionRequest), raw))
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> dict:
+        return await _mapped(tokenization.tokenize(await parse_body(raw, TokenizeRequest)))
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> dict:
+        return await _mapped(tokenization.detokenize(await parse_body(raw, DetokenizeRequest)))
+
+    return app
+
+
+async def _mapped(call: Awaitable[T]) -> T:
+    """Engine errors (dead: 503, rejected: 400) become APIErrors here, so that they are
+    answered like any other error rather than reported as crashes of the app."""
+    try:
+        return await call
+    except Exception as e:
+        raise api_error_from(e) from None

@@ -1,0 +1,154 @@
+"""`fleetllm serve`: start the engine, serve the app with uvicorn, drain on SIGTERM/SIGINT.
+
+Drain: the first SIGTERM or SIGINT makes every new request (and /health) a 503, gives the
+requests in flight up to --shutdown-timeout seconds to finish, ends the rest (a stream gets a
+terminal error event, a plain request a 503), closes the listener, stops the engine and its
+workers, and exits 0. A second signal skips the wait. uvicorn's own signal handling is
+replaced: it would stop at once and then re-raise the signal, so the exit status would be the
+signal's, not 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+
+from fleetllm.engine.async_engine import AsyncLLMEngine
+from fleetllm.entrypoints.openai.api_server import build_app
+from fleetllm.entrypoints.openai.gate import ServerState
+from fleetllm.errors import ConfigurationError, EngineShutdownError
+
+logger = logging.getLogger("fleetllm.serve")
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, engine: AsyncLLMEngine,
+                 shutdown_timeout: float):
+        super().__init__(config)
+        self.state = state
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+        self._drain_task: asyncio.Task | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        loop = asyncio.get_running_loop()
+
+        def handler(sig: int, frame: object) -> None:
+            loop.call_soon_threadsafe(self._on_signal, sig)
+
+        previous = {sig: signal.signal(sig, handler) for sig in _SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+    def _on_signal(self, sig: int) -> None:
+        if self._drain_task is None:
+            logger.info("%s: draining (%d in flight, up to %.0f s)", signal.Signals(sig).name,
+                        self.state.in_flight, self.shutdown_timeout)
+            self._drain_task = asyncio.ensure_future(self._drain())
+        else:
+            logger.warning("second signal: ending the requests in flight now")
+            self.shutdown_timeout = 0
+            self._end_requests()
+
+    async def _drain(self) -> None:
+        self.state.draining = True
+        try:
+            await asyncio.wait_for(self.state.wait_idle(), self.shutdown_timeout)
+        except TimeoutError:
+            logger.warning("%d requests still in flight after %.0f s: ending them",
+                           self.state.in_flight, self.shutdown_timeout)
+            self._end_requests()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.state.wait_idle(), 5.0)
+        self.should_exit = True
+
+    def _end_requests(self) -> None:
+        self.engine.abort_all(EngineShutdownError("the server is shutting down"))
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """The `fleetllm serve` command."""
+    from fleetllm.cli import engine_kwargs_from, resolve_model
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = resolve_model(args.model_tag or args.model)
+    chat_template = load_chat_template(args.chat_template)
+    warn_if_exposed(args.host, args.api_key)
+    engine = AsyncLLMEngine.from_engine_args(model, step_timeout_s=args.step_timeout,
+                                             **engine_kwargs_from(args, args.engine_actions))
+    try:
+        state = ServerState()
+        app = build_app(engine, args.served_model_name or [model], args.api_key,
+                        chat_template, state)
+        sock = _bind(args.host, args.port)
+        host, port = sock.getsockname()[:2]
+        # Tests and scripts wait for this line to learn the port (--port 0).
+        print(f"fleetllm serve: listening on http://{_url_host(host)}:{port}", flush=True)
+        config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
+                                lifespan="off", timeout_graceful_shutdown=5,
+                                timeout_keep_alive=5)
+        server = DrainingServer(config, state, engine, args.shutdown_timeout)
+        asyncio.run(server.serve(sockets=[sock]))
+    finally:
+        engine.shutdown()
+    logger.info("stopped")
+    return 0
+
+
+def warn_if_exposed(host: str, api_key: str | None) -> bool:
+    """Log a warning (and return True) for a non-loopback address without an API key."""
+    if api_key or _is_loopback(host):
+        return False
+    logger.warning("listening on %s without --api-key: anyone who can reach this address can "
+                   "use the model", host)
+    return True
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A template file, or the template itself when it is not a file but looks like Jinja."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ConfigurationError(f"chat_template: no such file: {value}")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=2048)
+    return sock
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,81 @@
+"""Prometheus metrics with vLLM's names (prefix `fleetllm:`), in a registry of their own so
+that two apps in one process (tests) never share counters."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from fleetllm.engine.stats import EngineLoad, IterationStats
+
+# vLLM's buckets, with finer ones at the bottom: a small model on a CPU steps in milliseconds.
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+_REQUEST_BUCKETS = [0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class PrometheusMetrics:
+    """A StatLogger (see fleetllm.engine.stats): record() runs on the engine loop thread,
+    render() on the server's; prometheus_client's metrics are thread-safe."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        label = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"fleetllm:{name}", doc, label, registry=self.registry
+                         ).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"fleetllm:{name}", doc, label, registry=self.registry
+                           ).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(f"fleetllm:{name}", doc, label, buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.num_running = gauge("num_requests_running", "Requests running on the engine.")
+        self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.num_swapped = gauge("num_requests_swapped", "Requests swapped out to CPU.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Generation tokens processed.")
+        self._success = Counter("fleetllm:request_success", "Finished requests, by reason.",
+                                [*label, "finished_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:  # present from the start, at 0
+            self._success.labels(model_name, reason)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
+                              _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between tokens of a "
+                             "request.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.",
+                             _REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first "
+                                    "scheduled.", _REQUEST_BUCKETS)
+
+    def record(self, stats: IterationStats) -> None:
+        if stats.prompt_tokens:
+            self.prompt_tokens.inc(stats.prompt_tokens)
+        if stats.generation_tokens:
+            self.generation_tokens.inc(stats.generation_tokens)
+        for value in stats.time_to_first_tokens:
+            self.ttft.observe(value)
+        for value in stats.inter_token_latencies:
+            self.itl.observe(value)
+        for done in stats.finished:
+            self._success.labels(self.model_name, done.finish_reason).inc()
+            if done.e2e_latency is not None:
+                self.e2e.observe(done.e2e_latency)
+            if done.queue_time is not None:
+                self.queue_time.observe(done.queue_time)
+
+    def render(self, load: EngineLoad) -> bytes:
+        self.num_running.set(load.num_running)
+        self.num_waiting.set(load.num_waiting)
+        self.num_swapped.set(load.num_swapped)
+        self.kv_usage.set(load.kv_cache_usage)
+        return generate_latest(self.registry)

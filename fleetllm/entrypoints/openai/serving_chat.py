@@ -1,0 +1,110 @@
+"""POST /v1/chat/completions: the messages through the chat template, then one engine
+request with n samples."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from starlette.responses import Response
+
+from fleetllm.engine.async_engine import RequestStream
+from fleetllm.engine.outputs import CompletionOutput
+from fleetllm.entrypoints.openai.logprobs import LogprobFormatter
+from fleetllm.entrypoints.openai.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatStreamChoice,
+    DeltaMessage,
+    UsageInfo,
+)
+from fleetllm.entrypoints.openai.serving_engine import (
+    ClientDisconnected,
+    OpenAIServing,
+    SSEResponse,
+    collect_final,
+    json_response,
+    merge_streams,
+    random_id,
+    sse,
+    sse_error,
+)
+
+
+class ServingChat(OpenAIServing):
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        arrival = time.time()
+        self.check_model(req.model)
+        text, ids = await self.render_chat(req.messages, req.add_generation_prompt)
+        self.check_token_ids(ids, "messages")
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        max_tokens = self.max_tokens_for(requested, len(ids), "messages")
+        top_n = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, max_tokens, top_n)
+        request_id = random_id("chatcmpl")
+        streams = await self.start(request_id, [({"prompt": text, "prompt_token_ids": ids},
+                                                  params)], arrival)
+        fmt = LogprobFormatter(self.decode, req.return_tokens_as_token_ids)
+        if req.stream:
+            return SSEResponse(self._stream(req, request_id, int(arrival), len(ids), streams,
+                                            fmt))
+        try:
+            [final] = await collect_final(streams, raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        choices = [ChatChoice(
+            index=c.index, message=AssistantMessage(content=c.text),
+            logprobs=None if top_n is None else fmt.chat(c.token_ids, c.logprobs or [], top_n),
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
+        return json_response(ChatCompletionResponse(
+            id=request_id, created=int(arrival), model=self.model_name, choices=choices,
+            usage=_usage(len(ids), final.outputs)))
+
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, created: int,
+                      prompt_tokens: int, streams: list[RequestStream],
+                      fmt: LogprobFormatter) -> AsyncIterator[str]:
+        top_n = (req.top_logprobs or 0) if req.logprobs else None
+
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+            return sse(ChatCompletionChunk(id=request_id, created=created,
+                                           model=self.model_name, choices=choices,
+                                           usage=usage))
+
+        # As OpenAI does: every choice opens with the role, before any content.
+        for index in range(req.n):
+            yield chunk([ChatStreamChoice(index=index,
+                                          delta=DeltaMessage(role="assistant", content=""))])
+        finished: set[int] = set()
+        last: dict[int, CompletionOutput] = {}
+        try:
+            async for _, out in merge_streams(streams):
+                for c in out.outputs:
+                    if c.index in finished:
+                        continue
+                    last[c.index] = c
+                    if not c.delta_text and not c.delta_token_ids and not c.finished():
+                        continue
+                    if c.finished():
+                        finished.add(c.index)
+                    logprobs = None if top_n is None else fmt.chat(
+                        c.delta_token_ids, c.delta_logprobs or [], top_n)
+                    yield chunk([ChatStreamChoice(
+                        index=c.index, delta=DeltaMessage(content=c.delta_text),
+                        logprobs=logprobs, finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason)])
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield chunk([], _usage(prompt_tokens, list(last.values())))
+        except Exception as e:  # the engine died or the server is draining: say so, in-band
+            yield sse_error(e)
+        yield "data: [DONE]\n\n"
+
+
+def _usage(prompt_tokens: int, completions: list[CompletionOutput]) -> UsageInfo:
+    completion_tokens = sum(len(c.token_ids) for c in completions)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)

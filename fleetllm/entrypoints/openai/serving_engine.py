@@ -1,0 +1,301 @@
+"""What the completion, chat and tokenization handlers share: parsing a body, checking the
+model name and the context length, building SamplingParams, starting engine requests and
+reading them back (streamed as server-sent events, or collected while watching for the client
+to go away)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from fleetllm.engine.async_engine import AsyncLLMEngine, RequestStream
+from fleetllm.engine.llm_engine import PromptType
+from fleetllm.engine.outputs import RequestOutput
+from fleetllm.entrypoints.openai.errors import (
+    APIError,
+    api_error_from,
+    error_body,
+    truncate,
+    validation_error,
+)
+from fleetllm.entrypoints.openai.protocol import ChatMessage, SamplingRequest
+from fleetllm.errors import ConfigurationError
+from fleetllm.sampling_params import SamplingParams
+
+M = TypeVar("M", bound=BaseModel)
+MAX_BODY_BYTES = 16 << 20
+_END = object()
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready; its requests are aborted."""
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events. Closing the body iterator when the response ends, however it ends
+    (a disconnect cancels the send loop mid-stream), aborts the requests behind it now rather
+    than whenever the generator is garbage-collected."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]):
+        super().__init__(content, headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def sse(data: BaseModel | dict[str, Any] | str) -> str:
+    if isinstance(data, BaseModel):
+        data = data.model_dump_json(exclude_unset=False)
+    elif isinstance(data, dict):
+        data = json.dumps(data)
+    return f"data: {data}\n\n"
+
+
+def sse_error(e: BaseException) -> str:
+    err = api_error_from(e)
+    return sse(error_body(err.status, err.message, err.param, err.type))
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The JSON body as `model`: a 400 for a missing or wrong content type, malformed JSON,
+    a non-object, or a field that fails validation; 413 past MAX_BODY_BYTES."""
+    ctype = request.headers.get("content-type")
+    if not ctype:
+        raise APIError(400, "missing Content-Type header: send the body as application/json")
+    mime = ctype.split(";")[0].strip().lower()
+    if mime != "application/json" and not mime.endswith("+json"):
+        raise APIError(400, f"Content-Type must be application/json, got "
+                       f"{truncate(ctype, 100)!r}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"malformed JSON body: {truncate(str(e), 200)}") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, f"the body must be a JSON object, got {type(obj).__name__}")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_input=False, include_url=False)) from None
+    except RecursionError:
+        raise APIError(400, "the body is nested too deeply") from None
+
+
+def json_response(body: BaseModel, status: int = 200) -> Response:
+    # pydantic's JSON writes a non-finite float as null; json.dumps would write bare Infinity.
+    return Response(body.model_dump_json(), status_code=status, media_type="application/json")
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
+                 chat_template: str | None = None):
+        self.engine = engine
+        self.model_names = served_model_names
+        self.chat_template = chat_template
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.model_config.max_model_len
+        self.vocab_size = engine.model_config.arch.vocab_size
+        self.max_num_seqs = engine.engine.config.scheduler_config.max_num_seqs
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise APIError(404, f"The model `{truncate(model, 100)}` does not exist.",
+                           param="model")
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        if not ids:
+            raise APIError(400, f"{param}: the prompt is empty", param)
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise APIError(400, f"{param}: token ids {bad[:5]} are outside the vocabulary "
+                           f"[0, {self.vocab_size})", param)
+
+    def max_tokens_for(self, requested: int | None, prompt_len: int, what: str) -> int:
+        """`requested`, or all the room left when None; a 400 when it does not fit."""
+        limit = self.max_model_len
+        if requested is None:
+            if prompt_len >= limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens. "
+                               f"However, your {what} has {prompt_len} tokens, which leaves "
+                               f"no room for a completion. Please reduce the length of the "
+                               f"{what}.", what)
+            return limit - prompt_len
+        if prompt_len + requested > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. "
+                           f"However, you requested {prompt_len + requested} tokens "
+                           f"({prompt_len} in the {what}, {requested} in the completion). "
+                           f"Please reduce the length of the {what} or completion.",
+                           "max_tokens")
+        return requested
+
+    def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "logit_bias")
+        if req.n > self.max_num_seqs:
+            raise APIError(400, f"n: {req.n} is more than the server's max_num_seqs="
+                           f"{self.max_num_seqs}", "n")
+        given = {
+            "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+            "min_p": req.min_p, "presence_penalty": req.presence_penalty,
+            "frequency_penalty": req.frequency_penalty,
+            "repetition_penalty": req.repetition_penalty}
+        try:
+            return SamplingParams(
+                n=req.n, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                **{k: v for k, v in given.items() if v is not None})
+        except ConfigurationError as e:
+            message = str(e).removeprefix(f"[{e.code}] ")
+            raise APIError(400, message, message.split(":")[0]) from None
+
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool
+                          ) -> tuple[str, list[int]]:
+        """The chat template applied to the messages, and its token ids."""
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so it cannot serve chat")
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise APIError(400, "this model has no chat template: start the server with "
+                           "--chat-template FILE, or use /v1/completions", "messages")
+        conversation = [{"role": m.role, "content": m.text(),
+                         **({"name": m.name} if m.name else {})} for m in messages]
+        try:
+            text = await self.engine.run_in_tokenizer_thread(
+                self.tokenizer.apply_chat_template, conversation, chat_template=template,
+                add_generation_prompt=add_generation_prompt, tokenize=False)
+        except Exception as e:  # jinja2 errors, raise_exception() in templates
+            raise APIError(400, f"the chat template failed on these messages: "
+                           f"{truncate(str(e), 300)}", "messages") from None
+        # The template writes any BOS itself: do not add special tokens again.
+        return text, await self.engine.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        try:
+            return self.tokenizer.decode(list(ids))
+        except Exception:  # ids the tokenizer does not know (a padded embedding table)
+            return ""
+
+    async def start(self, request_id: str, requests: list[tuple[PromptType, SamplingParams]],
+                    arrival_time: float) -> list[RequestStream]:
+        """One engine request per prompt; all accepted, or none (4xx/503 raised)."""
+        streams: list[RequestStream] = []
+        try:
+            for i, (prompt, params) in enumerate(requests):
+                streams.append(await self.engine.add_request(
+                    f"{request_id}-{i}", prompt, params, arrival_time))
+        except BaseException as e:
+            for stream in streams:
+                stream.close()
+            if isinstance(e, Exception):
+                raise api_error_from(e) from None
+            raise
+        return streams
+
+
+async def merge_streams(streams: list[RequestStream]
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they come; closes them all at the end."""
+    if len(streams) == 1:  # the common case needs no task and no queue
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].close()
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, _END))
+        except Exception as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+async def collect_final(streams: list[RequestStream], request: Request | None
+                        ) -> list[RequestOutput]:
+    """Every stream's final output. Raises ClientDisconnected (the requests aborted) if the
+    client goes away first."""
+
+    async def last(stream: RequestStream) -> RequestOutput:
+        final = None
+        async for out in stream:
+            final = out
+        assert final is not None  # a stream ends with its finished output or raises
+        return final
+
+    tasks = [asyncio.ensure_future(last(s)) for s in streams]
+    waiters: set[asyncio.Future] = set(tasks)
+    gone = None
+    if request is not None:
+        gone = asyncio.ensure_future(_disconnected(request))
+        waiters.add(gone)
+    try:
+        while True:
+            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            if gone is not None and gone in done:
+                raise ClientDisconnected
+            for task in done:
+                task.result()  # an engine error: raise it now
+            waiters -= done
+            if all(t.done() for t in tasks):
+                return [t.result() for t in tasks]
+    finally:
+        for task in [*tasks, *([gone] if gone else [])]:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,111 @@
+"""Helpers for the server tests: a chat template, the environment a server subprocess needs,
+a slow worker (so requests outlive a drain timeout), and reading Prometheus text."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from fleetllm.worker.worker import Worker
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+KV = 32 << 20
+
+# The test tokenizers ship no chat template; this one is small and unambiguous.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def server_env(**extra: str) -> dict[str, str]:
+    """This checkout first on the path (and tests/, for worker classes defined here)."""
+    path = [str(REPO), str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), **extra}
+
+
+class SlowWorker(Worker):
+    """Sleeps before every step, so that a request's duration is known in advance."""
+
+    def execute_model(self, execute_model_req):
+        time.sleep(float(os.environ.get("FLEETLLM_TEST_STEP_DELAY", "0.02")))
+        return super().execute_model(execute_model_req)
+
+
+def metric_values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels without model_name): value} from Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            values[(sample.name, labels)] = sample.value
+    return values
+
+
+def metric(values: dict, name: str, **labels: str) -> float:
+    return values.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def children_of(pid: int) -> list[int]:
+    """Live child processes of `pid` (from /proc)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(entry.name))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    """Running, and not a zombie waiting to be reaped."""
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+class AppClient:
+    """Drive an ASGI app in-process, on one event loop, through httpx's ASGI transport."""
+
+    def __init__(self, app, headers: dict[str, str] | None = None):
+        import asyncio
+
+        import httpx
+
+        self._runner = asyncio.Runner()
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                        base_url="http://app", headers=headers, timeout=60)
+
+    def request(self, method: str, path: str, **kwargs):
+        return self._runner.run(self.client.request(method, path, **kwargs))
+
+    def run(self, coro):
+        return self._runner.run(coro)
+
+    def close(self) -> None:
+        self._runner.run(self.client.aclose())
+        self._runner.close()
+
+
+def assert_error(response, status: int, param: str | None = None) -> dict:
+    """An error in OpenAI's shape, small; returns its "error" object."""
+    assert response.status_code == status, (response.status_code, response.text[:500])
+    assert len(response.content) < 8192, len(response.content)
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["code"] == status
+    if param is not None:
+        assert error["param"] == param, error
+    return error
