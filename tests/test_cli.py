@@ -132,7 +132,7 @@ def test_version(capsys, monkeypatch):
 class _FutureConfig:
     """Fields of kinds a config section may grow (a float timeout, an optional int, ...)."""
 
-    execute_model_timeout: float = 30.0
+    some_timeout: float = 30.0
     optional_count: int | None = None
     optional_fraction: float | None = None
     some_switch: bool = False
@@ -147,8 +147,9 @@ def test_engine_flag_types_follow_the_config_fields(monkeypatch):
     monkeypatch.setattr(cli, "engine_arg_fields", lambda: [
         *fields, *((_FutureConfig, f) for f in dataclasses.fields(_FutureConfig))])
     args = cli.build_parser().parse_args([
-        "generate", "--execute-model-timeout", "5", "--optional-count", "3",
-        "--optional-fraction", "1", "--some-switch", "--some-name", "7", "x"])
+        "generate", "--some-timeout", "5", "--execute-model-timeout", "5", "--optional-count",
+        "3", "--optional-fraction", "1", "--some-switch", "--some-name", "7", "x"])
+    assert args.some_timeout == 5.0 and type(args.some_timeout) is float
     assert args.execute_model_timeout == 5.0 and type(args.execute_model_timeout) is float
     assert args.optional_count == 3 and type(args.optional_count) is int
     assert type(args.optional_fraction) is float
