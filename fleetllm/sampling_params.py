@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from fleetllm.errors import ConfigurationError
@@ -73,14 +74,18 @@ class SamplingParams:
                 "must be a list of non-negative ints")
 
         check(self.n >= 1, "n", "must be >= 1")
-        check(self.temperature >= 0, "temperature", "must be >= 0")
+        check(0 <= self.temperature < math.inf, "temperature", "must be finite and >= 0")
         check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        check(self.top_k == -1 or self.top_k >= 0, "top_k",
-              "must be -1 (off), 0 (off) or a positive int")
+        # Bounded so that no value reaches the workers that a tensor cannot hold.
+        check(self.top_k == -1 or 0 <= self.top_k < 1 << 31, "top_k",
+              "must be -1 (off), 0 (off) or a positive int below 2**31")
+        check(self.seed is None or -(1 << 63) <= self.seed < 1 << 64, "seed",
+              "must fit in 64 bits")
         check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
-        check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
+        check(0 < self.repetition_penalty < math.inf, "repetition_penalty",
+              "must be finite and > 0")
         check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
               "must be None or >= 1")
         check(self.min_tokens >= 0, "min_tokens", "must be >= 0")

@@ -3,6 +3,8 @@ never a raw TypeError from deep inside a comparison."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from fleetllm import LLM, SamplingParams
@@ -69,3 +71,22 @@ def test_engine_arguments_of_the_right_type_still_work(tiny_models):
                                    kv_cache_memory=1 << 25, startup_timeout=5,
                                    gpu_memory_utilization=1)
     assert cfg.model_config.tokenizer == str(tiny_models["llama_gqa"])
+
+
+@pytest.mark.parametrize("kwargs", [dict(top_k=1 << 40), dict(seed=1 << 70),
+                                    dict(temperature=math.inf),
+                                    dict(repetition_penalty=math.inf)])
+def test_values_no_worker_can_hold_are_refused_up_front(kwargs):
+    """Such a value used to reach the workers (a tensor overflow there fails the executor,
+    and every request with it); now it is the request's own ConfigurationError."""
+    [field] = kwargs
+    with pytest.raises(ConfigurationError, match=f"^\\[E005\\] {field}:"):
+        SamplingParams(**kwargs)
+
+
+def test_extreme_but_valid_values_run(tiny_models):
+    params = SamplingParams(temperature=1.0, seed=(1 << 64) - 1, top_k=(1 << 31) - 1,
+                            max_tokens=3, ignore_eos=True)
+    with LLM(tiny_models["llama_gqa"], kv_cache_memory=1 << 25) as llm:
+        [out] = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3

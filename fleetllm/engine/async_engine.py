@@ -143,7 +143,7 @@ class AsyncLLMEngine:
         params = sampling_params or SamplingParams()
         self._raise_if_unusable()
         prompt = await self._tokenized(prompt)
-        stream = RequestStream(request_id, params, self)
+        stream = RequestStream(request_id, self)
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._enqueue(_Add(request_id, prompt, params, arrival_time, stream, accepted))
         try:

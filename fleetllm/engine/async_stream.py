@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fleetllm.engine.outputs import CompletionOutput, RequestOutput
-from fleetllm.sampling_params import SamplingParams
 from fleetllm.sequence import Logprob
 
 
@@ -26,14 +25,13 @@ class StreamingCompletionOutput(CompletionOutput):
 class RequestStream:
     """One request's outputs: fed by the engine loop thread, read by one asyncio task."""
 
-    def __init__(self, request_id: str, params: SamplingParams, engine: _Aborter):
+    def __init__(self, request_id: str, engine: _Aborter):
         self.request_id = request_id
         self.finished = False
         self._engine = engine
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._error: BaseException | None = None
-        self._holdback = max((len(s) for s in params.stop), default=1) - 1
         self._sent: dict[int, tuple[int, int]] = {}  # index -> (chars, tokens) released
         self._closed = False
 
@@ -67,16 +65,14 @@ class RequestStream:
     def _with_deltas(self, out: RequestOutput) -> RequestOutput:
         completions = []
         for c in out.outputs:
+            # The engine's text only grows (it holds back what could start a stop string).
             sent_chars, sent_tokens = self._sent.get(c.index, (0, 0))
-            text = c.text
-            if self._holdback and not c.finished():
-                text = text[:max(len(text) - self._holdback, sent_chars)]
-            delta_text = text[sent_chars:]
-            self._sent[c.index] = (max(len(text), sent_chars), len(c.token_ids))
+            self._sent[c.index] = (len(c.text), len(c.token_ids))
             completions.append(StreamingCompletionOutput(
-                index=c.index, text=text, token_ids=c.token_ids,
+                index=c.index, text=c.text, token_ids=c.token_ids,
                 cumulative_logprob=c.cumulative_logprob, logprobs=c.logprobs,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason, delta_text=delta_text,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                delta_text=c.text[sent_chars:],
                 delta_token_ids=c.token_ids[sent_tokens:],
                 delta_logprobs=None if c.logprobs is None else c.logprobs[sent_tokens:]))
         return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids,
