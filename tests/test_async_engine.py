@@ -7,7 +7,6 @@ import threading
 import time
 
 import pytest
-from conftest import make_checkpoint
 from serving_helpers import KV
 
 from fleetllm import LLM, SamplingParams
@@ -21,9 +20,8 @@ from fleetllm.errors import EngineShutdownError, InvalidRequestError, WorkerCras
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama", "LlamaForCausalLM",
-                           num_key_value_heads=2)
+def model(tiny_models):
+    return tiny_models["llama_gqa"]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import make_checkpoint
 from serving_helpers import CHAT_TEMPLATE, KV, metric, metric_values, server_env
 
 from fleetllm import LLM, SamplingParams
@@ -22,9 +21,8 @@ AS_IDS = {"return_tokens_as_token_ids": True}
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama", "LlamaForCausalLM",
-                           num_key_value_heads=2)
+def model(tiny_models):
+    return tiny_models["llama_gqa"]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import re
 import threading
 
 import pytest
-from conftest import make_checkpoint
 from serving_helpers import CHAT_TEMPLATE, KV, AppClient, assert_error
 
 from fleetllm.engine.async_engine import AsyncLLMEngine
@@ -21,9 +20,8 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama", "LlamaForCausalLM",
-                           num_key_value_heads=2)
+def model(tiny_models):
+    return tiny_models["llama_gqa"]
 
 
 @pytest.fixture(scope="module")

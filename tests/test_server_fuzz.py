@@ -7,7 +7,6 @@ import json
 from collections import Counter
 
 import pytest
-from conftest import make_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving_helpers import CHAT_TEMPLATE, KV, AppClient, assert_error
@@ -107,9 +106,8 @@ def requests(draw) -> tuple[str, str, bytes, dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    model = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama", "LlamaForCausalLM",
-                            num_key_value_heads=2)
+def app(tiny_models):
+    model = tiny_models["llama_gqa"]
     # A short context keeps the valid requests among the fuzz cheap.
     engine = AsyncLLMEngine.from_engine_args(str(model), kv_cache_memory=KV, max_model_len=48)
     client = AppClient(build_app(engine, ["tiny"], chat_template=CHAT_TEMPLATE))

@@ -11,7 +11,6 @@ import signal
 import time
 
 import httpx
-from conftest import make_checkpoint
 from serving_helpers import KV, alive, assert_error, children_of, server_env
 
 from fleetllm.entrypoints.openai.local_server import LocalServer
@@ -19,8 +18,8 @@ from fleetllm.entrypoints.openai.local_server import LocalServer
 SHUTDOWN_TIMEOUT = 3.0
 
 
-def test_sigterm_drains_a_tp2_server_and_exits_0_without_workers(tmp_path):
-    model = make_checkpoint(tmp_path / "llama", "LlamaForCausalLM", num_key_value_heads=2)
+def test_sigterm_drains_a_tp2_server_and_exits_0_without_workers(tiny_models):
+    model = tiny_models["llama_gqa"]
     # 20 ms per step on every rank: 20 tokens take ~0.5 s, 400 take far longer than the drain.
     srv = LocalServer([str(model), "--kv-cache-memory", str(KV), "--tensor-parallel-size", "2",
                        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
