@@ -101,3 +101,11 @@ class InvalidRequestError(FleetLLMError, ValueError):
     Rejected before it is queued; other requests are unaffected."""
 
     code = "E007"
+
+
+class EngineSleepingError(FleetLLMError, RuntimeError):
+    """The engine is asleep (sleep() freed its KV cache, and maybe its weights): wake_up()
+    first. Raised by a step with work to run (the requests stay queued and run after
+    wake_up), and by sleep() while requests are in flight, whose KV cache it would discard."""
+
+    code = "E009"
