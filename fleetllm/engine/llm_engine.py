@@ -221,6 +221,7 @@ class LLMEngine:
         outputs += [RequestOutput.from_seq_group(g) for g in self._unreported]
         self._unreported = []
         self._finished_since_last_step += self.scheduler.free_finished_seq_groups()
+        self.model_executor.record_outputs(outputs)  # requests completed / failed (metrics)
         return outputs
 
     def _process(self, sched: SchedulerOutputs, result: SamplerOutput) -> list[RequestOutput]:

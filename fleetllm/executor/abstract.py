@@ -6,14 +6,20 @@ on every worker, results in rank order). Everything else is built on collective_
 
 from __future__ import annotations
 
+import functools
+import logging
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from fleetllm.config import EngineConfig
-from fleetllm.errors import ConfigurationError
+from fleetllm.errors import ConfigurationError, EngineShutdownError
+from fleetllm.executor.metrics import MetricsRecorder, WorkerUsage, worker_usage
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
 from fleetllm.utils import resolve_qualname
+
+logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
 RpcMethod = str | Callable[..., Any]
@@ -119,6 +125,89 @@ class Executor(ABC):
                 self.shutdown()
             except Exception:
                 pass
+
+    # ------------------------------------------------ lifecycle: metrics, sleep, sharded state
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every backend's execute_model, its own or inherited, runs through
+        _track_execute_model: timed and counted. So uni, mp, Ray and
+        user-defined executors all get metrics without doing anything."""
+        super().__init_subclass__(**kwargs)
+        impl = cls.execute_model
+        if not getattr(impl, "_fleetllm_tracked", False):
+            cls.execute_model = _track_execute_model(impl)  # type: ignore[method-assign]
+
+    @property
+    def metrics(self) -> MetricsRecorder:
+        """This executor's counters (created on first use: __init__ is the backends')."""
+        recorder = self.__dict__.get("_metrics")
+        if recorder is None:
+            recorder = self.__dict__.setdefault("_metrics", MetricsRecorder())
+        return recorder
+
+    def _record_step(self, latency_s: float, request: ExecuteModelRequest,
+                     output: list[SamplerOutput] | None) -> None:
+        """Called after each successful execute_model (a hook: subclasses may add to it)."""
+        self.metrics.record_step(time.perf_counter() - latency_s, latency_s, request, output)
+
+    def record_outputs(self, outputs: Iterable[Any]) -> None:
+        """The engine reports each step's RequestOutputs: finished ones count as completed, or
+        failed (finish_reason "error")."""
+        self.metrics.record_outputs(outputs)
+
+    def get_performance_metrics(self) -> dict[str, Any]:
+        """ExecutorMetrics.to_dict(): request counts, execute_model latency (avg, p50/p95/p99
+        in ms over the last 1000 calls), requests/s and tokens/s over those calls, per-worker
+        RSS, CPU and KV pool size, KV blocks in use, workers active/failed, restarts."""
+        world = self.parallel_config.world_size
+        usage = [WorkerUsage(rank=r) for r in range(world)]
+        try:
+            results = self.collective_rpc(worker_usage, timeout=10, return_exceptions=True)
+        except EngineShutdownError as e:  # not a failure: nobody is running
+            results = [e] * world
+            usage = [WorkerUsage(rank=r, error="shut down") for r in range(world)]
+        except Exception as e:  # the executor failed: no worker answers
+            results = [e] * world
+        for rank, result in enumerate(results):
+            w = usage[rank]
+            if isinstance(result, BaseException):
+                first_line = (str(result).splitlines() or [""])[0]
+                w.error = w.error or f"{type(result).__name__}: {first_line}"
+                continue
+            w.pid, w.rss_bytes = result["pid"], result["rss_bytes"]
+            w.kv_cache_bytes = result["kv_cache_bytes"]
+            if result["age_s"] is not None:
+                w.cpu_percent = self.metrics.cpu_percent(rank, result["pid"], result["cpu_s"],
+                                                         result["age_s"])
+        m = self.metrics.snapshot(usage, world, self.cache_config.num_gpu_blocks,
+                                  self.is_sleeping, self.sleeping_tags)
+        m.workers_failed = 0 if self._is_shutdown else world - m.workers_active
+        return m.to_dict()
+
+
+
+def _track_execute_model(impl: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(impl)
+    def execute_model(self: Executor, execute_model_req: ExecuteModelRequest) -> Any:
+        if self.__dict__.get("_in_execute_model"):  # a subclass calling super(): count once
+            return impl(self, execute_model_req)
+        self.__dict__["_in_execute_model"] = True
+        start = time.perf_counter()
+        try:
+            output = impl(self, execute_model_req)
+        except BaseException:
+            self.metrics.record_error()
+            raise
+        finally:
+            self.__dict__["_in_execute_model"] = False
+        try:
+            self._record_step(time.perf_counter() - start, execute_model_req, output)
+        except Exception:  # metrics must never fail a step
+            logger.exception("recording execute_model metrics failed")
+        return output
+
+    execute_model._fleetllm_tracked = True  # type: ignore[attr-defined]
+    return execute_model
 
 
 ExecutorBase = Executor

@@ -31,6 +31,10 @@ class CacheEngine:
         per_layer = 2 * config.cache_config.block_size * num_kv_heads * head_dim
         return per_layer * num_layers * torch.empty((), dtype=dtype).element_size()
 
+    def nbytes(self) -> int:
+        """Bytes held by both pools (what sleep() gives back)."""
+        return sum(t.numel() * t.element_size() for t in (*self.gpu_cache, *self.cpu_cache))
+
     def swap_out(self, mapping: dict[int, int]) -> None:
         """Device blocks -> CPU blocks ({device block: cpu block})."""
         if mapping:
