@@ -18,7 +18,7 @@ from fleetllm.config import EngineConfig, read_json
 from fleetllm.core.scheduler import Scheduler, SchedulerOutputs
 from fleetllm.engine.detokenizer import Detokenizer, find_stop_string, held_back_length
 from fleetllm.engine.outputs import RequestOutput
-from fleetllm.errors import InvalidRequestError
+from fleetllm.errors import EngineSleepingError, InvalidRequestError
 from fleetllm.executor import Executor
 from fleetllm.sampling_params import SamplingParams
 from fleetllm.sequence import (
@@ -298,3 +298,16 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()
+
+    def sleep(self, level: int = 1) -> None:
+        """Executor.sleep: free the KV cache (level 1) or the KV cache and weights (level 2)
+        until wake_up(). Refused while requests are in flight (their KV cache would go);
+        requests added while asleep wait, and step() raises EngineSleepingError."""
+        if not self.model_executor.is_sleeping and self.has_unfinished_requests():
+            raise EngineSleepingError(f"sleep: {self.get_num_unfinished_requests()} requests "
+                                      "are in flight; finish or abort them first")
+        self.model_executor.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Executor.wake_up: restore "weights", "kv_cache" or both (None)."""
+        self.model_executor.wake_up(tags)

@@ -142,6 +142,20 @@ class LLM:
         self._is_shutdown = True
         self.llm_engine.shutdown()
 
+    def sleep(self, level: int = 1) -> None:
+        """Free memory until wake_up(): level 1 the KV cache (on an accelerator the weights
+        move to host memory too), level 2 the KV cache and the weights. generate() raises
+        EngineSleepingError meanwhile. A second sleep is a no-op."""
+        self._check_not_shut_down()
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore "weights", "kv_cache" or both (None, the default): the KV cache with the
+        same number of blocks, level-2 weights loaded again from the checkpoint. Outputs are
+        the same as before sleeping. Waking what is awake is a no-op."""
+        self._check_not_shut_down()
+        self.llm_engine.wake_up(tags)
+
     def _check_not_shut_down(self) -> None:
         if self._is_shutdown:
             raise EngineShutdownError("this LLM was shut down; create a new LLM to generate "

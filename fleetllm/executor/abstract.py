@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from fleetllm.config import EngineConfig
-from fleetllm.errors import ConfigurationError, EngineShutdownError
+from fleetllm.errors import ConfigurationError, EngineShutdownError, EngineSleepingError
 from fleetllm.executor.metrics import MetricsRecorder, WorkerUsage, worker_usage
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
 from fleetllm.utils import resolve_qualname
@@ -130,8 +130,8 @@ class Executor(ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Every backend's execute_model, its own or inherited, runs through
-        _track_execute_model: timed and counted. So uni, mp, Ray and
-        user-defined executors all get metrics without doing anything."""
+        _track_execute_model: refused while asleep, timed and counted. So uni, mp, Ray and
+        user-defined executors all get metrics and the sleep guard without doing anything."""
         super().__init_subclass__(**kwargs)
         impl = cls.execute_model
         if not getattr(impl, "_fleetllm_tracked", False):
@@ -184,6 +184,40 @@ class Executor(ABC):
         m.workers_failed = 0 if self._is_shutdown else world - m.workers_active
         return m.to_dict()
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache on every worker (level 1; on an accelerator the weights also move
+        to host memory), or the KV cache and the weights (level 2). execute_model raises
+        EngineSleepingError until wake_up(). Call it with no request in flight (their KV cache
+        is lost). Sleeping again is a no-op."""
+        if level not in (1, 2):
+            raise ConfigurationError(f"level: sleep level must be 1 or 2, got {level!r}")
+        if self.is_sleeping:
+            logger.info("sleep(%s): the executor is already asleep", level)
+            return
+        start = time.perf_counter()
+        # Asleep from here on, even if a rank fails: wake_up() restores what each rank freed.
+        self.is_sleeping, self.sleeping_tags = True, {"weights", "kv_cache"}
+        freed = sum(self.collective_rpc("sleep", args=(level,)))
+        logger.info("asleep (level %d) in %.2f s: %.1f MiB freed", level,
+                    time.perf_counter() - start, freed / (1 << 20))
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """Restore "weights", "kv_cache" or both (None) on every worker; level-2 weights are
+        loaded again from the checkpoint. Waking what is awake is a no-op."""
+        wanted = {"weights", "kv_cache"} if tags is None else set(tags)
+        unknown = wanted - {"weights", "kv_cache"}
+        if unknown:
+            raise ConfigurationError(f"tags: {sorted(unknown)} are not 'weights' or "
+                                     "'kv_cache'")
+        wake = sorted(wanted & self.sleeping_tags)
+        if not wake:
+            return
+        start = time.perf_counter()
+        self.collective_rpc("wake_up", args=(wake,))
+        self.sleeping_tags -= set(wake)
+        self.is_sleeping = bool(self.sleeping_tags)
+        logger.info("woke %s in %.2f s", ", ".join(wake), time.perf_counter() - start)
+
 
 
 def _track_execute_model(impl: Callable[..., Any]) -> Callable[..., Any]:
@@ -191,6 +225,10 @@ def _track_execute_model(impl: Callable[..., Any]) -> Callable[..., Any]:
     def execute_model(self: Executor, execute_model_req: ExecuteModelRequest) -> Any:
         if self.__dict__.get("_in_execute_model"):  # a subclass calling super(): count once
             return impl(self, execute_model_req)
+        if self.is_sleeping:
+            raise EngineSleepingError(
+                f"the engine is asleep ({', '.join(sorted(self.sleeping_tags))} freed): call "
+                "wake_up() (LLM.wake_up / LLMEngine.wake_up) first; queued requests run then")
         self.__dict__["_in_execute_model"] = True
         start = time.perf_counter()
         try:

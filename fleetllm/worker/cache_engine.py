@@ -17,6 +17,9 @@ class CacheEngine:
                  dtype: torch.dtype, device: torch.device, num_gpu_blocks: int,
                  num_cpu_blocks: int):
         self.device = device
+        # What wake_up needs to build the same pools again after sleep() dropped them.
+        self.args = (num_layers, num_kv_heads, head_dim, dtype, device, num_gpu_blocks,
+                     num_cpu_blocks)
         pin = device.type == "cuda"
         self.gpu_cache = [torch.zeros(kv_block_shape(config, num_gpu_blocks, num_kv_heads,
                                                      head_dim), dtype=dtype, device=device)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import gc
 import math
 import os
 import resource
+from typing import Any
 
 import torch
 
 from fleetllm.config import EngineConfig, GiB
 from fleetllm.distributed import parallel_state
-from fleetllm.errors import OutOfMemoryError
+from fleetllm.errors import ConfigurationError, OutOfMemoryError
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
 from fleetllm.worker.cache_engine import CacheEngine
 from fleetllm.worker.model_runner import ModelRunner
@@ -117,6 +120,67 @@ class Worker(WorkerBase):
         if self.config.parallel_config.world_size > 1:
             parallel_state.destroy_distributed()
 
+    # ------------------------------------------------------------ sleep / wake (lifecycle)
+
+    def _sleep_state(self) -> dict[str, Any]:
+        """What sleep() took away, by tag: "kv_cache" -> CacheEngine.args to rebuild it;
+        "weights" -> "offloaded" (moved to host memory) or the emptied model (discarded)."""
+        return self.__dict__.setdefault("_asleep", {})
+
+    def sleep(self, level: int = 1) -> int:
+        """Free this rank's KV cache (level 1; on CUDA the weights also move to host memory),
+        or the KV cache and the weights (level 2; wake_up reloads them from the checkpoint).
+        Model buffers (RoPE tables) are kept. Returns the bytes freed; freeing what is
+        already asleep is a no-op."""
+        if level not in (1, 2):
+            raise ConfigurationError(f"level: sleep level must be 1 or 2, got {level!r}")
+        state = self._sleep_state()
+        freed = 0
+        if self.cache_engine is not None:
+            state["kv_cache"] = self.cache_engine.args
+            freed += self.cache_engine.nbytes()
+            self.cache_engine = None
+        model = self.model_runner.model
+        if "weights" not in state and (level == 2 or self.device.type != "cpu"):
+            freed += sum(p.numel() * p.element_size() for p in model.parameters())
+            if level == 1:  # only an accelerator has something to gain from this
+                model.to("cpu")
+                state["weights"] = "offloaded"
+            else:
+                # Parameters only: buffers are not in the checkpoint, so they stay (vLLM lost
+                # them, #16889, and answered gibberish after waking). Tied parameters are
+                # one object, emptied once.
+                for param in model.parameters():
+                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+                state["weights"] = model
+        _release_memory(self.device)
+        return freed
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep() freed: "weights", "kv_cache" or both (None). The KV cache comes
+        back with the same number of blocks (empty: no request may span a sleep); discarded
+        weights are loaded again as configured (load_format). Waking what is awake: no-op."""
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ConfigurationError(f"tags: {sorted(unknown)} are not 'weights' or "
+                                     "'kv_cache'")
+        state = self._sleep_state()
+        if "weights" in tags and "weights" in state:
+            old = state.pop("weights")
+            if old == "offloaded":
+                self.model_runner.model.to(self.device)
+            else:  # the standard load path, so the weights are exactly those of the start
+                self.model_runner.load_model()
+                kept = dict(old.named_buffers())
+                for name, buf in self.model_runner.model.named_buffers():
+                    if name in kept and kept[name].shape == buf.shape:
+                        buf.copy_(kept[name])
+                del old, kept
+                _release_memory(self.device)
+        if "kv_cache" in tags and "kv_cache" in state:
+            self.cache_engine = CacheEngine(self.config, *state.pop("kv_cache"))
+
 
 def _peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
@@ -133,3 +197,25 @@ def _available_ram() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _release_memory(device: torch.device) -> None:
+    """Hand freed memory back to the device / the OS, so that sleeping lowers the footprint.
+
+    CPU tensors come from glibc malloc: large ones (over M_MMAP_THRESHOLD, which glibc raises
+    up to 32 MiB as big blocks are freed) are mmap'd and unmapped when freed; smaller ones sit
+    in the heap, where only malloc_trim returns their free pages."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim this way
+        return None
