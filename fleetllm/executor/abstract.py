@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -218,6 +219,23 @@ class Executor(ABC):
         self.is_sleeping = bool(self.sleeping_tags)
         logger.info("woke %s in %.2f s", ", ".join(wake), time.perf_counter() - start)
 
+    def save_sharded_state(self, path: str | os.PathLike, pattern: str | None = None,
+                           max_size: int | None = None) -> None:
+        """Every rank writes its own tensors to `path` (`pattern`, default
+        model-rank-{rank}-part-{part}.safetensors; a new part past `max_size` bytes), rank 0
+        the checkpoint's config and tokenizer files, then this writes the layout description.
+        Load it with LLM(path, load_format="sharded_state") and the same tensor_parallel_size
+        and pipeline_parallel_size."""
+        from fleetllm.model.sharded_state import check_save_args, write_metadata
+
+        if "weights" in self.sleeping_tags:
+            raise EngineSleepingError("save_sharded_state: the weights are asleep; "
+                                      "wake_up(['weights']) first")
+        path = os.fspath(path)
+        pattern = check_save_args(path, pattern, max_size, self.model_config.model)
+        os.makedirs(path, exist_ok=True)
+        files = self.collective_rpc("save_sharded_state", args=(path, pattern, max_size))
+        write_metadata(path, self.config, pattern, files)
 
 
 def _track_execute_model(impl: Callable[..., Any]) -> Callable[..., Any]:

@@ -41,9 +41,6 @@ def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
     mc = config.model_config
     dtype = mc.torch_dtype(config.device_config.device)
     load_format = config.load_config.load_format
-    if load_format == "sharded_state":
-        raise ModelLoadError("load_format='sharded_state' is not supported yet; use "
-                             "'safetensors' (a later release adds sharded state)")
     # Built directly in its final dtype on its device: no float32 copy of a bf16 checkpoint.
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -54,6 +51,9 @@ def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":
         _init_dummy(model, mc.seed)
+    elif load_format == "sharded_state":  # this rank's own tensors (Executor.save_sharded_state)
+        from fleetllm.model.sharded_state import load_sharded_state
+        load_sharded_state(model, config)
     else:
         _load_safetensors(model, Path(mc.model))
     return model.eval().requires_grad_(False)

@@ -14,7 +14,7 @@ import torch
 
 from fleetllm.config import EngineConfig, GiB
 from fleetllm.distributed import parallel_state
-from fleetllm.errors import ConfigurationError, OutOfMemoryError
+from fleetllm.errors import ConfigurationError, EngineSleepingError, OutOfMemoryError
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
 from fleetllm.worker.cache_engine import CacheEngine
 from fleetllm.worker.model_runner import ModelRunner
@@ -180,6 +180,20 @@ class Worker(WorkerBase):
                 _release_memory(self.device)
         if "kv_cache" in tags and "kv_cache" in state:
             self.cache_engine = CacheEngine(self.config, *state.pop("kv_cache"))
+
+    def save_sharded_state(self, path: str, pattern: str | None = None,
+                           max_size: int | None = None) -> list[str]:
+        """Write this rank's tensors under `path` (see fleetllm.model.sharded_state); rank 0
+        also copies the checkpoint's config and tokenizer files. Returns the file names."""
+        from fleetllm.model.sharded_state import copy_model_files, save_sharded_state
+
+        if "weights" in self._sleep_state():
+            raise EngineSleepingError("save_sharded_state: the weights are asleep; "
+                                      "wake_up(['weights']) first")
+        files = save_sharded_state(self.model_runner.model, path, self.rank, pattern, max_size)
+        if self.rank == 0:
+            copy_model_files(self.config.model_config, path)
+        return files
 
 
 def _peak_bytes(device: torch.device) -> int:
