@@ -246,7 +246,8 @@ def _track_execute_model(impl: Callable[..., Any]) -> Callable[..., Any]:
         if self.is_sleeping:
             raise EngineSleepingError(
                 f"the engine is asleep ({', '.join(sorted(self.sleeping_tags))} freed): call "
-                "wake_up() (LLM.wake_up / LLMEngine.wake_up) first; queued requests run then")
+                "wake_up() first (LLM.wake_up / LLMEngine.wake_up); an LLMEngine keeps its "
+                "queued requests and runs them after wake_up")
         self.__dict__["_in_execute_model"] = True
         start = time.perf_counter()
         try:
