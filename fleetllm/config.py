@@ -203,6 +203,9 @@ class ParallelConfig:
     # Enforced by the process-based backends (mp): 'uni' runs the step in this process and
     # cannot interrupt it.
     execute_model_timeout: float = 300.0
+    # Times the engine may replace crashed or hung workers and resume every request (0: none;
+    # then a crash fails every request, as in vLLM).
+    max_worker_restarts: int = 3
     world_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -225,6 +228,7 @@ class ParallelConfig:
         _check("." in self.worker_cls, "worker_cls", f"must be 'module.Class', got "
                f"{self.worker_cls!r}")
         _check(self.startup_timeout > 0, "startup_timeout", "must be > 0 seconds")
+        _check(self.max_worker_restarts >= 0, "max_worker_restarts", "must be >= 0")
         timeout = self.execute_model_timeout
         _check(isinstance(timeout, int | float) and not isinstance(timeout, bool)
                and 0 < timeout < float("inf"), "execute_model_timeout",

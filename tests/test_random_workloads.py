@@ -5,8 +5,9 @@ sampling, stop strings, max_tokens 1-24), an engine shape (max_num_batched_token
 max_num_seqs 1-16, a KV pool from barely enough for the largest request to several times
 that, recompute or swap preemption, with or without a CPU swap pool, block size 4 or 16),
 aborts at random steps and executor faults (a step that raises before or after the workers
-ran). It runs them together and checks, against each request run alone in a large pool with
-no faults:
+ran: a plain error, a worker crash the engine recovers from by replacing its workers, or
+an out-of-memory step it retries smaller). It runs them together and checks, against each
+request run alone in a large pool with no faults:
 - every request gets exactly one terminal output with n completions (an aborted one gets
   nothing after the abort), and nothing after it;
 - greedy and seeded requests produce identical tokens and text (streamed outputs before
@@ -34,7 +35,12 @@ import pytest
 from fleetllm import LLM, SamplingParams
 from fleetllm.config import CacheConfig, SchedulerConfig
 from fleetllm.core.scheduler import Scheduler
-from fleetllm.errors import InvalidRequestError, RemoteWorkerError
+from fleetllm.errors import (
+    InvalidRequestError,
+    OutOfMemoryError,
+    RemoteWorkerError,
+    WorkerCrashedError,
+)
 
 NUM_WORKLOADS = int(os.environ.get("FLEETLLM_RANDOM_WORKLOADS", "60"))
 ONLY = os.environ.get("FLEETLLM_RANDOM_ONLY")
@@ -83,22 +89,33 @@ def completions(output) -> list[tuple[list[int], str, str | None]]:
 
 
 class Faults:
-    """Replaces execute_model: some calls raise, before or after the workers ran."""
+    """Replaces execute_model: some calls fail, before or after the workers ran. A plain error
+    propagates from step(); a worker crash makes the engine replace its workers (really: the
+    uni executor restarts) and recompute every request; out of memory shrinks the step."""
 
-    def __init__(self, inner, rng: random.Random, rate: float):
-        self.inner, self.rng, self.rate = inner, rng, rate
-        self.count = 0
+    def __init__(self, executor, rng: random.Random, rate: float):
+        self.inner, self.rng, self.rate = executor.execute_model, rng, rate
+        self.count = self.crashes = 0
+
+    def _error(self, request) -> Exception:
+        groups = request.seq_group_metadata_list
+        smallest = len(groups) == 1 and groups[0].token_chunk_size == 1
+        kind = self.rng.random()
+        if kind < 0.1 and self.crashes < 2:  # max_worker_restarts is 3
+            self.crashes += 1
+            return WorkerCrashedError("injected worker crash", rank=0)
+        if kind < 0.3 and not smallest:  # alone at its smallest step it would fail for good
+            return OutOfMemoryError("injected out of memory")
+        return RemoteWorkerError("injected fault")
 
     def __call__(self, request):
-        fail = self.rng.random() < self.rate
-        if fail and self.rng.random() < 0.5:
-            self.count += 1
-            raise RemoteWorkerError("injected fault before the step ran")
-        result = self.inner(request)
-        if fail:
-            self.count += 1
-            raise RemoteWorkerError("injected fault after the step ran")
-        return result
+        if self.rng.random() >= self.rate:
+            return self.inner(request)
+        self.count += 1
+        error = self._error(request)
+        if self.rng.random() < 0.5:
+            self.inner(request)  # the workers ran it; its results are lost
+        raise error
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +167,9 @@ def run_workload(llm: LLM, reqs: list[Req], rng: random.Random) -> tuple[Schedul
         CacheConfig(block_size=bs, num_gpu_blocks=num_blocks, num_cpu_blocks=swap_blocks))
     saved_scheduler, saved_execute = engine.scheduler, engine.model_executor.execute_model
     engine.scheduler = scheduler
-    faults = Faults(saved_execute, rng, rng.choice([0.0, 0.0, 0.05, 0.2]))
+    faults = Faults(engine.model_executor, rng, rng.choice([0.0, 0.0, 0.05, 0.2]))
     engine.model_executor.execute_model = faults
+    engine.worker_restarts = 0
     try:
         pending = list(reqs)
         for req in list(pending):
@@ -169,7 +187,7 @@ def run_workload(llm: LLM, reqs: list[Req], rng: random.Random) -> tuple[Schedul
                     req.aborted_at = step
             try:
                 outs = engine.step()
-            except RemoteWorkerError as e:
+            except RemoteWorkerError as e:  # the only fault the engine does not absorb
                 assert "injected" in str(e)
                 continue
             finally:
@@ -181,7 +199,8 @@ def run_workload(llm: LLM, reqs: list[Req], rng: random.Random) -> tuple[Schedul
         assert not engine.seq_groups
     finally:
         engine.scheduler = saved_scheduler
-        engine.model_executor.execute_model = saved_execute
+        engine.model_executor.__dict__.pop("execute_model", None)
+        assert engine.model_executor.execute_model == saved_execute
     return scheduler, faults.count
 
 
@@ -223,7 +242,7 @@ def check(req: Req, ref: Reference, scheduler: Scheduler) -> None:
 
 
 def test_random_workloads_match_requests_run_alone(engines):
-    totals = {"requests": 0, "preemptions": 0, "faults": 0, "aborted": 0}
+    totals = {"requests": 0, "preemptions": 0, "faults": 0, "restarts": 0, "aborted": 0}
     indices = [int(ONLY)] if ONLY else range(NUM_WORKLOADS)
     for index in indices:
         rng = random.Random(f"{SERIES}-{index}")
@@ -240,7 +259,8 @@ def test_random_workloads_match_requests_run_alone(engines):
         totals["requests"] += len(reqs)
         totals["preemptions"] += scheduler.num_preemptions
         totals["faults"] += faults
+        totals["restarts"] += llm.llm_engine.worker_restarts
         totals["aborted"] += sum(r.aborted_at is not None for r in reqs)
     print(f"{len(indices)} workloads: {totals}")
     if not ONLY:  # the series must exercise what it claims to
-        assert totals["preemptions"] > 0 and totals["faults"] > 0 and totals["aborted"] > 0
+        assert all(totals.values()), totals

@@ -156,6 +156,23 @@ class Scheduler:
             self.waiting.append(group)
         self.waiting = _by_arrival(self.waiting)
 
+    def recompute_all(self) -> None:
+        """The workers were replaced: every KV block, the swap pool's too, is gone. Running
+        and swapped groups wait to be recomputed from their tokens."""
+        for group in [*self.running, *self.swapped]:
+            self._reset_for_recompute(group)
+            self.waiting.append(group)
+        self.running.clear()
+        self.swapped.clear()
+        self.waiting = _by_arrival(self.waiting)
+
+    def fail_group(self, group: SequenceGroup, why: str) -> None:
+        """End a group that can never run (finish_reason "error", `group.error` = why)."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if group in queue:
+                queue.remove(group)
+        self._ignore(group, SchedulerOutputs(), why)
+
     def _reset_for_recompute(self, group: SequenceGroup) -> None:
         for seq in group.unfinished_seqs():
             self.block_manager.free(seq)

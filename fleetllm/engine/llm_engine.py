@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 import threading
 import time
@@ -18,7 +19,12 @@ from fleetllm.config import EngineConfig, read_json
 from fleetllm.core.scheduler import Scheduler, SchedulerOutputs
 from fleetllm.engine.detokenizer import Detokenizer, find_stop_string, held_back_length
 from fleetllm.engine.outputs import RequestOutput
-from fleetllm.errors import EngineSleepingError, InvalidRequestError
+from fleetllm.errors import (
+    CommunicationTimeoutError,
+    EngineSleepingError,
+    InvalidRequestError,
+    WorkerCrashedError,
+)
 from fleetllm.executor import Executor
 from fleetllm.sampling_params import SamplingParams
 from fleetllm.sequence import (
@@ -31,6 +37,7 @@ from fleetllm.sequence import (
 )
 
 PromptType = str | dict[str, Any]
+logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(path: str) -> Any:
@@ -69,6 +76,7 @@ class LLMEngine:
         self._stepping = False
         self._deferred_adds: list[SequenceGroup] = []
         self._deferred_aborts: list[str] = []
+        self.worker_restarts = 0  # workers replaced after a crash or hang (max_worker_restarts)
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs: Any) -> LLMEngine:
@@ -212,17 +220,75 @@ class LLMEngine:
                 finished_requests_ids=finished_ids)
             try:
                 [result] = self.model_executor.execute_model(request)
-            except BaseException:
+            except BaseException as error:
                 self.scheduler.requeue_after_failed_step(sched)
-                raise
-            del self._finished_since_last_step[:len(finished_ids)]  # the workers have them
-            self.scheduler.complete_step(sched)
-            outputs = self._process(sched, result)
+                if not self._recover(sched, error):
+                    raise
+            else:
+                del self._finished_since_last_step[:len(finished_ids)]  # the workers have them
+                self.scheduler.complete_step(sched)
+                self._regrow_token_budget()
+                outputs = self._process(sched, result)
         outputs += [RequestOutput.from_seq_group(g) for g in self._unreported]
         self._unreported = []
         self._finished_since_last_step += self.scheduler.free_finished_seq_groups()
         self.model_executor.record_outputs(outputs)  # requests completed / failed (metrics)
         return outputs
+
+    # ----------------------------------------------------------------- recovery
+
+    def _recover(self, sched: SchedulerOutputs, error: BaseException) -> bool:
+        """After a failed step (already requeued): can the engine carry on? Workers that
+        crashed or hung are replaced and every request resumes; a step out of memory is
+        retried smaller. Anything else propagates."""
+        if isinstance(error, MemoryError):  # OutOfMemoryError, or a worker's MemoryError
+            self._shrink_token_budget(sched, error)
+            return True
+        if isinstance(error, WorkerCrashedError | CommunicationTimeoutError):
+            return self._restart_workers(error)
+        return False
+
+    def _restart_workers(self, error: BaseException) -> bool:
+        limit = self.config.parallel_config.max_worker_restarts
+        if self.worker_restarts >= limit:
+            logger.error("workers failed again after %d restarts (max_worker_restarts=%d): "
+                         "giving up: %s", self.worker_restarts, limit, error)
+            return False
+        self.worker_restarts += 1
+        logger.warning("workers failed (%s); restarting them (%d of %d) and resuming %d "
+                       "requests", str(error).splitlines()[0], self.worker_restarts, limit,
+                       len(self.seq_groups))
+        self.model_executor.restart_failed_workers()
+        # The new workers hold no KV blocks and no per-request state: every request is
+        # recomputed from its prompt and the tokens it has (seeded draws are counter-based,
+        # so they continue exactly).
+        self.scheduler.recompute_all()
+        self._finished_since_last_step.clear()
+        return True
+
+    def _shrink_token_budget(self, sched: SchedulerOutputs, error: BaseException) -> None:
+        """Out of memory in a step: retry with half its tokens. A request that ran alone at
+        its smallest step (one token per sequence) cannot fit at all: it fails."""
+        groups = [s.seq_group for s in sched.scheduled_seq_groups]
+        smallest = max((len(g.unfinished_seqs()) for g in groups), default=1)
+        if len(groups) == 1 and sched.num_batched_tokens <= smallest:
+            self.scheduler.fail_group(groups[0], f"out of memory even alone in a step of "
+                                      f"{sched.num_batched_tokens} tokens: {error}")
+            self.seq_groups.pop(groups[0].request_id, None)
+            self._finished_since_last_step.append(groups[0].request_id)
+            self._unreported.append(groups[0])
+            return
+        budget = max(smallest, sched.num_batched_tokens // 2)
+        logger.warning("a step of %d tokens ran out of memory; retrying with at most %d",
+                       sched.num_batched_tokens, budget)
+        self.scheduler.max_num_batched_tokens = budget
+
+    def _regrow_token_budget(self) -> None:
+        """After an out-of-memory step, each successful step doubles the budget back."""
+        full = self.config.scheduler_config.max_num_batched_tokens
+        if self.scheduler.max_num_batched_tokens < full:
+            self.scheduler.max_num_batched_tokens = min(full,
+                                                        2 * self.scheduler.max_num_batched_tokens)
 
     def _process(self, sched: SchedulerOutputs, result: SamplerOutput) -> list[RequestOutput]:
         now = time.time()

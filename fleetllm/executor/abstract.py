@@ -104,6 +104,21 @@ class Executor(ABC):
         """Raise if any worker is unhealthy."""
         self.collective_rpc("check_health", timeout=30)
 
+    def restart_failed_workers(self) -> None:
+        """Replace every worker after a crash or a hang: stop them all (a broken process
+        group cannot be mended one rank at a time), start fresh ones in a fresh group, load
+        the weights and re-create the KV cache with the same number of blocks. What the old
+        workers held (KV blocks, the swap pool) is gone: the engine recomputes its requests."""
+        if self._is_shutdown:
+            raise EngineShutdownError("the executor is shut down; create a new one")
+        num_gpu, num_cpu = self.cache_config.num_gpu_blocks, self.cache_config.num_cpu_blocks
+        self._shutdown()
+        self.is_sleeping, self.sleeping_tags = False, set()
+        self._init_executor()
+        if num_gpu is not None:
+            self.initialize_cache(num_gpu, num_cpu or 0)
+        self.metrics.record_restart()
+
     def shutdown(self) -> None:
         """Stop the workers and free their resources. Safe to call more than once."""
         if self._is_shutdown:

@@ -1,0 +1,54 @@
+"""Fault injection for tests: make one rank crash, hang or raise at its k-th execute_model.
+
+    from fleetllm.worker.faults import inject_fault
+    inject_fault(llm.llm_engine.model_executor, rank=1, kind="crash", at_call=5)
+
+The fault is installed in the worker itself through `collective_rpc` with a callable, so it
+fires at an exact step on any backend, with no timing luck:
+- "crash": the worker process dies by SIGKILL (not for `uni`: that is the caller's process);
+- "hang": the call sleeps far past any timeout (the process stays alive);
+- "raise": the call raises RuntimeError("injected fault ...");
+- "oom": the call raises OutOfMemoryError.
+Calls are counted from the installation on. New workers (after a restart) have no fault.
+Test-only: nothing in fleetllm installs one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from fleetllm.errors import OutOfMemoryError
+
+KINDS = ("crash", "hang", "raise", "oom")
+
+
+def inject_fault(executor: Any, rank: int, kind: str, at_call: int = 1) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    executor.collective_rpc(_install, args=(rank, kind, at_call))
+
+
+def _install(worker: Any, rank: int, kind: str, at_call: int) -> None:
+    if worker.rank != rank:
+        return
+    inner = worker.execute_model
+    calls = 0
+
+    def execute_model(request: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == at_call:
+            if kind == "crash":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif kind == "hang":
+                time.sleep(10**6)
+            elif kind == "raise":
+                raise RuntimeError(f"injected fault at execute_model call {calls}")
+            else:
+                raise OutOfMemoryError(f"injected out-of-memory at execute_model call {calls}")
+        return inner(request)
+
+    worker.execute_model = execute_model
