@@ -43,7 +43,7 @@ from fleetllm.engine.async_stream import (
 from fleetllm.engine.llm_engine import LLMEngine, PromptType, load_tokenizer
 from fleetllm.engine.outputs import RequestOutput
 from fleetllm.engine.stats import EngineLoad, IterationStats, RequestStatsTracker, StatLogger
-from fleetllm.errors import EngineShutdownError, InvalidRequestError
+from fleetllm.errors import EngineShutdownError, EngineSleepingError, InvalidRequestError
 from fleetllm.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineUnhealthyError", "RequestAbortedError",
@@ -78,6 +78,14 @@ class _Add:
 class _Abort:
     request_id: str | None  # None: every request
     error: BaseException | None
+
+
+@dataclass
+class _Call:
+    """Run fn on the loop thread between steps (sleep, wake_up): LLMEngine is not thread-safe."""
+
+    fn: Callable[[], Any]
+    done: concurrent.futures.Future
 
 
 _STOP = object()
@@ -152,6 +160,24 @@ class AsyncLLMEngine:
             self.abort(request_id)  # queued after the add: it never outlives its caller
             raise
         return stream
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.model_executor.is_sleeping
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) and the weights (level 2); refused (EngineSleepingError)
+        while requests are in flight. New requests fail with EngineSleepingError until
+        wake_up."""
+        await self._call(lambda: self.engine.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._call(lambda: self.engine.wake_up(tags))
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._enqueue(_Call(fn, done))
+        return await asyncio.wrap_future(done)
 
     def abort(self, request_id: str, error: BaseException | None = None) -> None:
         """Abort a request (all its sequences) before the next step. Its stream, if anyone
@@ -248,13 +274,18 @@ class AsyncLLMEngine:
             command = self._commands.get(timeout=self.health_probe_interval_s) if block \
                 else self._commands.get_nowait()
         except queue.Empty:
-            if block:  # idle: a worker that died meanwhile must not pass for healthy
+            if block and not self.is_sleeping:  # idle: a dead worker must not pass as healthy
                 self._busy(self.engine.model_executor.check_health)
             return True
         stats = IterationStats()
         while command is not _STOP:
             if isinstance(command, _Add):
                 self._busy(self._add, command)
+            elif isinstance(command, _Call):
+                try:
+                    _settle(command.done, result=self._busy(command.fn))
+                except Exception as e:  # refused (e.g. sleep with requests in flight)
+                    _settle(command.done, error=e)
             elif command.request_id is None:
                 for request_id in list(self._streams):
                     self._busy(self._abort, request_id, command.error, stats)
@@ -276,6 +307,10 @@ class AsyncLLMEngine:
 
     def _add(self, cmd: _Add) -> None:
         if cmd.accepted.cancelled():  # the caller went away before it was queued
+            return
+        if self.is_sleeping:
+            _settle(cmd.accepted, error=EngineSleepingError(
+                "the engine is asleep: wake it up (POST /wake_up) first"))
             return
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time)
@@ -316,7 +351,8 @@ class AsyncLLMEngine:
         sched = self.engine.scheduler
         blocks = sched.block_manager
         self.load = EngineLoad(len(sched.running), len(sched.waiting), len(sched.swapped),
-                               blocks.num_gpu_blocks, blocks.num_free_gpu_blocks)
+                               blocks.num_gpu_blocks, blocks.num_free_gpu_blocks,
+                               self.engine.worker_restarts)
         if stats.is_empty():
             return
         for stat_logger in tuple(self.stat_loggers):
@@ -350,10 +386,11 @@ def _dead(cause: BaseException) -> EngineDeadError:
     return err
 
 
-def _settle(future: concurrent.futures.Future, error: BaseException | None = None) -> None:
+def _settle(future: concurrent.futures.Future, error: BaseException | None = None,
+            result: Any = None) -> None:
     try:
         if error is None:
-            future.set_result(None)
+            future.set_result(result)
         else:
             future.set_exception(error)
     except concurrent.futures.InvalidStateError:  # cancelled by its caller meanwhile

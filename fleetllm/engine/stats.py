@@ -44,6 +44,7 @@ class EngineLoad:
     num_swapped: int = 0
     num_gpu_blocks: int = 0
     num_free_gpu_blocks: int = 0
+    worker_restarts: int = 0  # times the engine replaced crashed or hung workers
 
     @property
     def kv_cache_usage(self) -> float:

@@ -4,6 +4,8 @@
     POST /tokenize               POST /detokenize          GET  /version
     GET  /health   (200, or 503 when the engine is dead, wedged or the server is draining)
     GET  /metrics  (Prometheus text)
+    POST /sleep?level=1|2   POST /wake_up[?tags=weights&tags=kv_cache]   GET /is_sleeping
+                   (only with enable_sleep_mode: they free and restore the model's memory)
 
 Bodies are parsed by hand (serving_engine.parse_body) rather than by FastAPI, so that a
 missing content type, malformed JSON or a non-object body is a 400 in OpenAI's error shape
@@ -47,7 +49,7 @@ T = TypeVar("T")
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None,
               api_key: str | None = None, chat_template: str | None = None,
-              state: ServerState | None = None) -> FastAPI:
+              state: ServerState | None = None, enable_sleep_mode: bool = False) -> FastAPI:
     names = served_model_names or [engine.model_config.model]
     state = state or ServerState()
     metrics = PrometheusMetrics(names[0])
@@ -105,6 +107,26 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> dict:
         return await _mapped(tokenization.detokenize(await parse_body(raw, DetokenizeRequest)))
+
+    if enable_sleep_mode:
+        @app.post("/sleep")
+        async def sleep(level: int = 1) -> Response:
+            if level not in (1, 2):
+                return error_response(400, "level: must be 1 or 2", "level")
+            await _mapped(engine.sleep(level))
+            return Response(status_code=200)
+
+        @app.post("/wake_up")
+        async def wake_up(raw: Request) -> Response:
+            tags = raw.query_params.getlist("tags") or None
+            if tags and not set(tags) <= {"weights", "kv_cache"}:
+                return error_response(400, "tags: each is 'weights' or 'kv_cache'", "tags")
+            await _mapped(engine.wake_up(tags))
+            return Response(status_code=200)
+
+        @app.get("/is_sleeping")
+        async def is_sleeping() -> dict:
+            return {"is_sleeping": engine.is_sleeping}
 
     return app
 

@@ -29,6 +29,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="on SIGTERM/SIGINT, seconds in-flight requests get to finish")
     http.add_argument("--step-timeout", type=float, default=60.0,
                       help="/health reports the engine unhealthy when one step takes longer")
+    http.add_argument("--enable-sleep-mode", action="store_true",
+                      help="add POST /sleep, POST /wake_up and GET /is_sleeping")
     http.add_argument("--access-log", action="store_true", help="log every HTTP request")
     http.add_argument("--log-level", default="info",
                       choices=["debug", "info", "warning", "error"])

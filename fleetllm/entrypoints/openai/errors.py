@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleetllm.engine.async_engine import EngineUnhealthyError, RequestAbortedError
 from fleetllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
-from fleetllm.errors import EngineShutdownError, FleetLLMError
+from fleetllm.errors import EngineShutdownError, EngineSleepingError, FleetLLMError
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,8 @@ def api_error_from(e: BaseException) -> APIError:
     """The HTTP error for an exception from the engine or the request's own processing."""
     if isinstance(e, APIError):
         return e
-    if isinstance(e, EngineUnhealthyError | EngineShutdownError | RequestAbortedError):
+    if isinstance(e, EngineUnhealthyError | EngineShutdownError | EngineSleepingError
+                  | RequestAbortedError):
         return APIError(503, _plain(e))
     if isinstance(e, ValueError):  # InvalidRequestError, ConfigurationError (bad params)
         return APIError(400, _plain(e))

@@ -98,7 +98,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         state = ServerState()
         app = build_app(engine, args.served_model_name or [model], args.api_key,
-                        chat_template, state)
+                        chat_template, state, enable_sleep_mode=args.enable_sleep_mode)
         sock = _bind(args.host, args.port)
         host, port = sock.getsockname()[:2]
         # Tests and scripts wait for this line to learn the port (--port 0).

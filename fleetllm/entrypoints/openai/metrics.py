@@ -54,6 +54,9 @@ class PrometheusMetrics:
                              "request.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.",
                              _REQUEST_BUCKETS)
+        self.worker_restarts = counter("worker_restarts", "Times the engine replaced "
+                                       "crashed or hung workers (every request resumed).")
+        self._restarts_seen = 0
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first "
                                     "scheduled.", _REQUEST_BUCKETS)
 
@@ -78,4 +81,7 @@ class PrometheusMetrics:
         self.num_waiting.set(load.num_waiting)
         self.num_swapped.set(load.num_swapped)
         self.kv_usage.set(load.kv_cache_usage)
+        if load.worker_restarts > self._restarts_seen:  # a counter: moves by the difference
+            self.worker_restarts.inc(load.worker_restarts - self._restarts_seen)
+            self._restarts_seen = load.worker_restarts
         return generate_latest(self.registry)
