@@ -221,12 +221,12 @@ def _run_bench_serve(args: argparse.Namespace) -> int | dict:
 
 
 def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
-    from fleetllm.benchmarks import rpc, throughput
+    from fleetllm.benchmarks import recovery, rpc, throughput
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput | rpc | serve",
+    bench = sub.add_parser("bench", help="benchmarks: throughput | rpc | serve | recovery",
                            description="Benchmarks; `fleetllm bench NAME --help` for each.")
     which = bench.add_subparsers(dest="benchmark", required=True, metavar="NAME")
-    for name, module in (("throughput", throughput), ("rpc", rpc)):
+    for name, module in (("throughput", throughput), ("rpc", rpc), ("recovery", recovery)):
         summary = (module.__doc__ or name).split("\n\n")[0]
         parser = which.add_parser(name, parents=[common], formatter_class=HelpFormatter,
                                   help=summary.split(":")[0], description=summary)
