@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fleetllm.config import EngineConfig
+from fleetllm.distributed.parallel_state import output_rank
 from fleetllm.errors import ConfigurationError
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
 from fleetllm.utils import resolve_qualname
@@ -80,8 +81,15 @@ class Executor(ABC):
         rank and remote traceback (or is returned in place with return_exceptions=True); a call
         past `timeout` seconds raises CommunicationTimeoutError."""
 
+    @property
+    def output_rank(self) -> int:
+        """The rank whose execute_model result is the step's output (see
+        parallel_state.output_rank: the last pipeline stage's tensor rank 0)."""
+        pc = self.parallel_config
+        return output_rank(pc.tensor_parallel_size, pc.pipeline_parallel_size)
+
     def execute_model(self, execute_model_req: ExecuteModelRequest) -> list[SamplerOutput]:
-        return self.collective_rpc("execute_model", args=(execute_model_req,))[0]
+        return self.collective_rpc("execute_model", args=(execute_model_req,))[self.output_rank]
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """(num_gpu_blocks, num_cpu_blocks) that fit on every worker: the minimum over them."""
