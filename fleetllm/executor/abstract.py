@@ -38,13 +38,9 @@ class Executor(ABC):
         if backend == "mp":
             from fleetllm.executor.multiproc import MultiprocExecutor
             return MultiprocExecutor
-        if backend == "ray":
-            try:
-                from fleetllm.executor.ray_executor import RayExecutor  # type: ignore
-            except ImportError as e:
-                raise ConfigurationError("distributed_executor_backend: 'ray' is not available "
-                                         f"in this build ({e})") from e
-            return RayExecutor
+        if backend == "ray":  # without Ray installed, constructing it says how to get Ray
+            from fleetllm.executor.ray_executor import RayDistributedExecutor
+            return RayDistributedExecutor
         if isinstance(backend, str) and ":" in backend:
             cls = resolve_qualname(backend)
             if isinstance(cls, type) and issubclass(cls, Executor):
@@ -65,7 +61,7 @@ class Executor(ABC):
         self._is_shutdown = False
         if config.parallel_config.pipeline_parallel_size > 1 and not self.supports_pp:
             raise ConfigurationError(f"pipeline_parallel_size: {type(self).__name__} does not "
-                                     "support pipeline parallelism; use the 'mp' backend")
+                                     "support pipeline parallelism; use 'mp' or 'ray'")
         self._init_executor()
 
     @abstractmethod
