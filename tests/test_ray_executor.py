@@ -85,11 +85,14 @@ def runtime_env() -> dict:
     return {"env_vars": {"PYTHONPATH": path}}
 
 
-def shut_down_and_check_no_leak(shm_before: set[str]) -> None:
-    """ray.shutdown(), then every Ray process this test process started (GCS, raylets,
-    workers, agents) must be gone, and nothing of ours left in /dev/shm."""
-    started = {p for p in descendants(os.getpid()) if "ray" in cmdline(p)}
-    ray.shutdown()
+def ray_processes() -> set[int]:
+    """The Ray processes this test process started (GCS, raylets, workers, agents)."""
+    return {p for p in descendants(os.getpid()) if "ray" in cmdline(p)}
+
+
+def check_all_gone(started: set[int], shm_before: set[str]) -> None:
+    """After ray.shutdown(): every process in `started` must exit, and nothing of ours be left
+    in /dev/shm (Ray's object store files are unlinked by Ray itself)."""
     end = time.monotonic() + 15
     while time.monotonic() < end and any(alive(p) for p in started):
         time.sleep(0.1)
@@ -104,7 +107,9 @@ def cluster():
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
              num_cpus=4, runtime_env=runtime_env(), log_to_driver=False)
     yield ray
-    shut_down_and_check_no_leak(shm_before)
+    started = ray_processes()
+    ray.shutdown()
+    check_all_gone(started, shm_before)
 
 
 def leftovers(name: str) -> tuple[list[str], list[str]]:
