@@ -533,9 +533,25 @@ def test_ranks_keep_tensor_parallel_groups_on_one_node():
     assert local_ranks(["a", "a", "c", "c", "a", "b"]) == [0, 1, 0, 1, 2, 0]
 
 
-def test_output_rank_is_decided_once():
+def test_output_rank_is_decided_once(model):
+    """parallel_state.output_rank decides it; the base Executor.execute_model returns that
+    rank's result (it returned rank 0's, wrong under pipeline parallelism)."""
     from fleetllm.distributed.parallel_state import output_rank
 
     assert [output_rank(tp, pp) for tp, pp in [(1, 1), (2, 1), (1, 2), (2, 2), (4, 3)]] == \
         [0, 0, 1, 2, 8]
+
+    class Ranks(Executor):  # every rank answers with its rank
+        supports_pp = True
+
+        def _init_executor(self) -> None:
+            pass
+
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None,
+                           return_exceptions=False):
+            return list(range(self.parallel_config.world_size))
+
+    cfg = EngineConfig.from_kwargs(model=str(model), tensor_parallel_size=2,
+                                   pipeline_parallel_size=2, distributed_executor_backend=Ranks)
+    assert Ranks(cfg).execute_model(ExecuteModelRequest([])) == 2
 

@@ -49,7 +49,6 @@ Failure handling follows the mp backend (executor/failures.py):
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 import uuid
@@ -79,14 +78,13 @@ from fleetllm.executor.ray_utils import (
     import_ray,
     local_ranks,
     placement_group_for,
+    wait_some,
 )
 from fleetllm.executor.ray_worker import STEP_OK, STEP_RESYNC, RayWorkerWrapper
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
 from fleetllm.worker.delta import DeltaEncoder
 
 DEATH_WAIT_S = 1.0  # a step failed inside a collective: how long to wait for a peer's death
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-POLL_S = 0.1  # waiting for replies: how often to look for one that failed (see _wait_some)
 
 
 class _Resync(Exception):
@@ -132,7 +130,8 @@ class RayDistributedExecutor(Executor):
 
     @property
     def node_info(self) -> list[dict[str, Any]]:
-        """get_node_info() of each rank, as reported at startup."""
+        """Where each rank runs: its get_node_info() from startup (status then: "created";
+        ray.get(worker.get_node_info.remote()) on `workers` tells the current one)."""
         return [dict(n) for n in self._group.nodes]
 
     def _start_workers(self) -> None:
@@ -226,41 +225,6 @@ class RayDistributedExecutor(Executor):
         self._fail(error)
         raise error from cause
 
-    def _wait_some(self, pending: dict[Any, int], timeout: float | None
-                   ) -> list[tuple[int, str, Any]]:
-        """Wait up to `timeout` s (None: no limit) for calls to finish, and take them out of
-        `pending`: [(rank, kind, value)], kind "ok" (the result), "error" ((exception, remote
-        traceback)) or "dead" (Ray's error: the actor or its node is gone).
-
-        Fast path: one ray.get of every call, in slices of POLL_S (each Ray API call costs
-        ~0.1-0.3 ms here, a round trip a few of them); a slice that ends with calls still out,
-        or any call failed, is sorted out one call at a time. So an error is seen within
-        POLL_S even while other ranks hang."""
-        ray = self._ray
-        refs = list(pending)
-        wait = POLL_S if timeout is None else max(0.0, min(timeout, POLL_S))
-        try:
-            values = ray.get(refs, timeout=wait)
-        except ray.exceptions.RayError:  # some are still out (GetTimeoutError) or failed
-            refs = ray.wait(refs, num_returns=len(refs), timeout=0)[0]  # those done, below
-        else:
-            done = [(pending[ref], "ok", v) for ref, v in zip(refs, values, strict=True)]
-            pending.clear()
-            return done
-        out = []
-        for ref in refs:
-            rank = pending.pop(ref)
-            try:
-                out.append((rank, "ok", ray.get(ref)))
-            except ray.exceptions.RayTaskError as e:  # the method raised: not a dead actor
-                # str(e) is Ray's report: where it ran and the remote traceback (in colour)
-                tb = _ANSI.sub("", getattr(e, "traceback_str", None) or str(e))
-                cause = e.cause if isinstance(e.cause, BaseException) else RuntimeError(tb)
-                out.append((rank, "error", (cause, tb)))
-            except ray.exceptions.RayError as e:  # the actor (or its node) is gone
-                out.append((rank, "dead", e))
-        return out
-
     def _gather(self, refs: list[Any], ranks: list[int], deadline: float | None,
                 return_exceptions: bool, too_late: Callable[[list[int]], str],
                 context: str = "") -> list[Any]:
@@ -274,7 +238,8 @@ class RayDistributedExecutor(Executor):
             ends = [t for t in (deadline, error_deadline) if t is not None]
             if ends and min(ends) <= now:
                 break
-            for rank, kind, value in self._wait_some(pending, min(ends) - now if ends else None):
+            left = min(ends) - now if ends else None
+            for rank, kind, value in wait_some(self._ray, pending, left):
                 if kind == "dead":
                     self._crashed(rank, value)
                 if kind == "ok":
@@ -394,7 +359,7 @@ class RayDistributedExecutor(Executor):
             end = deadline if error_deadline is None else min(deadline, error_deadline)
             if end <= now:
                 break
-            for rank, kind, value in self._wait_some(pending, end - now):
+            for rank, kind, value in wait_some(self._ray, pending, end - now):
                 done[rank] = True
                 if kind == "dead":
                     self._crashed(rank, value)
@@ -442,7 +407,7 @@ class RayDistributedExecutor(Executor):
         if "collective" in reason and pending:
             end = time.monotonic() + DEATH_WAIT_S
             while pending and time.monotonic() < end:
-                for rank, kind, value in self._wait_some(pending, end - time.monotonic()):
+                for rank, kind, value in wait_some(self._ray, pending, end - time.monotonic()):
                     if kind == "dead":
                         self._crashed(rank, value)
         rank, remote = next(iter(errors.items()))

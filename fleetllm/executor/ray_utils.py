@@ -5,6 +5,7 @@ cluster, the placement group, and which worker gets which rank. See ray_executor
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -15,6 +16,8 @@ from fleetllm.config import EngineConfig
 from fleetllm.errors import CommunicationTimeoutError, ConfigurationError
 
 INSTALL_HINT = "pip install 'fleetllm[ray]'"
+POLL_S = 0.1  # waiting for replies: how often to look for one that failed (see wait_some)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def import_ray() -> ModuleType:
@@ -172,4 +175,40 @@ def local_ranks(node_ids: list[str]) -> list[int]:
     for node in node_ids:
         out.append(seen.get(node, 0))
         seen[node] = out[-1] + 1
+    return out
+
+
+def wait_some(ray: ModuleType, pending: dict[Any, int], timeout: float | None
+              ) -> list[tuple[int, str, Any]]:
+    """Wait up to `timeout` s (None: POLL_S) for some of the calls in `pending` (ObjectRef ->
+    rank) to finish, and take those out of it: [(rank, kind, value)], kind "ok" (the result),
+    "error" ((exception, remote traceback)) or "dead" (Ray's error: the actor or its node is
+    gone).
+
+    Fast path: one ray.get of every call, in slices of POLL_S (each Ray API call costs
+    ~0.1-0.3 ms here, a round trip a few of them); a slice that ends with calls still out,
+    or any call failed, is sorted out one call at a time. So an error is seen within
+    POLL_S even while other ranks hang."""
+    refs = list(pending)
+    wait = POLL_S if timeout is None else max(0.0, min(timeout, POLL_S))
+    try:
+        values = ray.get(refs, timeout=wait)
+    except ray.exceptions.RayError:  # some are still out (GetTimeoutError) or failed
+        refs = ray.wait(refs, num_returns=len(refs), timeout=0)[0]  # those done, below
+    else:
+        done = [(pending[ref], "ok", v) for ref, v in zip(refs, values, strict=True)]
+        pending.clear()
+        return done
+    out = []
+    for ref in refs:
+        rank = pending.pop(ref)
+        try:
+            out.append((rank, "ok", ray.get(ref)))
+        except ray.exceptions.RayTaskError as e:  # the method raised: not a dead actor
+            # str(e) is Ray's report: where it ran and the remote traceback (in colour)
+            tb = _ANSI.sub("", getattr(e, "traceback_str", None) or str(e))
+            cause = e.cause if isinstance(e.cause, BaseException) else RuntimeError(tb)
+            out.append((rank, "error", (cause, tb)))
+        except ray.exceptions.RayError as e:  # the actor (or its node) is gone
+            out.append((rank, "dead", e))
     return out
