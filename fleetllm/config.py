@@ -201,10 +201,11 @@ class ParallelConfig:
     # "uni" | "mp" | "ray" | an Executor subclass | "module:Class"; None picks uni or mp.
     distributed_executor_backend: Any = None
     worker_cls: str = "fleetllm.worker.worker.Worker"
-    startup_timeout: float = 120.0  # seconds for worker processes to come up
+    # Seconds for worker processes to come up (ray: the placement group's resources too).
+    startup_timeout: float = 120.0
     # Seconds one execute_model step may take before the executor gives up on its workers.
-    # Enforced by the process-based backends (mp): 'uni' runs the step in this process and
-    # cannot interrupt it.
+    # Enforced by the process-based backends (mp, ray): 'uni' runs the step in this process
+    # and cannot interrupt it.
     execute_model_timeout: float = 300.0
     # The "ray" backend's settings (fleetllm/executor/ray_executor.py, docs/ray.md); the other
     # backends ignore them, so one command line can compare backends. The Ray cluster to

@@ -183,9 +183,9 @@ def test_pipeline_and_tp_pp_greedy_match_uni(cluster, model, reference, tp, pp):
     assert_nothing_left(name, within=0)  # shutdown() returns once Ray has let go of them
 
 
-def test_llm_in_a_given_placement_group_matches_uni(cluster, model):
-    """Through LLM, in a placement group the user made (given by name): ours is used, not
-    removed; our actors are gone after shutdown."""
+def test_llm_pipeline_in_a_given_placement_group_matches_uni(cluster, model):
+    """Through LLM (PP=2), in a placement group the user made, given by name: it is used and
+    left in place; our actors are gone after shutdown."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     rng = __import__("random").Random(5)
@@ -197,7 +197,7 @@ def test_llm_in_a_given_placement_group_matches_uni(cluster, model):
                                                                 use_tqdm=False)]
     pg = placement_group([{"CPU": CPUS}] * 2, name="user-group")
     try:
-        with LLM(model, kv_cache_memory=32 << 20, tensor_parallel_size=2,
+        with LLM(model, kv_cache_memory=32 << 20, pipeline_parallel_size=2,
                  placement_group="user-group", **RAY) as llm:
             ex = llm.llm_engine.model_executor
             assert ex.placement_group.id == pg.id
@@ -212,7 +212,8 @@ def test_llm_in_a_given_placement_group_matches_uni(cluster, model):
         remove_placement_group(pg)
 
 
-def test_cli_generate_joins_the_cluster_and_matches_uni(cluster, model):
+def test_cli_generate_joins_the_cluster_and_matches_uni(cluster, tiny_models):
+    model = tiny_models["qwen2_bias"]
     with LLM(model, kv_cache_memory=32 << 20) as llm:
         [out] = llm.generate("def f(x):", SamplingParams(temperature=0, max_tokens=12,
                                                          ignore_eos=True), use_tqdm=False)

@@ -4,6 +4,7 @@ cluster, the placement group, and which worker gets which rank. See ray_executor
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -16,6 +17,7 @@ from fleetllm.config import EngineConfig
 from fleetllm.errors import CommunicationTimeoutError, ConfigurationError
 
 INSTALL_HINT = "pip install 'fleetllm[ray]'"
+logger = logging.getLogger(__name__)
 POLL_S = 0.1  # waiting for replies: how often to look for one that failed (see wait_some)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -47,8 +49,11 @@ class RayConnection:
     def acquire(cls, ray: ModuleType, address: str | None, local_cpus: float) -> bool:
         """Connect if needed. True: this executor must release() when it is done."""
         with cls._lock:
-            if cls._users == 0 and ray.is_initialized():
-                return False  # the user's own connection
+            if cls._users == 0 and ray.is_initialized():  # the user's own connection
+                if address:
+                    logger.warning("ray_address=%r is ignored: this process is already "
+                                   "connected to Ray (ray.init() was called)", address)
+                return False
             if cls._users == 0:
                 _init(ray, address or os.environ.get("RAY_ADDRESS") or None, local_cpus)
             cls._users += 1
