@@ -16,9 +16,10 @@ beside other Ray work). Waiting for resources ends at startup_timeout with a mes
 what is missing. One RayWorkerWrapper actor (ray_worker.py: a WorkerWrapperBase, as mp's
 processes use) per bundle. Ranks are assigned once the actors report their nodes, so that each
 tensor-parallel group stays on one node where possible (ray_utils.assign_ranks).
-torch.distributed meets at tcp://<rank 0's node address>:<a port free there>; gloo/NCCL use
-the interface each node's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME names (a local instance
-started here pins them to loopback).
+torch.distributed meets at tcp://<rank 0's node address>:<a port free there> (torch's
+TCPStore listens on all of that node's interfaces); gloo/NCCL use the interface each node's
+GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME names (a local instance started here pins them to
+loopback).
 
 Steps: the driver submits every step to every rank through Ray (as vLLM's SPMD Ray workers do).
 Requests are delta encoded (fleetllm.worker.delta; the actors decode in WorkerWrapperBase), so a
@@ -39,9 +40,9 @@ Failure handling follows the mp backend (executor/failures.py):
 - execute_model: an exception on any rank fails the executor (actors killed, placement group
   removed, WorkerCrashedError naming the first rank, the remote error as __cause__) unless every
   rank raised the same error before any collective; no reply within execute_model_timeout
-  raises CommunicationTimeoutError and fails it likewise. A rank failing inside a collective is
-  often the symptom of a peer that died: the driver then waits up to DEATH_WAIT_S for Ray to
-  report the death, and names the dead rank instead.
+  raises CommunicationTimeoutError and fails it likewise. A rank failing (inside a collective,
+  say) is often the symptom of a peer that died: while ranks are still out, the driver waits
+  up to DEATH_WAIT_S for Ray to report a death, and then names the dead rank instead.
 - After shutdown() calls raise EngineShutdownError. shutdown(), garbage collection and
   interpreter exit kill the actors and remove the placement group (ray_group.RayWorkerGroup);
   if the driver process dies, Ray itself ends the job's actors and placement groups.
@@ -363,16 +364,17 @@ class RayDistributedExecutor(Executor):
                 done[rank] = True
                 if kind == "dead":
                     self._crashed(rank, value)
-                status, payload = value if kind == "ok" else ("err", None)
+                if kind == "error":  # Ray failed the call itself (e.g. an unpicklable result):
+                    errors[rank] = remote_error(rank, *value)  # where it stood is unknown
+                    info[rank] = (type(value[0]).__name__, str(value[0]), True)
+                    continue
+                status, payload = value
                 if status == STEP_OK:
                     result = payload if rank == out else result
                 elif status == STEP_RESYNC:
                     resync = True
-                elif payload is None:  # the step method itself failed (e.g. unpicklable)
-                    errors[rank] = remote_error(rank, *value)
-                    info[rank] = (type(value[0]).__name__, str(value[0]), True)
                 else:
-                    (err, entered) = payload
+                    err, entered = payload
                     exc, tb = load_error(err)
                     errors[rank] = remote_error(rank, exc, tb)
                     info[rank] = (err[1], err[2], entered)
@@ -404,7 +406,7 @@ class RayDistributedExecutor(Executor):
         """The step failed with the ranks possibly out of step. A failure inside a collective
         is often a peer's death (gloo sees the connection close before Ray reports the actor
         dead): if a rank still out dies within DEATH_WAIT_S, that is the error to report."""
-        if "collective" in reason and pending:
+        if pending:
             end = time.monotonic() + DEATH_WAIT_S
             while pending and time.monotonic() < end:
                 for rank, kind, value in wait_some(self._ray, pending, end - time.monotonic()):
