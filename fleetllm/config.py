@@ -191,6 +191,9 @@ class CacheConfig:
             _check(self.num_gpu_blocks_override > 0, "num_gpu_blocks_override", "must be > 0")
 
 
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's names
+
+
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
@@ -198,14 +201,28 @@ class ParallelConfig:
     # "uni" | "mp" | "ray" | an Executor subclass | "module:Class"; None picks uni or mp.
     distributed_executor_backend: Any = None
     worker_cls: str = "fleetllm.worker.worker.Worker"
-    startup_timeout: float = 120.0  # seconds for worker processes to come up
+    # Seconds for worker processes to come up (ray: the placement group's resources too).
+    startup_timeout: float = 120.0
     # Seconds one execute_model step may take before the executor gives up on its workers.
-    # Enforced by the process-based backends (mp): 'uni' runs the step in this process and
-    # cannot interrupt it.
+    # Enforced by the process-based backends (mp, ray): 'uni' runs the step in this process
+    # and cannot interrupt it.
     execute_model_timeout: float = 300.0
     # Times the engine may replace crashed or hung workers and resume every request (0: none;
     # then a crash fails every request, as in vLLM).
     max_worker_restarts: int = 3
+    # The "ray" backend's settings (fleetllm/executor/ray_executor.py, docs/ray.md); the other
+    # backends ignore them, so one command line can compare backends. The Ray cluster to
+    # join ("auto", "host:port", "ray://host:port"); None: $RAY_ADDRESS when set, else a private
+    # local instance is started, and stopped with the last executor using it.
+    ray_address: str | None = None
+    # How the placement group (one bundle per worker) is laid out over the nodes.
+    placement_strategy: str = "PACK"
+    # An existing placement group to run in (a ray PlacementGroup or the name of one): its
+    # first world_size bundles hold the workers. None: the executor makes its own.
+    placement_group: Any = None
+    # CPU workers: logical CPUs each worker's bundle reserves (fractions allowed: 0.5 fits 4
+    # workers on 2 CPUs); also its torch thread count, at least 1. CUDA bundles are {GPU: 1}.
+    ray_cpus_per_worker: float = 1.0
     world_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -233,6 +250,21 @@ class ParallelConfig:
         _check(isinstance(timeout, int | float) and not isinstance(timeout, bool)
                and 0 < timeout < float("inf"), "execute_model_timeout",
                f"must be a finite number of seconds > 0, got {timeout!r}")
+        self._check_ray_fields()
+
+    def _check_ray_fields(self) -> None:
+        _check(self.ray_address is None or self.ray_address.strip() != "", "ray_address",
+               "must be None (RAY_ADDRESS, else a local instance) or an address, got ''")
+        _check(self.placement_strategy in PLACEMENT_STRATEGIES, "placement_strategy",
+               f"must be one of {', '.join(PLACEMENT_STRATEGIES)}; got "
+               f"{self.placement_strategy!r}")
+        pg = self.placement_group
+        _check(pg is None or (isinstance(pg, str) and pg != "") or hasattr(pg, "bundle_specs"),
+               "placement_group", f"must be None, a ray PlacementGroup or the name of one; got "
+               f"{pg!r}")
+        cpus = self.ray_cpus_per_worker
+        _check(0 < cpus < float("inf"), "ray_cpus_per_worker",
+               f"must be a finite number of CPUs > 0, got {cpus!r}")
 
 
 @dataclass

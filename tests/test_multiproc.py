@@ -34,10 +34,10 @@ from fleetllm.errors import (
     WorkerCrashedError,
 )
 from fleetllm.executor import Executor
-from fleetllm.executor.mp_delta import DeltaDecoder, DeltaDesync, DeltaEncoder
 from fleetllm.executor.multiproc import MultiprocExecutor
 from fleetllm.sampling_params import SamplingParams
 from fleetllm.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMetadata
+from fleetllm.worker.delta import DeltaDecoder, DeltaDesync, DeltaEncoder
 from fleetllm.worker.worker import Worker
 
 REPO = Path(__file__).resolve().parents[1]

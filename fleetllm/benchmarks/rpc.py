@@ -1,7 +1,9 @@
 """Round-trip latency of the executor's RPC path: a no-op collective_rpc and an empty
-execute_model (ExecuteModelRequest([])), for a backend next to `uni` measured in the same run.
+execute_model (ExecuteModelRequest([])), for a backend next to `uni` (and `mp`, when the backend
+is another one, such as `ray`) measured in the same run.
 
     fleetllm bench rpc --backend mp --tensor-parallel-size 2 [--model PATH] [--iters N]
+    fleetllm bench rpc --backend ray    (ray, mp and uni; a local Ray instance, or $RAY_ADDRESS)
     python -m fleetllm.benchmarks.rpc ...   (the same)
 
 Without --model a tiny Llama config is written to a temp dir and loaded with dummy weights.
@@ -68,8 +70,14 @@ def bench_backend(model: str, backend: str, tp: int, pp: int, iters: int) -> dic
         }
 
 
+def _peers(backend: str) -> list[str]:
+    """The backends measured beside uni: the one asked for, and mp as the local yardstick."""
+    return [backend] if backend in ("uni", "mp") else [backend, "mp"]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="mp", help="executor backend to compare with uni")
+    parser.add_argument("--backend", default="mp", help="executor backend to compare with uni "
+                        "(another than mp, e.g. ray: with mp as well)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=2,
                         help="workers per pipeline stage")
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
@@ -96,21 +104,22 @@ def run(args: argparse.Namespace) -> dict:
         if model is None:
             model = tmp
             (Path(tmp) / "config.json").write_text(json.dumps(TINY_CONFIG))
-        results = {
-            "uni": bench_backend(model, "uni", 1, 1, args.iters),
-            args.backend: bench_backend(model, args.backend, args.tensor_parallel_size,
-                                        args.pipeline_parallel_size, args.iters),
-        }
+        results = {"uni": bench_backend(model, "uni", 1, 1, args.iters)}
+        for backend in _peers(args.backend):
+            results[backend] = bench_backend(model, backend, args.tensor_parallel_size,
+                                             args.pipeline_parallel_size, args.iters)
     if args.json:
         print(json.dumps(results))
         return results
     world = args.tensor_parallel_size * args.pipeline_parallel_size
-    print(f"{args.iters} iterations; {args.backend} with tp={args.tensor_parallel_size} "
-          f"pp={args.pipeline_parallel_size} ({world} workers) vs uni (in-process)")
+    peers = _peers(args.backend)
+    print(f"{args.iters} iterations; {' and '.join(peers)} with "
+          f"tp={args.tensor_parallel_size} pp={args.pipeline_parallel_size} ({world} workers) "
+          "vs uni (in-process)")
     print(f"{'call':<22}{'backend':<8}{'median us':>12}{'p99 us':>12}{'median vs uni':>16}")
     for call in results["uni"]:
         base = results["uni"][call]["median_us"]
-        for backend in ("uni", args.backend):
+        for backend in ("uni", *peers):
             r = results[backend][call]
             ratio = f"{r['median_us'] / base:.1f}x" if base > 0 else "-"
             print(f"{call:<22}{backend:<8}{r['median_us']:>12.1f}{r['p99_us']:>12.1f}"

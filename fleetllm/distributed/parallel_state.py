@@ -1,8 +1,14 @@
 """Process groups for tensor (TP) and pipeline (PP) parallelism.
 
 Global rank = pp_rank * tp_size + tp_rank: a pipeline stage is a contiguous run of ranks.
-With one worker (the default) every collective is a no-op, so the model code is the same for
-`uni` and `mp`. gloo on CPU, NCCL on CUDA.
+The rank whose result a step returns is output_rank(): every backend and the worker itself ask
+it here. With one worker (the default) every collective is a no-op, so the model code is the
+same for every backend. gloo on CPU, NCCL on CUDA.
+
+Rendezvous is the caller's choice of `init_method`: the mp backend uses a private `file://`
+store and pins gloo to loopback (one host); the ray backend a `tcp://` store on rank 0's node
+and whatever interface each node's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME names (or gloo's
+default: the address the host name resolves to).
 
 Every collective a group performs (all_reduce, all_gather, send, recv, broadcast, barrier) is
 counted on entry (collective_count): when a call fails on one rank, the mp executor learns
@@ -94,6 +100,12 @@ class GroupCoordinator:
             return
         _entering_collective()
         dist.barrier(group=self.group)
+
+
+def output_rank(tp_size: int, pp_size: int) -> int:
+    """The rank that samples and returns a step's SamplerOutput: tensor rank 0 of the last
+    pipeline stage (the only stage holding logits; TP rank 0 holds the gathered vocab)."""
+    return (pp_size - 1) * tp_size
 
 
 _TP = GroupCoordinator([0], 0)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from fleetllm.config import EngineConfig
+from fleetllm.distributed.parallel_state import output_rank
 from fleetllm.errors import ConfigurationError, EngineShutdownError, EngineSleepingError
 from fleetllm.executor.metrics import MetricsRecorder, WorkerUsage, worker_usage
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
@@ -44,13 +45,9 @@ class Executor(ABC):
         if backend == "mp":
             from fleetllm.executor.multiproc import MultiprocExecutor
             return MultiprocExecutor
-        if backend == "ray":
-            try:
-                from fleetllm.executor.ray_executor import RayExecutor  # type: ignore
-            except ImportError as e:
-                raise ConfigurationError("distributed_executor_backend: 'ray' is not available "
-                                         f"in this build ({e})") from e
-            return RayExecutor
+        if backend == "ray":  # without Ray installed, constructing it says how to get Ray
+            from fleetllm.executor.ray_executor import RayDistributedExecutor
+            return RayDistributedExecutor
         if isinstance(backend, str) and ":" in backend:
             cls = resolve_qualname(backend)
             if isinstance(cls, type) and issubclass(cls, Executor):
@@ -71,7 +68,7 @@ class Executor(ABC):
         self._is_shutdown = False
         if config.parallel_config.pipeline_parallel_size > 1 and not self.supports_pp:
             raise ConfigurationError(f"pipeline_parallel_size: {type(self).__name__} does not "
-                                     "support pipeline parallelism; use the 'mp' backend")
+                                     "support pipeline parallelism; use 'mp' or 'ray'")
         self._init_executor()
 
     @abstractmethod
@@ -87,8 +84,15 @@ class Executor(ABC):
         rank and remote traceback (or is returned in place with return_exceptions=True); a call
         past `timeout` seconds raises CommunicationTimeoutError."""
 
+    @property
+    def output_rank(self) -> int:
+        """The rank whose execute_model result is the step's output (see
+        parallel_state.output_rank: the last pipeline stage's tensor rank 0)."""
+        pc = self.parallel_config
+        return output_rank(pc.tensor_parallel_size, pc.pipeline_parallel_size)
+
     def execute_model(self, execute_model_req: ExecuteModelRequest) -> list[SamplerOutput]:
-        return self.collective_rpc("execute_model", args=(execute_model_req,))[0]
+        return self.collective_rpc("execute_model", args=(execute_model_req,))[self.output_rank]
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """(num_gpu_blocks, num_cpu_blocks) that fit on every worker: the minimum over them."""

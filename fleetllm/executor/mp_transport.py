@@ -14,7 +14,7 @@ used directly instead, with length-prefixed frames.
 Frames: 8-byte little-endian length, then the payload.
 Driver -> worker payload: HEADER (call_id, kind, unique_reply_rank) + pickled (method, args,
   kwargs); the same bytes for every rank. kind: CALL (run `method` on the worker), EXEC
-  (execute_model; args[0] is an mp_delta.EncodedRequest) or EXIT. unique_reply_rank -1: every
+  (execute_model; args[0] is a worker.delta.EncodedRequest) or EXIT. unique_reply_rank -1: every
   rank replies with its result; >= 0: only that rank sends its result, the others send a tiny
   ACK on success (errors are always sent, so a failure on any rank surfaces in the same call).
 Worker -> driver payload: pickled (call_id, status, value); status OK, ACK, ERR or RESYNC, and
@@ -32,10 +32,13 @@ import select
 import socket
 import struct
 import time
-import traceback
 from typing import Any
 
 import cloudpickle
+
+from fleetllm.executor.failures import error_payload, load_error
+
+__all__ = ["error_payload", "load_error"]  # re-exported: the mp modules call them tr.*
 
 # message kinds (driver -> worker)
 CALL, EXEC, EXIT = 0, 1, 2
@@ -62,33 +65,9 @@ def dumps_reply(call_id: int, status: int, value: Any) -> bytes:
     return pickle.dumps((call_id, status, value), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def error_payload(exc: BaseException) -> tuple[bytes | None, str, str, str]:
-    """(pickled exception or None, type name, message, formatted traceback)."""
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        blob = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
-        pickle.loads(blob)  # some exceptions pickle but cannot be rebuilt
-    except Exception:
-        blob = None
-    return blob, type(exc).__name__, str(exc), tb
-
-
 def error_reply(exc: BaseException, entered_collective: bool) -> tuple[tuple, bool]:
     """The value of an ERR reply (see the module docstring)."""
     return error_payload(exc), entered_collective
-
-
-def load_error(payload: tuple[bytes | None, str, str, str]) -> tuple[BaseException, str]:
-    """The worker's exception (or a stand-in when it cannot be unpickled here) and traceback."""
-    blob, type_name, message, tb = payload
-    if blob is not None:
-        try:
-            exc = pickle.loads(blob)
-            if isinstance(exc, BaseException):
-                return exc, tb
-        except Exception:
-            pass
-    return RuntimeError(f"{type_name}: {message}"), tb
 
 
 # ------------------------------------------------------------------ blocking (worker) side

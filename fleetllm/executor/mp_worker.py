@@ -22,7 +22,7 @@ import torch
 
 from fleetllm.distributed import parallel_state
 from fleetllm.executor import mp_transport as tr
-from fleetllm.executor.mp_delta import DeltaDecoder, DeltaDesync
+from fleetllm.worker.delta import DeltaDesync
 from fleetllm.worker.worker_base import WorkerWrapperBase, run_method
 
 PARENT_CHECK_S = 1.0
@@ -85,7 +85,6 @@ def worker_main(rank: int, world_size: int, config_bytes: bytes, sock_path: str,
         _fast_exit(1)
     reply(-1, tr.READY, None)
 
-    decoder = DeltaDecoder()
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     try:
@@ -108,11 +107,10 @@ def worker_main(rank: int, world_size: int, config_bytes: bytes, sock_path: str,
                 method, args, kwargs = pickle.loads(memoryview(frame)[tr.HEADER.size:])
                 if kind == tr.EXEC:
                     try:
-                        request = decoder.decode(args[0])
-                    except DeltaDesync:
+                        result = wrapper.execute_model(args[0])
+                    except DeltaDesync:  # raised before anything ran: nothing is out of step
                         reply(call_id, tr.RESYNC, None)
                         continue
-                    result = wrapper.worker.execute_model(request)
                 else:
                     result = run_method(wrapper.worker, method, args, kwargs or {})
             except BaseException as e:

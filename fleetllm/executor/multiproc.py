@@ -5,23 +5,19 @@ is a private directory made with mode 0700, and checks each connecting peer's pi
 are pickled (callables with cloudpickle): acceptable only because the channel is private to
 this user and machine; never a TCP socket. torch.distributed rendezvous uses a `file://` store
 in the same directory and gloo binds loopback only (GLOO_SOCKET_IFNAME=lo). See mp_transport
-for the frame format (and why not zmq) and mp_delta for the delta encoding of execute_model.
+for the frame format (and why not zmq) and fleetllm.worker.delta for the delta encoding of
+execute_model.
 
 Failure handling: a monitor thread waits on every worker's process sentinel. When one dies it
 records a WorkerCrashedError, wakes any call in progress through a pipe the call also polls,
 kills the remaining workers and removes the temp dir. Every later call raises the same error.
 
-execute_model is stricter than collective_rpc: its ranks run collectives together (TP
-all_reduce/all_gather, PP send/recv), so a rank that fails or stalls mid-step leaves its peers
-waiting in a collective, and their next step's collectives would pair with stale ones.
+execute_model is stricter than collective_rpc (the rules are failures.py's, shared with ray):
 - A worker exception fails the executor: the driver stops every worker (terminates it: one in a
   collective cannot be told to exit), removes the temp dir and raises WorkerCrashedError naming
-  the first rank to fail, with its remote traceback (the remote error is the __cause__). Each
-  worker says with its error whether it entered a collective during the call
-  (parallel_state.collective_count). Only when every rank raises the same error (type and
-  message) before any collective is nobody out of step: the executor stays usable and the call
-  raises the remote error. A rank that does not report within EXEC_ERROR_GRACE_S of a first
-  such error is presumed waiting in a collective.
+  the first rank to fail, with its remote traceback (the remote error is the __cause__), unless
+  every rank raised the same error before any collective: then the executor stays usable and
+  the call raises the remote error.
 - No reply within ParallelConfig.execute_model_timeout raises CommunicationTimeoutError and
   fails the executor likewise (_exec_timed_out decides). Only process-based backends enforce
   it: 'uni' runs the step in the caller's process and cannot interrupt it.
@@ -61,7 +57,13 @@ from fleetllm.errors import (
 )
 from fleetllm.executor import mp_transport as tr
 from fleetllm.executor.abstract import Executor, RpcMethod
-from fleetllm.executor.mp_delta import DeltaEncoder
+from fleetllm.executor.failures import (
+    ERROR_GRACE_S,
+    EXEC_ERROR_GRACE_S,
+    out_of_step,
+    step_failed_error,
+    step_timeout_message,
+)
 from fleetllm.executor.mp_group import (
     LIVE_GROUPS,
     WorkerGroup,
@@ -69,26 +71,7 @@ from fleetllm.executor.mp_group import (
 )
 from fleetllm.executor.mp_worker import worker_main
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
-
-ERROR_GRACE_S = 0.05  # collective_rpc: after a first error, wait this long for other replies
-# execute_model: after a first error raised before any collective, how long the other ranks
-# get to report the same error (a rank that does not is presumably waiting in a collective).
-EXEC_ERROR_GRACE_S = 2.0
-
-
-def _out_of_step(info: dict[int, tuple[str, str, bool]], done: list[bool]) -> str | None:
-    """Why the errors of an execute_model call so far may leave the ranks' collectives out of
-    step (None: not yet known). Only when every rank raises the same error before entering
-    any collective are they known to be in step (nobody ran one)."""
-    entered = [r for r, (_, _, e) in info.items() if e]
-    if entered:
-        return f"after entering a collective operation (ranks {entered})"
-    finished = [r for r, d in enumerate(done) if d and r not in info]
-    if finished:
-        return f"while ranks {finished} completed the step"
-    if len({(t, m) for t, m, _ in info.values()}) > 1:
-        return "while other ranks raised different errors"
-    return None
+from fleetllm.worker.delta import DeltaEncoder
 
 
 @contextlib.contextmanager
@@ -117,7 +100,6 @@ class MultiprocExecutor(Executor):
     def _init_executor(self) -> None:
         pc = self.parallel_config
         self.world_size = pc.world_size
-        self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
         if self.device_config.device == "cuda":
             import torch
 
@@ -321,7 +303,7 @@ class MultiprocExecutor(Executor):
             if errors and not return_exceptions and not resync and error_deadline is None:
                 error_deadline = time.monotonic() + grace
             if exec_call and errors:
-                reason = _out_of_step(error_info, done)
+                reason = out_of_step(error_info, done)
                 if reason is not None:
                     self._exec_failed(errors, reason)
             if not pending:
@@ -354,10 +336,7 @@ class MultiprocExecutor(Executor):
         """An execute_model call failed in a way that may leave the ranks' collectives out of
         step: stop every worker and raise WorkerCrashedError naming the first rank to fail."""
         rank, remote = next(iter(errors.items()))
-        error = WorkerCrashedError(
-            f"execute_model failed on worker rank {rank} {reason}; the ranks' collective "
-            "operations may be out of step, so every worker was stopped and the executor is "
-            f"unusable: create a new one\n{remote.args[0]}", rank=rank)
+        error = step_failed_error(rank, remote, reason)
         self._fail(error)
         raise error from remote
 
@@ -368,8 +347,7 @@ class MultiprocExecutor(Executor):
         collective whose peer is gone), a collective cannot be interrupted, and the peers'
         next collectives would pair with the stuck ones: so today, stop every worker and fail
         the executor. (The place to add "wait once more, then restart the workers".)"""
-        what = (f"execute_model: no reply from worker ranks {missing} within "
-                f"execute_model_timeout={timeout}s")
+        what = step_timeout_message(missing, timeout)
         self._fail(WorkerCrashedError(f"{what}; the workers were stopped and the executor is "
                                       "unusable: create a new one",
                                       rank=missing[0] if len(missing) == 1 else None))

@@ -46,9 +46,8 @@ class Worker(WorkerBase):
         parallel_state.init_distributed(pc.world_size, self.rank, self.distributed_init_method,
                                         pc.tensor_parallel_size, pc.pipeline_parallel_size,
                                         device)
-        tp, pp = parallel_state.get_tp_group(), parallel_state.get_pp_group()
-        # The rank that samples and replies: TP rank 0 of the last pipeline stage.
-        self.is_output_rank = tp.is_first and pp.is_last
+        self.is_output_rank = self.rank == parallel_state.output_rank(
+            pc.tensor_parallel_size, pc.pipeline_parallel_size)
 
     def load_model(self) -> None:
         self.model_runner = ModelRunner(self.config, self.device, self.is_output_rank)

@@ -1,4 +1,5 @@
-"""WorkerBase (what every worker implements) and WorkerWrapperBase (builds the configured one)."""
+"""WorkerBase (what every worker implements) and WorkerWrapperBase (builds the configured one
+and runs the worker side of every backend that drives worker processes: mp and ray)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 from fleetllm.config import EngineConfig
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
 from fleetllm.utils import resolve_qualname
+from fleetllm.worker.delta import DeltaDecoder, EncodedRequest
 
 
 class WorkerBase(ABC):
@@ -47,15 +49,18 @@ def run_method(obj: Any, method: str | Callable[..., Any], args: tuple,
 
 class WorkerWrapperBase:
     """Creates the worker class named by parallel_config.worker_cls, so users can plug in their
-    own, and forwards calls to it."""
+    own, and forwards calls to it. Its execute_model is the worker end of the delta encoding
+    (fleetllm.worker.delta), shared by every backend that sends steps to worker processes."""
 
     def __init__(self, config: EngineConfig, rpc_rank: int = 0) -> None:
         self.config = config
         self.rpc_rank = rpc_rank
         self.worker: WorkerBase | None = None
+        self.delta_decoder = DeltaDecoder()
 
     def init_worker(self, local_rank: int, rank: int, distributed_init_method: str | None,
                     is_driver_worker: bool) -> None:
+        self.rpc_rank = rank  # a backend may assign ranks only once it knows where workers run
         cls = resolve_qualname(self.config.parallel_config.worker_cls)
         self.worker = cls(self.config, local_rank=local_rank, rank=rank,
                           distributed_init_method=distributed_init_method,
@@ -63,6 +68,16 @@ class WorkerWrapperBase:
 
     def execute_method(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return run_method(self.worker, method, args, kwargs)
+
+    def execute_model(self, request: ExecuteModelRequest | EncodedRequest
+                      ) -> list[SamplerOutput] | None:
+        """One step. An EncodedRequest is first rebuilt from this rank's delta cache; when the
+        cache does not match it raises DeltaDesync before anything has run (the driver then
+        resends the step in full). Calls the worker's execute_model attribute at call time, so
+        a test may replace it on one rank."""
+        if isinstance(request, EncodedRequest):
+            request = self.delta_decoder.decode(request)
+        return self.worker.execute_model(request)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.worker, name)

@@ -1,18 +1,20 @@
-"""Delta encoding of ExecuteModelRequest for the "mp" channel.
+"""Delta encoding of ExecuteModelRequest between a driver and its workers, for any backend
+that sends each step to worker processes (mp over its AF_UNIX channel, ray over Ray calls).
 
 A decode step must not resend whole token histories. The driver's DeltaEncoder remembers, per
 seq_id, how many prompt/output tokens the workers already hold and sends only the new output
 tokens (num_computed_tokens and block tables always go in full); SamplingParams are sent once
-per request. Each worker keeps the same state in a DeltaDecoder and rebuilds full SequenceData
-objects before calling Worker.execute_model. Entries are dropped for finished_requests_ids
-(request_id -> seq_ids is tracked from the metadata).
+per request. Each worker keeps the same state in a DeltaDecoder (WorkerWrapperBase owns one)
+and rebuilds full SequenceData objects before calling Worker.execute_model. Entries are dropped
+for finished_requests_ids (request_id -> seq_ids is tracked from the metadata).
 
 Every worker sees the same message stream in the same order, so all ranks' caches are
 identical: if decoding fails on one rank it fails on all, before anything has run, and they
-all answer RESYNC; the driver then resends the step in full with a cache reset. The driver also
-falls back to full data whenever its own bookkeeping does not match the request (a new or
+all report DeltaDesync; the driver then resends the step in full with a cache reset. The driver
+also falls back to full data whenever its own bookkeeping does not match the request (a new or
 forked sequence, a changed prompt length, an output history that is not an extension of what
-was sent, a different request id for the seq id).
+was sent, a different request id for the seq id). It lives on the worker side of the layering
+(fleetllm.worker), because workers decode it and must not import the executor package.
 """
 
 from __future__ import annotations

@@ -1,0 +1,80 @@
+"""The failure rules of execute_model, shared by the backends whose workers are other processes
+(mp, ray), and the portable form in which a worker reports an exception.
+
+A step's ranks run collectives together (TP all_reduce/all_gather, PP send/recv). When one rank
+fails or stalls mid-step, its peers wait in a collective, and their next step's collectives
+would pair with stale ones: the executor must stop every worker and refuse later calls. Only
+when every rank raises the same error (type and message) before entering any collective is
+nobody out of step (nobody ran one): the executor stays usable and the call raises the remote
+error. Each rank reports with its error whether it entered a collective during the call
+(parallel_state.collective_count moved); a rank that does not report within
+EXEC_ERROR_GRACE_S of a first such error is presumed waiting in a collective. A step with no
+reply within ParallelConfig.execute_model_timeout fails the executor likewise.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+
+from fleetllm.errors import WorkerCrashedError
+
+ERROR_GRACE_S = 0.05  # collective_rpc: after a first error, wait this long for other replies
+# execute_model: after a first error raised before any collective, how long the other ranks
+# get to report the same error (a rank that does not is presumably waiting in a collective).
+EXEC_ERROR_GRACE_S = 2.0
+
+ErrorPayload = tuple[bytes | None, str, str, str]
+
+
+def error_payload(exc: BaseException) -> ErrorPayload:
+    """(pickled exception or None, type name, message, formatted traceback): survives any
+    exception, including one that cannot be pickled or rebuilt on the driver."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        blob = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(blob)  # some exceptions pickle but cannot be rebuilt
+    except Exception:
+        blob = None
+    return blob, type(exc).__name__, str(exc), tb
+
+
+def load_error(payload: ErrorPayload) -> tuple[BaseException, str]:
+    """The worker's exception (or a stand-in when it cannot be unpickled here) and traceback."""
+    blob, type_name, message, tb = payload
+    if blob is not None:
+        try:
+            exc = pickle.loads(blob)
+            if isinstance(exc, BaseException):
+                return exc, tb
+        except Exception:
+            pass
+    return RuntimeError(f"{type_name}: {message}"), tb
+
+
+def out_of_step(info: dict[int, tuple[str, str, bool]], done: list[bool]) -> str | None:
+    """Why the errors of an execute_model call so far may leave the ranks' collectives out of
+    step (None: not yet known). `info`: rank -> (error type, message, entered a collective);
+    `done`: which ranks have reported (a result or an error)."""
+    entered = [r for r, (_, _, e) in info.items() if e]
+    if entered:
+        return f"after entering a collective operation (ranks {entered})"
+    finished = [r for r, d in enumerate(done) if d and r not in info]
+    if finished:
+        return f"while ranks {finished} completed the step"
+    if len({(t, m) for t, m, _ in info.values()}) > 1:
+        return "while other ranks raised different errors"
+    return None
+
+
+def step_failed_error(rank: int, remote: BaseException, reason: str) -> WorkerCrashedError:
+    """The error of an execute_model call that left the ranks possibly out of step."""
+    return WorkerCrashedError(
+        f"execute_model failed on worker rank {rank} {reason}; the ranks' collective "
+        "operations may be out of step, so every worker was stopped and the executor is "
+        f"unusable: create a new one\n{remote.args[0]}", rank=rank)
+
+
+def step_timeout_message(missing: list[int], timeout: float | None) -> str:
+    return (f"execute_model: no reply from worker ranks {missing} within "
+            f"execute_model_timeout={timeout}s")
