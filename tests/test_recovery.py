@@ -58,6 +58,16 @@ def test_a_crashed_or_hung_worker_is_replaced_and_no_request_is_lost(tp2, kind, 
     assert bm.num_free_gpu_blocks == bm.num_gpu_blocks
 
 
+def test_a_slow_step_is_waited_for_once_more_not_restarted(tp2):
+    """execute_model_timeout=4: a rank 5 s late is within the second wait (as long again)."""
+    llm, prompts, params, undisturbed = tp2
+    executor = llm.llm_engine.model_executor
+    restarts = executor.get_performance_metrics()["workers"]["restarts"]
+    inject_fault(executor, rank=1, kind="hang", at_call=3, seconds=5.0)
+    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == undisturbed
+    assert executor.get_performance_metrics()["workers"]["restarts"] == restarts
+
+
 def test_past_max_worker_restarts_requests_fail_with_the_typed_error(tiny_models):
     prompts, params = workload(8)
     with LLM(tiny_models["llama_gqa"], tensor_parallel_size=2, kv_cache_memory=KV,

@@ -219,7 +219,7 @@ class LLMEngine:
                 blocks_to_copy=sched.blocks_to_copy, running_queue_size=sched.running_queue_size,
                 finished_requests_ids=finished_ids)
             try:
-                [result] = self.model_executor.execute_model(request)
+                [result] = self._execute(request)
             except BaseException as error:
                 self.scheduler.requeue_after_failed_step(sched)
                 if not self._recover(sched, error):
@@ -236,6 +236,17 @@ class LLMEngine:
         return outputs
 
     # ----------------------------------------------------------------- recovery
+
+    def _execute(self, request: ExecuteModelRequest) -> list[SamplerOutput]:
+        try:
+            return self.model_executor.execute_model(request)
+        except CommunicationTimeoutError as error:
+            if not self.model_executor.step_outstanding:
+                raise
+            # A step past execute_model_timeout may be slow rather than stuck: wait once
+            # more, as long again, for its replies; if they do not come the workers are hung.
+            logger.warning("%s; waiting once more", str(error).splitlines()[0])
+            return self.model_executor.wait_for_timed_out_step()
 
     def _recover(self, sched: SchedulerOutputs, error: BaseException) -> bool:
         """After a failed step (already requeued): can the engine carry on? Workers that

@@ -16,7 +16,12 @@ from typing import Any, TypeVar
 
 from fleetllm.config import EngineConfig
 from fleetllm.distributed.parallel_state import output_rank
-from fleetllm.errors import ConfigurationError, EngineShutdownError, EngineSleepingError
+from fleetllm.errors import (
+    CommunicationTimeoutError,
+    ConfigurationError,
+    EngineShutdownError,
+    EngineSleepingError,
+)
 from fleetllm.executor.metrics import MetricsRecorder, WorkerUsage, worker_usage
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
 from fleetllm.utils import resolve_qualname
@@ -107,6 +112,17 @@ class Executor(ABC):
     def check_health(self) -> None:
         """Raise if any worker is unhealthy."""
         self.collective_rpc("check_health", timeout=30)
+
+    @property
+    def step_outstanding(self) -> bool:
+        """Did the last execute_model time out with its step still outstanding?"""
+        return getattr(self, "_timed_out_step", None) is not None
+
+    def wait_for_timed_out_step(self) -> list[SamplerOutput]:
+        """After execute_model raised CommunicationTimeoutError: wait once more, as long
+        again, for the same step's replies (see executor/failures.py). Backends without a
+        deadline have no such step."""
+        raise CommunicationTimeoutError("no execute_model step is outstanding")
 
     def restart_failed_workers(self) -> None:
         """Replace every worker after a crash or a hang: stop them all (a broken process

@@ -9,7 +9,11 @@ nobody out of step (nobody ran one): the executor stays usable and the call rais
 error. Each rank reports with its error whether it entered a collective during the call
 (parallel_state.collective_count moved); a rank that does not report within
 EXEC_ERROR_GRACE_S of a first such error is presumed waiting in a collective. A step with no
-reply within ParallelConfig.execute_model_timeout fails the executor likewise.
+reply within ParallelConfig.execute_model_timeout raises CommunicationTimeoutError and leaves
+the step outstanding: `wait_for_timed_out_step()` waits once more, as long again, for the same
+step's replies (the engine does: a slow step still completes); if they still do not come, or
+the caller makes any other call instead, the ranks are declared hung and the executor fails
+likewise (the engine then restarts the workers, LLMEngine._recover).
 """
 
 from __future__ import annotations
@@ -78,3 +82,12 @@ def step_failed_error(rank: int, remote: BaseException, reason: str) -> WorkerCr
 def step_timeout_message(missing: list[int], timeout: float | None) -> str:
     return (f"execute_model: no reply from worker ranks {missing} within "
             f"execute_model_timeout={timeout}s")
+
+
+def pending_ranks(done: list[bool]) -> list[int]:
+    return [r for r, d in enumerate(done) if not d]
+
+
+def step_outstanding_message(missing: list[int], timeout: float | None) -> str:
+    return (f"{step_timeout_message(missing, timeout)}; the step is still outstanding: "
+            "wait_for_timed_out_step() waits once more, any other call gives up on the workers")

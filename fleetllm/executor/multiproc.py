@@ -61,7 +61,9 @@ from fleetllm.executor.failures import (
     ERROR_GRACE_S,
     EXEC_ERROR_GRACE_S,
     out_of_step,
+    pending_ranks,
     step_failed_error,
+    step_outstanding_message,
     step_timeout_message,
 )
 from fleetllm.executor.mp_group import (
@@ -108,6 +110,7 @@ class MultiprocExecutor(Executor):
                     f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} "
                     f"workers, but only {torch.cuda.device_count()} CUDA devices are visible")
         self._call_id = 0
+        self._timed_out_step: tuple | None = None  # (call_id, results, done): failures.py
         self._rpc_lock = threading.Lock()  # one call at a time on the channel
         self._encoder = DeltaEncoder()
         self._group = group = WorkerGroup(self.world_size)
@@ -242,6 +245,13 @@ class MultiprocExecutor(Executor):
                      kwargs: dict[str, Any] | None, timeout: float | None,
                      unique_reply_rank: int | None, return_exceptions: bool,
                      exec_call: bool) -> list[Any]:
+        if self._timed_out_step is not None:  # not waited for: give up on the workers
+            _, _, done = self._timed_out_step
+            self._timed_out_step = None
+            what = step_timeout_message(pending_ranks(done),
+                                        self.parallel_config.execute_model_timeout)
+            self._fail(WorkerCrashedError(f"{what}; the step was not waited for again, so the "
+                                          "workers were stopped: create a new executor"))
         self._raise_if_unusable()
         ch = self._group.channel
         self._call_id += 1
@@ -269,12 +279,14 @@ class MultiprocExecutor(Executor):
         return self._gather(call_id, method, timeout, deadline, return_exceptions, exec_call)
 
     def _gather(self, call_id: int, method: RpcMethod, timeout: float | None,
-                deadline: float | None, return_exceptions: bool, exec_call: bool) -> list[Any]:
+                deadline: float | None, return_exceptions: bool, exec_call: bool,
+                resume: tuple[list[Any], list[bool]] | None = None) -> list[Any]:
+        """Collect call_id's replies. resume: (results, done) of a step that timed out once
+        and is waited for again (wait_for_timed_out_step)."""
         ch = self._group.channel
         n = self.world_size
-        results: list[Any] = [None] * n
-        done = [False] * n
-        pending = n
+        results, done = resume or ([None] * n, [False] * n)
+        pending = done.count(False)
         errors: dict[int, BaseException] = {}  # in order of arrival
         error_info: dict[int, tuple[str, str, bool]] = {}  # (type, message, entered collective)
         resync = False
@@ -323,6 +335,9 @@ class MultiprocExecutor(Executor):
         if errors and not return_exceptions:
             raise errors[min(errors)]
         if pending:
+            if exec_call and resume is None:  # failures.py: the caller may wait once more
+                self._timed_out_step = (call_id, results, done)
+                raise CommunicationTimeoutError(step_outstanding_message(missing, timeout))
             if exec_call:
                 self._exec_timed_out(missing, timeout)
             name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
@@ -367,6 +382,21 @@ class MultiprocExecutor(Executor):
             return self._exec(tr.EXEC, self._encoder.encode(execute_model_req))
         except _Resync:
             return self._exec(tr.EXEC, self._encoder.encode(execute_model_req, full=True))
+
+    def wait_for_timed_out_step(self) -> list[SamplerOutput]:
+        with self._rpc_lock:
+            if self._timed_out_step is None:
+                raise CommunicationTimeoutError("no execute_model step is outstanding")
+            call_id, results, done = self._timed_out_step
+            self._timed_out_step = None
+            timeout = self.parallel_config.execute_model_timeout
+            try:
+                return self._gather(call_id, "execute_model", timeout,
+                                    time.monotonic() + timeout, False, True,
+                                    resume=(results, done))[self.output_rank]
+            except BaseException:
+                self._encoder.need_reset = True
+                raise
 
     def _exec(self, kind: int, request: Any) -> list[SamplerOutput]:
         rank = self.output_rank

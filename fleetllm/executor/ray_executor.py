@@ -69,7 +69,9 @@ from fleetllm.executor.failures import (
     EXEC_ERROR_GRACE_S,
     load_error,
     out_of_step,
+    pending_ranks,
     step_failed_error,
+    step_outstanding_message,
     step_timeout_message,
 )
 from fleetllm.executor.ray_group import RayWorkerGroup
@@ -108,6 +110,7 @@ class RayDistributedExecutor(Executor):
         self._lock = threading.RLock()  # one call at a time: ranks must see calls in one order
         self._encoder = DeltaEncoder()
         self._failure: WorkerCrashedError | None = None
+        self._timed_out_step: tuple | None = None  # (pending, done, result): see failures.py
         self.parallel_worker_tasks: list[Any] | None = None  # vLLM's name for async tasks
         self._task_ranks: dict[Any, int] = {}
         self._group = group = RayWorkerGroup(ray, f"fleetllm-{uuid.uuid4().hex[:8]}")
@@ -333,6 +336,11 @@ class RayDistributedExecutor(Executor):
             self.stop_remote_worker_execution_loop()
             return None
         with self._lock:
+            if self._timed_out_step is not None:  # not waited for: give up on the workers
+                try:
+                    self._give_up_timed_out_step(pending_ranks(self._timed_out_step[1]))
+                except CommunicationTimeoutError:
+                    pass
             self._raise_if_unusable()
             if not self.delta_encoding:
                 return self._step(execute_model_req)
@@ -347,12 +355,29 @@ class RayDistributedExecutor(Executor):
 
     def _step(self, request: Any) -> list[SamplerOutput]:
         """Run one (maybe encoded) request on every rank; apply failures.py's rules."""
+        out = self.output_rank
+        pending = {a.execute_model_step.remote(request, r == out): r
+                   for r, a in enumerate(self._group.actors)}
+        return self._await_step(pending, [False] * self.world_size, None, first_wait=True)
+
+    def wait_for_timed_out_step(self) -> list[SamplerOutput]:
+        with self._lock:
+            if self._timed_out_step is None:
+                raise CommunicationTimeoutError("no execute_model step is outstanding")
+            pending, done, result = self._timed_out_step
+            self._timed_out_step = None
+            try:
+                return self._await_step(pending, done, result, first_wait=False)
+            except BaseException:
+                self._encoder.need_reset = True
+                raise
+
+    def _await_step(self, pending: dict[Any, int], done: list[bool], result: Any,
+                    first_wait: bool) -> list[SamplerOutput]:
         out, n = self.output_rank, self.world_size
         timeout = self.parallel_config.execute_model_timeout
         deadline = time.monotonic() + timeout
-        pending = {a.execute_model_step.remote(request, r == out): r
-                   for r, a in enumerate(self._group.actors)}
-        result, done, resync = None, [False] * n, False
+        resync = False
         errors: dict[int, BaseException] = {}  # in order of arrival
         info: dict[int, tuple[str, str, bool]] = {}  # (type, message, entered a collective)
         error_deadline = None
@@ -393,14 +418,21 @@ class RayDistributedExecutor(Executor):
             raise _Resync()
         if errors:  # every rank, the same error, before any collective: still in step
             raise errors[min(errors)]
+        if missing and first_wait:  # failures.py: the caller may wait once more
+            self._timed_out_step = (pending, done, result)
+            raise CommunicationTimeoutError(step_outstanding_message(missing, timeout))
         if missing:
-            what = step_timeout_message(missing, timeout)
-            self._fail(WorkerCrashedError(f"{what}; the workers were stopped and the executor "
-                                          "is unusable: create a new one",
-                                          rank=missing[0] if len(missing) == 1 else None))
-            raise CommunicationTimeoutError(f"{what}; every worker was stopped, the executor "
-                                            "is unusable: create a new one")
+            self._give_up_timed_out_step(missing)
         return result
+
+    def _give_up_timed_out_step(self, missing: list[int]) -> NoReturn:
+        self._timed_out_step = None
+        what = step_timeout_message(missing, self.parallel_config.execute_model_timeout)
+        self._fail(WorkerCrashedError(f"{what}, twice; the workers were stopped and the "
+                                      "executor is unusable: create a new one",
+                                      rank=missing[0] if len(missing) == 1 else None))
+        raise CommunicationTimeoutError(f"{what}, twice: the workers are hung; every worker "
+                                        "was stopped, the executor is unusable")
 
     def _step_failed(self, errors: dict[int, BaseException], reason: str,
                      pending: dict[Any, int]) -> NoReturn:

@@ -6,7 +6,7 @@
 The fault is installed in the worker itself through `collective_rpc` with a callable, so it
 fires at an exact step on any backend, with no timing luck:
 - "crash": the worker process dies by SIGKILL (not for `uni`: that is the caller's process);
-- "hang": the call sleeps far past any timeout (the process stays alive);
+- "hang": the call sleeps far past any timeout (the process stays alive), or `seconds`;
 - "raise": the call raises RuntimeError("injected fault ...");
 - "oom": the call raises OutOfMemoryError.
 Calls are counted from the installation on. New workers (after a restart) have no fault.
@@ -25,13 +25,14 @@ from fleetllm.errors import OutOfMemoryError
 KINDS = ("crash", "hang", "raise", "oom")
 
 
-def inject_fault(executor: Any, rank: int, kind: str, at_call: int = 1) -> None:
+def inject_fault(executor: Any, rank: int, kind: str, at_call: int = 1,
+                 seconds: float | None = None) -> None:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    executor.collective_rpc(_install, args=(rank, kind, at_call))
+    executor.collective_rpc(_install, args=(rank, kind, at_call, seconds))
 
 
-def _install(worker: Any, rank: int, kind: str, at_call: int) -> None:
+def _install(worker: Any, rank: int, kind: str, at_call: int, seconds: float | None) -> None:
     if worker.rank != rank:
         return
     inner = worker.execute_model
@@ -44,7 +45,7 @@ def _install(worker: Any, rank: int, kind: str, at_call: int) -> None:
             if kind == "crash":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif kind == "hang":
-                time.sleep(10**6)
+                time.sleep(10**6 if seconds is None else seconds)
             elif kind == "raise":
                 raise RuntimeError(f"injected fault at execute_model call {calls}")
             else:
