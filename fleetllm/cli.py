@@ -43,7 +43,16 @@ _HELP = {
     "distributed_executor_backend": "uni (one process), mp (local processes), ray, or "
                                     "module:Class (default: uni for one worker, else mp)",
     "worker_cls": "worker class, module.Class",
-    "startup_timeout": "seconds to wait for workers to start",
+    "startup_timeout": "seconds to wait for workers to start (ray: and to be placed)",
+    "execute_model_timeout": "seconds a step may take before the workers are waited for once "
+                             "more, then declared hung and restarted",
+    "max_worker_restarts": "times crashed or hung workers are replaced, every request "
+                           "resumed; 0: fail-stop",
+    "ray_address": "ray: the cluster to join (auto, host:port, ray://host:port; default: "
+                   "$RAY_ADDRESS, else a private local instance)",
+    "placement_strategy": "ray: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD",
+    "placement_group": "ray: the name of an existing placement group to run in",
+    "ray_cpus_per_worker": "ray: CPUs each CPU worker reserves (and its torch threads)",
     "max_num_seqs": "most sequences in one batch",
     "max_num_batched_tokens": "token budget of one step; longer prompts are prefilled in "
                               "chunks",
