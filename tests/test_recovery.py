@@ -7,12 +7,17 @@ depends on timing luck.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import threading
+import time
 
 import pytest
 
 from fleetllm import LLM, SamplingParams
 from fleetllm.errors import WorkerCrashedError
+from fleetllm.sequence import ExecuteModelRequest
 from fleetllm.worker.faults import inject_fault
 
 KV = 32 << 20
@@ -116,3 +121,26 @@ def test_an_out_of_memory_step_is_retried_with_half_the_tokens(tiny_models):
         assert not engine.has_unfinished_requests()
         bm = engine.scheduler.block_manager
         assert bm.num_free_gpu_blocks == bm.num_gpu_blocks
+
+
+def test_check_health_never_queues_behind_a_step_and_sees_a_dead_worker(tiny_models):
+    with LLM(tiny_models["llama_gqa"], tensor_parallel_size=2, kv_cache_memory=KV,
+             execute_model_timeout=3.0) as llm:
+        executor = llm.llm_engine.model_executor
+        start = time.monotonic()
+        executor.check_health(timeout=5)  # idle: every worker pings back (a device op)
+        assert time.monotonic() - start < 2
+        inject_fault(executor, rank=1, kind="hang", at_call=1, seconds=2.5)
+        step = threading.Thread(target=executor.execute_model,
+                                args=(ExecuteModelRequest([]),))
+        step.start()
+        time.sleep(0.3)
+        start = time.monotonic()
+        executor.check_health(timeout=5)  # a step runs: answered at once, not after it
+        assert time.monotonic() - start < 0.5
+        step.join(10)
+        assert not step.is_alive()
+        os.kill(executor.worker_pids[1], signal.SIGKILL)
+        time.sleep(0.5)
+        with pytest.raises(WorkerCrashedError):
+            executor.check_health(timeout=5)

@@ -201,6 +201,12 @@ class AsyncLLMEngine:
                 f"no engine step has completed for {time.monotonic() - since:.1f} s "
                 f"(limit {self.step_timeout_s:g} s)")
 
+    def check_workers(self, timeout: float = 5.0) -> None:
+        """Executor.check_health: every worker answers a timed ping, never queued behind a
+        step (blocking: call it from a thread, not the event loop)."""
+        if not self.is_sleeping:
+            self.engine.model_executor.check_health(timeout)
+
     @property
     def errored(self) -> bool:
         return self._fatal is not None

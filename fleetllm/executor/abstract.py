@@ -109,9 +109,30 @@ class Executor(ABC):
         self.cache_config.num_cpu_blocks = num_cpu_blocks
         self.collective_rpc("initialize_cache", args=(num_gpu_blocks, num_cpu_blocks))
 
-    def check_health(self) -> None:
-        """Raise if any worker is unhealthy."""
-        self.collective_rpc("check_health", timeout=30)
+    def check_health(self, timeout: float = 10.0) -> None:
+        """A timed, side-effect-free check of every worker: each answers a ping with a small
+        device operation (Worker.check_health) within `timeout`, else
+        CommunicationTimeoutError; a dead worker raises WorkerCrashedError. It never queues
+        behind a running step (a ping would wait for it): while one runs, the check is what
+        is known without asking the workers: the backend's own crash detection, and whether
+        the step has outlived execute_model_timeout."""
+        started = self.__dict__.get("_step_started")
+        if started is None:
+            try:
+                self.collective_rpc("check_health", timeout=timeout)
+                return
+            except CommunicationTimeoutError:
+                if self.__dict__.get("_step_started") is None:
+                    raise
+                started = self.__dict__["_step_started"]  # a step began meanwhile
+        self._raise_if_unusable()
+        limit = self.parallel_config.execute_model_timeout
+        if time.monotonic() - started > limit:
+            raise CommunicationTimeoutError(f"a step has run for more than "
+                                            f"execute_model_timeout={limit}s")
+
+    def _raise_if_unusable(self) -> None:
+        """Raise if the backend knows its workers are gone, without asking them."""
 
     @property
     def step_outstanding(self) -> bool:
@@ -284,6 +305,7 @@ def _track_execute_model(impl: Callable[..., Any]) -> Callable[..., Any]:
                 "wake_up() first (LLM.wake_up / LLMEngine.wake_up); an LLMEngine keeps its "
                 "queued requests and runs them after wake_up")
         self.__dict__["_in_execute_model"] = True
+        self.__dict__["_step_started"] = time.monotonic()  # for check_health
         start = time.perf_counter()
         try:
             output = impl(self, execute_model_req)
@@ -292,6 +314,7 @@ def _track_execute_model(impl: Callable[..., Any]) -> Callable[..., Any]:
             raise
         finally:
             self.__dict__["_in_execute_model"] = False
+            self.__dict__["_step_started"] = None
         try:
             self._record_step(time.perf_counter() - start, execute_model_req, output)
         except Exception:  # metrics must never fail a step

@@ -237,9 +237,15 @@ class MultiprocExecutor(Executor):
     def _call(self, kind: int, method: RpcMethod, args: tuple, kwargs: dict[str, Any] | None,
               timeout: float | None, unique_reply_rank: int | None,
               return_exceptions: bool, exec_call: bool = False) -> list[Any]:
-        with self._rpc_lock:
+        # The timeout covers waiting for the channel too (a step may hold it).
+        if not self._rpc_lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise CommunicationTimeoutError(f"collective_rpc: the channel stayed busy with "
+                                            f"another call for timeout={timeout}s")
+        try:
             return self._call_locked(kind, method, args, kwargs, timeout, unique_reply_rank,
                                      return_exceptions, exec_call)
+        finally:
+            self._rpc_lock.release()
 
     def _call_locked(self, kind: int, method: RpcMethod, args: tuple,
                      kwargs: dict[str, Any] | None, timeout: float | None,

@@ -264,7 +264,11 @@ class RayDistributedExecutor(Executor):
     def collective_rpc(self, method: RpcMethod, timeout: float | None = None,
                        args: tuple = (), kwargs: dict[str, Any] | None = None,
                        return_exceptions: bool = False) -> list[Any]:
-        with self._lock:
+        # The timeout covers waiting for a step in progress too.
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise CommunicationTimeoutError(f"collective_rpc: another call kept the workers "
+                                            f"busy for timeout={timeout}s")
+        try:
             self._raise_if_unusable()
             ranks = list(range(self.world_size))
             refs = [a.execute_method.remote(method, *args, **(kwargs or {}))
@@ -273,6 +277,8 @@ class RayDistributedExecutor(Executor):
             return self._gather(refs, ranks, deadline, return_exceptions, lambda missing: (
                 f"collective_rpc({_name(method)!r}) got no reply from worker ranks {missing} "
                 f"within timeout={timeout}s"))
+        finally:
+            self._lock.release()
 
     def _run_workers(self, method: RpcMethod, *args: Any,
                      async_run_tensor_parallel_workers_only: bool = False,

@@ -112,6 +112,9 @@ class Worker(WorkerBase):
     def check_health(self) -> None:
         if self.model_runner is None or self.model_runner.model is None:
             raise RuntimeError(f"rank {self.rank}: no model loaded")
+        # A small operation on the device: a wedged or lost device fails or hangs here.
+        if torch.ones(2, device=self.device).sum().item() != 2:
+            raise RuntimeError(f"rank {self.rank}: the device computes wrong results")
 
     def shutdown(self) -> None:
         self.cache_engine = None

@@ -15,6 +15,7 @@ transport); launcher.py serves it with uvicorn and drains it on SIGTERM.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -73,6 +74,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
             return error_response(503, "the server is shutting down")
         try:
             engine.check_health()
+            await asyncio.to_thread(engine.check_workers)
         except Exception as e:
             err = api_error_from(e)
             return error_response(503, err.message)
