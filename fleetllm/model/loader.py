@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from fleetllm.config import EngineConfig, read_json
 from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
 from fleetllm.errors import ModelLoadError
+from fleetllm.model.layers import pack_linear_weights
 from fleetllm.model.llama import LlamaForCausalLM
 from fleetllm.progress import ProgressBar
 
@@ -56,7 +57,9 @@ def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
         _init_dummy(model, mc.seed)
     else:
         _load_safetensors(model, Path(mc.model))
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    pack_linear_weights(model)  # after loading: the packed copies replace the dense weights
+    return model
 
 
 def _load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
