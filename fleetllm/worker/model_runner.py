@@ -42,6 +42,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.is_output_rank = is_output_rank
         self.model = None
+        self.penalties = sampler.PenaltyState()  # per-sequence counts, kept across steps
 
     def load_model(self) -> None:
         self.model = build_model(self.config, self.device)
@@ -50,6 +51,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, request: ExecuteModelRequest,
                       kv_caches: list[torch.Tensor] | None) -> SamplerOutput | None:
+        self.penalties.drop(request.finished_requests_ids)
         if not request.seq_group_metadata_list:
             return SamplerOutput([]) if self.is_output_rank else None
         batch = self._prepare(request)
@@ -159,14 +161,15 @@ class ModelRunner:
                     sampler.draw_seed(params.seed, index, seq_len)
                 batch.sample_rows.append(SampleRow(len(logits_idx), params,
                                                    data.prompt_token_ids,
-                                                   data.output_token_ids, seed))
+                                                   data.output_token_ids, seed, seq_id))
                 batch.sample_owner.append((g_index, seq_id))
             logits_idx.append(q_start + end - start - 1)
 
     def _sample(self, request: ExecuteModelRequest, batch: _Batch, logits: torch.Tensor
                 ) -> SamplerOutput:
-        result = sampler.sample(logits, batch.sample_rows)
         groups = request.seq_group_metadata_list
+        result = sampler.sample(logits, batch.sample_rows, self.penalties,
+                                [groups[g].request_id for g, _ in batch.sample_owner])
         outputs = [CompletionSequenceGroupOutput(g.request_id, []) for g in groups]
         for (g_index, seq_id), token, lps in zip(batch.sample_owner, result.token_ids,
                                                  result.logprobs, strict=True):
