@@ -175,15 +175,19 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the loop
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Schedule, run and apply one step. Atomic: if the executor raises, no token is
         appended and no output or finished-request notice is lost; the next step computes the
         same chunks again (see Scheduler.requeue_after_failed_step), and the exception
-        propagates."""
+        propagates.
+
+        Returns a RequestOutput for every request that made progress (streaming), or with
+        finished_only=True only for requests that finished: building a cumulative output per
+        request per step copies its whole history, which an offline caller throws away."""
         with self._lock:
             self._stepping = True
         try:
-            outputs = self._step()
+            outputs = self._step(finished_only)
         finally:
             with self._lock:
                 self._stepping = False
@@ -195,7 +199,7 @@ class LLMEngine:
                     self._abort(list(aborted))
         return [o for o in outputs if o.request_id not in aborted] if aborted else outputs
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
         metadata, sched = self.scheduler.schedule()
         # Requests that can never be scheduled end here; reported even if the step fails.
         for group in sched.ignored_seq_groups:  # may have run before: workers drop its state
@@ -217,13 +221,14 @@ class LLMEngine:
                 raise
             del self._finished_since_last_step[:len(finished_ids)]  # the workers have them
             self.scheduler.complete_step(sched)
-            outputs = self._process(sched, result)
+            outputs = self._process(sched, result, finished_only)
         outputs += [RequestOutput.from_seq_group(g) for g in self._unreported]
         self._unreported = []
         self._finished_since_last_step += self.scheduler.free_finished_seq_groups()
         return outputs
 
-    def _process(self, sched: SchedulerOutputs, result: SamplerOutput) -> list[RequestOutput]:
+    def _process(self, sched: SchedulerOutputs, result: SamplerOutput, finished_only: bool
+                 ) -> list[RequestOutput]:
         now = time.time()
         outputs = []
         for scheduled, group_out in zip(sched.scheduled_seq_groups, result.outputs,
@@ -246,6 +251,8 @@ class LLMEngine:
             if group.is_finished():
                 group.metrics.finished_time = now
                 self.seq_groups.pop(group.request_id, None)
+            elif finished_only:
+                continue
             outputs.append(RequestOutput.from_seq_group(group))
         return outputs
 
