@@ -171,6 +171,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     swap_space: int = GiB // 2  # bytes of CPU memory for swapped-out blocks, per worker
     num_gpu_blocks_override: int | None = None
+    # Reuse the KV blocks of cached prompt prefixes (core/prefix_cache.py).
+    enable_prefix_caching: bool = True
     num_gpu_blocks: int | None = None  # set once the executor has measured
     num_cpu_blocks: int | None = None
 
@@ -394,7 +396,6 @@ VLLM_ARGS: dict[str, VllmArg] = {
                                       "transformers' AutoTokenizer"),
     "disable_log_stats": VllmArg(False, "fleetllm has no stats logger"),
     "disable_log_requests": VllmArg(False, "fleetllm does not log requests"),
-    "enable_prefix_caching": VllmArg(False, "fleetllm has no prefix caching"),
     "enable_chunked_prefill": VllmArg(None, "fleetllm always prefills in chunks of "
                                             "max_num_batched_tokens"),
     "use_v2_block_manager": VllmArg(True, "fleetllm has one block manager"),

@@ -90,7 +90,10 @@ class FailingExecuteModel:
         return self.inner(request)
 
 
-def test_a_failed_step_loses_nothing_and_can_be_retried(tiny_models):
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_failed_step_loses_nothing_and_can_be_retried(tiny_models, caching):
+    """(With prefix caching, a group recomputed after a failed step finds its own blocks
+    again and this pool no longer runs out: the preemption is checked without it.)"""
     prompts = [ids(40), ids(25, 100), ids(60, 200), ids(5, 300)]
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
               SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=20, ignore_eos=True),
@@ -99,7 +102,8 @@ def test_a_failed_step_loses_nothing_and_can_be_retried(tiny_models):
     with LLM(tiny_models["llama_gqa"], kv_cache_memory=KV) as llm:
         reference = llm.generate(prompts, params, use_tqdm=False)
     with LLM(tiny_models["llama_gqa"], num_gpu_blocks_override=14, swap_space=1 << 22,
-             preemption_mode="swap", max_num_batched_tokens=32) as llm:
+             preemption_mode="swap", max_num_batched_tokens=32,
+             enable_prefix_caching=caching) as llm:
         engine = llm.llm_engine
         fail = FailingExecuteModel(engine.model_executor, fail_on={2, 5, 9, 14, 20})
         engine.model_executor.execute_model = fail
@@ -118,7 +122,7 @@ def test_a_failed_step_loses_nothing_and_can_be_retried(tiny_models):
                 assert o.request_id not in finished, "a second terminal output"
                 if o.finished:
                     finished[o.request_id] = o
-        assert failures == 5 and engine.scheduler.num_preemptions > 0
+        assert failures == 5 and (caching or engine.scheduler.num_preemptions > 0)
         bm = engine.scheduler.block_manager
         assert bm.num_free_gpu_blocks == bm.num_gpu_blocks
         assert bm.num_free_cpu_blocks == bm.num_cpu_blocks

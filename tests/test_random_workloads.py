@@ -1,9 +1,10 @@
 """Randomized differential test of the scheduler, block manager and engine.
 
-Each workload draws requests (prompts of 1-300 tokens, n 1-4, greedy, seeded or unseeded
-sampling, stop strings, max_tokens 1-24), an engine shape (max_num_batched_tokens 8-256,
-max_num_seqs 1-16, a KV pool from barely enough for the largest request to several times
-that, recompute or swap preemption, with or without a CPU swap pool, block size 4 or 16),
+Each workload draws requests (prompts of 1-300 tokens, often sharing a prefix with another
+request or repeating one, n 1-4, greedy, seeded or unseeded sampling, stop strings, prompt
+logprobs, max_tokens 1-24), an engine shape (max_num_batched_tokens 8-256, max_num_seqs 1-16,
+a KV pool from barely enough for the largest request to several times that, recompute or swap
+preemption, with or without a CPU swap pool, block size 4 or 16, prefix caching on or off),
 aborts at random steps and executor faults (a step that raises before or after the workers
 ran: a plain error, a worker crash the engine recovers from by replacing its workers, or
 an out-of-memory step it retries smaller). It runs them together and checks, against each
@@ -15,7 +16,11 @@ request run alone in a large pool with no faults:
   two best logprobs in the reference are within TIE (float noise of a different batch
   shape can pick either; the reference's own n greedy samples may split there);
 - streamed text only grows;
-- afterwards every KV block is free (device and CPU pools) and no request is left;
+- prompt logprobs cover every prompt position and match the reference;
+- after every step each device block is exactly one of free, cached-and-evictable or owned
+  (its reference count = the tables holding it), and afterwards none is owned: every block
+  counts as free (device and CPU pools) and no request is left;
+- with prefix caching, shared prefixes are found in the cache (over the series);
 - no exception escapes except the injected faults.
 
 FLEETLLM_RANDOM_WORKLOADS=N runs more (the default keeps `make test` near a minute);
@@ -28,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
@@ -65,6 +71,7 @@ class Req:
 
 def draw_requests(rng: random.Random, index: int) -> list[Req]:
     reqs = []
+    shared = [rng.randrange(3, 500) for _ in range(rng.randint(1, 120))]  # a common prefix
     for i in range(rng.randint(1, 8)):
         length = rng.choice([rng.randint(1, 20), rng.randint(1, 80), rng.randint(1, 300)])
         kind = rng.choice(["greedy", "greedy", "seeded", "seeded", "random"])
@@ -77,8 +84,16 @@ def draw_requests(rng: random.Random, index: int) -> list[Req]:
             stop=rng.sample(STOP_POOL, rng.randint(1, 3)) if rng.random() < 0.3 else None,
             include_stop_str_in_output=rng.random() < 0.3,
             presence_penalty=rng.choice([0.0, 0.0, 0.0, 0.5]),
-            logprobs=rng.choice([None, None, 2]))
-        prompt = {"prompt_token_ids": [rng.randrange(3, 500) for _ in range(length)]}
+            logprobs=rng.choice([None, None, 2]),
+            prompt_logprobs=rng.choice([None] * 6 + [1]))
+        tokens = [rng.randrange(3, 500) for _ in range(length)]
+        shape = rng.random()
+        if shape < 0.4:  # shares the workload's prefix
+            tokens = shared + tokens[:rng.randint(0, 40)]
+        elif shape < 0.55 and reqs:  # repeats an earlier prompt, perhaps cut short
+            earlier = reqs[rng.randrange(len(reqs))].prompt["prompt_token_ids"]
+            tokens = earlier[:rng.randint(1, len(earlier))]
+        prompt = {"prompt_token_ids": tokens}
         abort_at = rng.randrange(30) if rng.random() < 0.15 else None
         reqs.append(Req(f"w{index}-r{i}", prompt, params, abort_at))
     return reqs
@@ -86,6 +101,26 @@ def draw_requests(rng: random.Random, index: int) -> list[Req]:
 
 def completions(output) -> list[tuple[list[int], str, str | None]]:
     return [(c.token_ids, c.text, c.finish_reason) for c in output.outputs]
+
+
+def check_blocks(bm) -> None:
+    """Every device block is exactly one of free, cached-and-evictable, owned; reference
+    counts equal the tables' references; the CPU pool likewise (no cache there)."""
+    evictable = set(bm.prefix_cache.evictable) if bm.prefix_cache else set()
+    for pool, tables, parked in ((bm.gpu, bm.block_tables, evictable),
+                                 (bm.cpu, bm.cpu_tables, set())):
+        refs = Counter(b for table in tables.values() for b in table)
+        free = set(pool.free)
+        assert len(pool.free) == len(free), "a block is twice on the free list"
+        assert not free & parked, "a block is both free and cached"
+        for block in range(pool.num_blocks):
+            assert pool.ref[block] == refs[block], (pool.name, block)
+            state = (block in free) + (block in parked) + (refs[block] > 0)
+            assert state == 1, f"{pool.name} block {block} is leaked or double-booked"
+    if bm.prefix_cache:
+        cache = bm.prefix_cache
+        assert {cache.cached[h] for h in cache.hash_of.values()} == set(cache.hash_of)
+        assert evictable <= set(cache.hash_of)
 
 
 class Faults:
@@ -132,6 +167,7 @@ def engines(tiny_models):
 class Reference:
     completions: list  # as completions() gives them
     logprobs: list  # per completion: per position {token: logprob} (top 2 and the chosen)
+    prompt_logprobs: list | None
 
 
 def reference(llm: LLM, req: Req) -> Reference:
@@ -141,7 +177,7 @@ def reference(llm: LLM, req: Req) -> Reference:
     [out] = llm.generate(req.prompt, params, use_tqdm=False)
     return Reference(completions(out),
                      [[{t: lp.logprob for t, lp in d.items()} for d in c.logprobs]
-                      for c in out.outputs])
+                      for c in out.outputs], out.prompt_logprobs)
 
 
 def _tied(ref: Reference, index: int, position: int, ours: int) -> bool:
@@ -164,7 +200,8 @@ def run_workload(llm: LLM, reqs: list[Req], rng: random.Random) -> tuple[Schedul
                         max_num_batched_tokens=rng.choice([8, 16, 32, 64, 128, 256]),
                         max_model_len=engine.model_config.max_model_len,
                         preemption_mode=rng.choice(["recompute", "swap"])),
-        CacheConfig(block_size=bs, num_gpu_blocks=num_blocks, num_cpu_blocks=swap_blocks))
+        CacheConfig(block_size=bs, num_gpu_blocks=num_blocks, num_cpu_blocks=swap_blocks,
+                    enable_prefix_caching=rng.random() < 0.6))
     saved_scheduler, saved_execute = engine.scheduler, engine.model_executor.execute_model
     engine.scheduler = scheduler
     faults = Faults(engine.model_executor, rng, rng.choice([0.0, 0.0, 0.05, 0.2]))
@@ -196,11 +233,14 @@ def run_workload(llm: LLM, reqs: list[Req], rng: random.Random) -> tuple[Schedul
             by_id = {r.rid: r for r in pending}
             for out in outs:
                 by_id[out.request_id].outputs.append((step, out))
+            check_blocks(scheduler.block_manager)
         assert not engine.seq_groups
     finally:
         engine.scheduler = saved_scheduler
         engine.model_executor.__dict__.pop("execute_model", None)
         assert engine.model_executor.execute_model == saved_execute
+        # This workload wrote into blocks the engine's own scheduler may have cached.
+        saved_scheduler.block_manager.reset_prefix_cache()
     return scheduler, faults.count
 
 
@@ -232,6 +272,12 @@ def check(req: Req, ref: Reference, scheduler: Scheduler) -> None:
                 continue
             assert c.token_ids == ref_tokens[:len(c.token_ids)], f"{req.rid}: tokens"
             assert ref.completions[c.index][1].startswith(c.text), f"{req.rid}: text"
+    if finished and req.params.prompt_logprobs is not None and finished[0].outputs[0].token_ids:
+        got, want = finished[0].prompt_logprobs, ref.prompt_logprobs
+        assert len(got) == len(want) == len(req.prompt["prompt_token_ids"]), req.rid
+        for a, b in zip(got[1:], want[1:], strict=True):
+            assert a.keys() == b.keys(), req.rid
+            assert all(abs(a[k].logprob - b[k].logprob) < 1e-4 for k in a), req.rid
     if finished and req.reproducible:
         for index, (mine, want) in enumerate(zip(completions(finished[0]), ref.completions,
                                                  strict=True)):
@@ -242,7 +288,8 @@ def check(req: Req, ref: Reference, scheduler: Scheduler) -> None:
 
 
 def test_random_workloads_match_requests_run_alone(engines):
-    totals = {"requests": 0, "preemptions": 0, "faults": 0, "restarts": 0, "aborted": 0}
+    totals = {"requests": 0, "preemptions": 0, "faults": 0, "restarts": 0, "aborted": 0,
+              "prefix_hit_tokens": 0}
     indices = [int(ONLY)] if ONLY else range(NUM_WORKLOADS)
     for index in indices:
         rng = random.Random(f"{SERIES}-{index}")
@@ -253,9 +300,12 @@ def test_random_workloads_match_requests_run_alone(engines):
         for req in reqs:
             check(req, refs[req.rid], scheduler)
         bm = scheduler.block_manager
+        check_blocks(bm)
         assert bm.num_free_gpu_blocks == bm.num_gpu_blocks, "device blocks leaked"
         assert bm.num_free_cpu_blocks == bm.num_cpu_blocks, "CPU blocks leaked"
         assert not bm.block_tables and not bm.cpu_tables
+        if bm.prefix_cache:
+            totals["prefix_hit_tokens"] += bm.prefix_cache.hit_tokens
         totals["requests"] += len(reqs)
         totals["preemptions"] += scheduler.num_preemptions
         totals["faults"] += faults

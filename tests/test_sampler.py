@@ -8,7 +8,7 @@ from collections import Counter
 import torch
 
 from fleetllm.sampling_params import SamplingParams
-from fleetllm.worker.sampler import SampleRow, draw_seed, prompt_logprobs, sample
+from fleetllm.worker.sampler import PenaltyState, SampleRow, draw_seed, prompt_logprobs, sample
 
 LOGITS = torch.log(torch.tensor([0.40, 0.25, 0.15, 0.10, 0.05, 0.03, 0.02]))
 
@@ -105,3 +105,71 @@ def test_prompt_logprobs_rank_and_top_n():
     assert out[0][2].rank == 3 and set(out[0]) == {2, 0, 1}
     assert out[1][0].rank == 7 and math.isclose(out[1][0].logprob, math.log(0.02),
                                                 rel_tol=1e-4)
+
+
+# ------------------------------------------------------------------ the fast paths are exact
+
+
+def _reference_draw(logits: torch.Tensor, params: SamplingParams, seed: int) -> int:
+    """The sampler before candidate sets: sort the whole vocabulary, mask, softmax, and race
+    against whole-vocabulary noise from the row's own generator."""
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(descending=True)
+    ranks = torch.arange(vocab)
+    drop = ranks >= (params.top_k if params.top_k > 0 else vocab)
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    drop |= probs.cumsum(-1) - probs >= params.top_p
+    drop[0] = False
+    masked = torch.empty_like(logits).scatter_(-1, order, sorted_logits.masked_fill(
+        drop, float("-inf")))
+    probs = torch.softmax(masked, dim=-1)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    noise = torch.empty(vocab).exponential_(generator=torch.Generator().manual_seed(seed))
+    return int((probs / noise).argmax())
+
+
+def test_candidate_top_k_top_p_draw_the_same_tokens_as_sorting_the_vocabulary():
+    gen = torch.Generator().manual_seed(0)
+    vocab = 3000
+    for scale in (0.5, 3.0, 8.0):  # flat to peaked: nuclei wider and narrower than 256
+        logits = torch.randn(6, vocab, generator=gen) * scale
+        for case in range(12):
+            params = SamplingParams(temperature=[0.7, 1.0, 1.3][case % 3],
+                                    top_k=[-1, 5, 300, -1][case % 4],
+                                    top_p=[0.9, 1.0, 0.5, 0.99][case % 4 if case % 5 else 0],
+                                    min_p=0.05 if case % 6 == 1 else 0.0, seed=case)
+            rows = [SampleRow(i, params, [], [], draw_seed(case, 0, i)) for i in range(6)]
+            got = sample(logits, rows).token_ids
+            want = [_reference_draw(logits[i], params, draw_seed(case, 0, i)) for i in range(6)]
+            assert got == want, (scale, params)
+
+
+def test_greedy_rows_without_logprobs_report_none():
+    rows = [SampleRow(0, SamplingParams(temperature=0), [], [], None),
+            SampleRow(0, SamplingParams(temperature=0, logprobs=0), [], [], None)]
+    result = sample(LOGITS.unsqueeze(0), rows)
+    assert result.token_ids == [0, 0]
+    assert result.logprobs[0] == {} and set(result.logprobs[1]) == {0}
+
+
+def test_penalty_state_is_incremental_and_matches_the_history():
+    """Each step adds only the new output tokens to a sequence's counts; the penalized
+    draws equal those of a state built from the whole history every step."""
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=0, presence_penalty=0.7, frequency_penalty=0.3,
+                            repetition_penalty=1.4)
+    state = PenaltyState()
+    prompt, outputs = [3, 5, 5, 9], []
+    for _ in range(30):
+        logits = torch.randn(1, 50, generator=gen)
+        row = SampleRow(0, params, prompt, outputs, None, seq_id=7)
+        [token] = sample(logits, [row], state, ["r"]).token_ids
+        fresh = sample(logits, [SampleRow(0, params, prompt, outputs, None)]).token_ids
+        assert [token] == fresh
+        assert state.entries[7][1] == len(outputs)  # counted up to here, no further
+        outputs.append(token)
+    assert state.entries[7][2].sum() == len(outputs) - 1
+    state.drop(["r"])
+    assert not state.entries and not state.by_request

@@ -62,6 +62,7 @@ class FakeEngine:
                 dst_mem[(dst, slot)] = src_mem.get((src, slot))
 
     def step(self) -> SchedulerOutputs:
+        waiting = {g.request_id for g in self.sched.waiting}
         metas, out = self.sched.schedule()
         self.steps += 1
         cfg = self.sched.config
@@ -87,8 +88,8 @@ class FakeEngine:
                 end = start + meta.token_chunk_size
                 assert end <= data.get_len()
                 assert meta.do_sample == (end == data.get_len())
-                if start == 0:  # admitted, or recomputed after preemption
-                    self.in_prompt[meta.request_id] = True
+                if meta.request_id in waiting:  # admitted, or recomputed after preemption
+                    self.in_prompt[meta.request_id] = True  # (from a cached prefix, maybe)
                 # The stage is the scheduler's record, not a guess from token counts: a
                 # final prompt chunk of one token is still a prompt step.
                 assert meta.is_prompt == self.in_prompt[meta.request_id]

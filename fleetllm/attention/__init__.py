@@ -1,3 +1,8 @@
-from fleetllm.attention.backend import AttentionMetadata, PrefillSpan, TorchAttentionBackend
+from fleetllm.attention.backend import (
+    AttentionMetadata,
+    DecodeBatch,
+    PrefillSpan,
+    TorchAttentionBackend,
+)
 
-__all__ = ["AttentionMetadata", "PrefillSpan", "TorchAttentionBackend"]
+__all__ = ["AttentionMetadata", "DecodeBatch", "PrefillSpan", "TorchAttentionBackend"]

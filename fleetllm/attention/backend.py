@@ -1,15 +1,24 @@
-"""Paged attention in pure PyTorch (runs on CPU and CUDA).
+"""Paged attention: a C kernel for CPU decode, PyTorch SDPA for the rest (CPU and CUDA).
 
 KV cache layout, one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim].
-Slot s = block * block_size + offset. Slot-major rows make the two hot operations single
-index ops on a flat [num_slots, kv_heads, head_dim] view: writing this step's K/V, and gathering
-a sequence's context (the same layout FlashAttention's paged KV uses). Swaps and copies index
-dim 1 (whole blocks).
+Slot s = block * block_size + offset. Slot-major rows make writing a step's K/V one index op
+on a flat [num_slots, kv_heads, head_dim] view (the layout FlashAttention's paged KV uses).
+Swaps and copies index dim 1 (whole blocks).
 
-The batch is a flat list of tokens, no padding between sequences. Sequences with one new
-token (decode) are attended together through their block tables; sequences with several
-(prefill, chunked prefill, prefill after a cached prefix) one at a time.
-A faster kernel (e.g. FlashAttention on CUDA) fits behind the same `forward` signature.
+The batch is a flat list of tokens, no padding between sequences; the model runner puts the
+decode sequences (one new token each) first. Per step, not per layer, the metadata holds
+everything derived from the batch's shape (index tensors, masks, groups); each layer only
+writes its K/V and attends:
+
+- decode: on CPU in float32, `cpu_kernels.paged_decode` reads each sequence's context in place
+  from its blocks, every K/V byte once, no padding. Elsewhere, sequences are grouped by
+  context length (padding bounded to ~1/3 of a group's longest) and each group's context is
+  gathered once per layer with the step's index tensor, then SDPA.
+- prefill without a cached prefix: spans of similar length are right-padded into one batch
+  and attended with one causal SDPA call (right padding needs no mask: a padded key is later
+  than every real query of its row). One span is attended in place.
+- prefill after a cached prefix (chunked prefill, prefix-cache hits): all such spans in one
+  SDPA call over their contexts gathered from the cache, with the step's explicit mask.
 
 Sliding-window attention (Mistral), as transformers defines it: the query at position p sees
 the keys at positions (p - window, p]. Context positions are cache positions (a sequence's
@@ -20,10 +29,15 @@ skip the keys no query of theirs can see. Blocks that fell out of the window sta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from fleetllm.attention import cpu_kernels
+
+# Spans (or decode contexts) join a padded group while at least this fraction of its longest.
+_GROUP_RATIO = 0.75
 
 
 @dataclass
@@ -35,12 +49,26 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeBatch:
+    """The step's decode sequences, rows [0, num) of the flat batch. int32 tensors in the
+    kernel's form: concatenated block tables, where each sequence's starts, context lengths."""
+
+    tables: torch.Tensor
+    table_start: torch.Tensor
+    ctx_lens: torch.Tensor
+
+    @property
+    def num(self) -> int:
+        return self.ctx_lens.shape[0]
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]: where each new token's K/V is written
     prefills: list[PrefillSpan]
-    decode_token_idx: torch.Tensor | None = None  # [B] positions in the flat batch
-    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with 0
-    decode_ctx_lens: torch.Tensor | None = None  # [B]
+    decode: DecodeBatch | None = None
+    # Built by the first layer that needs them, reused by the step's other layers.
+    plans: dict = field(default_factory=dict)
 
 
 class TorchAttentionBackend:
@@ -48,31 +76,180 @@ class TorchAttentionBackend:
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
                 meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None) -> torch.Tensor:
-        """q: [T, H, d]; k, v: [T, KVH, d]; returns [T, H, d]. sliding_window: see above."""
+        """q: [T, H, d]; k, v: [T, KVH, d] (any row strides); returns [T, H, d] contiguous.
+        kv_cache None: the profiling run before the cache exists (prefills only)."""
         window = sliding_window
-        if kv_cache is None:  # profiling run before the cache exists: attend within the batch
-            return _prefill_all(q, k, v, meta, scale, window)
-        num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-        k_cache = kv_cache[0].view(num_slots, *kv_cache.shape[3:])
-        v_cache = kv_cache[1].view(num_slots, *kv_cache.shape[3:])
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
-        for span in meta.prefills:
-            rows = slice(span.q_start, span.q_start + span.q_len)
-            prefix = span.ctx_len - span.q_len
-            if span.ctx_slots is None:
-                ks, vs = k[rows], v[rows]
-            else:
-                # With a window, the cached keys before the first query's window are unseen.
-                skip = 0 if window is None else max(0, prefix - window + 1)
-                slots = span.ctx_slots[skip:]
-                ks, vs, prefix = k_cache[slots], v_cache[slots], prefix - skip
-            out[rows] = _attend(q[rows], ks, vs, prefix, scale, window)
-        if meta.decode_token_idx is not None:
-            out[meta.decode_token_idx] = _decode(q[meta.decode_token_idx], kv_cache, meta, scale,
-                                                 window)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        k_cache = v_cache = None
+        if kv_cache is not None:
+            num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+            k_cache = kv_cache[0].view(num_slots, *kv_cache.shape[3:])
+            v_cache = kv_cache[1].view(num_slots, *kv_cache.shape[3:])
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
+        n_dec = meta.decode.num if meta.decode is not None else 0
+        if n_dec:
+            _decode(q[:n_dec], kv_cache, meta, scale, window, out[:n_dec])
+        if meta.prefills:
+            _prefill(q, k, v, k_cache, v_cache, meta, scale, window, out)
         return out
+
+
+# ---------------------------------------------------------------------------------- decode
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+            window: int | None, out: torch.Tensor) -> None:
+    dec = meta.decode
+    if (q.device.type == "cpu" and q.dtype == torch.float32 and q.stride(-1) == 1
+            and kv_cache.is_contiguous() and cpu_kernels.available()):
+        cpu_kernels.paged_decode(q, kv_cache, dec.tables, dec.table_start, dec.ctx_lens,
+                                 window, scale, out)
+        return
+    key = ("decode", window, kv_cache.shape[2])
+    if key not in meta.plans:
+        meta.plans[key] = _decode_groups(dec, kv_cache.shape[2], window, q.device)
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    k_cache = kv_cache[0].view(num_slots, *kv_cache.shape[3:])
+    v_cache = kv_cache[1].view(num_slots, *kv_cache.shape[3:])
+    for rows, slots, mask in meta.plans[key]:
+        b, t = slots.shape
+        keys = k_cache.index_select(0, slots.view(-1)).view(b, t, *k_cache.shape[1:])
+        values = v_cache.index_select(0, slots.view(-1)).view(b, t, *v_cache.shape[1:])
+        o = F.scaled_dot_product_attention(q.index_select(0, rows).unsqueeze(2),
+                                           keys.transpose(1, 2), values.transpose(1, 2),
+                                           attn_mask=mask, scale=scale, enable_gqa=True)
+        out.index_copy_(0, rows, o.squeeze(2))
+
+
+def _decode_groups(dec: DecodeBatch, block_size: int, window: int | None,
+                   device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """Per group of similar context lengths: (decode rows, cache slots [b, t] of the visible
+    positions, padded with a real slot, mask [b, 1, 1, t])."""
+    lens = dec.ctx_lens.tolist()
+    starts = dec.table_start.tolist() + [dec.tables.shape[0]]
+    tables = dec.tables.to(device=device, dtype=torch.long)
+    first = [max(0, n - window) if window else 0 for n in lens]
+    order = sorted(range(len(lens)), key=lambda i: lens[i] - first[i], reverse=True)
+    groups = []
+    for members in _similar(order, [n - f for n, f in zip(lens, first, strict=True)]):
+        t = lens[members[0]] - first[members[0]]
+        slot_rows, masks = [], []
+        for i in members:
+            pos = torch.arange(first[i], first[i] + t, device=device)
+            visible = pos < lens[i]
+            pos = torch.where(visible, pos, first[i])
+            table = tables[starts[i]: starts[i + 1]]
+            slot_rows.append(table[pos // block_size] * block_size + pos % block_size)
+            masks.append(visible)
+        rows = torch.tensor(members, device=device)
+        groups.append((rows, torch.stack(slot_rows), torch.stack(masks)[:, None, None, :]))
+    return groups
+
+
+def _similar(order: list[int], lengths: list[int]) -> list[list[int]]:
+    """Split indices sorted by decreasing length into runs whose lengths stay within
+    _GROUP_RATIO of the run's first (longest)."""
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[i] >= _GROUP_RATIO * lengths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+# --------------------------------------------------------------------------------- prefill
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None,
+             v_cache: torch.Tensor | None, meta: AttentionMetadata, scale: float,
+             window: int | None, out: torch.Tensor) -> None:
+    key = ("prefill", window)
+    if key not in meta.plans:
+        meta.plans[key] = _prefill_plan(meta.prefills, window, q.device)
+    for kind, *args in meta.plans[key]:
+        if kind == "one":  # a single fresh span: attended in place, no gather
+            start, length = args
+            rows = slice(start, start + length)
+            out[rows] = _attend(q[rows], k[rows], v[rows], 0, scale, window)
+        elif kind == "fresh":
+            idx, src, dst, mask = args
+            b, t = idx.shape
+            qp, kp, vp = (x.index_select(0, idx.view(-1)).view(b, t, *x.shape[1:])
+                          .transpose(1, 2) for x in (q, k, v))
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask,
+                                               is_causal=mask is None, scale=scale,
+                                               enable_gqa=True)
+            out.index_copy_(0, dst, o.transpose(1, 2).reshape(b * t, *q.shape[1:])
+                            .index_select(0, src))
+        else:  # "prefix": queries over contexts read from the cache
+            idx, slots, src, dst, mask = args
+            b, t = idx.shape
+            qp = q.index_select(0, idx.view(-1)).view(b, t, *q.shape[1:]).transpose(1, 2)
+            kp, vp = (c.index_select(0, slots.view(-1)).view(*slots.shape, *c.shape[1:])
+                      .transpose(1, 2) for c in (k_cache, v_cache))
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+            out.index_copy_(0, dst, o.transpose(1, 2).reshape(b * t, *q.shape[1:])
+                            .index_select(0, src))
+
+
+def _padded_rows(spans: list[PrefillSpan], device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Batch rows [b, t] of the spans' queries right-padded to the longest (a pad repeats the
+    span's last row), and (src, dst): valid padded positions -> their rows in the batch."""
+    t = max(s.q_len for s in spans)
+    col = torch.arange(t, device=device)
+    starts = torch.tensor([s.q_start for s in spans], device=device).unsqueeze(1)
+    lens = torch.tensor([s.q_len for s in spans], device=device).unsqueeze(1)
+    idx = starts + torch.minimum(col, lens - 1)
+    src = (col < lens).view(-1).nonzero().squeeze(1)
+    return idx, src, idx.view(-1).index_select(0, src)
+
+
+def _prefill_plan(spans: list[PrefillSpan], window: int | None, device: torch.device
+                  ) -> list[tuple]:
+    plan: list[tuple] = []
+    fresh = [s for s in spans if s.ctx_slots is None]
+    order = sorted(range(len(fresh)), key=lambda i: fresh[i].q_len, reverse=True)
+    for members in _similar(order, [s.q_len for s in fresh]):
+        group = [fresh[i] for i in members]
+        if len(group) == 1:
+            plan.append(("one", group[0].q_start, group[0].q_len))
+            continue
+        idx, src, dst = _padded_rows(group, device)
+        t = idx.shape[1]
+        mask = None  # causal; with a window, the shared [t, t] band
+        if window is not None and window < t:
+            i = torch.arange(t, device=device)
+            mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+        plan.append(("fresh", idx, src, dst, mask))
+    cached = [s for s in spans if s.ctx_slots is not None]
+    if cached:
+        plan.append(("prefix", *_prefix_group(cached, window, device)))
+    return plan
+
+
+def _prefix_group(spans: list[PrefillSpan], window: int | None, device: torch.device
+                  ) -> tuple[torch.Tensor, ...]:
+    """Queries after a cached prefix: padded rows, the padded context slots [b, tk] (with a
+    window, from the first key the first query sees), and the mask [b, 1, tq, tk]."""
+    idx, src, dst = _padded_rows(spans, device)
+    tq = idx.shape[1]
+    skips = [0 if window is None else max(0, s.ctx_len - s.q_len - window + 1) for s in spans]
+    slot_lists = [s.ctx_slots[skip:] for s, skip in zip(spans, skips, strict=True)]
+    slots = torch.nn.utils.rnn.pad_sequence(slot_lists, batch_first=True, padding_value=0)
+    klen = torch.tensor([len(x) for x in slot_lists], device=device)[:, None, None]
+    qlen = torch.tensor([s.q_len for s in spans], device=device)[:, None, None]
+    i = torch.arange(tq, device=device)[None, :, None]  # query index within its span
+    j = torch.arange(slots.shape[1], device=device)[None, None, :]
+    pos = klen - qlen + i  # the query's key index
+    mask = (j <= pos) & (j < klen)
+    if window is not None:
+        mask &= j > pos - window
+    mask |= (i >= qlen) & (j == 0)  # padded queries see one key: no empty softmax row
+    return idx, slots.to(device), src, dst, mask.unsqueeze(1)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float,
@@ -92,41 +269,3 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scal
         o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=scale,
                                            enable_gqa=True)
     return o.transpose(0, 1)
-
-
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-            window: int | None = None) -> torch.Tensor:
-    """One query per sequence over its paged context. q: [B, H, d]. The query is at position
-    len - 1; with a window it sees positions [len - window, len)."""
-    tables, lens = meta.decode_block_tables, meta.decode_ctx_lens
-    b, max_blocks = tables.shape
-    block_size, kvh, d = kv_cache.shape[2:]
-    first = torch.zeros_like(lens)  # per sequence: the first block gathered
-    if window is not None:
-        width = -(-window // block_size) + 1  # blocks a window can straddle
-        if width < max_blocks:  # gather only the blocks inside each sequence's window
-            first = (lens - window).clamp(min=0) // block_size
-            cols = first.unsqueeze(1) + torch.arange(width, device=q.device)
-            # columns past a table's end are clamped to a real entry; the mask hides them
-            tables = tables.gather(1, cols.clamp(max=max_blocks - 1))
-            max_blocks = width
-    keys = kv_cache[0][tables].view(b, max_blocks * block_size, kvh, d).transpose(1, 2)
-    values = kv_cache[1][tables].view(b, max_blocks * block_size, kvh, d).transpose(1, 2)
-    pos = (first * block_size).unsqueeze(1) + torch.arange(max_blocks * block_size,
-                                                           device=q.device)
-    visible = pos < lens.unsqueeze(1)
-    if window is not None:
-        visible &= pos >= (lens - window).unsqueeze(1)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values,
-                                       attn_mask=visible[:, None, None, :], scale=scale,
-                                       enable_gqa=True)
-    return o.squeeze(2)
-
-
-def _prefill_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, window: int | None) -> torch.Tensor:
-    out = torch.empty_like(q)
-    for span in meta.prefills:
-        rows = slice(span.q_start, span.q_start + span.q_len)
-        out[rows] = _attend(q[rows], k[rows], v[rows], 0, scale, window)
-    return out

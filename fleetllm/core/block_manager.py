@@ -4,18 +4,26 @@ Two pools of reference-counted blocks: the device pool (where attention reads K/
 pool that preempted groups are swapped into. Each sequence has a block table, a list of block
 ids; token position p lives in block `table[p // block_size]`, slot `p % block_size`.
 
-Blocks are shared only through `fork` (n > 1 sampling: the children start with the parent's
-prompt blocks). A shared block is never written in place: the first writer gets a private copy
-(copy-on-write) and the caller tells the workers to copy the block's contents.
+Blocks are shared through `fork` (n > 1 sampling: the children start with the parent's
+prompt blocks) and, with prefix caching, between requests whose prompts start alike (see
+prefix_cache.py: a new request's table starts with the cached blocks of its longest cached
+prefix, and its own full blocks become findable once computed). A shared block is never
+written in place: the first writer gets a private copy (copy-on-write) and the caller tells the
+workers to copy the block's contents. A cached block is full, and full blocks are never
+written again, so caching adds no copies.
 
 Allocation is lazy: a table grows only to cover the tokens computed this step, so a long prompt
 split into chunks holds just the blocks its computed chunks need.
+
+Every device block is exactly one of: free (never cached, or evicted), evictable (cached, no
+owner; counted as free) or owned (ref > 0).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from fleetllm.core.prefix_cache import PrefixCache, block_hash
 from fleetllm.errors import OutOfMemoryError
 from fleetllm.sequence import Sequence, SequenceGroup
 
@@ -23,43 +31,61 @@ from fleetllm.sequence import Sequence, SequenceGroup
 class _Pool:
     """Free list and reference counts of one pool of blocks."""
 
-    def __init__(self, name: str, num_blocks: int):
+    def __init__(self, name: str, num_blocks: int, cache: PrefixCache | None = None):
         self.name = name
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
         self.free: deque[int] = deque(range(num_blocks))
+        self.cache = cache  # the device pool's prefix cache, when enabled
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free) + (len(self.cache.evictable) if self.cache else 0)
 
     def allocate(self) -> int:
-        if not self.free:
+        if self.free:  # never-cached blocks first: evicting loses a prefix someone may reuse
+            block = self.free.popleft()
+        elif self.cache is not None and self.cache.evictable:
+            block = self.cache.evict()
+        else:
             # The scheduler checks can_* before every allocation; reaching this is a bug there.
             raise OutOfMemoryError(f"no free {self.name} KV-cache block left "
                                    f"({self.num_blocks} in all)")
-        block = self.free.popleft()
         self.ref[block] = 1
         return block
 
     def incref(self, block: int) -> None:
-        assert self.ref[block] > 0, f"{self.name} block {block} is free"
+        if self.ref[block] == 0 and self.cache is not None:  # a cache hit on a parked block
+            assert block in self.cache.evictable, f"{self.name} block {block} is free"
+            self.cache.revive(block)
+        else:
+            assert self.ref[block] > 0, f"{self.name} block {block} is free"
         self.ref[block] += 1
 
     def decref(self, block: int) -> None:
         assert self.ref[block] > 0, f"{self.name} block {block} freed twice"
         self.ref[block] -= 1
-        if self.ref[block] == 0:
+        if self.ref[block] == 0 and not (self.cache is not None and self.cache.released(block)):
             self.free.append(block)
 
     @property
     def usage(self) -> float:
-        return 0.0 if self.num_blocks == 0 else 1 - len(self.free) / self.num_blocks
+        return 0.0 if self.num_blocks == 0 else 1 - self.num_free / self.num_blocks
 
 
 class BlockManager:
-    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int):
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 enable_prefix_caching: bool = False):
         self.block_size = block_size
-        self.gpu = _Pool("device", num_gpu_blocks)
+        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        self.gpu = _Pool("device", num_gpu_blocks, self.prefix_cache)
         self.cpu = _Pool("cpu", num_cpu_blocks)
         self.block_tables: dict[int, list[int]] = {}  # seq_id -> device blocks
         self.cpu_tables: dict[int, list[int]] = {}  # seq_id -> cpu blocks, while swapped
+        # Prefix caching, per sequence: content hashes of its full blocks so far, and how many
+        # leading blocks of its current table were offered to the cache.
+        self.seq_hashes: dict[int, list[bytes]] = {}
+        self.registered: dict[int, int] = {}
 
     # ------------------------------------------------------------------ figures
 
@@ -73,7 +99,19 @@ class BlockManager:
 
     @property
     def num_free_gpu_blocks(self) -> int:
-        return len(self.gpu.free)
+        """Free device blocks, counting cached blocks nobody owns (they are evicted on
+        demand)."""
+        return self.gpu.num_free
+
+    @property
+    def num_evictable_gpu_blocks(self) -> int:
+        return len(self.prefix_cache.evictable) if self.prefix_cache else 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Of the prompt tokens of requests admitted with a cache lookup, the fraction found
+        cached (0.0 without prefix caching)."""
+        return self.prefix_cache.hit_rate if self.prefix_cache else 0.0
 
     @property
     def num_free_cpu_blocks(self) -> int:
@@ -174,12 +212,105 @@ class BlockManager:
         for block in table:
             self.gpu.incref(block)
         self.block_tables[child_seq.seq_id] = list(table)
+        if parent_seq.seq_id in self.seq_hashes:  # the same tokens so far
+            self.seq_hashes[child_seq.seq_id] = list(self.seq_hashes[parent_seq.seq_id])
+            self.registered[child_seq.seq_id] = self.registered.get(parent_seq.seq_id, 0)
 
     def free(self, seq: Sequence) -> None:
-        for block in self.block_tables.pop(seq.seq_id, []):
+        # Last block first: parked cached blocks are evicted tail first, prefixes last.
+        for block in reversed(self.block_tables.pop(seq.seq_id, [])):
             self.gpu.decref(block)
         for block in self.cpu_tables.pop(seq.seq_id, []):
             self.cpu.decref(block)
+        self.seq_hashes.pop(seq.seq_id, None)
+        self.registered.pop(seq.seq_id, None)
+
+    # ------------------------------------------------------------------ prefix caching
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (parked blocks become free): call it whenever the
+        device KV cache stops holding what was computed into it (new workers, new weights,
+        another scheduler writing the same cache)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        self.gpu.free.extend(cache.evictable)
+        cache.evictable.clear()
+        cache.cached.clear()
+        cache.hash_of.clear()
+        for seq_id, table in self.block_tables.items():  # owned blocks: never registered again
+            self.registered[seq_id] = len(table)
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The content hashes of the sequence's first num_blocks full blocks (memoized)."""
+        hashes = self.seq_hashes.setdefault(seq.seq_id, [])
+        bs, data = self.block_size, seq.data
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            n_prompt = len(data.prompt_token_ids)
+            tokens = data.prompt_token_ids[i * bs:(i + 1) * bs] if (i + 1) * bs <= n_prompt \
+                else data.all_token_ids[i * bs:(i + 1) * bs]
+            hashes.append(block_hash(hashes[-1] if hashes else None, tokens))
+        return hashes
+
+    def prefix_hits(self, seq_group: SequenceGroup) -> list[int]:
+        """Cached blocks holding the longest cached prefix of the group's sequences, in full
+        blocks, leaving at least the last token to compute (its logits are needed). No side
+        effects; [] without prefix caching or for a group that has started computing."""
+        seqs = seq_group.unfinished_seqs()
+        cache = self.prefix_cache
+        if cache is None or any(s.data.num_computed_tokens or s.seq_id in self.block_tables
+                                or s.seq_id in self.cpu_tables for s in seqs):
+            return []
+        # Sequences of one group share their prompt; beyond it they differ.
+        limit = min((s.get_len() - 1) // self.block_size for s in seqs)
+        if len(seqs) > 1:
+            limit = min(limit, len(seqs[0].prompt_token_ids) // self.block_size)
+        hits = []
+        for digest in self._hashes(seqs[0], limit):
+            block = cache.cached.get(digest)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def take_prefix(self, seq_group: SequenceGroup, hits: list[int]) -> None:
+        """Admit the group with `hits` (from prefix_hits) as its sequences' first blocks:
+        they count as computed."""
+        cache = self.prefix_cache
+        for seq in seq_group.unfinished_seqs():
+            for block in hits:
+                self.gpu.incref(block)  # revives a parked block
+            self.block_tables[seq.seq_id] = list(hits)
+            self.registered[seq.seq_id] = len(hits)
+            seq.data.num_computed_tokens = len(hits) * self.block_size
+            if cache is not None:
+                cache.queried_tokens += seq.get_len()
+                cache.hit_tokens += len(hits) * self.block_size
+
+    def can_take_prefix(self, seq_group: SequenceGroup, hits: list[int],
+                        num_new_tokens: int) -> bool:
+        """Room to admit the group with `hits` and compute num_new_tokens more per sequence:
+        new blocks past the hits, plus the parked hits (they stop counting as free)."""
+        seqs = seq_group.unfinished_seqs()
+        past = self.num_blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
+        parked = sum(1 for b in hits if self.gpu.ref[b] == 0)
+        return len(seqs) * past + parked <= self.num_free_gpu_blocks
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """The sequence's K/V is computed up to num_computed_tokens: its newly full blocks
+        become findable. Amortized O(1) per token (each block is hashed once)."""
+        if self.prefix_cache is None or seq.seq_id not in self.block_tables:
+            return
+        table = self.block_tables[seq.seq_id]
+        full = min(seq.data.num_computed_tokens // self.block_size, len(table))
+        start = self.registered.get(seq.seq_id, 0)
+        if full <= start:
+            return
+        hashes = self._hashes(seq, full)
+        for i in range(start, full):
+            self.prefix_cache.register(table[i], hashes[i])
+        self.registered[seq.seq_id] = full
 
     # ------------------------------------------------------------------ swapping
 
@@ -225,6 +356,9 @@ class BlockManager:
         return self.num_required_blocks(seq_group, num_new_tokens) <= self.num_free_gpu_blocks
 
     def swap_in(self, seq_group: SequenceGroup) -> dict[int, int]:
-        """Returns {cpu block: device block}."""
-        return self._move(self._swapped(seq_group), self.cpu_tables, self.cpu,
-                          self.block_tables, self.gpu)
+        """Returns {cpu block: device block}. The new device blocks are offered to the
+        prefix cache once a step has run (their contents arrive with that step)."""
+        seqs = self._swapped(seq_group)
+        for seq in seqs:
+            self.registered.pop(seq.seq_id, None)
+        return self._move(seqs, self.cpu_tables, self.cpu, self.block_tables, self.gpu)

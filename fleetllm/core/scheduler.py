@@ -92,7 +92,8 @@ class Scheduler:
         self.config = scheduler_config
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.block_manager = BlockManager(cache_config.block_size, cache_config.num_gpu_blocks,
-                                          cache_config.num_cpu_blocks or 0)
+                                          cache_config.num_cpu_blocks or 0,
+                                          cache_config.enable_prefix_caching)
         self.waiting: deque[SequenceGroup] = deque()
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
@@ -141,6 +142,7 @@ class Scheduler:
             group = scheduled.seq_group
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 seq.data.num_computed_tokens += scheduled.token_chunk_size
+                self.block_manager.mark_computed(seq)  # full blocks become findable
             if scheduled.do_sample:
                 group.in_prefill = False
 
@@ -164,6 +166,7 @@ class Scheduler:
             self.waiting.append(group)
         self.running.clear()
         self.swapped.clear()
+        self.block_manager.reset_prefix_cache()  # cached prefixes went with the old KV
         self.waiting = _by_arrival(self.waiting)
 
     def fail_group(self, group: SequenceGroup, why: str) -> None:
@@ -275,10 +278,17 @@ class Scheduler:
                              f"blocks and {width} of max_num_seqs={self.config.max_num_seqs}; "
                              f"the pool has {bm.num_gpu_blocks} blocks")
                 continue
-            chunk = min(self._uncomputed(group), budget.tokens_left // len(seqs))
-            if chunk <= 0 or not budget.fits_seqs(width) or not bm.can_allocate(group, chunk):
+            # Prefix caching: the cached blocks of its longest cached prefix count as computed.
+            # Not for prompt logprobs: every prompt position's logits are needed.
+            hits = [] if group.sampling_params.prompt_logprobs is not None else \
+                bm.prefix_hits(group)
+            uncomputed = self._uncomputed(group) - len(hits) * bm.block_size
+            chunk = min(uncomputed, budget.tokens_left // len(seqs))
+            if chunk <= 0 or not budget.fits_seqs(width) or \
+                    not bm.can_take_prefix(group, hits, chunk):
                 break  # FCFS: nothing overtakes the head of the queue
             self.waiting.popleft()
+            bm.take_prefix(group, hits)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             self._schedule_group(group, chunk, width, out, budget, metadata)

@@ -183,15 +183,19 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the loop
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Schedule, run and apply one step. Atomic: if the executor raises, no token is
         appended and no output or finished-request notice is lost; the next step computes the
         same chunks again (see Scheduler.requeue_after_failed_step), and the exception
-        propagates."""
+        propagates.
+
+        Returns a RequestOutput for every request that made progress (streaming), or with
+        finished_only=True only for requests that finished: building a cumulative output per
+        request per step copies its whole history, which an offline caller throws away."""
         with self._lock:
             self._stepping = True
         try:
-            outputs = self._step()
+            outputs = self._step(finished_only)
         finally:
             with self._lock:
                 self._stepping = False
@@ -203,7 +207,7 @@ class LLMEngine:
                     self._abort(list(aborted))
         return [o for o in outputs if o.request_id not in aborted] if aborted else outputs
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
         metadata, sched = self.scheduler.schedule()
         # Requests that can never be scheduled end here; reported even if the step fails.
         for group in sched.ignored_seq_groups:  # may have run before: workers drop its state
@@ -228,7 +232,7 @@ class LLMEngine:
                 del self._finished_since_last_step[:len(finished_ids)]  # the workers have them
                 self.scheduler.complete_step(sched)
                 self._regrow_token_budget()
-                outputs = self._process(sched, result)
+                outputs = self._process(sched, result, finished_only)
         outputs += [RequestOutput.from_seq_group(g) for g in self._unreported]
         self._unreported = []
         self._finished_since_last_step += self.scheduler.free_finished_seq_groups()
@@ -301,7 +305,8 @@ class LLMEngine:
             self.scheduler.max_num_batched_tokens = min(full,
                                                         2 * self.scheduler.max_num_batched_tokens)
 
-    def _process(self, sched: SchedulerOutputs, result: SamplerOutput) -> list[RequestOutput]:
+    def _process(self, sched: SchedulerOutputs, result: SamplerOutput, finished_only: bool
+                 ) -> list[RequestOutput]:
         now = time.time()
         outputs = []
         for scheduled, group_out in zip(sched.scheduled_seq_groups, result.outputs,
@@ -324,6 +329,8 @@ class LLMEngine:
             if group.is_finished():
                 group.metrics.finished_time = now
                 self.seq_groups.pop(group.request_id, None)
+            elif finished_only:
+                continue
             outputs.append(RequestOutput.from_seq_group(group))
         return outputs
 
@@ -384,6 +391,7 @@ class LLMEngine:
             raise EngineSleepingError(f"sleep: {self.get_num_unfinished_requests()} requests "
                                       "are in flight; finish or abort them first")
         self.model_executor.sleep(level)
+        self.scheduler.block_manager.reset_prefix_cache()  # the cached KV is gone with it
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Executor.wake_up: restore "weights", "kv_cache" or both (None)."""

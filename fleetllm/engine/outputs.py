@@ -37,7 +37,7 @@ class RequestOutput:
         want_logprobs = group.sampling_params.logprobs is not None
         outputs = [CompletionOutput(
             index=i, text=seq.visible_text, token_ids=list(seq.output_token_ids),
-            cumulative_logprob=seq.cumulative_logprob,
+            cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
             logprobs=list(seq.output_logprobs) if want_logprobs else None,
             finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason)
             for i, seq in enumerate(group.seqs)]

@@ -124,7 +124,7 @@ class LLM:
         start, in_tokens, out_tokens = time.perf_counter(), 0, 0
         bar.update(len(results))
         while engine.has_unfinished_requests():
-            for output in engine.step():
+            for output in engine.step(finished_only=True):  # no per-step copies of histories
                 if output.finished and output.request_id not in results:
                     results[output.request_id] = output
                     in_tokens += len(output.prompt_token_ids)

@@ -24,6 +24,7 @@ from fleetllm.model.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     default_weight_loader,
+    rotate,
 )
 
 # HF checkpoint name -> (our merged parameter, part index)
@@ -64,16 +65,19 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = q_shard, kv_shard
         self.sliding_window = cfg.sliding_window  # every layer, as Mistral
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor | None,
-                meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+        """rope: this step's (cos, sin) tables, looked up once for all layers."""
+        t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, kvh, d)
+        if self.q_norm is None:  # q and k rotated together: one set of kernels, not two
+            qk = rotate(qkv[:, :self.q_size + self.kv_size].view(t, h + kvh, d), *rope)
+            q, k = qk[:, :h], qk[:, h:]
+        else:
+            q = rotate(self.q_norm(qkv[:, :self.q_size].view(t, h, d)), *rope)
+            k = rotate(self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size]
+                                   .view(t, kvh, d)), *rope)
         o = TorchAttentionBackend.forward(q, k, v, kv_cache, meta, self.scale,
                                           self.sliding_window)
         return self.o_proj(o.reshape(t, self.q_size))
@@ -100,13 +104,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, kv_cache, meta):
+    def forward(self, rope, hidden, residual, kv_cache, meta):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -121,7 +125,8 @@ class LlamaForCausalLM(nn.Module):
                                                         pp.rank_in_group)
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
                              if self.is_first_stage or cfg.tie_word_embeddings else None)
-        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        rotary = self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta,
+                                               cfg.rope_scaling)
         # Keyed by the global layer index so checkpoint names map directly.
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, rotary)
                                      for i in range(self.start_layer, self.end_layer)})
@@ -142,8 +147,9 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = intermediate
+        rope = self.rotary.cos_sin(positions, hidden.dtype)
         for i, layer in enumerate(self.layers.values()):
-            hidden, residual = layer(positions, hidden, residual,
+            hidden, residual = layer(rope, hidden, residual,
                                      None if kv_caches is None else kv_caches[i], meta)
         if not self.is_last_stage:
             return hidden, residual

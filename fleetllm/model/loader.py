@@ -6,14 +6,16 @@ model.safetensors.index.json. Each rank opens the files lazily and reads only it
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from fleetllm.config import EngineConfig, read_json
+from fleetllm.config import ArchConfig, EngineConfig, read_json
 from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
 from fleetllm.errors import ModelLoadError
+from fleetllm.model.layers import pack_linear_weights
 from fleetllm.model.llama import LlamaForCausalLM
 from fleetllm.progress import ProgressBar
 
@@ -56,7 +58,9 @@ def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
         load_sharded_state(model, config)
     else:
         _load_safetensors(model, Path(mc.model))
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    pack_linear_weights(model)  # after loading: the packed copies replace the dense weights
+    return model
 
 
 def _load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
@@ -85,11 +89,49 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
                              f"{sorted(missing)[:3]}")
 
 
+def hf_tensor_shapes(a: ArchConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a full (unsharded) Hugging Face checkpoint of this architecture, by
+    its checkpoint name."""
+    d, hid = a.head_dim, a.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (a.vocab_size, hid)}
+    for i in range(a.num_layers):
+        pre = f"model.layers.{i}."
+        for name, rows in (("q", a.num_heads * d), ("k", a.num_kv_heads * d),
+                           ("v", a.num_kv_heads * d)):
+            shapes[f"{pre}self_attn.{name}_proj.weight"] = (rows, hid)
+            if a.qkv_bias:
+                shapes[f"{pre}self_attn.{name}_proj.bias"] = (rows,)
+        shapes[f"{pre}self_attn.o_proj.weight"] = (hid, a.num_heads * d)
+        if a.o_bias:
+            shapes[f"{pre}self_attn.o_proj.bias"] = (hid,)
+        if a.qk_norm:
+            shapes[f"{pre}self_attn.q_norm.weight"] = shapes[f"{pre}self_attn.k_norm.weight"] = (d,)
+        for name, shape in (("gate", (a.intermediate_size, hid)),
+                            ("up", (a.intermediate_size, hid)),
+                            ("down", (hid, a.intermediate_size))):
+            shapes[f"{pre}mlp.{name}_proj.weight"] = shape
+            if a.mlp_bias:
+                shapes[f"{pre}mlp.{name}_proj.bias"] = (shape[0],)
+        shapes[f"{pre}input_layernorm.weight"] = shapes[f"{pre}post_attention_layernorm.weight"] \
+            = (hid,)
+    shapes["model.norm.weight"] = (hid,)
+    if not a.tie_word_embeddings:
+        shapes["lm_head.weight"] = (a.vocab_size, hid)
+    return shapes
+
+
+def dummy_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The dummy checkpoint's tensor `name`: a function of (seed, name) alone, so every
+    tensor-parallel rank slices the same full tensor, and a Hugging Face model given the same
+    tensors (the benchmarks' peers) computes the same function."""
+    if "norm" in name:
+        return torch.ones(shape)
+    key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+    gen = torch.Generator().manual_seed(key >> 1)
+    return torch.randn(shape, generator=gen) * 0.02
+
+
 def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
     """Random weights with the right shapes, reproducible by seed (profiling, benchmarks)."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
-        if "norm" in name:
-            param.data.fill_(1.0)
-        else:
-            param.data.copy_(torch.randn(param.shape, generator=gen) * 0.02)  # casts
+    for name, shape in hf_tensor_shapes(model.cfg).items():
+        model.load_weight(name, dummy_tensor(name, shape, seed))

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fleetllm.attention import AttentionMetadata, PrefillSpan
+from fleetllm.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from fleetllm.config import EngineConfig
 from fleetllm.distributed.parallel_state import get_pp_group
 from fleetllm.model.loader import build_model
@@ -15,6 +15,8 @@ from fleetllm.sequence import (
     ExecuteModelRequest,
     Logprob,
     SamplerOutput,
+    SequenceData,
+    SequenceGroupMetadata,
     SequenceOutput,
 )
 from fleetllm.worker import sampler
@@ -23,9 +25,9 @@ from fleetllm.worker.sampler import SampleRow
 
 @dataclass
 class _Batch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
+    input_ids: torch.Tensor | list[int]
+    positions: torch.Tensor | list[int]
+    meta: AttentionMetadata | None
     logits_token_idx: list[int] = field(default_factory=list)  # flat-batch rows needing logits
     sample_rows: list[SampleRow] = field(default_factory=list)
     sample_owner: list[tuple[int, int]] = field(default_factory=list)  # (group, parent seq id)
@@ -40,6 +42,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.is_output_rank = is_output_rank
         self.model = None
+        self.penalties = sampler.PenaltyState()  # per-sequence counts, kept across steps
 
     def load_model(self) -> None:
         self.model = build_model(self.config, self.device)
@@ -48,6 +51,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, request: ExecuteModelRequest,
                       kv_caches: list[torch.Tensor] | None) -> SamplerOutput | None:
+        self.penalties.drop(request.finished_requests_ids)
         if not request.seq_group_metadata_list:
             return SamplerOutput([]) if self.is_output_rank else None
         batch = self._prepare(request)
@@ -74,75 +78,98 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, rows))
 
     def _prepare(self, request: ExecuteModelRequest) -> _Batch:
+        """The flat token batch: decode tokens (one per sequence) first, then prefill spans.
+        Per sequence the Python work is O(1) for a decode (its block table is copied at C
+        speed) and O(chunk) for a prefill: nothing walks a sequence's history."""
         bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        prefills: list[PrefillSpan] = []
-        dec_idx: list[int] = []
-        dec_tables: list[list[int]] = []
-        dec_lens: list[int] = []
-        logits_idx: list[int] = []
-        rows: list[SampleRow] = []
-        owners: list[tuple[int, int]] = []
-        prompt_lp: dict[int, tuple[int, list[int], bool]] = {}
+        dec: list[tuple[int, int, SequenceData, list[int], int]] = []
+        pre: list[tuple[int, int, SequenceData, list[int], int, int]] = []
         for g_index, group in enumerate(request.seq_group_metadata_list):
-            params = group.sampling_params
             for seq_id, data in group.seq_data.items():
                 seq_len = data.get_len()
+                table = group.block_tables[seq_id]
                 if group.is_prompt:  # (a chunk of) the prompt, from the cached prefix on
                     start = data.num_computed_tokens
                     end = min(seq_len, start + (group.token_chunk_size or seq_len - start))
                 else:  # decode: the one token whose K/V is not cached yet
                     start, end = seq_len - 1, seq_len
-                table = group.block_tables[seq_id]
-                q_start = len(ids)
-                n_prompt = len(data.prompt_token_ids)
-                new_slots = _slots(table, start, end, bs)
-                ids.extend(data.token_at(p) for p in range(start, end))
-                positions.extend(range(start, end))
-                slots.extend(new_slots)
                 if end - start == 1:
-                    dec_idx.append(q_start)
-                    dec_tables.append(table[: (end + bs - 1) // bs])
-                    dec_lens.append(end)
+                    dec.append((g_index, seq_id, data, table, end))
                 else:
-                    ctx = None if start == 0 else torch.tensor(
-                        _slots(table, 0, start, bs) + new_slots, device=self.device)
-                    prefills.append(PrefillSpan(q_start, end - start, end, ctx))
-                if group.is_prompt and params.prompt_logprobs is not None:
-                    last = min(end, n_prompt - 1)  # position p predicts prompt token p + 1
-                    targets = [data.prompt_token_ids[p + 1] for p in range(start, last)]
-                    prompt_lp[g_index] = (len(logits_idx), targets, start == 0)
-                    logits_idx.extend(range(q_start, q_start + len(targets)))
-                if group.do_sample:
-                    # A fresh prompt's sampled step draws all n samples (indices 0..n-1);
-                    # after that each sequence draws its own (a recompute too).
-                    fresh = (group.is_prompt and len(group.seq_data) == 1
-                             and not data.output_token_ids)
-                    indices = range(params.n) if fresh else (data.sample_index,)
-                    for index in indices:
-                        seed = None if params.seed is None else \
-                            sampler.draw_seed(params.seed, index, seq_len)
-                        rows.append(SampleRow(len(logits_idx), params, data.prompt_token_ids,
-                                              data.output_token_ids, seed))
-                        owners.append((g_index, seq_id))
-                    logits_idx.append(q_start + end - start - 1)
+                    pre.append((g_index, seq_id, data, table, start, end))
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[int] = []
+        table_start: list[int] = []
+        ctx_lens: list[int] = []
+        batch = _Batch(ids, positions, None)  # tensors replace the lists below
+        groups = request.seq_group_metadata_list
+        for g_index, seq_id, data, table, end in dec:
+            p = end - 1
+            ids.append(data.token_at(p))
+            positions.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            table_start.append(len(tables))
+            tables += table[: (end + bs - 1) // bs]
+            ctx_lens.append(end)
+            self._add_rows(batch, g_index, groups[g_index], seq_id, data, len(ids) - 1, p, end)
+        spans: list[PrefillSpan] = []
+        for g_index, seq_id, data, table, start, end in pre:
+            q_start = len(ids)
+            n_prompt = len(data.prompt_token_ids)
+            ids += (data.prompt_token_ids[start:end] if end <= n_prompt
+                    else data.all_token_ids[start:end])
+            positions += range(start, end)
+            new_slots = _slots(table, start, end, bs)
+            slots += new_slots
+            ctx = None if start == 0 else torch.tensor(_slots(table, 0, start, bs) + new_slots,
+                                                       device=self.device)
+            spans.append(PrefillSpan(q_start, end - start, end, ctx))
+            self._add_rows(batch, g_index, groups[g_index], seq_id, data, q_start, start, end)
         dev = self.device
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), prefills)
-        if dec_idx:
-            width = max(len(t) for t in dec_tables)
-            meta.decode_token_idx = torch.tensor(dec_idx, device=dev)
-            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t))
-                                                     for t in dec_tables], device=dev)
-            meta.decode_ctx_lens = torch.tensor(dec_lens, device=dev)
-        return _Batch(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
-                      logits_idx, rows, owners, prompt_lp)
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), spans)
+        if dec:
+            i32 = torch.int32
+            meta.decode = DecodeBatch(torch.tensor(tables, dtype=i32, device=dev),
+                                      torch.tensor(table_start, dtype=i32, device=dev),
+                                      torch.tensor(ctx_lens, dtype=i32, device=dev))
+        batch.input_ids = torch.tensor(ids, device=dev)
+        batch.positions = torch.tensor(positions, device=dev)
+        batch.meta = meta
+        return batch
+
+    @staticmethod
+    def _add_rows(batch: _Batch, g_index: int, group: SequenceGroupMetadata, seq_id: int,
+                  data: SequenceData, q_start: int, start: int, end: int) -> None:
+        """Logits rows for a sequence's span [start, end) at q_start in the flat batch: its
+        prompt logprobs, and its draws when the span ends the sequence."""
+        params = group.sampling_params
+        logits_idx = batch.logits_token_idx
+        if group.is_prompt and params.prompt_logprobs is not None:
+            last = min(end, len(data.prompt_token_ids) - 1)  # position p predicts token p+1
+            targets = data.prompt_token_ids[start + 1: last + 1]
+            batch.prompt_lp[g_index] = (len(logits_idx), targets, start == 0)
+            logits_idx.extend(range(q_start, q_start + len(targets)))
+        if group.do_sample:
+            # A fresh prompt's sampled step draws all n samples (indices 0..n-1); after that
+            # each sequence draws its own (a recompute too).
+            fresh = group.is_prompt and len(group.seq_data) == 1 and not data.output_token_ids
+            seq_len = data.get_len()
+            for index in (range(params.n) if fresh else (data.sample_index,)):
+                seed = None if params.seed is None else \
+                    sampler.draw_seed(params.seed, index, seq_len)
+                batch.sample_rows.append(SampleRow(len(logits_idx), params,
+                                                   data.prompt_token_ids,
+                                                   data.output_token_ids, seed, seq_id))
+                batch.sample_owner.append((g_index, seq_id))
+            logits_idx.append(q_start + end - start - 1)
 
     def _sample(self, request: ExecuteModelRequest, batch: _Batch, logits: torch.Tensor
                 ) -> SamplerOutput:
-        result = sampler.sample(logits, batch.sample_rows)
         groups = request.seq_group_metadata_list
+        result = sampler.sample(logits, batch.sample_rows, self.penalties,
+                                [groups[g].request_id for g, _ in batch.sample_owner])
         outputs = [CompletionSequenceGroupOutput(g.request_id, []) for g in groups]
         for (g_index, seq_id), token, lps in zip(batch.sample_owner, result.token_ids,
                                                  result.logprobs, strict=True):
@@ -179,5 +206,11 @@ class ModelRunner:
 
 
 def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Cache slots of positions [start, end) of a sequence with this block table."""
-    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    """Cache slots of positions [start, end) of a sequence with this block table (a loop over
+    blocks, not tokens)."""
+    out: list[int] = []
+    for i in range(start // block_size, (end + block_size - 1) // block_size):
+        base = table[i] * block_size
+        out += range(base + max(start - i * block_size, 0),
+                     base + min(end - i * block_size, block_size))
+    return out

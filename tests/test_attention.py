@@ -1,0 +1,122 @@
+"""The attention backend against a dense per-sequence reference: mixed batches of decodes,
+fresh prefills (grouped and padded) and prefills after a cached prefix, with GQA, sliding
+windows, several block sizes and head sizes; through the C decode kernel and through the
+pure-PyTorch path."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fleetllm.attention import (
+    AttentionMetadata,
+    DecodeBatch,
+    PrefillSpan,
+    TorchAttentionBackend,
+    cpu_kernels,
+)
+
+
+def reference(q, k_all, v_all, ctx_len, q_len, scale, window):
+    """Dense attention of the last q_len positions of one sequence over its ctx_len keys."""
+    h, kvh = q.shape[1], k_all.shape[1]
+    k = k_all[:ctx_len].repeat_interleave(h // kvh, 1).transpose(0, 1)
+    v = v_all[:ctx_len].repeat_interleave(h // kvh, 1).transpose(0, 1)
+    pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
+    j = torch.arange(ctx_len).unsqueeze(0)
+    mask = j <= pos
+    if window is not None:
+        mask &= j > pos - window
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
+    return o.transpose(0, 1)
+
+
+def build_case(rng: random.Random, heads: int, kv_heads: int, d: int, bs: int):
+    """Sequences with (cached prefix, new tokens): decodes, fresh prompts, prefixed chunks.
+    Returns the metadata, q/k/v of the new tokens, the cache, and per sequence the full K/V
+    plus where its new rows sit in the batch."""
+    kinds = [rng.choice(["decode", "decode", "fresh", "prefix"]) for _ in range(rng.randint(1, 9))]
+    num_blocks = 2000
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    cache = torch.randn(2, num_blocks, bs, kv_heads, d)
+    seqs = []
+    for kind in kinds:
+        if kind == "decode":
+            prefix, new = rng.randint(0, 120), 1
+        elif kind == "fresh":
+            prefix, new = 0, rng.choice([2, 3, rng.randint(2, 70)])
+        else:
+            prefix, new = rng.randint(1, 90), rng.randint(2, 30)
+        total = prefix + new
+        table = [free.pop() for _ in range(-(-total // bs))]
+        k_all, v_all = torch.randn(total, kv_heads, d), torch.randn(total, kv_heads, d)
+        for p in range(prefix):  # the cached prefix is already in the cache
+            cache[0, table[p // bs], p % bs] = k_all[p]
+            cache[1, table[p // bs], p % bs] = v_all[p]
+        seqs.append((prefix, new, table, k_all, v_all))
+    # decodes first, as the model runner orders the batch
+    seqs.sort(key=lambda s: s[1] != 1)
+    slot_of = [[t[p // bs] * bs + p % bs for p in range(pre + n)] for pre, n, t, _, _ in seqs]
+    q_rows, k_rows, v_rows, slots, spans = [], [], [], [], []
+    tables, starts, lens = [], [], []
+    row = 0
+    for i, (prefix, new, table, k_all, v_all) in enumerate(seqs):
+        total = prefix + new
+        q_rows.append(torch.randn(new, heads, d))
+        k_rows.append(k_all[prefix:])
+        v_rows.append(v_all[prefix:])
+        slots += slot_of[i][prefix:]
+        if new == 1:
+            starts.append(len(tables))
+            tables += table
+            lens.append(total)
+        else:
+            ctx = None if prefix == 0 else torch.tensor(slot_of[i])
+            spans.append(PrefillSpan(row, new, total, ctx))
+        row += new
+    meta = AttentionMetadata(torch.tensor(slots), spans)
+    if lens:
+        i32 = torch.int32
+        meta.decode = DecodeBatch(torch.tensor(tables, dtype=i32), torch.tensor(starts, dtype=i32),
+                                  torch.tensor(lens, dtype=i32))
+    return meta, torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows), cache, seqs
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_backend_matches_dense_reference(kernel, monkeypatch):
+    if kernel and not cpu_kernels.available():
+        pytest.skip("no C compiler: the kernel path is not used here")
+    if not kernel:
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    rng = random.Random(5)
+    for case in range(40):
+        heads, kv_heads = rng.choice([(4, 2), (4, 4), (12, 4), (8, 1)])
+        d = rng.choice([16, 64, 128])
+        bs = rng.choice([1, 4, 16])
+        window = rng.choice([None, None, 7, 20])
+        meta, q, k, v, cache, seqs = build_case(rng, heads, kv_heads, d, bs)
+        scale = d ** -0.5
+        out = TorchAttentionBackend.forward(q, k, v, cache, meta, scale, window)
+        row = 0
+        for prefix, new, _, k_all, v_all in seqs:
+            want = reference(q[row:row + new], k_all, v_all, prefix + new, new, scale, window)
+            torch.testing.assert_close(out[row:row + new], want, atol=2e-5, rtol=1e-4,
+                                       msg=f"case {case}: prefix {prefix}, new {new}")
+            row += new
+
+
+def test_kernel_reads_strided_query_rows():
+    """The model passes q as a view into the fused qkv output (rows wider than H * d)."""
+    if not cpu_kernels.available():
+        pytest.skip("no C compiler")
+    rng = random.Random(1)
+    meta, q, k, v, cache, seqs = build_case(rng, 12, 4, 64, 16)
+    wide = torch.randn(q.shape[0], 20, 64)
+    wide[:, :12] = q
+    out = TorchAttentionBackend.forward(wide[:, :12], k, v, cache.clone(), meta, 0.125, None)
+    ref = TorchAttentionBackend.forward(q.contiguous(), k, v, cache.clone(), meta, 0.125, None)
+    torch.testing.assert_close(out, ref)

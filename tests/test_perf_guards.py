@@ -1,0 +1,81 @@
+"""Regression guards for the performance work, by counts and sizes (never times, which the
+shared test machine cannot keep steady):
+
+- a decode step's Python work (function calls, engine and worker together) does not grow with
+  the sequence's history;
+- the request a decode step ships to workers does not grow with history beyond its block
+  table (a few bytes per block of block_size tokens; the token history is never resent);
+- in this process the request references the engine's sequence data instead of copying it;
+- LLM.generate builds one RequestOutput per request, not one per request per step.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+
+from fleetllm.executor.mp_delta import DeltaEncoder
+
+from fleetllm import LLM, SamplingParams
+from fleetllm.engine import llm_engine
+
+KV = 32 << 20
+
+
+def count_calls(fn) -> int:
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        if event in ("call", "c_call"):
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_decode_step_work_and_request_size_do_not_grow_with_history(tiny_models):
+    with LLM(tiny_models["llama_gqa"], kv_cache_memory=KV) as llm:
+        engine = llm.llm_engine
+        inner = engine.model_executor.execute_model
+        requests = []
+        engine.model_executor.execute_model = lambda r: requests.append(r) or inner(r)
+        engine.add_request("long", {"prompt_token_ids": list(range(5, 305))},
+                           SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+        encoder = DeltaEncoder()  # what the mp executor sends for each step
+        calls, sizes, blocks = [], [], []
+        for step in range(400):
+            finished_only = step % 2 == 1  # both output modes
+            calls.append(count_calls(lambda fo=finished_only: engine.step(fo)))
+            request = requests[-1]
+            [meta] = request.seq_group_metadata_list
+            [(seq_id, data)] = meta.seq_data.items()
+            [seq] = engine.scheduler.running[0].seqs if engine.scheduler.running else [None]
+            if seq is not None:
+                assert data is seq.data  # referenced, not copied
+            sizes.append(len(pickle.dumps(encoder.encode(request))))
+            blocks.append(len(meta.block_tables[seq_id]))
+        assert not engine.has_unfinished_requests()
+    # Steps 10/11 (history ~311) against 390/391 (~691): same work, same size but the table.
+    for early, late in ((10, 390), (11, 391)):
+        assert abs(calls[late] - calls[early]) <= 8, (calls[early], calls[late])
+        grown = blocks[late] - blocks[early]
+        assert grown > 20
+        assert sizes[late] - sizes[early] <= 3 * grown, (sizes[early], sizes[late], grown)
+
+
+def test_generate_builds_one_output_per_request(tiny_models, monkeypatch):
+    built = []
+    real = llm_engine.RequestOutput.from_seq_group
+    monkeypatch.setattr(llm_engine.RequestOutput, "from_seq_group",
+                        staticmethod(lambda g: built.append(g.request_id) or real(g)))
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 40, 90)]
+    with LLM(tiny_models["llama_gqa"], kv_cache_memory=KV) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True),
+                            use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
+    assert sorted(built) == sorted(o.request_id for o in outs)
