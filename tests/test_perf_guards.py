@@ -14,7 +14,7 @@ from __future__ import annotations
 import pickle
 import sys
 
-from fleetllm.executor.mp_delta import DeltaEncoder
+from fleetllm.worker.delta import DeltaEncoder
 
 from fleetllm import LLM, SamplingParams
 from fleetllm.engine import llm_engine
