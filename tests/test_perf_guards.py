@@ -14,10 +14,9 @@ from __future__ import annotations
 import pickle
 import sys
 
-from fleetllm.worker.delta import DeltaEncoder
-
 from fleetllm import LLM, SamplingParams
 from fleetllm.engine import llm_engine
+from fleetllm.worker.delta import DeltaEncoder
 
 KV = 32 << 20
 
