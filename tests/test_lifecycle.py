@@ -38,8 +38,11 @@ def rss(executor) -> int:
 
 def kv_and_weight_bytes(executor) -> tuple[int, int]:
     kv = executor.collective_rpc(lambda w: w.cache_engine.nbytes())
-    weights = executor.collective_rpc(lambda w: sum(
-        p.numel() * p.element_size() for p in w.model_runner.model.parameters()))
+    weights = executor.collective_rpc(lambda w: sum(  # parameters and oneDNN-packed copies
+        t.numel() * t.element_size() for t in [
+            *w.model_runner.model.parameters(),
+            *(m.packed_weight for m in w.model_runner.model.modules()
+              if getattr(m, "packed_weight", None) is not None)]))
     return sum(kv), sum(weights)
 
 

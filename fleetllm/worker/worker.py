@@ -154,6 +154,11 @@ class Worker(WorkerBase):
                 # one object, emptied once.
                 for param in model.parameters():
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+                for module in model.modules():  # oneDNN-packed copies (layers.py) go too
+                    packed = getattr(module, "packed_weight", None)
+                    if packed is not None:
+                        freed += packed.numel() * packed.element_size()
+                        module.packed_weight = None
                 state["weights"] = model
         _release_memory(self.device)
         return freed
