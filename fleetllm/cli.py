@@ -1,4 +1,4 @@
-"""The `fleetllm` command: generate, bench throughput, bench rpc.
+"""The `fleetllm` command: generate, bench throughput, bench latency, bench rpc.
 
 Engine flags are derived from the config dataclasses, with vLLM's names
 (--tensor-parallel-size, --max-model-len, --block-size, ...), so they never drift; vLLM's
@@ -199,12 +199,12 @@ def _add_generate(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
-    from fleetllm.benchmarks import rpc, throughput
+    from fleetllm.benchmarks import latency, rpc, throughput
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput | rpc",
+    bench = sub.add_parser("bench", help="benchmarks: throughput | latency | rpc",
                            description="Benchmarks; `fleetllm bench NAME --help` for each.")
     which = bench.add_subparsers(dest="benchmark", required=True, metavar="NAME")
-    for name, module in (("throughput", throughput), ("rpc", rpc)):
+    for name, module in (("throughput", throughput), ("latency", latency), ("rpc", rpc)):
         summary = (module.__doc__ or name).split("\n\n")[0]
         parser = which.add_parser(name, parents=[common], formatter_class=HelpFormatter,
                                   help=summary.split(":")[0], description=summary)
