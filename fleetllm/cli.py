@@ -1,4 +1,4 @@
-"""The `fleetllm` command: generate, bench throughput, bench rpc.
+"""The `fleetllm` command: generate, bench throughput, bench latency, bench rpc.
 
 Engine flags are derived from the config dataclasses, with vLLM's names
 (--tensor-parallel-size, --max-model-len, --block-size, ...), so they never drift; vLLM's
@@ -230,12 +230,13 @@ def _run_bench_serve(args: argparse.Namespace) -> int | dict:
 
 
 def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
-    from fleetllm.benchmarks import recovery, rpc, throughput
+    from fleetllm.benchmarks import latency, recovery, rpc, throughput
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput | rpc | serve | recovery",
+    bench = sub.add_parser("bench", help="throughput | latency | rpc | serve | recovery",
                            description="Benchmarks; `fleetllm bench NAME --help` for each.")
     which = bench.add_subparsers(dest="benchmark", required=True, metavar="NAME")
-    for name, module in (("throughput", throughput), ("rpc", rpc), ("recovery", recovery)):
+    for name, module in (("throughput", throughput), ("latency", latency), ("rpc", rpc),
+                         ("recovery", recovery)):
         summary = (module.__doc__ or name).split("\n\n")[0]
         parser = which.add_parser(name, parents=[common], formatter_class=HelpFormatter,
                                   help=summary.split(":")[0], description=summary)

@@ -78,3 +78,27 @@ def test_generate_builds_one_output_per_request(tiny_models, monkeypatch):
                             use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
     assert sorted(built) == sorted(o.request_id for o in outs)
+
+
+def test_intra_op_threads_default_to_the_available_cores(monkeypatch):
+    import os
+
+    import torch
+
+    from fleetllm.worker import model_runner
+
+    cores = model_runner.available_cores()
+    assert 1 <= cores <= len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setenv("FLEETLLM_NUM_THREADS", "1")
+        model_runner._set_intra_op_threads(1)
+        assert torch.get_num_threads() == 1
+        monkeypatch.delenv("FLEETLLM_NUM_THREADS")
+        model_runner._set_intra_op_threads(1)
+        assert torch.get_num_threads() == cores
+        model_runner._set_intra_op_threads(cores * 4)  # ranks share the cores, at least 1
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -30,6 +30,9 @@ def test_greedy_takes_argmax_and_reports_raw_logprobs():
 
 
 def test_temperature_follows_the_distribution_and_sharpens():
+    # Unseeded draws use the global generator: fix it, or the cold check below fails ~3% of
+    # the time (400 draws at p(other) ~ 8e-5 each) depending on what ran before.
+    torch.manual_seed(0)
     counts = draw(SamplingParams(temperature=1.0), times=4000)
     assert len(counts) >= 5  # random, not greedy
     assert abs(counts[0] / 4000 - 0.40) < 0.04 and abs(counts[1] / 4000 - 0.25) < 0.04

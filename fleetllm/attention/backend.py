@@ -74,10 +74,11 @@ class AttentionMetadata:
 class TorchAttentionBackend:
     @staticmethod
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
-                meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                kv_written: bool = False) -> torch.Tensor:
         """q: [T, H, d]; k, v: [T, KVH, d] (any row strides); returns [T, H, d] contiguous.
-        kv_cache None: the profiling run before the cache exists (prefills only)."""
+        kv_cache None: the profiling run before the cache exists (prefills only). kv_written:
+        the caller already wrote k and v at meta.slot_mapping (a fused kernel did)."""
         window = sliding_window
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         k_cache = v_cache = None
@@ -85,8 +86,9 @@ class TorchAttentionBackend:
             num_slots = kv_cache.shape[1] * kv_cache.shape[2]
             k_cache = kv_cache[0].view(num_slots, *kv_cache.shape[3:])
             v_cache = kv_cache[1].view(num_slots, *kv_cache.shape[3:])
-            k_cache.index_copy_(0, meta.slot_mapping, k)
-            v_cache.index_copy_(0, meta.slot_mapping, v)
+            if not kv_written:
+                k_cache.index_copy_(0, meta.slot_mapping, k)
+                v_cache.index_copy_(0, meta.slot_mapping, v)
         n_dec = meta.decode.num if meta.decode is not None else 0
         if n_dec:
             _decode(q[:n_dec], kv_cache, meta, scale, window, out[:n_dec])

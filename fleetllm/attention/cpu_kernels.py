@@ -5,12 +5,21 @@ blocks (no gathered copy, no padding to the longest context), each K/V byte read
 step and layer. PyTorch has no such operation: the pure-PyTorch path gathers the context into
 a padded tensor first, which measured 5-10x slower on the 125M preset at batch 64.
 
+A small-M matrix-vector product (GEMV) streaming a dense [out, in] weight at the memory's
+bandwidth, for decode batches of a few sequences (oneDNN and MKL stream it at half that).
+
+Fused elementwise ops (residual add + RMSNorm, SiLU * up, RoPE of q and k + the K/V cache
+write): one pass and at most one parallel region each instead of 2-6 torch kernels, and no
+parallel region at all for a few rows, where waking a sleeping OpenMP thread costs more than
+the work (OMP_WAIT_POLICY=PASSIVE, which fleetllm sets).
+
 The library is built with `cc -O3 -march=native -fopenmp` into a per-user cache directory
 (FLEETLLM_KERNEL_CACHE, default ~/.cache/fleetllm/kernels; keyed by the source, the flags and
-the CPU), loaded with ctypes and called with raw pointers. Its OpenMP runtime is torch's own
-(the same libgomp.so.1 soname: the loader reuses the copy torch loaded), and every call passes
-torch's thread count. Without a compiler, or with FLEETLLM_CPU_KERNELS=0, `available()` is
-False and the backend runs its pure-PyTorch path; results agree to fp32 rounding.
+the CPU), loaded with ctypes and called with raw pointers. The kernels run on their own small
+thread pool (cpu_kernels_src.py: workers spin briefly between calls, then sleep), as many
+threads as torch's intra-op count. Without a compiler, or with FLEETLLM_CPU_KERNELS=0,
+`available()` is False and every caller runs its pure-PyTorch path; results agree to fp32
+rounding.
 """
 
 from __future__ import annotations
@@ -27,121 +36,17 @@ from pathlib import Path
 
 import torch
 
+from fleetllm.attention.cpu_kernels_ops import OPS
+from fleetllm.attention.cpu_kernels_src import RUNTIME
+
+_SOURCE = RUNTIME + OPS
+
 logger = logging.getLogger(__name__)
 
-_SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
-/* One sequence's work item: query heads [kh0*G, (kh0+nkv)*G) of seq b. D is a literal in the
-   specialized callers below, so the inner loops vectorize with known trip counts. */
-static inline __attribute__((always_inline)) void decode_item(
-    const float *q, const float *k, const float *v, const int32_t *table,
-    int start, int len, int kh0, int nkv, float *out, int H, int KVH, const int D, int bs,
-    float scale, float *scores, float *acc)
-{
-    const int G = H / KVH, nh = nkv * G;
-    const long tok = (long)KVH * D;          /* floats per token slot in a block */
-    const int b0 = start / bs, b1 = (len + bs - 1) / bs;
-    const int n = (b1 - b0) * bs;            /* whole blocks; the ends are masked */
-    const int lo = start - b0 * bs, hi = len - b0 * bs;
-    const float *qb = q + (long)kh0 * G * D;
-    for (int blk = b0; blk < b1; blk++) {    /* scores = q . K, block by block */
-        const float *kb = k + (long)table[blk] * bs * tok + (long)kh0 * D;
-        const int base = (blk - b0) * bs;
-        for (int o = 0; o < bs; o++) {
-            for (int kh = 0; kh < nkv; kh++) {
-                const float *kp = kb + o * tok + (long)kh * D;
-                for (int g = 0; g < G; g++) {
-                    const int h = kh * G + g;
-                    const float *qh = qb + (long)h * D;
-                    float s = 0.f;
-                    #pragma omp simd reduction(+:s)
-                    for (int d = 0; d < D; d++) s += qh[d] * kp[d];
-                    scores[(long)h * n + base + o] = s * scale;
-                }
-            }
-        }
-    }
-    for (int h = 0; h < nh; h++) {            /* softmax over the visible positions */
-        float *sh = scores + (long)h * n;
-        float m = -INFINITY, sum = 0.f;
-        for (int t = lo; t < hi; t++) m = sh[t] > m ? sh[t] : m;
-        for (int t = 0; t < lo; t++) sh[t] = 0.f;
-        for (int t = hi; t < n; t++) sh[t] = 0.f;
-        #pragma omp simd reduction(+:sum)
-        for (int t = lo; t < hi; t++) { const float e = expf(sh[t] - m); sh[t] = e; sum += e; }
-        const float inv = 1.f / sum;
-        #pragma omp simd
-        for (int t = lo; t < hi; t++) sh[t] *= inv;
-    }
-    memset(acc, 0, sizeof(float) * (size_t)nh * D);
-    for (int blk = b0; blk < b1; blk++) {    /* out = P . V */
-        const float *vb = v + (long)table[blk] * bs * tok + (long)kh0 * D;
-        const int base = (blk - b0) * bs;
-        const int o0 = base < lo ? lo - base : 0;
-        const int o1 = base + bs <= hi ? bs : hi - base;
-        for (int o = o0; o < o1; o++) {
-            for (int kh = 0; kh < nkv; kh++) {
-                const float *vp = vb + o * tok + (long)kh * D;
-                for (int g = 0; g < G; g++) {
-                    const int h = kh * G + g;
-                    const float w = scores[(long)h * n + base + o];
-                    float *ah = acc + (long)h * D;
-                    #pragma omp simd
-                    for (int d = 0; d < D; d++) ah[d] += w * vp[d];
-                }
-            }
-        }
-    }
-    memcpy(out + (long)kh0 * G * D, acc, sizeof(float) * (size_t)nh * D);
-}
-
-/* q: B rows of H*D floats, q_stride floats apart; out: [B, H, D] contiguous; k, v: one
-   layer's [num_blocks, bs, KVH, D] caches; seq b's blocks are tables[table_start[b]...],
-   it attends to positions [max(0, len - window), len) (window <= 0: all). */
-void paged_decode_f32(const float *q, long q_stride, const float *k, const float *v,
-                      const int32_t *tables, const int32_t *table_start,
-                      const int32_t *ctx_lens, float *out, int B, int H, int KVH, int D,
-                      int bs, int window, float scale, int nthreads)
-{
-    int maxlen = 0;
-    for (int b = 0; b < B; b++) maxlen = ctx_lens[b] > maxlen ? ctx_lens[b] : maxlen;
-    /* Whole sequences per item read whole token rows (better prefetching); a small batch
-       splits by KV head so that every thread has work. */
-    const int split = B >= 4 * nthreads ? 1 : KVH;
-    const int nkv = KVH / split;
-    #pragma omp parallel num_threads(nthreads)
-    {
-        float *scores = malloc(sizeof(float) * (size_t)H * (maxlen + 2 * bs));
-        float *acc = malloc(sizeof(float) * (size_t)H * D);
-        #pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < B * split; item++) {
-            const int b = item / split, kh0 = (item % split) * nkv, len = ctx_lens[b];
-            const int start = window > 0 && len > window ? len - window : 0;
-            const float *qb = q + (long)b * q_stride;
-            float *ob = out + (long)b * H * D;
-            const int32_t *table = tables + table_start[b];
-            if (D == 64)
-                decode_item(qb, k, v, table, start, len, kh0, nkv, ob, H, KVH, 64,
-                            bs, scale, scores, acc);
-            else if (D == 128)
-                decode_item(qb, k, v, table, start, len, kh0, nkv, ob, H, KVH, 128,
-                            bs, scale, scores, acc);
-            else
-                decode_item(qb, k, v, table, start, len, kh0, nkv, ob, H, KVH, D,
-                            bs, scale, scores, acc);
-        }
-        free(scores);
-        free(acc);
-    }
-}
-"""
-
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
-          "-shared", "-fPIC"]
+# -fopenmp-simd: only the `omp simd` vectorization hints, no OpenMP runtime.
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
+          "-shared", "-fPIC", "-pthread"]
 _lib: ctypes.CDLL | None = None
 _tried = False
 _lock = threading.Lock()
@@ -197,12 +102,17 @@ def _load() -> ctypes.CDLL | None:
             logger.warning("CPU attention kernels unavailable (%s%s); using the PyTorch path",
                            e, ": " + detail.decode(errors="replace")[:500] if detail else "")
             return None
-        fn = lib.paged_decode_f32
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_float, ctypes.c_int]
-        fn.restype = None
+        p, i, f, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+        signatures = {
+            "paged_decode_f32": [p, n, p, p, p, p, p, p, i, i, i, i, i, i, f, i],
+            "add_rmsnorm_f32": [p, p, p, p, i, i, f, i],
+            "silu_mul_f32": [p, p, i, i, i],
+            "rope_qk_kv_f32": [p, n, p, p, p, p, p, p, p, i, i, i, i, i],
+            "gemv_f32": [p, p, p, p, i, i, i, i],
+        }
+        for name, argtypes in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
         _lib = lib
         return lib
 
@@ -229,3 +139,56 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
                          kv_cache[1].data_ptr(), tables.data_ptr(), table_start.data_ptr(),
                          ctx_lens.data_ptr(), out.data_ptr(), b, h, kvh, d, block_size,
                          window or 0, scale, torch.get_num_threads())
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """The kernels apply: CPU float32 tensors, and the library is built."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and \
+        available()
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    """rmsnorm(x + residual) * weight, with residual updated to x + residual in place (or
+    rmsnorm(x) * weight without one). x, residual: contiguous [T, H]."""
+    out = torch.empty_like(x)
+    _load().add_rmsnorm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                         weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+                         torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a contiguous [T, 2I] (gate, then up)."""
+    t, two_i = gate_up.shape
+    out = torch.empty((t, two_i // 2), dtype=gate_up.dtype)
+    _load().silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2,
+                      torch.get_num_threads())
+    return out
+
+
+def rope_qk_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+               kv_heads: int, kv_cache: torch.Tensor | None, slots: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE of the q and k parts of the fused qkv output [T, (H + 2 KVH) * D] (rows may be
+    strided); with a cache ([2, blocks, block_size, KVH, D], contiguous), k and v are written
+    at `slots` (int64). Returns q [T, H, D], k [T, KVH, D], contiguous."""
+    t = qkv.shape[0]
+    d = qkv.shape[1] // (heads + 2 * kv_heads)
+    q = torch.empty((t, heads, d), dtype=qkv.dtype)
+    k = torch.empty((t, kv_heads, d), dtype=qkv.dtype)
+    caches = (None, None, None) if kv_cache is None else \
+        (kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), slots.data_ptr())
+    _load().rope_qk_kv_f32(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
+                        q.data_ptr(), k.data_ptr(), *caches, t, heads, kv_heads, d,
+                        torch.get_num_threads())
+    return q, k
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for a few rows of x: contiguous float32 x [M, K], weight [N, K]."""
+    m, k = x.shape
+    out = torch.empty((m, weight.shape[0]), dtype=x.dtype)
+    _load().gemv_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                  out.data_ptr(), m, weight.shape[0], k, torch.get_num_threads())
+    return out

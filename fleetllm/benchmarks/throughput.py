@@ -1,42 +1,72 @@
-"""Offline throughput: N random requests through LLM.generate, next to HF `generate` on the
-same requests in the same run.
+"""Offline throughput: the same requests through fleetllm (LLM.generate) and its peers in one
+process, next to the roofline of this machine.
 
-    fleetllm bench throughput [--model DIR] [--num-prompts 64] [--input-len 128]
-                              [--output-len 64] [--hf-batch-size 8]
-                              [--compare-backend uni] [engine flags]
+    fleetllm bench throughput --preset llama-125m --compare hf,hf-cb [--repeat 2] [--json F]
+    fleetllm bench throughput --preset llama-125m --shared-prefix 1024 --input-len 32 \\
+        --output-len 32 --compare none
+    fleetllm bench throughput [--model DIR] [--num-prompts N] [--input-len N|LOW:HIGH]
+        [--output-len N|LOW:HIGH] [--dataset F.jsonl] [--compare-backend uni] [engine flags]
     python -m fleetllm.benchmarks.throughput ...   (the same)
 
-Prints requests/s and output tokens/s for fleetllm and HF (each the best of --repeat runs),
-and their ratio; with --compare-backend, also fleetllm on that executor backend (e.g. `mp`
-against `uni`; both engines stay up and take turns). Without --model it uses the bundled
-demo model. Every request generates exactly --output-len tokens
-(ignore_eos), so both sides do the same work.
+Every engine is loaded and warmed once, then they take turns for --repeat rounds; each counts
+its best round. Printed per engine: requests/s, input, output and total tokens/s, and
+fleetllm's ratio to each. Peers (--compare): `hf` (transformers generate, static batches of
+--hf-batch-size, left-padded) and `hf-cb` (transformers' continuous batching), with the same
+weights (--preset's dummy weights are handed to them), dtype and thread count; greedy, each
+request exactly its output length. The roofline: the workload's FLOPs at this run's matmul
+rate on the model's own shapes (every layer's weights streamed, at prefill-sized and at
+decode-batch-sized rows), for plain torch matmul and for the best matmul measured (oneDNN,
+packed weights); the fraction of each that fleetllm reaches is printed.
+
+--shared-prefix N starts every prompt with one common N-token prefix and also runs fleetllm
+without prefix caching: mean time to first token with and without, and whether the outputs
+are identical. Without --model or --preset: the bundled demo model.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
+import json
 import time
 
+from fleetllm.benchmarks import workload
+from fleetllm.benchmarks.presets import PRESETS, preset_dir
 from fleetllm.cli import HelpFormatter, add_engine_args, engine_kwargs_from, resolve_model
+
+_PRESET_DEFAULTS = dict(num_prompts=64, input_len=(16, 256), output_len=(16, 64),
+                        hf_batch_size=16, repeat=2)
+_DEFAULTS = dict(num_prompts=64, input_len=(128, 128), output_len=(64, 64), hf_batch_size=8,
+                 repeat=3)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=int, default=64, help="requests")
-    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    parser.add_argument("--output-len", type=int, default=64,
-                        help="generated tokens per request")
-    parser.add_argument("--hf-batch-size", type=int, default=8,
-                        help="HF generate batch size (left-padded); 0 skips the HF peer")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="a built-in model with dummy weights instead of --model, and the "
+                             "performance workload: 64 requests, 16:256 in, 16:64 out "
+                             "(default: none)")
+    workload.add_workload_args(parser, "64", "128; 16:256 with --preset",
+                               "64; 16:64 with --preset")
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="tokens of one random prefix every prompt starts with; fleetllm "
+                             "then also runs without prefix caching and both mean TTFTs are "
+                             "printed")
+    parser.add_argument("--compare", default=None,
+                        help="peers run in the same process: hf (transformers generate), "
+                             "hf-cb (transformers continuous batching), comma-separated, or "
+                             "none (default: hf)")
+    parser.add_argument("--hf-batch-size", type=int, default=None,
+                        help="HF generate batch size (left-padded); 0 skips the HF peer "
+                             "(default: 8; 16 with --preset)")
     parser.add_argument("--compare-backend", default=None,
                         help="also run fleetllm with this distributed_executor_backend "
                              "(same requests, same run) and print the ratio (default: none)")
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="timed runs per engine; the fastest counts (this 2-core machine's "
-                             "run-to-run noise is larger than the differences measured)")
-    parser.add_argument("--data-seed", dest="bench_seed", type=int, default=0,
-                        help="seed for the random prompts")
+    parser.add_argument("--repeat", type=int, default=None,
+                        help="timed rounds, engines taking turns; each counts its best "
+                             "(default: 3; 2 with --preset)")
+    parser.add_argument("--no-roofline", action="store_true",
+                        help="skip measuring the matmul rate")
+    parser.add_argument("--json", default=None,
+                        help="write every figure to this file (default: none)")
     add_engine_args(parser)
 
 
@@ -45,94 +75,204 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-def run(args: argparse.Namespace) -> int:
-    model = resolve_model(args.model)
-    import torch
-
-    kwargs = engine_kwargs_from(args, args.engine_actions)
-    variants = [kwargs]
-    if args.compare_backend:
-        variants.append({**kwargs, "distributed_executor_backend": args.compare_backend})
-    times, outputs, prompts = _run_fleetllm(model, variants, args)
-    ours = times[0]
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(f"model: {model}")
-    print(f"requests: {args.num_prompts} x ({args.input_len} in, {args.output_len} out), "
-          f"torch threads: {torch.get_num_threads()}, fleetllm: best of {args.repeat} runs")
-    print(f"fleetllm: {args.num_prompts / ours:8.2f} requests/s  {out_tokens / ours:9.1f} "
-          f"output tokens/s  ({ours:.2f} s)")
-    if args.compare_backend:
-        peer = times[1]
-        backend = kwargs.get("distributed_executor_backend", "default")
-        print(f"fleetllm ({args.compare_backend}): {args.num_prompts / peer:8.2f} requests/s  "
-              f"{out_tokens / peer:9.1f} output tokens/s  ({peer:.2f} s)")
-        print(f"ratio {backend} / {args.compare_backend}: {peer / ours:.3f}x")
-    if args.hf_batch_size:
-        hf = _hf_generate(model, prompts, args.output_len, args.hf_batch_size, args.repeat)
-        print(f"HF generate (batch {args.hf_batch_size}, best of {args.repeat}): "
-              f"{args.num_prompts / hf:8.2f} "
-              f"requests/s  {out_tokens / hf:9.1f} output tokens/s  ({hf:.2f} s)")
-        print(f"ratio fleetllm / HF: {hf / ours:.2f}x")
+    run(parser.parse_args(argv))
     return 0
 
 
-def _run_fleetllm(model: str, variants: list[dict], args: argparse.Namespace):
-    """Best time of each engine variant over the same random requests, plus the first one's
-    outputs and the prompts. All engines stay up and take turns, so neither gains from
-    running second (measured here: whichever ran second in a process was ~20% faster)."""
-    from fleetllm import LLM, SamplingParams
-
-    engines = []
-    try:
-        for kwargs in variants:
-            engines.append(LLM(model, **kwargs))
-        tokenizer = engines[0].get_tokenizer()
-        vocab = min(engines[0].llm_engine.model_config.arch.vocab_size,
-                    len(tokenizer) if tokenizer else 10**9)
-        rng = random.Random(args.bench_seed)
-        prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)]
-                   for _ in range(args.num_prompts)]
-        requests = [{"prompt_token_ids": p} for p in prompts]
-        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-        for llm in engines:  # warm-up
-            llm.generate(requests[:1], SamplingParams(max_tokens=2), use_tqdm=False)
-        best = [float("inf")] * len(engines)
-        outputs = None
-        for _ in range(max(1, args.repeat)):
-            for i, llm in enumerate(engines):
-                start = time.perf_counter()
-                result = llm.generate(requests, params, use_tqdm=False)
-                best[i] = min(best[i], time.perf_counter() - start)
-                outputs = outputs or result
-        return best, outputs, prompts
-    finally:
-        for llm in engines:
-            llm.shutdown()
+def resolve_source(args: argparse.Namespace, kwargs: dict) -> tuple[str, int | None]:
+    """The model directory and, for dummy weights, their seed (--preset implies
+    load_format="dummy")."""
+    if args.preset and args.model:
+        raise ValueError("give --preset or --model, not both")
+    if args.preset:
+        kwargs.setdefault("load_format", "dummy")
+        return preset_dir(args.preset), kwargs.get("seed", 0)
+    model = resolve_model(args.model)
+    dummy = kwargs.get("load_format") == "dummy"
+    return model, kwargs.get("seed", 0) if dummy else None
 
 
-def _hf_generate(model: str, prompts: list[list[int]], output_len: int,
-                 batch_size: int, repeat: int) -> float:
-    """Best time of `repeat` runs of HF generate over the prompts, batch_size at a time."""
+class _Fleet:
+    """fleetllm through LLM.generate; the prefix cache is emptied before every run, so no
+    round reuses the previous round's prompts."""
+
+    def __init__(self, name: str, model: str, kwargs: dict):
+        from fleetllm import LLM
+
+        self.name = name
+        self.llm = LLM(model, **kwargs)
+
+    def run(self, requests: list[workload.Request]) -> tuple[list[list[int]], list[float]]:
+        from fleetllm import SamplingParams
+
+        self.llm.llm_engine.scheduler.block_manager.reset_prefix_cache()
+        params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
+                  for r in requests]
+        outs = self.llm.generate([{"prompt_token_ids": r.prompt} for r in requests], params,
+                                 use_tqdm=False)
+        ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
+        return [o.outputs[0].token_ids for o in outs], ttft
+
+
+def _engines(args: argparse.Namespace, model: str, kwargs: dict, dummy_seed: int | None):
+    engines = [_Fleet("fleetllm", model, kwargs)]
+    if args.compare_backend:
+        engines.append(_Fleet(f"fleetllm ({args.compare_backend})", model,
+                              {**kwargs, "distributed_executor_backend": args.compare_backend}))
+    if args.shared_prefix:
+        engines.append(_Fleet("fleetllm (no prefix caching)", model,
+                              {**kwargs, "enable_prefix_caching": False}))
+    peers = {"hf"} if args.compare is None else \
+        {p.strip() for p in args.compare.split(",") if p.strip() not in ("", "none")}
+    if args.hf_batch_size == 0:
+        peers.discard("hf")
+    unknown = peers - {"hf", "hf-cb"}
+    if unknown:
+        raise ValueError(f"--compare: unknown peers {sorted(unknown)} (hf, hf-cb, none)")
+    if peers:
+        from fleetllm.benchmarks.hf_peers import HFContinuousBatching, HFGenerate, load_hf_model
+
+        hf = load_hf_model(model, dummy_seed)
+        if "hf" in peers:
+            engines.append(HFGenerate(hf, args.hf_batch_size))
+        if "hf-cb" in peers:
+            engines.append(HFContinuousBatching(hf))
+    return engines
+
+
+def run(args: argparse.Namespace) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    best = float("inf")
+    kwargs = engine_kwargs_from(args, args.engine_actions)
+    for name, value in (_PRESET_DEFAULTS if args.preset else _DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    model, dummy_seed = resolve_source(args, kwargs)
+    engines = _engines(args, model, kwargs, dummy_seed)
+    try:
+        llm = engines[0].llm
+        arch = llm.llm_engine.model_config.arch
+        tokenizer = llm.get_tokenizer()
+        vocab = min(arch.vocab_size, len(tokenizer) if tokenizer else arch.vocab_size)
+        requests = workload.make_requests(args, vocab, tokenizer, args.shared_prefix)
+        results = _measure(engines, requests, args.repeat)
+    finally:
+        for e in engines:
+            if isinstance(e, _Fleet):
+                e.llm.shutdown()
+    n_in = sum(len(r.prompt) for r in requests)
+    n_out = sum(r.output_len for r in requests)
+    figures: dict = {"model": args.preset or model, "requests": len(requests),
+                     "input_tokens": n_in, "output_tokens": n_out,
+                     "torch_threads": torch.get_num_threads(), "repeat": args.repeat,
+                     "engines": {}}
+    print(f"model: {args.preset or model}")
+    print(f"requests: {len(requests)}, {n_in} input + {n_out} output tokens "
+          f"({_span(requests)}); torch threads: {torch.get_num_threads()}; best of "
+          f"{args.repeat} rounds, engines taking turns")
+    for e in engines:
+        seconds, _, _ = results[e.name]
+        f = figures["engines"][e.name] = {
+            "seconds": seconds, "requests_per_s": len(requests) / seconds,
+            "input_tokens_per_s": n_in / seconds, "output_tokens_per_s": n_out / seconds,
+            "total_tokens_per_s": (n_in + n_out) / seconds}
+        print(f"{e.name + ':':32s} {f['requests_per_s']:7.2f} requests/s  input "
+              f"{f['input_tokens_per_s']:8.1f}  output {f['output_tokens_per_s']:7.1f}  total "
+              f"{f['total_tokens_per_s']:8.1f} tokens/s  ({seconds:.2f} s)")
+    _ratios(engines, results, figures, kwargs.get("distributed_executor_backend", "default"))
+    if args.shared_prefix:
+        _prefix_figures(results, figures)
+    if not args.no_roofline:
+        _roofline(arch, requests, results["fleetllm"][0], llm.llm_engine.config, figures)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+    return figures
+
+
+def _span(requests: list[workload.Request]) -> str:
+    ins = [len(r.prompt) for r in requests]
+    outs = [r.output_len for r in requests]
+    return f"prompts {min(ins)}-{max(ins)}, outputs {min(outs)}-{max(outs)}"
+
+
+def _measure(engines, requests, repeat: int) -> dict:
+    """{name: (best seconds, outputs of the first round, TTFTs of the best round)}."""
+    warm = requests[: max(2, len(requests) // 4)]
+    for e in engines:  # warm-up: shapes, caches, first-call costs
+        e.run([workload.Request(r.prompt, min(r.output_len, 8)) for r in warm])
+    results: dict = {}
     for _ in range(max(1, repeat)):
-        start = time.perf_counter()
-        for i in range(0, len(prompts), batch_size):
-            batch = prompts[i: i + batch_size]
-            width = max(len(p) for p in batch)
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-            with torch.no_grad():
-                hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                            min_new_tokens=output_len, do_sample=False, pad_token_id=0)
-        best = min(best, time.perf_counter() - start)
-    return best
+        for e in engines:
+            start = time.perf_counter()
+            out = e.run(requests)
+            seconds = time.perf_counter() - start
+            outputs, ttft = out if isinstance(out, tuple) else (out, None)
+            best = results.get(e.name)
+            if best is None or seconds < best[0]:
+                results[e.name] = (seconds, best[1] if best else outputs, ttft)
+    return results
+
+
+def _ratios(engines, results: dict, figures: dict, backend: str) -> None:
+    ours, our_outputs, _ = results["fleetllm"]
+    figures["ratios"] = {}
+    for e in engines[1:]:
+        seconds, outputs, _ = results[e.name]
+        same = sum(a == b for a, b in zip(our_outputs, outputs, strict=True))
+        label = {"HF generate": "HF", "HF continuous batching": "HF-CB"}.get(e.name, e.name)
+        if e.name == "fleetllm (no prefix caching)":
+            print(f"ratio with / without prefix caching: {seconds / ours:.2f}x  (identical "
+                  f"outputs {same}/{len(outputs)})")
+        elif e.name.startswith("fleetllm ("):
+            print(f"ratio {backend} / {e.name[10:-1]}: {seconds / ours:.3f}x  (identical "
+                  f"outputs {same}/{len(outputs)})")
+        else:
+            print(f"ratio fleetllm / {label}: {seconds / ours:.2f}x  (identical outputs "
+                  f"{same}/{len(outputs)})")
+        figures["ratios"][e.name] = {"speedup": seconds / ours, "identical_outputs": same}
+
+
+def _prefix_figures(results: dict, figures: dict) -> None:
+    _, with_out, with_ttft = results["fleetllm"]
+    _, without_out, without_ttft = results["fleetllm (no prefix caching)"]
+    a = sum(with_ttft) / len(with_ttft)
+    b = sum(without_ttft) / len(without_ttft)
+    same = sum(x == y for x, y in zip(with_out, without_out, strict=True))
+    figures["shared_prefix"] = {"mean_ttft_s": a, "mean_ttft_no_caching_s": b,
+                                "ttft_ratio": b / a, "identical_outputs": same}
+    print(f"shared prefix: mean TTFT {a * 1e3:.0f} ms with prefix caching, {b * 1e3:.0f} ms "
+          f"without: {b / a:.1f}x lower (identical outputs {same}/{len(with_out)})")
+
+
+def _roofline(arch, requests, seconds: float, config, figures: dict) -> None:
+    """Roofline time = prefill FLOPs at the rate of prefill-sized matmuls + decode and LM-head
+    FLOPs at the rate of decode-batch-sized ones, both measured now on the model's shapes.
+    Two rates: plain torch matmul (`x @ W.T`, MKL: the issue's definition) and the best this
+    machine does (oneDNN with packed weights, as fleetllm runs them)."""
+    flops = workload.workload_flops(arch, requests)
+    sc = config.scheduler_config
+    decode_rows = max(1, min(len(requests), sc.max_num_seqs))
+    prefill_rows = sorted({r for r in (512, sc.max_num_batched_tokens) if r > decode_rows}
+                          or {512})
+    decode_rate = workload.matmul_rate(arch, decode_rows)
+    prefill_rates = {r: workload.matmul_rate(arch, r) for r in prefill_rows}
+    tokens = sum(len(r.prompt) + r.output_len for r in requests)
+    decode_flops = flops.decode + flops.lm_head
+    figures["roofline"] = {
+        "workload_gflop": flops.total / 1e9, "prefill_gflop": flops.prefill / 1e9,
+        "decode_gflop": decode_flops / 1e9, "decode_rows": decode_rows,
+        "decode_gflops": decode_rate,
+        "prefill_gflops": {str(r): v for r, v in prefill_rates.items()}}
+    for kind, label in (("dense", "torch matmul"), ("best", "best matmul")):
+        prefill_rate = max(x[kind] for x in prefill_rates.values())
+        roof = flops.prefill / (prefill_rate * 1e9) + decode_flops / (decode_rate[kind] * 1e9)
+        figures["roofline"][kind] = {"seconds": roof, "total_tokens_per_s": tokens / roof,
+                                     "fraction": roof / seconds}
+        print(f"roofline ({label}): {flops.total / 1e12:.2f} TFLOP = {flops.prefill / 1e12:.2f}"
+              f" prefill at {prefill_rate:.0f} GFLOP/s + {decode_flops / 1e12:.2f} decode at "
+              f"{decode_rate[kind]:.0f} GFLOP/s ({decode_rows} rows) = {roof:.2f} s, "
+              f"{tokens / roof:.0f} total tokens/s; fleetllm reaches {roof / seconds:.0%}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,11 @@ After loading, `pack_linear_weights` hands each projection's weight to oneDNN in
 blocked layout (CPU, float32): its matmul then streams the weight once per call instead of
 packing it again in every call, as MKL's sgemm does for a plain [out, in] weight. On the 125M
 preset this measured 1.5-3x faster for 8-64 rows (decode batches) and about equal for long
-prefills; see docs/perf.md. FLEETLLM_LINEAR=dense keeps plain F.linear.
+prefills; see docs/perf.md. For 1-4 rows (a decode step of a few sequences, memory-bound)
+fleetllm's own GEMV kernel streams the dense weight at the memory's bandwidth, ~1.5-2x
+oneDNN's rate there, so the dense copy is kept too while the projections weigh at most
+FLEETLLM_GEMV_MAX_BYTES (default 2 GiB): twice the weight memory for a faster small batch.
+FLEETLLM_LINEAR=packed keeps only the packed weights, =dense only plain F.linear.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fleetllm.attention import cpu_kernels
 from fleetllm.distributed.parallel_state import get_tp_group
 
 logger = logging.getLogger(__name__)
@@ -55,7 +60,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Norm of x, or with a residual: (norm(x + residual), x + residual)."""
+        """Norm of x, or with a residual: (norm(x + residual), x + residual); the returned
+        residual may be the given one, updated in place."""
+        if x.dim() == 2 and x.is_contiguous() and cpu_kernels.usable(x, self.weight) and (
+                residual is None or residual.is_contiguous()):
+            out = cpu_kernels.add_rmsnorm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -222,11 +232,18 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 # ---------------------------------------------------------------- packed projection weights
 
+_GEMV_ROWS = 4  # up to this many rows, the GEMV kernel on the dense weight
+
+
 def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ layer.weight^T (+ bias), through the packed weight when the layer has one."""
-    packed = getattr(layer, "packed_weight", None)
+    """x @ layer.weight^T (+ bias): the GEMV kernel for a few rows when the dense weight is
+    kept, else the packed weight when the layer has one, else F.linear."""
+    packed, weight = getattr(layer, "packed_weight", None), layer.weight
+    if weight is not None and x.dim() == 2 and x.shape[0] <= _GEMV_ROWS and \
+            x.is_contiguous() and cpu_kernels.usable(x, weight):
+        return cpu_kernels.gemv(x, weight, bias)
     if packed is None:
-        return F.linear(x, layer.weight, bias)
+        return F.linear(x, weight, bias)
     shape = x.shape
     if x.dim() != 2:
         x = x.reshape(-1, shape[-1])
@@ -235,7 +252,7 @@ def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) 
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
-    if os.environ.get("FLEETLLM_LINEAR", "packed") != "packed":
+    if os.environ.get("FLEETLLM_LINEAR", "auto") == "dense":
         return False
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return False
@@ -245,14 +262,18 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 def pack_linear_weights(model: nn.Module) -> int:
     """Give each projection (and the LM head) a oneDNN-packed copy of its weight, checked
-    against F.linear on a few rows, and free the dense weight unless something else uses it
-    (tied embeddings). Returns the number of layers packed; 0 leaves the model unchanged."""
+    against F.linear on a few rows. The dense weight stays for the small-batch GEMV kernel
+    while all of them weigh at most FLEETLLM_GEMV_MAX_BYTES, else it is freed (unless the
+    embedding shares it). Returns the number of layers packed; 0 leaves the model unchanged."""
     shared = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)
               and not isinstance(m, ParallelLMHead)}
+    linears = [m for m in model.modules()
+               if isinstance(m, ColumnParallelLinear | RowParallelLinear | ParallelLMHead)]
+    dense_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    keep_dense = os.environ.get("FLEETLLM_LINEAR", "auto") == "auto" and cpu_kernels.available() \
+        and dense_bytes <= int(float(os.environ.get("FLEETLLM_GEMV_MAX_BYTES", 2 << 30)))
     count = 0
-    for module in model.modules():
-        if not isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
-            continue
+    for module in linears:
         weight = module.weight
         if weight is None or not _can_pack(weight):
             continue
@@ -265,7 +286,7 @@ def pack_linear_weights(model: nn.Module) -> int:
             logger.warning("oneDNN weight packing unavailable (%s): plain F.linear", e)
             return count
         module.packed_weight = packed
-        if id(weight) not in shared:  # the packed copy replaces it: no second copy kept
+        if not keep_dense and id(weight) not in shared:  # the packed copy replaces it
             module.weight = None
         count += 1
     return count

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fleetllm.attention import AttentionMetadata, TorchAttentionBackend
+from fleetllm.attention import AttentionMetadata, TorchAttentionBackend, cpu_kernels
 from fleetllm.config import ArchConfig
 from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
 from fleetllm.model.layers import (
@@ -71,6 +71,13 @@ class Attention(nn.Module):
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size:].view(t, kvh, d)
+        if self.q_norm is None and cpu_kernels.usable(qkv) and (kv_cache is None
+                                                                or kv_cache.is_contiguous()):
+            # One C pass: rotate q and k, write k and v into the cache.
+            q, k = cpu_kernels.rope_qk_kv(qkv, *rope, h, kvh, kv_cache, meta.slot_mapping)
+            o = TorchAttentionBackend.forward(q, k, v, kv_cache, meta, self.scale,
+                                              self.sliding_window, kv_written=True)
+            return self.o_proj(o.view(t, self.q_size))
         if self.q_norm is None:  # q and k rotated together: one set of kernels, not two
             qk = rotate(qkv[:, :self.q_size + self.kv_size].view(t, h + kvh, d), *rope)
             q, k = qk[:, :h], qk[:, h:]
@@ -92,7 +99,10 @@ class MLP(nn.Module):
                                            bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_contiguous() and cpu_kernels.usable(gate_up):
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))  # one pass, no temporaries
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

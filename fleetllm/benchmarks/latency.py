@@ -1,0 +1,238 @@
+"""Latency at one batch size: time to first token, time per output token (p50/p99),
+end-to-end latency, decode tokens/s, for fleetllm and HF `generate` on the same prompts in the
+same process, next to the memory-bandwidth bound; and where a decode step's time goes.
+
+    fleetllm bench latency --preset llama-125m --batch-size 1 [--input-len 128]
+        [--output-len 128] [--repeat 3] [--compare hf|none] [--json F] [engine flags]
+    python -m fleetllm.benchmarks.latency ...   (the same)
+
+fleetllm runs through LLMEngine.step() (streaming outputs, as a server does), all requests
+arriving together. The bound: a decode step reads every weight once (the embedding table only
+at the batch's rows) plus the batch's KV cache; divided by the memory read bandwidth measured
+in this run, that gives the most decode tokens/s the memory allows. The decode step split:
+the model's forward (embedding to logits, timed inside the worker) against everything else in
+LLMEngine.step (scheduling, input preparation, sampling, detokenization, outputs, IPC).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from fleetllm.benchmarks import workload
+from fleetllm.benchmarks.presets import PRESETS
+from fleetllm.benchmarks.throughput import resolve_source
+from fleetllm.cli import HelpFormatter, add_engine_args, engine_kwargs_from
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="a built-in model with dummy weights instead of --model "
+                             "(default: none)")
+    parser.add_argument("--batch-size", type=int, default=1, help="requests run together")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="generated tokens")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="rounds, engines taking turns; each counts its best")
+    parser.add_argument("--compare", default="hf",
+                        help="hf (transformers generate, same prompts and weights) or none")
+    parser.add_argument("--data-seed", dest="bench_seed", type=int, default=0,
+                        help="seed for the random prompts")
+    parser.add_argument("--json", default=None,
+                        help="write every figure to this file (default: none)")
+    add_engine_args(parser)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fleetllm.benchmarks.latency",
+                                     description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+    return 0
+
+
+def _timed_forward(worker) -> None:
+    """Installed in each worker: record the wall time of every model forward."""
+    runner = worker.model_runner
+    if getattr(runner, "_bench_times", None) is None:
+        inner = runner._forward
+
+        def forward(batch, kv_caches):
+            start = time.perf_counter()
+            try:
+                return inner(batch, kv_caches)
+            finally:
+                runner._bench_times.append(time.perf_counter() - start)
+
+        runner._forward = forward
+    runner._bench_times = []
+
+
+def _forward_times(worker) -> list[float]:
+    return list(worker.model_runner._bench_times)
+
+
+class _FleetLatency:
+    name = "fleetllm"
+
+    def __init__(self, model: str, kwargs: dict):
+        from fleetllm import LLM
+
+        self.llm = LLM(model, **kwargs)
+        self.engine = self.llm.llm_engine
+
+    def run(self, prompts: list[list[int]], output_len: int) -> dict:
+        from fleetllm import SamplingParams
+
+        engine = self.engine
+        engine.scheduler.block_manager.reset_prefix_cache()
+        engine.model_executor.collective_rpc(_timed_forward)
+        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        start = time.perf_counter()
+        for i, p in enumerate(prompts):
+            engine.add_request(f"lat{i}", {"prompt_token_ids": p}, params)
+        token_times: dict[str, list[float]] = {f"lat{i}": [] for i in range(len(prompts))}
+        step_times, first_decode = [], None
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            outs = engine.step()
+            now = time.perf_counter()
+            step_times.append(now - t0)
+            for o in outs:
+                times = token_times[o.request_id]
+                times += [now] * (len(o.outputs[0].token_ids) - len(times))
+            if first_decode is None and all(token_times.values()):
+                first_decode = len(step_times)  # the steps after this one are decodes
+        forwards = engine.model_executor.collective_rpc(_forward_times)[-1]
+        split = None
+        if len(forwards) == len(step_times) and first_decode < len(step_times):
+            steps, model = step_times[first_decode:], forwards[first_decode:]
+            total, fwd = sum(steps), sum(model)
+            split = {"steps": len(steps), "step_s": total / len(steps),
+                     "forward_s": fwd / len(steps), "other_s": (total - fwd) / len(steps),
+                     "other_fraction": (total - fwd) / total}
+        return _summary(start, token_times, split)
+
+
+def _summary(start: float, token_times: dict[str, list[float]], split: dict | None) -> dict:
+    ttft = [t[0] - start for t in token_times.values()]
+    tpot = [b - a for t in token_times.values() for a, b in zip(t, t[1:], strict=False)]
+    e2e = [t[-1] - start for t in token_times.values()]
+    decode_s = max(t[-1] for t in token_times.values()) - max(t[0] for t in token_times.values())
+    new_tokens = sum(len(t) - 1 for t in token_times.values())
+    out = {"ttft_s": statistics.mean(ttft), "tpot_p50_s": _pct(tpot, 50),
+           "tpot_p99_s": _pct(tpot, 99), "e2e_s": max(e2e),
+           "decode_tokens_per_s": new_tokens / decode_s if decode_s > 0 else 0.0}
+    if split is not None:
+        out["decode_step"] = split
+    return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+class _HFLatency:
+    name = "HF generate"
+
+    def __init__(self, model):
+        self.model = model
+
+    def run(self, prompts: list[list[int]], output_len: int) -> dict:
+        import torch
+        from transformers.generation.streamers import BaseStreamer
+
+        times: list[float] = []
+
+        class Clock(BaseStreamer):
+            def put(self, value) -> None:
+                times.append(time.perf_counter())
+
+            def end(self) -> None:
+                pass
+
+        start = time.perf_counter()
+        with torch.no_grad():
+            self.model.generate(torch.tensor(prompts), max_new_tokens=output_len,
+                                min_new_tokens=output_len, do_sample=False, pad_token_id=0,
+                                eos_token_id=None, streamer=Clock())
+        stamps = times[1:]  # the first put() is the prompt
+        return _summary(start, {f"r{i}": stamps for i in range(len(prompts))}, None)
+
+
+def run(args: argparse.Namespace) -> dict:
+    import random
+
+    import torch
+
+    kwargs = engine_kwargs_from(args, args.engine_actions)
+    model, dummy_seed = resolve_source(args, kwargs)
+    engines = [_FleetLatency(model, kwargs)]
+    try:
+        arch = engines[0].engine.model_config.arch
+        rng = random.Random(args.bench_seed)
+        prompts = [[rng.randrange(3, arch.vocab_size) for _ in range(args.input_len)]
+                   for _ in range(args.batch_size)]
+        if args.compare == "hf":
+            from fleetllm.benchmarks.hf_peers import load_hf_model
+
+            engines.append(_HFLatency(load_hf_model(model, dummy_seed)))
+        for e in engines:  # warm-up
+            e.run(prompts, min(args.output_len, 8))
+        best: dict[str, dict] = {}
+        for _ in range(max(1, args.repeat)):
+            for e in engines:
+                r = e.run(prompts, args.output_len)
+                if e.name not in best or r["decode_tokens_per_s"] > \
+                        best[e.name]["decode_tokens_per_s"]:
+                    best[e.name] = r
+    finally:
+        engines[0].llm.shutdown()
+    bandwidth = workload.read_bandwidth()
+    ctx = args.input_len + args.output_len / 2  # mean context over the decode steps
+    kv = args.batch_size * ctx * 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4
+    step_bytes = workload.weight_bytes(arch) + kv
+    bound = args.batch_size * bandwidth * 1e9 / step_bytes
+    figures = {"model": args.preset or model, "batch_size": args.batch_size,
+               "input_len": args.input_len, "output_len": args.output_len,
+               "torch_threads": torch.get_num_threads(), "engines": best,
+               "read_bandwidth_gb_s": bandwidth, "decode_step_bytes": step_bytes,
+               "bandwidth_bound_tokens_per_s": bound}
+    print(f"model: {args.preset or model}; batch {args.batch_size}, {args.input_len} prompt "
+          f"tokens, {args.output_len} output tokens; torch threads {torch.get_num_threads()}; "
+          f"best of {args.repeat} rounds, engines taking turns")
+    for name, r in best.items():
+        print(f"{name + ':':13s} TTFT {r['ttft_s'] * 1e3:7.1f} ms  TPOT p50 "
+              f"{r['tpot_p50_s'] * 1e3:6.2f} ms  p99 {r['tpot_p99_s'] * 1e3:6.2f} ms  "
+              f"end-to-end {r['e2e_s']:6.2f} s  decode {r['decode_tokens_per_s']:7.1f} "
+              "tokens/s")
+    ours = best["fleetllm"]["decode_tokens_per_s"]
+    if "HF generate" in best:
+        ratio = ours / best["HF generate"]["decode_tokens_per_s"]
+        figures["ratio_decode_vs_hf"] = ratio
+        print(f"ratio fleetllm / HF decode tokens/s: {ratio:.2f}x")
+    figures["fraction_of_bound"] = ours / bound
+    print(f"memory-bandwidth bound: {bandwidth:.1f} GB/s read (measured now); a decode step "
+          f"reads {step_bytes / 1e6:.0f} MB (weights {workload.weight_bytes(arch) / 1e6:.0f} "
+          f"MB, KV {kv / 1e6:.1f} MB) -> {bound:.1f} tokens/s; fleetllm reaches "
+          f"{ours / bound:.0%}")
+    split = best["fleetllm"].get("decode_step")
+    if split:
+        print(f"decode step: {split['step_s'] * 1e3:.2f} ms = model forward "
+              f"{split['forward_s'] * 1e3:.2f} ms + everything else {split['other_s'] * 1e3:.2f}"
+              f" ms ({split['other_fraction']:.1%}: scheduling, input preparation, sampling, "
+              f"detokenization, outputs; mean of {split['steps']} steps)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+    return figures
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,193 @@
+"""What the benchmarks run and what the hardware could do with it: requests (random with
+length ranges, a JSONL file, a shared prefix), the workload's FLOPs, and the machine's matmul
+rate and memory read bandwidth measured in the same process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fleetllm.config import ArchConfig
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    output_len: int
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """'128' -> (128, 128); '16:256' (or 16-256) -> (16, 256), inclusive."""
+    for sep in (":", "-"):
+        if sep in text:
+            low, high = (int(x) for x in text.split(sep, 1))
+            break
+    else:
+        low = high = int(text)
+    if not 0 < low <= high:
+        raise argparse.ArgumentTypeError(f"expected N or LOW:HIGH with 0 < LOW <= HIGH, "
+                                         f"got {text!r}")
+    return low, high
+
+
+def add_workload_args(parser: argparse.ArgumentParser, num_prompts: str, input_len: str,
+                      output_len: str) -> None:
+    """The request flags; the defaults are stated in the help (they depend on --preset)."""
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help=f"requests (default: {num_prompts})")
+    parser.add_argument("--input-len", type=parse_range, default=None,
+                        help=f"prompt tokens, N or LOW:HIGH drawn uniformly (default: "
+                             f"{input_len})")
+    parser.add_argument("--output-len", type=parse_range, default=None,
+                        help=f"generated tokens per request, N or LOW:HIGH (default: "
+                             f"{output_len})")
+    parser.add_argument("--dataset", default=None,
+                        help="JSONL file of requests instead of random ones: one object per "
+                             "line with prompt_token_ids (or prompt, with a tokenizer) and "
+                             "output_len (or max_tokens) (default: random prompts)")
+    parser.add_argument("--data-seed", dest="bench_seed", type=int, default=0,
+                        help="seed for the random prompts")
+
+
+def make_requests(args: argparse.Namespace, vocab: int, tokenizer=None,
+                  shared_prefix: int = 0) -> list[Request]:
+    """--dataset, else --num-prompts random prompts (tokens 3..vocab-1) with lengths drawn
+    from --input-len / --output-len; with shared_prefix, each prompt is one common random
+    prefix of that many tokens followed by its own part."""
+    if args.dataset:
+        return _read_dataset(Path(args.dataset), tokenizer, args.output_len)
+    rng = random.Random(args.bench_seed)
+    prefix = [rng.randrange(3, vocab) for _ in range(shared_prefix)]
+    requests = []
+    for _ in range(args.num_prompts):
+        n = rng.randint(*args.input_len)
+        out = rng.randint(*args.output_len)
+        requests.append(Request(prefix + [rng.randrange(3, vocab) for _ in range(n)], out))
+    return requests
+
+
+def _read_dataset(path: Path, tokenizer, output_len: tuple[int, int] | None) -> list[Request]:
+    requests = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        item = json.loads(line)
+        if "prompt_token_ids" in item:
+            ids = list(item["prompt_token_ids"])
+        elif tokenizer is not None:
+            ids = tokenizer.encode(item["prompt"])
+        else:
+            raise ValueError(f"{path}:{number}: a text prompt needs a tokenizer; give "
+                             "prompt_token_ids")
+        out = item.get("output_len") or item.get("max_tokens") or (output_len or (64, 64))[1]
+        requests.append(Request(ids, int(out)))
+    return requests
+
+
+# ------------------------------------------------------------------------------- FLOPs
+
+
+def linear_params(a: ArchConfig) -> int:
+    """Weights multiplied per token through the decoder layers (no embedding, no LM head)."""
+    d = a.head_dim
+    per_layer = a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * d + \
+        a.num_heads * d * a.hidden_size + 3 * a.hidden_size * a.intermediate_size
+    return per_layer * a.num_layers
+
+
+def weight_bytes(a: ArchConfig, dtype_bytes: int = 4) -> int:
+    """Bytes a decode step reads from the weights: every projection, the norms and the LM
+    head (the embedding table: only the rows of the batch's tokens)."""
+    norms = (2 * a.num_layers + 1) * a.hidden_size
+    return (linear_params(a) + a.vocab_size * a.hidden_size + norms) * dtype_bytes
+
+
+@dataclass
+class Flops:
+    prefill: float  # projections + attention of prompt tokens
+    decode: float  # projections + attention of generated tokens fed back
+    lm_head: float  # one logits row per generated token
+
+    @property
+    def total(self) -> float:
+        return self.prefill + self.decode + self.lm_head
+
+
+def workload_flops(a: ArchConfig, requests: list[Request]) -> Flops:
+    """Exact FLOPs of serving the requests: 2 per multiply-add of the projections for every
+    token fed through the model (the prompt, then each generated token but the last), causal
+    attention (q.k and p.v: 4 * positions * heads * head_dim per token and layer), and the LM
+    head once per generated token."""
+    lin = 2 * linear_params(a)
+    attn = 4 * a.num_heads * a.head_dim * a.num_layers  # per (token, visible position)
+    prefill = decode = 0.0
+    for r in requests:
+        p, o = len(r.prompt), r.output_len
+        prefill += lin * p + attn * p * (p + 1) / 2  # positions 0..p-1 see 1..p keys
+        fed = max(o - 1, 0)  # decode tokens at positions p..p+o-2 see p+1..p+o-1 keys
+        decode += lin * fed + attn * (fed * (p + 1) + fed * (fed - 1) / 2)
+    lm_head = 2.0 * a.vocab_size * a.hidden_size * sum(r.output_len for r in requests)
+    return Flops(prefill, decode, lm_head)
+
+
+# ---------------------------------------------------------------------------- hardware
+
+
+def _best_time(fn, repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def matmul_rate(a: ArchConfig, rows: int, repeat: int = 3) -> dict[str, float]:
+    """GFLOP/s of the model's own projections at `rows` rows, float32, the way a forward
+    streams them: every layer's four projections with their own weights (so they come from
+    memory, not a cache holding one matrix), then the LM head. Two implementations: plain
+    F.linear (MKL, `x @ W.T`) and oneDNN with pre-packed weights (what fleetllm runs for
+    more than 4 rows); "best" is the faster, the machine's rate for the roofline. With more
+    than 2 GiB of projection weights, only enough layers for 2 GiB are built."""
+    d, hid = a.head_dim, a.hidden_size
+    shapes = [((a.num_heads + 2 * a.num_kv_heads) * d, hid), (hid, a.num_heads * d),
+              (2 * a.intermediate_size, hid), (hid, a.intermediate_size)]
+    layer_bytes = 4 * sum(o * i for o, i in shapes)
+    layers = max(1, min(a.num_layers, (2 << 30) // layer_bytes))
+    gen = torch.Generator().manual_seed(0)
+    dense = [torch.randn(s, generator=gen) * 0.02 for _ in range(layers) for s in shapes]
+    dense.append(torch.randn((a.vocab_size, hid), generator=gen) * 0.02)
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen) for w in dense}
+    # Per token the layer shapes run num_layers times and the LM head once.
+    flops = 2.0 * rows * (sum(o * i for o, i in shapes) * layers + a.vocab_size * hid)
+    rates = {}
+    with torch.inference_mode():
+        rates["dense"] = flops / _best_time(
+            lambda: [F.linear(inputs[w.shape[1]], w) for w in dense], repeat) / 1e9
+        if torch.backends.mkldnn.is_available():
+            try:
+                packed = [(torch.ops.mkldnn._reorder_linear_weight(w, None), w.shape[1])
+                          for w in dense]
+                rates["packed"] = flops / _best_time(lambda: [
+                    torch.ops.mkldnn._linear_pointwise(inputs[k], w, None, "none", [None], "")
+                    for w, k in packed], repeat) / 1e9
+            except RuntimeError:
+                pass
+    rates["best"] = max(rates.values())
+    return rates
+
+
+def read_bandwidth(mib: int = 512, repeat: int = 5) -> float:
+    """Memory read bandwidth in GB/s: the best of `repeat` sums over a buffer much larger than
+    any cache, with torch's threads."""
+    buf = torch.ones(mib * (1 << 20) // 4)
+    seconds = _best_time(lambda: buf.sum(), repeat)
+    return buf.numel() * 4 / seconds / 1e9

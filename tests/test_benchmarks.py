@@ -1,0 +1,70 @@
+"""The performance benchmarks run end to end on a tiny model (the figures themselves are the
+lead's to measure on a quiet machine): same outputs as their transformers peers, the
+roofline, the shared-prefix mode and the latency split are computed and written."""
+
+from __future__ import annotations
+
+import json
+
+from fleetllm.benchmarks import workload
+from fleetllm.cli import build_parser
+from fleetllm.config import ArchConfig
+
+KV = ["--kv-cache-memory", "33554432"]
+
+
+def run(argv: list[str]) -> dict:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+def test_throughput_with_a_dataset_peers_and_roofline(tiny_models, tmp_path, capsys):
+    data = tmp_path / "requests.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt_token_ids": list(range(5, 5 + n)),
+                                          "output_len": 3 + n % 4}) for n in (4, 9, 20)))
+    out = tmp_path / "figures.json"
+    figures = run(["bench", "throughput", "--model", str(tiny_models["llama_gqa"]),
+                   "--dataset", str(data), "--compare", "hf", "--hf-batch-size", "2",
+                   "--repeat", "1", "--json", str(out), *KV])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(figures))
+    assert figures["requests"] == 3 and figures["output_tokens"] == 3 + 4 + 3
+    assert figures["ratios"]["HF generate"]["identical_outputs"] == 3
+    for kind in ("dense", "best"):
+        assert 0 < figures["roofline"][kind]["fraction"]
+    text = capsys.readouterr().out
+    assert "ratio fleetllm / HF" in text and "roofline (torch matmul)" in text
+
+
+def test_shared_prefix_mode_compares_caching_on_and_off(tiny_models):
+    figures = run(["bench", "throughput", "--model", str(tiny_models["llama_gqa"]),
+                   "--shared-prefix", "100", "--num-prompts", "6", "--input-len", "8",
+                   "--output-len", "4", "--compare", "none", "--repeat", "1",
+                   "--no-roofline", *KV])
+    shared = figures["shared_prefix"]
+    assert shared["identical_outputs"] == 6
+    assert shared["mean_ttft_s"] > 0 and shared["mean_ttft_no_caching_s"] > 0
+
+
+def test_latency_reports_ttft_tpot_bound_and_step_split(tiny_models, capsys):
+    figures = run(["bench", "latency", "--model", str(tiny_models["llama_gqa"]),
+                   "--batch-size", "2", "--input-len", "16", "--output-len", "6",
+                   "--repeat", "1", *KV])
+    ours = figures["engines"]["fleetllm"]
+    assert ours["decode_tokens_per_s"] > 0 and ours["tpot_p50_s"] <= ours["tpot_p99_s"]
+    split = ours["decode_step"]
+    assert split["steps"] == 5 and 0 <= split["other_fraction"] < 1
+    assert figures["bandwidth_bound_tokens_per_s"] > 0 and "ratio_decode_vs_hf" in figures
+    assert "memory-bandwidth bound" in capsys.readouterr().out
+
+
+def test_workload_flops_count_every_token_once():
+    a = ArchConfig.from_dict({"vocab_size": 10, "hidden_size": 4, "intermediate_size": 8,
+                              "num_hidden_layers": 2, "num_attention_heads": 2,
+                              "num_key_value_heads": 1})
+    lin = 2 * workload.linear_params(a)
+    assert workload.linear_params(a) == 2 * (4 * 4 * 2 + 4 * 4 + 3 * 4 * 8)
+    f = workload.workload_flops(a, [workload.Request([1, 2, 3], 2)])
+    attn = 4 * 2 * 2 * 2  # 4 * heads * head_dim * layers per (token, visible key)
+    assert f.prefill == lin * 3 + attn * (1 + 2 + 3)
+    assert f.decode == lin * 1 + attn * 4  # the first sampled token, fed at position 3
+    assert f.lm_head == 2 * 10 * 4 * 2
