@@ -13,10 +13,11 @@ its best round. Printed per engine: requests/s, input, output and total tokens/s
 fleetllm's ratio to each. Peers (--compare): `hf` (transformers generate, static batches of
 --hf-batch-size, left-padded) and `hf-cb` (transformers' continuous batching), with the same
 weights (--preset's dummy weights are handed to them), dtype and thread count; greedy, each
-request exactly its output length. The roofline: the workload's FLOPs at this run's matmul
-rate on the model's own shapes (every layer's weights streamed, at prefill-sized and at
-decode-batch-sized rows), for plain torch matmul and for the best matmul measured (oneDNN,
-packed weights); the fraction of each that fleetllm reaches is printed.
+request exactly its output length (--hf-sort adds HF generate on length-sorted batches).
+The roofline: the workload's FLOPs at this run's matmul rate on the model's own shapes (every
+layer's weights streamed, at prefill-sized and at decode-batch-sized rows), for plain torch
+matmul and for the best matmul measured (oneDNN, packed weights); the fraction of each that
+fleetllm reaches is printed.
 
 --shared-prefix N starts every prompt with one common N-token prefix and also runs fleetllm
 without prefix caching: mean time to first token with and without, and whether the outputs
@@ -57,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-batch-size", type=int, default=None,
                         help="HF generate batch size (left-padded); 0 skips the HF peer "
                              "(default: 8; 16 with --preset)")
+    parser.add_argument("--hf-sort", action="store_true",
+                        help="also run HF generate with the requests sorted by output and "
+                             "prompt length (its most favourable static batches)")
     parser.add_argument("--compare-backend", default=None,
                         help="also run fleetllm with this distributed_executor_backend "
                              "(same requests, same run) and print the ratio (default: none)")
@@ -135,6 +139,8 @@ def _engines(args: argparse.Namespace, model: str, kwargs: dict, dummy_seed: int
         hf = load_hf_model(model, dummy_seed)
         if "hf" in peers:
             engines.append(HFGenerate(hf, args.hf_batch_size))
+            if args.hf_sort:
+                engines.append(HFGenerate(hf, args.hf_batch_size, sort=True))
         if "hf-cb" in peers:
             engines.append(HFContinuousBatching(hf))
     return engines
@@ -220,7 +226,8 @@ def _ratios(engines, results: dict, figures: dict, backend: str) -> None:
     for e in engines[1:]:
         seconds, outputs, _ = results[e.name]
         same = sum(a == b for a, b in zip(our_outputs, outputs, strict=True))
-        label = {"HF generate": "HF", "HF continuous batching": "HF-CB"}.get(e.name, e.name)
+        label = {"HF generate": "HF", "HF generate (sorted)": "HF (sorted)",
+                 "HF continuous batching": "HF-CB"}.get(e.name, e.name)
         if e.name == "fleetllm (no prefix caching)":
             print(f"ratio with / without prefix caching: {seconds / ours:.2f}x  (identical "
                   f"outputs {same}/{len(outputs)})")
