@@ -3,6 +3,7 @@ RUNTIME: the thread pool `pool_run`, `exp_f32`). Every entry point takes the thr
 
 OPS = r"""
 #define PAR_MIN 32768  /* elements below which an op runs on the calling thread alone */
+#define SPIN_ROWS 4    /* up to this many rows (a small decode batch) the pool stays awake */
 
 /* ---------------------------------------------------------------- paged decode attention
    One query per sequence over its context, read in place from the KV blocks. One work item
@@ -117,7 +118,7 @@ void paged_decode_f32(const float *q, long q_stride, const float *k, const float
     c.nkv = KVH / c.split;
     c.scratch_per = (long)H * (c.maxlen + 2 * bs) + (long)H * D;
     c.scratch = malloc(sizeof(float) * (size_t)c.scratch_per * (nthreads > 0 ? nthreads : 1));
-    pool_run(nthreads, decode_body, &c, (long)B * c.split, 1);
+    pool_run(nthreads, decode_body, &c, (long)B * c.split, 1, B <= SPIN_ROWS);
     free(c.scratch);
 }
 
@@ -160,7 +161,7 @@ void add_rmsnorm_f32(const float *x, float *residual, const float *w, float *out
                      int H, float eps, int nthreads)
 {
     rows_ctx c = {.x = x, .residual = residual, .w = w, .out = out, .H = H, .eps = eps};
-    pool_run(nthreads, rmsnorm_body, &c, T, 1 + PAR_MIN / H);
+    pool_run(nthreads, rmsnorm_body, &c, T, 1 + PAR_MIN / H, T <= SPIN_ROWS);
 }
 
 static void silu_body(void *arg, long begin, long end, int tid)
@@ -179,7 +180,7 @@ static void silu_body(void *arg, long begin, long end, int tid)
 void silu_mul_f32(const float *gu, float *out, int T, int I, int nthreads)
 {
     rows_ctx c = {.x = gu, .out = out, .I = I};
-    pool_run(nthreads, silu_body, &c, T, 1 + PAR_MIN / I);
+    pool_run(nthreads, silu_body, &c, T, 1 + PAR_MIN / I, T <= SPIN_ROWS);
 }
 
 static inline void rope_row(const float *x, float *o, const float *c, const float *s, int half)
@@ -222,7 +223,7 @@ void rope_qk_kv_f32(const float *qkv, long row_stride, const float *cos, const f
     rows_ctx c = {.qkv = qkv, .row_stride = row_stride, .cos = cos, .sin = sin,
                   .q_out = q_out, .k_out = k_out, .k_cache = k_cache, .v_cache = v_cache,
                   .slots = slots, .H = H, .KVH = KVH, .D = D};
-    pool_run(nthreads, rope_body, &c, T, 1 + PAR_MIN / ((H + 2 * KVH) * D));
+    pool_run(nthreads, rope_body, &c, T, 1 + PAR_MIN / ((H + 2 * KVH) * D), T <= SPIN_ROWS);
 }
 
 /* ------------------------------------------------------------------------- small-M GEMV
@@ -287,13 +288,13 @@ void gemv_f32(const float *x, const float *w, const float *bias, float *y, int M
               int nthreads)
 {
     const long tiles = (N + 3) / 4;
-    /* ~16 chunks per thread for balance; one chunk (inline) for a small matrix */
+    /* ~4 chunks per thread: long sequential streams, some balance; inline if small */
     const long chunk = (long)N * K < 4 * PAR_MIN ? tiles
-                       : 1 + tiles / (16 * (nthreads > 0 ? nthreads : 1));
+                       : 1 + tiles / (4 * (nthreads > 0 ? nthreads : 1));
     for (int m0 = 0; m0 < M; m0 += 4) {
         gemv_ctx c = {.x = x + (long)m0 * K, .w = w, .bias = bias, .y = y + (long)m0 * N,
                       .mt = M - m0 < 4 ? M - m0 : 4, .N = N, .K = K};
-        pool_run(nthreads, gemv_body, &c, tiles, chunk);
+        pool_run(nthreads, gemv_body, &c, tiles, chunk, 1);
     }
 }
 """
