@@ -109,6 +109,8 @@ def _load() -> ctypes.CDLL | None:
             "silu_mul_f32": [p, p, i, i, i],
             "rope_qk_kv_f32": [p, n, p, p, p, p, p, p, p, i, i, i, i, i],
             "gemv_f32": [p, p, p, p, i, i, i, i],
+            "decoder_layer_f32": [p, p, i, p, p, p, f, p, p, p, p, p, p, p, p, p, p, p, p, p,
+                                  p, p, p, i, i, i, i, i, i, i, i, f, i],
         }
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
@@ -195,4 +197,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     out = torch.empty((m, n), dtype=x.dtype)
     _lib.gemv_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                   out.data_ptr(), m, n, k, torch.get_num_threads())
+    return out
+
+
+def decoder_layer(x: torch.Tensor, residual: torch.Tensor, first: bool,
+                  weights: tuple[int, ...], dims: tuple[int, ...], cos: torch.Tensor,
+                  sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                  tables: torch.Tensor, table_start: torch.Tensor, ctx_lens: torch.Tensor
+                  ) -> torch.Tensor:
+    """One decoder layer of a small decode batch (see decoder_layer_f32). weights: the
+    layer's (w_in, w_post, eps, w_qkv, b_qkv, w_o, b_o, w_gu, b_gu, w_down, b_down) as
+    pointers (0: no bias) and eps; dims: (hid, H, KVH, D, I, block_size, window, scale).
+    residual is updated in place. Returns the layer's output [T, hid]."""
+    t = x.shape[0]
+    out = torch.empty_like(x)
+    _lib.decoder_layer_f32(x.data_ptr(), residual.data_ptr(), int(first), out.data_ptr(),
+                           *weights, cos.data_ptr(), sin.data_ptr(), kv_cache[0].data_ptr(),
+                           kv_cache[1].data_ptr(), slots.data_ptr(), tables.data_ptr(),
+                           table_start.data_ptr(), ctx_lens.data_ptr(), t, *dims,
+                           torch.get_num_threads())
     return out
