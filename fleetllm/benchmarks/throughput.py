@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> dict:
                     rates.setdefault(r, {})[kind] = max(rates.get(r, {}).get(kind, 0), value)
 
         results = _measure(engines, requests, args.repeat,
-                           None if args.no_roofline else probe)
+                           None if args.no_roofline or args.shared_prefix else probe)
     finally:
         for e in engines:
             if isinstance(e, _Fleet):
@@ -198,7 +198,10 @@ def run(args: argparse.Namespace) -> dict:
     _ratios(engines, results, figures, kwargs.get("distributed_executor_backend", "default"))
     if args.shared_prefix:
         _prefix_figures(results, figures)
-    if not args.no_roofline:
+    if args.shared_prefix:  # the cache skips most of the FLOPs a roofline would count
+        print("roofline: not meaningful with --shared-prefix (prefix caching skips the "
+              "shared prefix's FLOPs)")
+    elif not args.no_roofline:
         _roofline(arch, requests, results["fleetllm"][0], rows, rates, figures)
     if args.json:
         with open(args.json, "w") as f:
