@@ -109,6 +109,8 @@ def _load() -> ctypes.CDLL | None:
             "silu_mul_f32": [p, p, i, i, i],
             "rope_qk_kv_f32": [p, n, p, p, p, p, p, p, p, i, i, i, i, i],
             "gemv_f32": [p, p, p, p, i, i, i, i],
+            "decoder_layer_f32": [p, p, i, p, p, p, f, p, p, p, p, p, p, p, p, p, p, p, p, p,
+                                  p, p, p, i, i, i, i, i, i, i, i, f, i],
         }
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
@@ -118,8 +120,18 @@ def _load() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    return _load() is not None
+    return (_lib if _tried else _load()) is not None
 
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """The kernels apply: CPU float32 tensors, and the library is built."""
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            return False
+    return (_lib if _tried else _load()) is not None
+
+
+# The wrappers below run ~100 times per decode step: plain attribute lookups, no locks.
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
                  table_start: torch.Tensor, ctx_lens: torch.Tensor, window: int | None,
@@ -128,23 +140,16 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
     be strided, heads and dims contiguous); out: [B, H, D] contiguous; kv_cache: one layer's
     [2, num_blocks, block_size, KVH, D]; tables, table_start, ctx_lens: int32 (see the C
     source)."""
-    lib = _load()
     b, h, d = q.shape
     _, _, block_size, kvh, _ = kv_cache.shape
-    if not (lib is not None and q.dtype == out.dtype == torch.float32 and q.stride(2) == 1
+    if not (available() and q.dtype == out.dtype == torch.float32 and q.stride(2) == 1
             and q.stride(1) == d and out.is_contiguous() and kv_cache.is_contiguous()
             and tables.dtype == table_start.dtype == ctx_lens.dtype == torch.int32):
         raise ValueError("paged_decode: unsupported inputs")
-    lib.paged_decode_f32(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(),
-                         kv_cache[1].data_ptr(), tables.data_ptr(), table_start.data_ptr(),
-                         ctx_lens.data_ptr(), out.data_ptr(), b, h, kvh, d, block_size,
-                         window or 0, scale, torch.get_num_threads())
-
-
-def usable(*tensors: torch.Tensor) -> bool:
-    """The kernels apply: CPU float32 tensors, and the library is built."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and \
-        available()
+    _lib.paged_decode_f32(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(),
+                          kv_cache[1].data_ptr(), tables.data_ptr(), table_start.data_ptr(),
+                          ctx_lens.data_ptr(), out.data_ptr(), b, h, kvh, d, block_size,
+                          window or 0, scale, torch.get_num_threads())
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -152,7 +157,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     """rmsnorm(x + residual) * weight, with residual updated to x + residual in place (or
     rmsnorm(x) * weight without one). x, residual: contiguous [T, H]."""
     out = torch.empty_like(x)
-    _load().add_rmsnorm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(),
+    _lib.add_rmsnorm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(),
                          weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
                          torch.get_num_threads())
     return out
@@ -162,7 +167,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a contiguous [T, 2I] (gate, then up)."""
     t, two_i = gate_up.shape
     out = torch.empty((t, two_i // 2), dtype=gate_up.dtype)
-    _load().silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2,
+    _lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2,
                       torch.get_num_threads())
     return out
 
@@ -179,7 +184,7 @@ def rope_qk_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
     k = torch.empty((t, kv_heads, d), dtype=qkv.dtype)
     caches = (None, None, None) if kv_cache is None else \
         (kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), slots.data_ptr())
-    _load().rope_qk_kv_f32(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
+    _lib.rope_qk_kv_f32(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
                         q.data_ptr(), k.data_ptr(), *caches, t, heads, kv_heads, d,
                         torch.get_num_threads())
     return q, k
@@ -188,7 +193,27 @@ def rope_qk_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T (+ bias) for a few rows of x: contiguous float32 x [M, K], weight [N, K]."""
     m, k = x.shape
-    out = torch.empty((m, weight.shape[0]), dtype=x.dtype)
-    _load().gemv_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                  out.data_ptr(), m, weight.shape[0], k, torch.get_num_threads())
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype)
+    _lib.gemv_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                  out.data_ptr(), m, n, k, torch.get_num_threads())
+    return out
+
+
+def decoder_layer(x: torch.Tensor, residual: torch.Tensor, first: bool,
+                  weights: tuple[int, ...], dims: tuple[int, ...], cos: torch.Tensor,
+                  sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                  tables: torch.Tensor, table_start: torch.Tensor, ctx_lens: torch.Tensor
+                  ) -> torch.Tensor:
+    """One decoder layer of a small decode batch (see decoder_layer_f32). weights: the
+    layer's (w_in, w_post, eps, w_qkv, b_qkv, w_o, b_o, w_gu, b_gu, w_down, b_down) as
+    pointers (0: no bias) and eps; dims: (hid, H, KVH, D, I, block_size, window, scale).
+    residual is updated in place. Returns the layer's output [T, hid]."""
+    t = x.shape[0]
+    out = torch.empty_like(x)
+    _lib.decoder_layer_f32(x.data_ptr(), residual.data_ptr(), int(first), out.data_ptr(),
+                           *weights, cos.data_ptr(), sin.data_ptr(), kv_cache[0].data_ptr(),
+                           kv_cache[1].data_ptr(), slots.data_ptr(), tables.data_ptr(),
+                           table_start.data_ptr(), ctx_lens.data_ptr(), t, *dims,
+                           torch.get_num_threads())
     return out

@@ -13,12 +13,14 @@ RUNTIME = r"""
 #include <unistd.h>
 
 /* ------------------------------------------------------------------------- thread pool
-   The kernels' own workers: after a job they spin for FLEETLLM_SPIN_US (default 100 us),
-   then sleep. A decode step calls ~60 kernels a few microseconds apart; OpenMP threads under
+   The kernels' own workers. After a job marked `spin` they spin for FLEETLLM_SPIN_US
+   (default 100 us), then sleep; after other jobs they sleep at once. A small-batch decode
+   step calls ~60 kernels a few microseconds apart, all of them ours; OpenMP threads under
    OMP_WAIT_POLICY=PASSIVE (which fleetllm sets, for processes sharing cores) go to sleep
    after every parallel region, and waking them cost 20-300 us per call here, more than a
-   small GEMV's work. Spinning briefly keeps them awake through a step, and sleeping after
-   keeps an idle engine from burning its cores. Items are claimed dynamically in chunks. */
+   small GEMV's work. Spinning briefly keeps them awake through such a step; in a larger
+   batch's step oneDNN's OpenMP threads run between our calls and need the cores, so jobs of
+   many rows do not spin. Items are claimed dynamically in chunks. */
 
 typedef void (*pool_fn)(void *ctx, long begin, long end, int tid);
 
@@ -36,7 +38,7 @@ static struct {
     pthread_t *threads;
     _Atomic(job_t *) job;
     atomic_uint gen;
-    atomic_int sleepers, quit;
+    atomic_int sleepers, quit, spin;  /* spin: the last job asked workers to stay awake */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     long spin_ns;
@@ -74,7 +76,7 @@ static void *worker_main(void *arg)
     const int tid = (int)(intptr_t)arg;
     unsigned seen = atomic_load(&P.gen);
     while (!atomic_load(&P.quit)) {
-        const long deadline = now_ns() + P.spin_ns;
+        const long deadline = now_ns() + (atomic_load(&P.spin) ? P.spin_ns : 0);
         int spins = 0;
         while (atomic_load(&P.gen) == seen) {
             relax();
@@ -136,8 +138,9 @@ static void pool_resize(int size)
 }
 
 /* fn(ctx, begin, end, tid) over [0, n) in chunks, on nthreads participants (tid 0 is the
-   caller, tids are < nthreads). Runs inline for one thread, or if another job is running. */
-static void pool_run(int nthreads, pool_fn fn, void *ctx, long n, long chunk)
+   caller, tids are < nthreads). Runs inline for one thread, or if another job is running.
+   spin: the workers stay awake for FLEETLLM_SPIN_US after it (another call is coming). */
+static void pool_run(int nthreads, pool_fn fn, void *ctx, long n, long chunk, int spin)
 {
     if (chunk < 1)
         chunk = 1;
@@ -152,6 +155,7 @@ static void pool_run(int nthreads, pool_fn fn, void *ctx, long n, long chunk)
     atomic_init(&j.next, 0);
     atomic_init(&j.done, 0);
     atomic_init(&j.refs, 0);
+    atomic_store(&P.spin, spin);
     atomic_store(&P.job, &j);
     wake_all();
     work(&j, 0);

@@ -45,18 +45,19 @@ def load_hf_model(model_dir: str, dummy_seed: int | None) -> Any:
 
 
 class HFGenerate:
-    """model.generate over static batches. Requests are batched in order of output then
-    prompt length (the grouping that wastes least on padding and finished rows: the peer's
-    most favourable); each batch generates its longest output length."""
+    """model.generate over static batches of the requests in their order (as a caller feeding
+    it requests as they come would), or with sort=True in order of output then prompt length
+    (the grouping that wastes least on padding and finished rows: its most favourable). Each
+    batch generates its longest output length; only each request's own length counts."""
 
-    name = "HF generate"
-
-    def __init__(self, model: Any, batch_size: int):
-        self.model, self.batch_size = model, batch_size
+    def __init__(self, model: Any, batch_size: int, sort: bool = False):
+        self.model, self.batch_size, self.sort = model, batch_size, sort
+        self.name = "HF generate (sorted)" if sort else "HF generate"
 
     def run(self, requests: list[Request]) -> list[list[int]]:
-        order = sorted(range(len(requests)), key=lambda i: (requests[i].output_len,
-                                                            len(requests[i].prompt)))
+        order = list(range(len(requests)))
+        if self.sort:
+            order.sort(key=lambda i: (requests[i].output_len, len(requests[i].prompt)))
         outputs: list[list[int]] = [[] for _ in requests]
         for start in range(0, len(order), self.batch_size):
             batch = [requests[i] for i in order[start:start + self.batch_size]]

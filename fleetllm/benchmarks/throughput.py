@@ -13,10 +13,12 @@ its best round. Printed per engine: requests/s, input, output and total tokens/s
 fleetllm's ratio to each. Peers (--compare): `hf` (transformers generate, static batches of
 --hf-batch-size, left-padded) and `hf-cb` (transformers' continuous batching), with the same
 weights (--preset's dummy weights are handed to them), dtype and thread count; greedy, each
-request exactly its output length. The roofline: the workload's FLOPs at this run's matmul
-rate on the model's own shapes (every layer's weights streamed, at prefill-sized and at
-decode-batch-sized rows), for plain torch matmul and for the best matmul measured (oneDNN,
-packed weights); the fraction of each that fleetllm reaches is printed.
+request exactly its output length (--hf-sort adds HF generate on length-sorted batches).
+The roofline: the workload's FLOPs at this run's matmul rate on the model's own shapes (every
+layer's weights streamed, at prefill-sized and at decode-batch-sized rows; measured after every
+round, best kept, so it sees the machine as the engines did), for plain torch matmul and for
+the best matmul measured (oneDNN, packed weights); the fraction of each that fleetllm reaches
+is printed.
 
 --shared-prefix N starts every prompt with one common N-token prefix and also runs fleetllm
 without prefix caching: mean time to first token with and without, and whether the outputs
@@ -57,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-batch-size", type=int, default=None,
                         help="HF generate batch size (left-padded); 0 skips the HF peer "
                              "(default: 8; 16 with --preset)")
+    parser.add_argument("--hf-sort", action="store_true",
+                        help="also run HF generate with the requests sorted by output and "
+                             "prompt length (its most favourable static batches)")
     parser.add_argument("--compare-backend", default=None,
                         help="also run fleetllm with this distributed_executor_backend "
                              "(same requests, same run) and print the ratio (default: none)")
@@ -135,6 +140,8 @@ def _engines(args: argparse.Namespace, model: str, kwargs: dict, dummy_seed: int
         hf = load_hf_model(model, dummy_seed)
         if "hf" in peers:
             engines.append(HFGenerate(hf, args.hf_batch_size))
+            if args.hf_sort:
+                engines.append(HFGenerate(hf, args.hf_batch_size, sort=True))
         if "hf-cb" in peers:
             engines.append(HFContinuousBatching(hf))
     return engines
@@ -155,7 +162,16 @@ def run(args: argparse.Namespace) -> dict:
         tokenizer = llm.get_tokenizer()
         vocab = min(arch.vocab_size, len(tokenizer) if tokenizer else arch.vocab_size)
         requests = workload.make_requests(args, vocab, tokenizer, args.shared_prefix)
-        results = _measure(engines, requests, args.repeat)
+        rows = _roofline_rows(requests, llm.llm_engine.config)
+        rates: dict[int, dict[str, float]] = {}
+
+        def probe() -> None:  # once per round: the machine as the engines found it
+            for r in rows:
+                for kind, value in workload.matmul_rate(arch, r).items():
+                    rates.setdefault(r, {})[kind] = max(rates.get(r, {}).get(kind, 0), value)
+
+        results = _measure(engines, requests, args.repeat,
+                           None if args.no_roofline or args.shared_prefix else probe)
     finally:
         for e in engines:
             if isinstance(e, _Fleet):
@@ -182,8 +198,11 @@ def run(args: argparse.Namespace) -> dict:
     _ratios(engines, results, figures, kwargs.get("distributed_executor_backend", "default"))
     if args.shared_prefix:
         _prefix_figures(results, figures)
-    if not args.no_roofline:
-        _roofline(arch, requests, results["fleetllm"][0], llm.llm_engine.config, figures)
+    if args.shared_prefix:  # the cache skips most of the FLOPs a roofline would count
+        print("roofline: not meaningful with --shared-prefix (prefix caching skips the "
+              "shared prefix's FLOPs)")
+    elif not args.no_roofline:
+        _roofline(arch, requests, results["fleetllm"][0], rows, rates, figures)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)
@@ -196,8 +215,9 @@ def _span(requests: list[workload.Request]) -> str:
     return f"prompts {min(ins)}-{max(ins)}, outputs {min(outs)}-{max(outs)}"
 
 
-def _measure(engines, requests, repeat: int) -> dict:
-    """{name: (best seconds, outputs of the first round, TTFTs of the best round)}."""
+def _measure(engines, requests, repeat: int, probe=None) -> dict:
+    """{name: (best seconds, outputs of the first round, TTFTs of the best round)}; probe()
+    runs after every round."""
     warm = requests[: max(2, len(requests) // 4)]
     for e in engines:  # warm-up: shapes, caches, first-call costs
         e.run([workload.Request(r.prompt, min(r.output_len, 8)) for r in warm])
@@ -211,6 +231,8 @@ def _measure(engines, requests, repeat: int) -> dict:
             best = results.get(e.name)
             if best is None or seconds < best[0]:
                 results[e.name] = (seconds, best[1] if best else outputs, ttft)
+        if probe is not None:
+            probe()
     return results
 
 
@@ -220,7 +242,8 @@ def _ratios(engines, results: dict, figures: dict, backend: str) -> None:
     for e in engines[1:]:
         seconds, outputs, _ = results[e.name]
         same = sum(a == b for a, b in zip(our_outputs, outputs, strict=True))
-        label = {"HF generate": "HF", "HF continuous batching": "HF-CB"}.get(e.name, e.name)
+        label = {"HF generate": "HF", "HF generate (sorted)": "HF (sorted)",
+                 "HF continuous batching": "HF-CB"}.get(e.name, e.name)
         if e.name == "fleetllm (no prefix caching)":
             print(f"ratio with / without prefix caching: {seconds / ours:.2f}x  (identical "
                   f"outputs {same}/{len(outputs)})")
@@ -245,27 +268,32 @@ def _prefix_figures(results: dict, figures: dict) -> None:
           f"without: {b / a:.1f}x lower (identical outputs {same}/{len(with_out)})")
 
 
-def _roofline(arch, requests, seconds: float, config, figures: dict) -> None:
-    """Roofline time = prefill FLOPs at the rate of prefill-sized matmuls + decode and LM-head
-    FLOPs at the rate of decode-batch-sized ones, both measured now on the model's shapes.
-    Two rates: plain torch matmul (`x @ W.T`, MKL: the issue's definition) and the best this
-    machine does (oneDNN with packed weights, as fleetllm runs them)."""
-    flops = workload.workload_flops(arch, requests)
+def _roofline_rows(requests, config) -> tuple[int, list[int]]:
+    """Matmul row counts for the roofline: the decode batch, then prefill-sized ones."""
     sc = config.scheduler_config
-    decode_rows = max(1, min(len(requests), sc.max_num_seqs))
-    prefill_rows = sorted({r for r in (512, sc.max_num_batched_tokens) if r > decode_rows}
-                          or {512})
-    decode_rate = workload.matmul_rate(arch, decode_rows)
-    prefill_rates = {r: workload.matmul_rate(arch, r) for r in prefill_rows}
+    decode = max(1, min(len(requests), sc.max_num_seqs))
+    prefill = sorted({r for r in (512, sc.max_num_batched_tokens) if r > decode} or {512})
+    return [decode, *prefill]
+
+
+def _roofline(arch, requests, seconds: float, rows: list[int], rates: dict, figures: dict
+              ) -> None:
+    """Roofline time = prefill FLOPs at the rate of prefill-sized matmuls + decode and LM-head
+    FLOPs at the rate of decode-batch-sized ones (rates: the best of the rounds). Two rates:
+    plain torch matmul (`x @ W.T`, MKL: the issue's definition) and the best this machine
+    does (oneDNN with packed weights, as fleetllm runs them)."""
+    flops = workload.workload_flops(arch, requests)
+    decode_rows, prefill_rows = rows[0], rows[1:]
+    decode_rate = rates[decode_rows]
     tokens = sum(len(r.prompt) + r.output_len for r in requests)
     decode_flops = flops.decode + flops.lm_head
     figures["roofline"] = {
         "workload_gflop": flops.total / 1e9, "prefill_gflop": flops.prefill / 1e9,
         "decode_gflop": decode_flops / 1e9, "decode_rows": decode_rows,
         "decode_gflops": decode_rate,
-        "prefill_gflops": {str(r): v for r, v in prefill_rates.items()}}
+        "prefill_gflops": {str(r): rates[r] for r in prefill_rows}}
     for kind, label in (("dense", "torch matmul"), ("best", "best matmul")):
-        prefill_rate = max(x[kind] for x in prefill_rates.values())
+        prefill_rate = max(rates[r][kind] for r in prefill_rows)
         roof = flops.prefill / (prefill_rate * 1e9) + decode_flops / (decode_rate[kind] * 1e9)
         figures["roofline"][kind] = {"seconds": roof, "total_tokens_per_s": tokens / roof,
                                      "fraction": roof / seconds}

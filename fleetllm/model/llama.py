@@ -16,6 +16,7 @@ from torch import nn
 from fleetllm.attention import AttentionMetadata, TorchAttentionBackend, cpu_kernels
 from fleetllm.config import ArchConfig
 from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
+from fleetllm.model import fused
 from fleetllm.model.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -114,7 +115,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, rope, hidden, residual, kv_cache, meta):
+    def forward(self, rope, hidden, residual, kv_cache, meta, fuse: bool = False):
+        """fuse: the step qualifies for the fused small-batch layer (fused.applies)."""
+        if fuse:
+            done = fused.run_layer(self, rope, hidden, residual, kv_cache, meta)
+            if done is not None:
+                return done
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -158,9 +164,10 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden, residual = intermediate
         rope = self.rotary.cos_sin(positions, hidden.dtype)
+        fuse = kv_caches is not None and fused.applies(hidden, kv_caches[0], meta)
         for i, layer in enumerate(self.layers.values()):
             hidden, residual = layer(rope, hidden, residual,
-                                     None if kv_caches is None else kv_caches[i], meta)
+                                     None if kv_caches is None else kv_caches[i], meta, fuse)
         if not self.is_last_stage:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)

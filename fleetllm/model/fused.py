@@ -1,0 +1,71 @@
+"""A decode step of a few sequences runs each decoder layer as one C call
+(cpu_kernels.decoder_layer): the same kernels as the module-by-module path (GEMV, fused norm,
+RoPE + cache write, paged attention, SiLU * up), minus ~10 Python calls, tensors and their
+glue per layer. Used when it computes exactly what the modules would: CPU float32, no tensor
+parallelism, no q/k norm, the dense weights kept (FLEETLLM_LINEAR=auto), a batch of at most
+4 decode tokens and nothing else."""
+
+from __future__ import annotations
+
+import torch
+
+from fleetllm.attention import AttentionMetadata, cpu_kernels
+from fleetllm.distributed.parallel_state import get_tp_group
+
+MAX_ROWS = 4  # the GEMV kernel's range
+
+
+def _weights(layer) -> tuple | None:
+    """The layer's weight pointers and shapes, computed once (the weights never move), or
+    None if the fused path does not apply to this layer."""
+    cached = getattr(layer, "_fused", False)
+    if cached is not False:
+        return cached
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    ok = (get_tp_group().world_size == 1 and attn.q_norm is None
+          and all(m.weight is not None and m.weight.is_contiguous()
+                  and cpu_kernels.usable(m.weight) for m in linears)
+          and layer.input_layernorm.eps == layer.post_attention_layernorm.eps)
+    layer._fused = None
+    if ok:
+        def ptr(t):
+            return 0 if t is None else t.data_ptr()
+
+        bias = [getattr(m, "bias", None) for m in linears]
+        layer._fused = (
+            (ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
+             layer.input_layernorm.eps, ptr(attn.qkv_proj.weight), ptr(bias[0]),
+             ptr(attn.o_proj.weight), ptr(bias[1]), ptr(mlp.gate_up_proj.weight),
+             ptr(bias[2]), ptr(mlp.down_proj.weight), ptr(bias[3])),
+            (attn.o_proj.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
+             mlp.down_proj.weight.shape[1]), attn.sliding_window or 0, attn.scale)
+    return layer._fused
+
+
+def applies(hidden: torch.Tensor, kv_cache: torch.Tensor | None,
+            meta: AttentionMetadata) -> bool:
+    """This step can use the fused layers: a small batch of decode tokens only."""
+    return (kv_cache is not None and hidden.shape[0] <= MAX_ROWS and not meta.prefills
+            and meta.decode is not None and meta.decode.num == hidden.shape[0]
+            and hidden.is_contiguous() and kv_cache.is_contiguous()
+            and cpu_kernels.usable(hidden, kv_cache))
+
+
+def run_layer(layer, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+              residual: torch.Tensor | None, kv_cache: torch.Tensor, meta: AttentionMetadata
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(output, residual) of the layer, or None when the fused path does not apply to it."""
+    fused = _weights(layer)
+    if fused is None:
+        return None
+    weights, (hid, heads, kv_heads, d, inter), window, scale = fused
+    first = residual is None
+    if first:
+        residual = torch.empty_like(hidden)
+    dec = meta.decode
+    out = cpu_kernels.decoder_layer(
+        hidden, residual, first, weights,
+        (hid, heads, kv_heads, d, inter, kv_cache.shape[2], window, scale), rope[0], rope[1],
+        kv_cache, meta.slot_mapping, dec.tables, dec.table_start, dec.ctx_lens)
+    return out, residual
