@@ -264,6 +264,25 @@ def test_metrics_move_by_exactly_the_expected_amounts(server, client):
     assert metric(after, "fleetllm:num_requests_waiting") == 0
 
 
+def test_prefix_cache_metrics_count_a_repeated_prompt(server, client):
+    """The second of two identical 40-token prompts finds its two full blocks (block size
+    16; the last token is always computed) in the prefix cache, and /metrics says so."""
+    before = scrape(server)
+    prompt = list(range(300, 340))  # no other test sends these tokens
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                  extra_body={"ignore_eos": True})
+    after = scrape(server)
+    queries = metric(after, "fleetllm:prefix_cache_queries_total") - \
+        metric(before, "fleetllm:prefix_cache_queries_total")
+    hits = metric(after, "fleetllm:prefix_cache_hits_total") - \
+        metric(before, "fleetllm:prefix_cache_hits_total")
+    assert (queries, hits) == (2 * 40, 32)
+    rate = metric(after, "fleetllm:prefix_cache_hit_rate")
+    assert rate == metric(after, "fleetllm:prefix_cache_hits_total") / \
+        metric(after, "fleetllm:prefix_cache_queries_total")
+
+
 def test_errors_reach_the_openai_client_typed(client):
     with pytest.raises(openai.BadRequestError, match="maximum context length is 1024"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=5000)

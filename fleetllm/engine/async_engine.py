@@ -356,9 +356,12 @@ class AsyncLLMEngine:
     def _publish(self, stats: IterationStats) -> None:
         sched = self.engine.scheduler
         blocks = sched.block_manager
+        cache = blocks.prefix_cache
         self.load = EngineLoad(len(sched.running), len(sched.waiting), len(sched.swapped),
                                blocks.num_gpu_blocks, blocks.num_free_gpu_blocks,
-                               self.engine.worker_restarts)
+                               self.engine.worker_restarts,
+                               cache.queried_tokens if cache else 0,
+                               cache.hit_tokens if cache else 0)
         if stats.is_empty():
             return
         for stat_logger in tuple(self.stat_loggers):

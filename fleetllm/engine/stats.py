@@ -45,12 +45,21 @@ class EngineLoad:
     num_gpu_blocks: int = 0
     num_free_gpu_blocks: int = 0
     worker_restarts: int = 0  # times the engine replaced crashed or hung workers
+    # Prompt tokens of requests admitted with a prefix-cache lookup, and of those the tokens
+    # found cached (both since the engine started; 0 without prefix caching).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
         if not self.num_gpu_blocks:
             return 0.0
         return 1.0 - self.num_free_gpu_blocks / self.num_gpu_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries \
+            if self.prefix_cache_queries else 0.0
 
 
 class StatLogger(Protocol):

@@ -3,6 +3,8 @@ that two apps in one process (tests) never share counters."""
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from fleetllm.engine.stats import EngineLoad, IterationStats
@@ -56,7 +58,15 @@ class PrometheusMetrics:
                              _REQUEST_BUCKETS)
         self.worker_restarts = counter("worker_restarts", "Times the engine replaced "
                                        "crashed or hung workers (every request resumed).")
-        self._restarts_seen = 0
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in "
+                                      "the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix "
+                                   "cache (not computed again).")
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "prefix_cache_hits / "
+                                     "prefix_cache_queries since the start.")
+        # The engine's counts are running totals; the Prometheus counters move by the change.
+        self._seen = {"restarts": 0, "queries": 0, "hits": 0}
+        self._render_lock = threading.Lock()  # two scrapes at once must not count twice
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first "
                                     "scheduled.", _REQUEST_BUCKETS)
 
@@ -81,7 +91,15 @@ class PrometheusMetrics:
         self.num_waiting.set(load.num_waiting)
         self.num_swapped.set(load.num_swapped)
         self.kv_usage.set(load.kv_cache_usage)
-        if load.worker_restarts > self._restarts_seen:  # a counter: moves by the difference
-            self.worker_restarts.inc(load.worker_restarts - self._restarts_seen)
-            self._restarts_seen = load.worker_restarts
+        with self._render_lock:
+            self._move_counters(load)
         return generate_latest(self.registry)
+
+    def _move_counters(self, load: EngineLoad) -> None:
+        for key, metric, total in (("restarts", self.worker_restarts, load.worker_restarts),
+                                   ("queries", self.prefix_queries, load.prefix_cache_queries),
+                                   ("hits", self.prefix_hits, load.prefix_cache_hits)):
+            if total > self._seen[key]:
+                metric.inc(total - self._seen[key])
+                self._seen[key] = total
+        self.prefix_hit_rate.set(load.prefix_cache_hit_rate)
