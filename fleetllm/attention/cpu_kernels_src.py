@@ -24,19 +24,30 @@ RUNTIME = r"""
 
 typedef void (*pool_fn)(void *ctx, long begin, long end, int tid);
 
+/* A test build defines it to a random short sleep: a worker preempted at these points. */
+#ifndef POOL_TEST_PREEMPT
+#define POOL_TEST_PREEMPT()
+#endif
+
 typedef struct {
     pool_fn fn;
     void *ctx;
     long n, chunk;
     atomic_long next, done;
-    atomic_int refs;  /* workers holding this job */
 } job_t;
 
 static struct {
     pid_t pid;  /* the process that started the workers (a fork has none) */
     int size;   /* worker threads; the caller is the other participant */
     pthread_t *threads;
+    /* The job lives here, not on the caller's stack: a worker that wakes late may still
+       look at it after its caller returned (a stack job then was a dangling pointer, and a
+       worker's increment of it corrupted the caller's next frame). `job` is &slot while a
+       job is published, else NULL; `active` counts workers between deciding to look at
+       `job` and leaving it, and the caller unpublishes, then waits for it to reach 0. */
+    job_t slot;
     _Atomic(job_t *) job;
+    atomic_int active;
     atomic_uint gen;
     atomic_int sleepers, quit, spin;  /* spin: the last job asked workers to stay awake */
     pthread_mutex_t mu;
@@ -90,13 +101,13 @@ static void *worker_main(void *arg)
             }
         }
         seen = atomic_load(&P.gen);
+        POOL_TEST_PREEMPT();
+        atomic_fetch_add(&P.active, 1);  /* before reading P.job: the caller waits for it */
         job_t *j = atomic_load(&P.job);
-        if (!j)
-            continue;
-        atomic_fetch_add(&j->refs, 1);
-        if (atomic_load(&P.job) == j)  /* still published: the caller waits for our ref */
+        POOL_TEST_PREEMPT();
+        if (j)
             work(j, tid);
-        atomic_fetch_sub(&j->refs, 1);
+        atomic_fetch_sub(&P.active, 1);
     }
     return NULL;
 }
@@ -151,19 +162,24 @@ static void pool_run(int nthreads, pool_fn fn, void *ctx, long n, long chunk, in
     }
     if (P.pid != getpid() || P.size != nthreads - 1)
         pool_resize(nthreads - 1);
-    job_t j = {.fn = fn, .ctx = ctx, .n = n, .chunk = chunk};
-    atomic_init(&j.next, 0);
-    atomic_init(&j.done, 0);
-    atomic_init(&j.refs, 0);
+    /* No worker is inside P.slot now: the previous caller waited for P.active == 0 after
+       unpublishing it, and a worker arriving since finds P.job NULL until the store below. */
+    job_t *j = &P.slot;
+    j->fn = fn;
+    j->ctx = ctx;
+    j->n = n;
+    j->chunk = chunk;
+    atomic_store(&j->next, 0);
+    atomic_store(&j->done, 0);
     atomic_store(&P.spin, spin);
-    atomic_store(&P.job, &j);
+    atomic_store(&P.job, j);
     wake_all();
-    work(&j, 0);
-    for (long spins = 0; atomic_load(&j.done) < n; spins++)
+    work(j, 0);
+    for (long spins = 0; atomic_load(&j->done) < n; spins++)
         if (spins > 100000) sched_yield(); else relax();
     atomic_store(&P.job, NULL);
-    while (atomic_load(&j.refs) > 0)
-        relax();
+    for (long spins = 0; atomic_load(&P.active) > 0; spins++)  /* ctx stays valid till then */
+        if (spins > 100000) sched_yield(); else relax();
     pthread_mutex_unlock(&run_mu);
 }
 
