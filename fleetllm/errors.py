@@ -20,6 +20,24 @@ class OutOfMemoryError(FleetLLMError, MemoryError):
     code = "E001"
 
 
+def as_out_of_memory(exc: BaseException) -> BaseException:
+    """`exc`, or an OutOfMemoryError (caused by it) when it is an allocation failure in any of
+    its forms: torch's CPU allocator raises RuntimeError ("DefaultCPUAllocator: can't allocate
+    memory"), CUDA's torch.OutOfMemoryError, Python's MemoryError. Workers classify before an
+    error crosses the process boundary, so the engine's retry-smaller sees every real one."""
+    if isinstance(exc, OutOfMemoryError):
+        return exc
+    text = str(exc)
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or (
+            isinstance(exc, RuntimeError) and not isinstance(exc, FleetLLMError)
+            and ("can't allocate memory" in text
+                                               or "out of memory" in text.lower())):
+        oom = OutOfMemoryError(f"{type(exc).__name__}: {text}")
+        oom.__cause__ = exc
+        return oom
+    return exc
+
+
 class WorkerCrashedError(FleetLLMError, RuntimeError):
     code = "E002"
 

@@ -108,7 +108,8 @@ def test_an_out_of_memory_step_is_retried_with_half_the_tokens(tiny_models):
         results = {}
         while engine.has_unfinished_requests():
             results.update({o.request_id: o for o in engine.step() if o.finished})
-        assert engine.scheduler.max_num_batched_tokens == 512  # grown back
+        # not grown back to the size that failed (for OOM_FORGET_STEPS good steps)
+        assert engine.scheduler.max_num_batched_tokens < 512
         assert tokens([results[str(i)] for i in range(16)]) == undisturbed
 
         # A request that runs out of memory alone at its smallest step fails; no other does.

@@ -15,8 +15,11 @@ are cumulative), so a consumer is never more than one output behind. While a req
 strings, the last len(longest stop) - 1 characters are held back until the request finishes, so
 streamed text never needs retracting, whatever the engine does with a stop string.
 
-Failure: an exception from step() (a crashed worker, a timeout, ...) is fatal: every open
-stream raises EngineDeadError (the cause chained) and later calls fail at once with it.
+Failure: workers that crash or hang, found by a step or by the idle health probe (every
+health_probe_interval_s, asleep too), are replaced by the engine (LLMEngine._restart_workers)
+and the requests resume. An exception that escapes that (max_worker_restarts reached, a bug)
+is fatal: every open stream, and every queued sleep/wake_up, raises EngineDeadError (the cause
+chained) and later calls fail at once with it.
 Closing a stream before it finishes (the consumer was cancelled, a client went away) aborts
 the request in the engine, all of its n sequences, which frees its KV blocks before the next
 step.
@@ -280,8 +283,12 @@ class AsyncLLMEngine:
             command = self._commands.get(timeout=self.health_probe_interval_s) if block \
                 else self._commands.get_nowait()
         except queue.Empty:
-            if block and not self.is_sleeping:  # idle: a dead worker must not pass as healthy
-                self._busy(self.engine.model_executor.check_health)
+            # Idle (or asleep): a dead worker must not pass as healthy, and is replaced as a
+            # failed step's would be (LLMEngine.check_health); only past max_worker_restarts
+            # does the engine die.
+            if block:
+                self._busy(self.engine.check_health)
+                self._publish(IterationStats())  # worker_restarts may have moved
             return True
         stats = IterationStats()
         while command is not _STOP:
@@ -381,6 +388,8 @@ class AsyncLLMEngine:
                 break
             if isinstance(command, _Add):
                 _settle(command.accepted, error=_dead(error))
+            elif isinstance(command, _Call):  # a sleep or wake_up waiting its turn
+                _settle(command.done, error=_dead(error))
         self._end_all(lambda: _dead(error))
 
     def _end_all(self, make_error: Callable[[], BaseException]) -> None:

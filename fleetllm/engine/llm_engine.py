@@ -12,6 +12,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,8 @@ from fleetllm.sequence import (
 
 PromptType = str | dict[str, Any]
 logger = logging.getLogger(__name__)
+# After an out-of-memory step, the failing size is avoided for this many good steps.
+OOM_FORGET_STEPS = 1000
 
 
 def load_tokenizer(path: str) -> Any:
@@ -77,6 +80,11 @@ class LLMEngine:
         self._deferred_adds: list[SequenceGroup] = []
         self._deferred_aborts: list[str] = []
         self.worker_restarts = 0  # workers replaced after a crash or hang (max_worker_restarts)
+        # The executor's kv_cache_epoch when this engine last knew the workers' KV content.
+        self._kv_epoch = self.model_executor.kv_cache_epoch
+        # Out of memory: steps of more tokens than this are known to fail (None: none are).
+        self._oom_ceiling: int | None = None
+        self._steps_since_oom = 0
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs: Any) -> LLMEngine:
@@ -208,6 +216,7 @@ class LLMEngine:
         return [o for o in outputs if o.request_id not in aborted] if aborted else outputs
 
     def _step(self, finished_only: bool) -> list[RequestOutput]:
+        self._sync_kv_epoch()
         metadata, sched = self.scheduler.schedule()
         # Requests that can never be scheduled end here; reported even if the step fails.
         for group in sched.ignored_seq_groups:  # may have run before: workers drop its state
@@ -255,35 +264,69 @@ class LLMEngine:
     def _recover(self, sched: SchedulerOutputs, error: BaseException) -> bool:
         """After a failed step (already requeued): can the engine carry on? Workers that
         crashed or hung are replaced and every request resumes; a step out of memory is
-        retried smaller. Anything else propagates."""
-        if isinstance(error, MemoryError):  # OutOfMemoryError, or a worker's MemoryError
-            self._shrink_token_budget(sched, error)
-            return True
+        retried smaller (also when, under TP/PP, it failed the workers: they are replaced
+        and the step shrinks too, or it would fail again). Anything else propagates."""
+        oom = out_of_memory_cause(error)
         if isinstance(error, WorkerCrashedError | CommunicationTimeoutError):
-            return self._restart_workers(error)
-        return False
+            if not self._restart_workers(error):
+                return False
+        elif oom is None:
+            return False
+        if oom is not None:
+            self._shrink_token_budget(sched, oom)
+        return True
+
+    def check_health(self, timeout: float = 10.0) -> None:
+        """Executor.check_health, recovered from as a failed step is: workers found dead or
+        hung while the engine is idle (or asleep) are replaced, within max_worker_restarts,
+        and every request resumes. Raises only what cannot be recovered."""
+        try:
+            self.model_executor.check_health(timeout)
+        except (WorkerCrashedError, CommunicationTimeoutError) as error:
+            if not self._restart_workers(error):
+                raise
 
     def _restart_workers(self, error: BaseException) -> bool:
+        """Replace the workers (Executor.restart_failed_workers) and recompute every request.
+        A restart that fails counts as one and is tried again, after a short pause, until
+        max_worker_restarts is reached: then False (the caller raises)."""
         limit = self.config.parallel_config.max_worker_restarts
-        if self.worker_restarts >= limit:
-            logger.error("workers failed again after %d restarts (max_worker_restarts=%d): "
-                         "giving up: %s", self.worker_restarts, limit, error)
-            return False
-        self.worker_restarts += 1
-        logger.warning("workers failed (%s); restarting them (%d of %d) and resuming %d "
-                       "requests", str(error).splitlines()[0], self.worker_restarts, limit,
-                       len(self.seq_groups))
-        self.model_executor.restart_failed_workers()
+        while True:
+            if self.worker_restarts >= limit:
+                logger.error("workers failed again after %d restarts (max_worker_restarts=%d):"
+                             " giving up: %s", self.worker_restarts, limit, error)
+                return False
+            self.worker_restarts += 1
+            logger.warning("workers failed (%s); restarting them (%d of %d) and resuming %d "
+                           "requests", str(error).splitlines()[0], self.worker_restarts, limit,
+                           len(self.seq_groups))
+            try:
+                self.model_executor.restart_failed_workers()
+                break
+            except WorkerCrashedError as restart_error:
+                error = restart_error
+                time.sleep(min(2.0, 0.25 * self.worker_restarts))
         # The new workers hold no KV blocks and no per-request state: every request is
         # recomputed from its prompt and the tokens it has (seeded draws are counter-based,
         # so they continue exactly).
-        self.scheduler.recompute_all()
+        self._sync_kv_epoch()
         self._finished_since_last_step.clear()
         return True
 
+    def _sync_kv_epoch(self) -> None:
+        """The workers' KV cache lost its content since this engine last looked (a restart,
+        or sleep() called on the executor itself): forget the cached prefixes and recompute
+        the requests that had KV there, instead of reading blocks that are gone."""
+        epoch = self.model_executor.kv_cache_epoch
+        if epoch != self._kv_epoch:
+            self._kv_epoch = epoch
+            self.scheduler.recompute_all()
+
     def _shrink_token_budget(self, sched: SchedulerOutputs, error: BaseException) -> None:
-        """Out of memory in a step: retry with half its tokens. A request that ran alone at
-        its smallest step (one token per sequence) cannot fit at all: it fails."""
+        """Out of memory in a step: retry with half its tokens, and keep that budget (for
+        OOM_FORGET_STEPS good steps: memory may come back) rather than grow it back into the
+        size that failed: every step past a real memory limit would fail again. A request
+        that ran alone at its smallest step (one token per sequence) cannot fit: it fails."""
         groups = [s.seq_group for s in sched.scheduled_seq_groups]
         smallest = max((len(g.unfinished_seqs()) for g in groups), default=1)
         if len(groups) == 1 and sched.num_batched_tokens <= smallest:
@@ -297,13 +340,21 @@ class LLMEngine:
         logger.warning("a step of %d tokens ran out of memory; retrying with at most %d",
                        sched.num_batched_tokens, budget)
         self.scheduler.max_num_batched_tokens = budget
+        self._oom_ceiling = budget
+        self._steps_since_oom = 0
 
     def _regrow_token_budget(self) -> None:
-        """After an out-of-memory step, each successful step doubles the budget back."""
+        """OOM_FORGET_STEPS good steps after an out-of-memory step, the budget doubles back
+        to the configured one, a step at a time (an OOM on the way halves it again)."""
+        if self._oom_ceiling is not None:
+            self._steps_since_oom += 1
+            if self._steps_since_oom >= OOM_FORGET_STEPS:
+                self._oom_ceiling = None
         full = self.config.scheduler_config.max_num_batched_tokens
-        if self.scheduler.max_num_batched_tokens < full:
-            self.scheduler.max_num_batched_tokens = min(full,
-                                                        2 * self.scheduler.max_num_batched_tokens)
+        cap = full if self._oom_ceiling is None else min(full, self._oom_ceiling)
+        if self.scheduler.max_num_batched_tokens < cap:
+            self.scheduler.max_num_batched_tokens = min(
+                cap, 2 * self.scheduler.max_num_batched_tokens)
 
     def _process(self, sched: SchedulerOutputs, result: SamplerOutput, finished_only: bool
                  ) -> list[RequestOutput]:
@@ -386,13 +437,38 @@ class LLMEngine:
     def sleep(self, level: int = 1) -> None:
         """Executor.sleep: free the KV cache (level 1) or the KV cache and weights (level 2)
         until wake_up(). Refused while requests are in flight (their KV cache would go);
-        requests added while asleep wait, and step() raises EngineSleepingError."""
+        requests added while asleep wait, and step() raises EngineSleepingError. A worker
+        that died is replaced (it is put to sleep like the others)."""
         if not self.model_executor.is_sleeping and self.has_unfinished_requests():
             raise EngineSleepingError(f"sleep: {self.get_num_unfinished_requests()} requests "
                                       "are in flight; finish or abort them first")
-        self.model_executor.sleep(level)
-        self.scheduler.block_manager.reset_prefix_cache()  # the cached KV is gone with it
+        self._recovering(lambda: self.model_executor.sleep(level))
+        self._sync_kv_epoch()  # the cached KV is gone with it
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Executor.wake_up: restore "weights", "kv_cache" or both (None)."""
-        self.model_executor.wake_up(tags)
+        """Executor.wake_up: restore "weights", "kv_cache" or both (None). Workers that died
+        while asleep are replaced first (max_worker_restarts), then woken."""
+        self._recovering(lambda: self.model_executor.wake_up(tags))
+
+    def _recovering(self, call: Callable[[], None]) -> None:
+        """Run a call to the workers outside a step; if they crashed or hung, restart them
+        (as a failed step would) and run it again."""
+        try:
+            call()
+        except (WorkerCrashedError, CommunicationTimeoutError) as error:
+            if not self._restart_workers(error):
+                raise
+            call()
+
+
+def out_of_memory_cause(error: BaseException) -> BaseException | None:
+    """The out-of-memory error that `error` is or was caused by (a worker's OOM inside a
+    collective fails the executor: it arrives as the __cause__ of a WorkerCrashedError)."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, MemoryError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__
+    return None

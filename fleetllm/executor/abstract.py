@@ -6,12 +6,14 @@ on every worker, results in rank order). Everything else is built on collective_
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from fleetllm.config import EngineConfig
@@ -21,6 +23,7 @@ from fleetllm.errors import (
     ConfigurationError,
     EngineShutdownError,
     EngineSleepingError,
+    WorkerCrashedError,
 )
 from fleetllm.executor.metrics import MetricsRecorder, WorkerUsage, worker_usage
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
@@ -70,11 +73,80 @@ class Executor(ABC):
         self.load_config = config.load_config
         self.is_sleeping = False
         self.sleeping_tags: set[str] = set()
+        self.sleep_level = 0
+        # Bumped whenever the workers' KV cache stops holding what was computed into it (sleep,
+        # restart): an engine that sees it move must forget its cached prefixes and recompute
+        # its running requests, whoever called sleep() or restart_failed_workers().
+        self.kv_cache_epoch = 0
         self._is_shutdown = False
+        # One executor-wide lock, owned here and never replaced: every call to the workers, a
+        # restart, and the window between an execute_model timeout and the caller's decision
+        # (wait_for_timed_out_step or give up) hold it (see _exclusive).
+        self._lock = threading.RLock()
+        self._window_closed = threading.Condition(self._lock)
+        self._outstanding: Any = None  # a timed-out step's state (backends: _timed_out_step)
+        self._outstanding_owner: int | None = None
+        self._outstanding_since = 0.0
+        self._step_started: float | None = None  # a step is running (or outstanding) since
+        self._in_execute_model = False
+        self._restarting = False
+        self._restart_failure: WorkerCrashedError | None = None
         if config.parallel_config.pipeline_parallel_size > 1 and not self.supports_pp:
             raise ConfigurationError(f"pipeline_parallel_size: {type(self).__name__} does not "
                                      "support pipeline parallelism; use 'mp' or 'ray'")
-        self._init_executor()
+        try:
+            self._init_executor()
+        except BaseException:
+            self._is_shutdown = True  # the backend cleaned up what it had started
+            raise
+
+    # -------------------------------------------------------------- the executor-wide lock
+
+    @property
+    def _timed_out_step(self) -> Any:
+        """The backend's state of an execute_model step that timed out and is still
+        outstanding (None: none). Setting it opens or closes the timed-out window."""
+        return self._outstanding
+
+    @_timed_out_step.setter
+    def _timed_out_step(self, step: Any) -> None:
+        with self._lock:
+            self._outstanding = step
+            if step is None:
+                self._outstanding_owner = None
+                self._window_closed.notify_all()
+            else:
+                self._outstanding_owner = threading.get_ident()
+                self._outstanding_since = time.monotonic()
+
+    @contextlib.contextmanager
+    def _exclusive(self, timeout: float | None = None) -> Iterator[None]:
+        """Hold the executor-wide lock for one call (re-entrant). While a timed-out step is
+        outstanding only the thread that ran it may call (to wait for it or give it up);
+        other threads wait until it decides, so that a health probe or a metrics scrape never
+        gives up a slow step. A window left open longer than the second wait would take is
+        abandoned: the next caller goes ahead, which gives up the step (failures.py)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise CommunicationTimeoutError(f"collective_rpc: the workers stayed busy with "
+                                            f"another call for timeout={timeout}s")
+        try:
+            while self._outstanding is not None and \
+                    self._outstanding_owner != threading.get_ident():
+                abandon = self._outstanding_since + \
+                    2 * self.parallel_config.execute_model_timeout + 1.0
+                end = abandon if deadline is None else min(deadline, abandon)
+                left = end - time.monotonic()
+                if left <= 0:
+                    if deadline is not None and deadline <= abandon:
+                        raise CommunicationTimeoutError(
+                            f"collective_rpc: a timed-out step kept the workers busy for "
+                            f"timeout={timeout}s")
+                    break
+                self._window_closed.wait(left)
+            yield
+        finally:
+            self._lock.release()
 
     @abstractmethod
     def _init_executor(self) -> None:
@@ -113,52 +185,96 @@ class Executor(ABC):
         """A timed, side-effect-free check of every worker: each answers a ping with a small
         device operation (Worker.check_health) within `timeout`, else
         CommunicationTimeoutError; a dead worker raises WorkerCrashedError. It never queues
-        behind a running step (a ping would wait for it): while one runs, the check is what
-        is known without asking the workers: the backend's own crash detection, and whether
-        the step has outlived execute_model_timeout."""
-        started = self.__dict__.get("_step_started")
-        if started is None:
+        behind a running step (a ping would wait for it), nor gives up a timed-out one: while
+        a step runs or is outstanding, or a restart or another call holds the workers, the
+        check is what is known without asking them: the backend's own crash detection, and
+        whether the step has outlived execute_model_timeout. It never restarts anything: the
+        engine does (LLMEngine.check_health)."""
+        if self._restarting:  # (only other threads can see this)
+            raise WorkerCrashedError("the workers are being restarted after a failure")
+        if self._step_started is None and self._lock.acquire(timeout=timeout):
             try:
-                self.collective_rpc("check_health", timeout=timeout)
-                return
-            except CommunicationTimeoutError:
-                if self.__dict__.get("_step_started") is None:
-                    raise
-                started = self.__dict__["_step_started"]  # a step began meanwhile
+                if self._step_started is None and self._outstanding is None:
+                    self.collective_rpc("check_health", timeout=timeout)
+                    return
+            finally:
+                self._lock.release()
         self._raise_if_unusable()
+        started = self._step_started
         limit = self.parallel_config.execute_model_timeout
-        if time.monotonic() - started > limit:
+        if started is not None and time.monotonic() - started > limit:
             raise CommunicationTimeoutError(f"a step has run for more than "
                                             f"execute_model_timeout={limit}s")
 
     def _raise_if_unusable(self) -> None:
-        """Raise if the backend knows its workers are gone, without asking them."""
+        """Raise if the workers are known to be gone, without asking them. Backends extend
+        it (calling this first) with their own crash detection."""
+        if self._restart_failure is not None and not self._is_shutdown:
+            f = self._restart_failure
+            raise WorkerCrashedError(f.args[0], rank=f.rank, exitcode=f.exitcode)
 
     @property
     def step_outstanding(self) -> bool:
         """Did the last execute_model time out with its step still outstanding?"""
-        return getattr(self, "_timed_out_step", None) is not None
+        return self._outstanding is not None
 
     def wait_for_timed_out_step(self) -> list[SamplerOutput]:
-        """After execute_model raised CommunicationTimeoutError: wait once more, as long
-        again, for the same step's replies (see executor/failures.py). Backends without a
-        deadline have no such step."""
+        """After execute_model raised CommunicationTimeoutError with the step outstanding:
+        wait once more, as long again, for the same step's replies (see
+        executor/failures.py); if they do not come either, the workers are declared hung."""
+        with self._exclusive():
+            if self._outstanding is None:
+                raise CommunicationTimeoutError("no execute_model step is outstanding")
+            try:
+                return self._wait_timed_out_step()
+            finally:
+                self._timed_out_step = None
+                self._step_started = None
+
+    def _wait_timed_out_step(self) -> list[SamplerOutput]:
+        """Backends with a deadline: collect the outstanding step's replies."""
         raise CommunicationTimeoutError("no execute_model step is outstanding")
 
     def restart_failed_workers(self) -> None:
         """Replace every worker after a crash or a hang: stop them all (a broken process
         group cannot be mended one rank at a time), start fresh ones in a fresh group, load
         the weights and re-create the KV cache with the same number of blocks. What the old
-        workers held (KV blocks, the swap pool) is gone: the engine recomputes its requests."""
-        if self._is_shutdown:
-            raise EngineShutdownError("the executor is shut down; create a new one")
-        num_gpu, num_cpu = self.cache_config.num_gpu_blocks, self.cache_config.num_cpu_blocks
-        self._shutdown()
-        self.is_sleeping, self.sleeping_tags = False, set()
-        self._init_executor()
-        if num_gpu is not None:
-            self.initialize_cache(num_gpu, num_cpu or 0)
-        self.metrics.record_restart()
+        workers held (KV blocks, the swap pool) is gone (kv_cache_epoch moves): the engine
+        recomputes its requests. An executor that was asleep is put back to sleep at the same
+        level, with the same parts awake. Holds the executor-wide lock throughout: other
+        threads' calls wait for it, a health probe says a restart is under way.
+
+        If starting the new workers fails, calls raise WorkerCrashedError (not
+        EngineShutdownError): the executor is not shut down, and a later call of this method
+        may succeed once the cause is gone."""
+        with self._exclusive():
+            if self._is_shutdown:
+                raise EngineShutdownError("the executor is shut down; create a new one")
+            num_gpu, num_cpu = self.cache_config.num_gpu_blocks, \
+                self.cache_config.num_cpu_blocks
+            self._restarting = True
+            self.kv_cache_epoch += 1
+            try:
+                self._shutdown()
+                self._timed_out_step = None
+                self._step_started = None
+                self._restart_failure = None
+                self._init_executor()
+                if num_gpu is not None:
+                    self.initialize_cache(num_gpu, num_cpu or 0)
+                if self.sleeping_tags:  # as it was: asleep at its level, some parts awake
+                    self.collective_rpc("sleep", args=(self.sleep_level,))
+                    awake = sorted({"weights", "kv_cache"} - self.sleeping_tags)
+                    if awake:
+                        self.collective_rpc("wake_up", args=(awake,))
+            except BaseException as e:
+                self._restart_failure = WorkerCrashedError(
+                    f"restarting the workers failed: {type(e).__name__}: {e}; calling "
+                    "restart_failed_workers() again may succeed once the cause is gone")
+                raise self._restart_failure from e
+            finally:
+                self._restarting = False
+            self.metrics.record_restart()
 
     def shutdown(self) -> None:
         """Stop the workers and free their resources. Safe to call more than once."""
@@ -252,8 +368,11 @@ class Executor(ABC):
             logger.info("sleep(%s): the executor is already asleep", level)
             return
         start = time.perf_counter()
-        # Asleep from here on, even if a rank fails: wake_up() restores what each rank freed.
-        self.is_sleeping, self.sleeping_tags = True, {"weights", "kv_cache"}
+        # Asleep from here on, even if a rank fails: wake_up() restores what each rank freed,
+        # and a restart puts the new workers to sleep at this level.
+        self.is_sleeping, self.sleeping_tags, self.sleep_level = True, \
+            {"weights", "kv_cache"}, level
+        self.kv_cache_epoch += 1  # the KV content is gone, whoever asked
         freed = sum(self.collective_rpc("sleep", args=(level,)))
         logger.info("asleep (level %d) in %.2f s: %.1f MiB freed", level,
                     time.perf_counter() - start, freed / (1 << 20))
@@ -273,6 +392,8 @@ class Executor(ABC):
         self.collective_rpc("wake_up", args=(wake,))
         self.sleeping_tags -= set(wake)
         self.is_sleeping = bool(self.sleeping_tags)
+        if not self.is_sleeping:
+            self.sleep_level = 0
         logger.info("woke %s in %.2f s", ", ".join(wake), time.perf_counter() - start)
 
     def save_sharded_state(self, path: str | os.PathLike, pattern: str | None = None,
@@ -297,24 +418,27 @@ class Executor(ABC):
 def _track_execute_model(impl: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(impl)
     def execute_model(self: Executor, execute_model_req: ExecuteModelRequest) -> Any:
-        if self.__dict__.get("_in_execute_model"):  # a subclass calling super(): count once
+        if self._in_execute_model:  # a subclass calling super(): count once
             return impl(self, execute_model_req)
         if self.is_sleeping:
             raise EngineSleepingError(
                 f"the engine is asleep ({', '.join(sorted(self.sleeping_tags))} freed): call "
                 "wake_up() first (LLM.wake_up / LLMEngine.wake_up); an LLMEngine keeps its "
                 "queued requests and runs them after wake_up")
-        self.__dict__["_in_execute_model"] = True
-        self.__dict__["_step_started"] = time.monotonic()  # for check_health
-        start = time.perf_counter()
-        try:
-            output = impl(self, execute_model_req)
-        except BaseException:
-            self.metrics.record_error()
-            raise
-        finally:
-            self.__dict__["_in_execute_model"] = False
-            self.__dict__["_step_started"] = None
+        with self._exclusive():
+            self._raise_if_unusable()
+            self._in_execute_model = True
+            self._step_started = time.monotonic()  # for check_health
+            start = time.perf_counter()
+            try:
+                output = impl(self, execute_model_req)
+            except BaseException:
+                self.metrics.record_error()
+                raise
+            finally:
+                self._in_execute_model = False
+                if not self.step_outstanding:  # else it still runs: see check_health
+                    self._step_started = None
         try:
             self._record_step(time.perf_counter() - start, execute_model_req, output)
         except Exception:  # metrics must never fail a step

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pickle
 import traceback
 
-from fleetllm.errors import WorkerCrashedError
+from fleetllm.errors import WorkerCrashedError, as_out_of_memory
 
 ERROR_GRACE_S = 0.05  # collective_rpc: after a first error, wait this long for other replies
 # execute_model: after a first error raised before any collective, how long the other ranks
@@ -33,7 +33,9 @@ ErrorPayload = tuple[bytes | None, str, str, str]
 
 def error_payload(exc: BaseException) -> ErrorPayload:
     """(pickled exception or None, type name, message, formatted traceback): survives any
-    exception, including one that cannot be pickled or rebuilt on the driver."""
+    exception, including one that cannot be pickled or rebuilt on the driver. An allocation
+    failure travels as OutOfMemoryError (errors.as_out_of_memory), whatever raised it."""
+    exc = as_out_of_memory(exc)
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
         blob = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)

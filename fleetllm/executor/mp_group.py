@@ -157,9 +157,27 @@ class WorkerGroup:
                 pass
 
 
+    def kill_now(self) -> None:
+        """From a signal handler: SIGKILL the workers and remove the temp dir, taking no lock
+        (the code the signal interrupted may hold any of them: close() would deadlock)."""
+        if os.getpid() != self.owner_pid:
+            return
+        for p in list(self.procs):
+            try:
+                if p.pid is not None:
+                    os.kill(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
+    """The driver dies by SIGTERM as the default action would, but takes its workers along.
+    The process is ending: nothing is joined (the workers are reaped by whoever inherits
+    them) and no lock is taken, so a SIGTERM that lands while a failure is being handled
+    cannot deadlock on the handler's own thread."""
     for group in list(LIVE_GROUPS):
-        group.close(polite=False)
+        group.kill_now()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
 

@@ -41,7 +41,6 @@ import pickle
 import select
 import socket
 import sys
-import threading
 import time
 import weakref
 from typing import Any, NoReturn
@@ -110,8 +109,7 @@ class MultiprocExecutor(Executor):
                     f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} "
                     f"workers, but only {torch.cuda.device_count()} CUDA devices are visible")
         self._call_id = 0
-        self._timed_out_step: tuple | None = None  # (call_id, results, done): failures.py
-        self._rpc_lock = threading.Lock()  # one call at a time on the channel
+        self._timed_out_step = None  # (call_id, results, done): failures.py
         self._encoder = DeltaEncoder()
         self._group = group = WorkerGroup(self.world_size)
         self._finalizer = weakref.finalize(self, group.close)
@@ -120,7 +118,6 @@ class MultiprocExecutor(Executor):
         try:
             self._start_workers(pc.startup_timeout)
         except BaseException:
-            self._is_shutdown = True
             self._finalizer.detach()
             group.close(polite=False)
             raise
@@ -207,6 +204,7 @@ class MultiprocExecutor(Executor):
     # ------------------------------------------------------------------------------ calls
 
     def _raise_if_unusable(self) -> None:
+        super()._raise_if_unusable()
         g = self._group
         if g.closing:  # the user's shutdown stands over an earlier failure: no restart wanted
             earlier = "" if g.failure is None else \
@@ -238,14 +236,9 @@ class MultiprocExecutor(Executor):
               timeout: float | None, unique_reply_rank: int | None,
               return_exceptions: bool, exec_call: bool = False) -> list[Any]:
         # The timeout covers waiting for the channel too (a step may hold it).
-        if not self._rpc_lock.acquire(timeout=-1 if timeout is None else timeout):
-            raise CommunicationTimeoutError(f"collective_rpc: the channel stayed busy with "
-                                            f"another call for timeout={timeout}s")
-        try:
+        with self._exclusive(timeout):
             return self._call_locked(kind, method, args, kwargs, timeout, unique_reply_rank,
                                      return_exceptions, exec_call)
-        finally:
-            self._rpc_lock.release()
 
     def _call_locked(self, kind: int, method: RpcMethod, args: tuple,
                      kwargs: dict[str, Any] | None, timeout: float | None,
@@ -389,20 +382,16 @@ class MultiprocExecutor(Executor):
         except _Resync:
             return self._exec(tr.EXEC, self._encoder.encode(execute_model_req, full=True))
 
-    def wait_for_timed_out_step(self) -> list[SamplerOutput]:
-        with self._rpc_lock:
-            if self._timed_out_step is None:
-                raise CommunicationTimeoutError("no execute_model step is outstanding")
-            call_id, results, done = self._timed_out_step
-            self._timed_out_step = None
-            timeout = self.parallel_config.execute_model_timeout
-            try:
-                return self._gather(call_id, "execute_model", timeout,
-                                    time.monotonic() + timeout, False, True,
-                                    resume=(results, done))[self.output_rank]
-            except BaseException:
-                self._encoder.need_reset = True
-                raise
+    def _wait_timed_out_step(self) -> list[SamplerOutput]:
+        call_id, results, done = self._timed_out_step
+        self._timed_out_step = None
+        timeout = self.parallel_config.execute_model_timeout
+        try:
+            return self._gather(call_id, "execute_model", timeout, time.monotonic() + timeout,
+                                False, True, resume=(results, done))[self.output_rank]
+        except BaseException:
+            self._encoder.need_reset = True
+            raise
 
     def _exec(self, kind: int, request: Any) -> list[SamplerOutput]:
         rank = self.output_rank

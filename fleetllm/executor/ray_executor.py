@@ -50,7 +50,6 @@ Failure handling follows the mp backend (executor/failures.py):
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 import weakref
@@ -107,10 +106,9 @@ class RayDistributedExecutor(Executor):
     def _init_executor(self) -> None:
         self._ray = ray = import_ray()
         self.world_size = self.parallel_config.world_size
-        self._lock = threading.RLock()  # one call at a time: ranks must see calls in one order
         self._encoder = DeltaEncoder()
         self._failure: WorkerCrashedError | None = None
-        self._timed_out_step: tuple | None = None  # (pending, done, result): see failures.py
+        self._timed_out_step = None  # (pending, done, result): see failures.py
         self.parallel_worker_tasks: list[Any] | None = None  # vLLM's name for async tasks
         self._task_ranks: dict[Any, int] = {}
         self._group = group = RayWorkerGroup(ray, f"fleetllm-{uuid.uuid4().hex[:8]}")
@@ -118,7 +116,6 @@ class RayDistributedExecutor(Executor):
         try:
             self._start_workers()
         except BaseException:
-            self._is_shutdown = True
             self._finalizer()
             raise
 
@@ -201,6 +198,7 @@ class RayDistributedExecutor(Executor):
     # ------------------------------------------------------------------------------ calls
 
     def _raise_if_unusable(self) -> None:
+        super()._raise_if_unusable()
         if self._is_shutdown:
             earlier = "" if self._failure is None else \
                 f" (it had failed before: {self._failure.args[0].splitlines()[0]})"
@@ -265,10 +263,7 @@ class RayDistributedExecutor(Executor):
                        args: tuple = (), kwargs: dict[str, Any] | None = None,
                        return_exceptions: bool = False) -> list[Any]:
         # The timeout covers waiting for a step in progress too.
-        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
-            raise CommunicationTimeoutError(f"collective_rpc: another call kept the workers "
-                                            f"busy for timeout={timeout}s")
-        try:
+        with self._exclusive(timeout):
             self._raise_if_unusable()
             ranks = list(range(self.world_size))
             refs = [a.execute_method.remote(method, *args, **(kwargs or {}))
@@ -277,8 +272,6 @@ class RayDistributedExecutor(Executor):
             return self._gather(refs, ranks, deadline, return_exceptions, lambda missing: (
                 f"collective_rpc({_name(method)!r}) got no reply from worker ranks {missing} "
                 f"within timeout={timeout}s"))
-        finally:
-            self._lock.release()
 
     def _run_workers(self, method: RpcMethod, *args: Any,
                      async_run_tensor_parallel_workers_only: bool = False,
@@ -294,7 +287,7 @@ class RayDistributedExecutor(Executor):
         a time (e.g. to bound the memory of simultaneous load_model calls). use_dummy_driver
         changes nothing here: every rank, rank 0 included, is an actor."""
         del use_dummy_driver
-        with self._lock:
+        with self._exclusive():
             self._raise_if_unusable()
             tp = self.parallel_config.tensor_parallel_size
             ranks = [r for r in range(self.world_size)
@@ -322,7 +315,7 @@ class RayDistributedExecutor(Executor):
         """Wait for the tasks _run_workers(async_run_tensor_parallel_workers_only=True)
         started, raising their errors; afterwards no worker is busy. (No rank waits in an
         execution loop between steps here: see the module docstring.)"""
-        with self._lock:
+        with self._exclusive():
             tasks, self.parallel_worker_tasks = self.parallel_worker_tasks, None
             if not tasks:
                 return
@@ -341,7 +334,7 @@ class RayDistributedExecutor(Executor):
         if execute_model_req is None:
             self.stop_remote_worker_execution_loop()
             return None
-        with self._lock:
+        with self._exclusive():
             if self._timed_out_step is not None:  # not waited for: give up on the workers
                 try:
                     self._give_up_timed_out_step(pending_ranks(self._timed_out_step[1]))
@@ -366,17 +359,14 @@ class RayDistributedExecutor(Executor):
                    for r, a in enumerate(self._group.actors)}
         return self._await_step(pending, [False] * self.world_size, None, first_wait=True)
 
-    def wait_for_timed_out_step(self) -> list[SamplerOutput]:
-        with self._lock:
-            if self._timed_out_step is None:
-                raise CommunicationTimeoutError("no execute_model step is outstanding")
-            pending, done, result = self._timed_out_step
-            self._timed_out_step = None
-            try:
-                return self._await_step(pending, done, result, first_wait=False)
-            except BaseException:
-                self._encoder.need_reset = True
-                raise
+    def _wait_timed_out_step(self) -> list[SamplerOutput]:
+        pending, done, result = self._timed_out_step
+        self._timed_out_step = None
+        try:
+            return self._await_step(pending, done, result, first_wait=False)
+        except BaseException:
+            self._encoder.need_reset = True
+            raise
 
     def _await_step(self, pending: dict[Any, int], done: list[bool], result: Any,
                     first_wait: bool) -> list[SamplerOutput]:

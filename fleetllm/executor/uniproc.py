@@ -6,7 +6,12 @@ import threading
 import traceback
 from typing import Any
 
-from fleetllm.errors import CommunicationTimeoutError, EngineShutdownError, remote_error
+from fleetllm.errors import (
+    CommunicationTimeoutError,
+    EngineShutdownError,
+    as_out_of_memory,
+    remote_error,
+)
 from fleetllm.executor.abstract import Executor, RpcMethod
 from fleetllm.worker.worker_base import WorkerWrapperBase, run_method
 
@@ -25,6 +30,7 @@ class UniProcExecutor(Executor):
         if self._is_shutdown:  # the worker has freed its cache: say so, not what broke
             raise EngineShutdownError("the executor was shut down; create a new LLM (or "
                                       "executor) to run the model again")
+        self._raise_if_unusable()
         worker = self.driver_worker.worker
         try:
             if timeout is None:
@@ -33,7 +39,7 @@ class UniProcExecutor(Executor):
         except CommunicationTimeoutError:
             raise
         except Exception as e:
-            err = remote_error(0, e, traceback.format_exc())
+            err = remote_error(0, as_out_of_memory(e), traceback.format_exc())
             if return_exceptions:
                 return [err]
             raise err from e

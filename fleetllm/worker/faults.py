@@ -8,7 +8,9 @@ fires at an exact step on any backend, with no timing luck:
 - "crash": the worker process dies by SIGKILL (not for `uni`: that is the caller's process);
 - "hang": the call sleeps far past any timeout (the process stays alive), or `seconds`;
 - "raise": the call raises RuntimeError("injected fault ...");
-- "oom": the call raises OutOfMemoryError.
+- "oom": the call fails a real allocation on the worker's device (torch's CPU allocator
+  raises RuntimeError, CUDA's torch.OutOfMemoryError): the worker classifies it as
+  OutOfMemoryError before it reaches the driver, as it does a real one.
 Calls are counted from the installation on. New workers (after a restart) have no fault.
 Test-only: nothing in fleetllm installs one.
 """
@@ -20,7 +22,7 @@ import signal
 import time
 from typing import Any
 
-from fleetllm.errors import OutOfMemoryError
+import torch
 
 KINDS = ("crash", "hang", "raise", "oom")
 
@@ -48,8 +50,8 @@ def _install(worker: Any, rank: int, kind: str, at_call: int, seconds: float | N
                 time.sleep(10**6 if seconds is None else seconds)
             elif kind == "raise":
                 raise RuntimeError(f"injected fault at execute_model call {calls}")
-            else:
-                raise OutOfMemoryError(f"injected out-of-memory at execute_model call {calls}")
+            else:  # more than any device has: the allocator itself fails
+                torch.empty(1 << 62, dtype=torch.uint8, device=worker.device)
         return inner(request)
 
     worker.execute_model = execute_model
