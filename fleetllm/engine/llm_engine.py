@@ -224,6 +224,8 @@ class LLMEngine:
             self._finished_since_last_step.append(group.request_id)
             self._unreported.append(group)
         outputs: list[RequestOutput] = []
+        if sched.is_empty and self.scheduler.has_unfinished_seqs():
+            self._widen_token_budget()
         if not sched.is_empty:
             finished_ids = list(self._finished_since_last_step)
             request = ExecuteModelRequest(
@@ -342,6 +344,16 @@ class LLMEngine:
         self.scheduler.max_num_batched_tokens = budget
         self._oom_ceiling = budget
         self._steps_since_oom = 0
+
+    def _widen_token_budget(self) -> None:
+        """Nothing could be scheduled with work waiting: a budget halved after an OOM may be
+        narrower than a group's sequences (n samples decode together). Double it, up to
+        the configured one, rather than wait for ever."""
+        full = self.config.scheduler_config.max_num_batched_tokens
+        if self.scheduler.max_num_batched_tokens < full:
+            self.scheduler.max_num_batched_tokens = min(
+                full, 2 * self.scheduler.max_num_batched_tokens)
+            self._oom_ceiling = self.scheduler.max_num_batched_tokens
 
     def _regrow_token_budget(self) -> None:
         """OOM_FORGET_STEPS good steps after an out-of-memory step, the budget doubles back
