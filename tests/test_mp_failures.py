@@ -24,7 +24,7 @@ from fleetllm.errors import (
     RemoteWorkerError,
     WorkerCrashedError,
 )
-from fleetllm.executor.multiproc import EXEC_ERROR_GRACE_S
+from fleetllm.executor.failures import EXEC_ERROR_GRACE_S
 from fleetllm.sequence import ExecuteModelRequest
 
 

@@ -58,14 +58,14 @@ def load_error(payload: ErrorPayload) -> tuple[BaseException, str]:
     return RuntimeError(f"{type_name}: {message}"), tb
 
 
-def out_of_step(info: dict[int, tuple[str, str, bool]], done: list[bool]) -> str | None:
+def out_of_step(info: dict[int, tuple[str, str, bool]], done: dict[int, bool]) -> str | None:
     """Why the errors of an execute_model call so far may leave the ranks' collectives out of
     step (None: not yet known). `info`: rank -> (error type, message, entered a collective);
-    `done`: which ranks have reported (a result or an error)."""
+    `done`: rank -> whether it has reported (a result or an error)."""
     entered = [r for r, (_, _, e) in info.items() if e]
     if entered:
         return f"after entering a collective operation (ranks {entered})"
-    finished = [r for r, d in enumerate(done) if d and r not in info]
+    finished = [r for r, d in sorted(done.items()) if d and r not in info]
     if finished:
         return f"while ranks {finished} completed the step"
     if len({(t, m) for t, m, _ in info.values()}) > 1:
@@ -84,10 +84,6 @@ def step_failed_error(rank: int, remote: BaseException, reason: str) -> WorkerCr
 def step_timeout_message(missing: list[int], timeout: float | None) -> str:
     return (f"execute_model: no reply from worker ranks {missing} within "
             f"execute_model_timeout={timeout}s")
-
-
-def pending_ranks(done: list[bool]) -> list[int]:
-    return [r for r, d in enumerate(done) if not d]
 
 
 def step_outstanding_message(missing: list[int], timeout: float | None) -> str:

@@ -1,9 +1,9 @@
 """Executor performance metrics: what Executor.get_performance_metrics() reports.
 
-The Executor base class times every backend's execute_model (see Executor.__init_subclass__)
-and feeds MetricsRecorder; the engine reports the outputs it hands back (requests completed or
-failed); resource figures are read on each worker when asked for (worker_usage, sent through
-collective_rpc, so they come from wherever the worker runs, for any backend).
+Executor.execute_model times every step and feeds MetricsRecorder; the engine reports the
+outputs it hands back (requests completed or failed); resource figures are read on each worker
+when asked for (worker_usage, sent through collective_rpc, so they come from wherever the
+worker runs, for any backend).
 """
 
 from __future__ import annotations
@@ -184,6 +184,38 @@ class MetricsRecorder:
         if prev is not None and prev[0] == pid and age_s > prev[2]:
             return 100.0 * (cpu_s - prev[1]) / (age_s - prev[2])
         return 100.0 * cpu_s / age_s if age_s > 0 else None
+
+
+def performance_metrics(executor: Any) -> dict[str, Any]:
+    """Executor.get_performance_metrics(): the recorder's counters and windows, with each
+    worker's usage read now (a worker that does not answer is reported with its error)."""
+    from fleetllm.errors import EngineShutdownError
+
+    world = executor.parallel_config.world_size
+    usage = [WorkerUsage(rank=r) for r in range(world)]
+    try:
+        results = executor.collective_rpc(worker_usage, timeout=10, return_exceptions=True)
+    except EngineShutdownError as e:  # not a failure: nobody is running
+        results = [e] * world
+        usage = [WorkerUsage(rank=r, error="shut down") for r in range(world)]
+    except Exception as e:  # the executor failed: no worker answers
+        results = [e] * world
+    recorder: MetricsRecorder = executor.metrics
+    for rank, result in enumerate(results):
+        w = usage[rank]
+        if isinstance(result, BaseException):
+            first_line = (str(result).splitlines() or [""])[0]
+            w.error = w.error or f"{type(result).__name__}: {first_line}"
+            continue
+        w.pid, w.rss_bytes = result["pid"], result["rss_bytes"]
+        w.kv_cache_bytes = result["kv_cache_bytes"]
+        if result["age_s"] is not None:
+            w.cpu_percent = recorder.cpu_percent(rank, result["pid"], result["cpu_s"],
+                                                 result["age_s"])
+    m = recorder.snapshot(usage, world, executor.cache_config.num_gpu_blocks,
+                          executor.is_sleeping, executor.sleeping_tags)
+    m.workers_failed = 0 if executor.is_shut_down else world - m.workers_active
+    return m.to_dict()
 
 
 def worker_usage(worker: Any) -> dict[str, Any]:

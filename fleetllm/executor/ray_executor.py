@@ -31,21 +31,14 @@ sit in a collective that times out; and a rank's error would not reach the drive
 So _driver_execute_model runs one step on every rank, and stop_remote_worker_execution_loop
 only waits for tasks that _run_workers(async_run_tensor_parallel_workers_only=True) started.
 
-Failure handling follows the mp backend (executor/failures.py):
-- A dead actor (killed, OOM, node lost) surfaces as Ray's RayActorError on its pending call:
-  the call raises WorkerCrashedError naming the rank and its node, the other actors are killed
-  and every later call raises the same error.
-- collective_rpc(timeout=s) raises CommunicationTimeoutError naming the silent ranks (their
-  late results are dropped with their ObjectRefs; the executor stays usable).
-- execute_model: an exception on any rank fails the executor (actors killed, placement group
-  removed, WorkerCrashedError naming the first rank, the remote error as __cause__) unless every
-  rank raised the same error before any collective; no reply within execute_model_timeout
-  raises CommunicationTimeoutError and fails it likewise. A rank failing (inside a collective,
-  say) is often the symptom of a peer that died: while ranks are still out, the driver waits
-  up to DEATH_WAIT_S for Ray to report a death, and then names the dead rank instead.
-- After shutdown() calls raise EngineShutdownError. shutdown(), garbage collection and
-  interpreter exit kill the actors and remove the placement group (ray_group.RayWorkerGroup);
-  if the driver process dies, Ray itself ends the job's actors and placement groups.
+Failures follow distributed.py, shared with mp: this module is transport only (_send,
+_replies, _stop_workers). A dead actor (killed, OOM, node lost) surfaces as Ray's RayActorError
+on its pending call: WorkerCrashedError naming the rank and its node. A rank failing inside a
+collective is often the symptom of a peer that died: while ranks are still out, the driver
+waits up to DEATH_WAIT_S for Ray to report a death, and then names the dead rank instead.
+shutdown(), garbage collection and interpreter exit kill the actors and remove the placement
+group (ray_group.RayWorkerGroup); if the driver process dies, Ray itself ends the job's actors
+and placement groups.
 """
 
 from __future__ import annotations
@@ -54,25 +47,13 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from fleetllm.errors import (
-    CommunicationTimeoutError,
-    EngineShutdownError,
-    WorkerCrashedError,
-    remote_error,
-)
-from fleetllm.executor.abstract import Executor, RpcMethod
-from fleetllm.executor.failures import (
-    ERROR_GRACE_S,
-    EXEC_ERROR_GRACE_S,
-    load_error,
-    out_of_step,
-    pending_ranks,
-    step_failed_error,
-    step_outstanding_message,
-    step_timeout_message,
-)
+from fleetllm.errors import WorkerCrashedError, remote_error
+from fleetllm.executor.abstract import RpcMethod
+from fleetllm.executor.distributed import ERR, OK, RESYNC, DistributedExecutor, Reply
+from fleetllm.executor.failures import load_error
 from fleetllm.executor.ray_group import RayWorkerGroup
 from fleetllm.executor.ray_utils import (
     RayConnection,
@@ -85,30 +66,27 @@ from fleetllm.executor.ray_utils import (
 )
 from fleetllm.executor.ray_worker import STEP_OK, STEP_RESYNC, RayWorkerWrapper
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
-from fleetllm.worker.delta import DeltaEncoder
 
 DEATH_WAIT_S = 1.0  # a step failed inside a collective: how long to wait for a peer's death
 
 
-class _Resync(Exception):
-    """Workers could not decode a delta-encoded request: send it again in full."""
+@dataclass
+class _RayCall:
+    """One call in flight: ObjectRef -> rank for the replies still out."""
+
+    pending: dict[Any, int]
+    step: bool = False
+    context: str = ""  # put before a remote traceback
 
 
-def _name(method: RpcMethod) -> str:
-    return method if isinstance(method, str) else getattr(method, "__name__", "callable")
-
-
-class RayDistributedExecutor(Executor):
+class RayDistributedExecutor(DistributedExecutor):
     uses_ray = True
     supports_pp = True
-    delta_encoding = True  # set False (class or instance) to send full requests every step
 
     def _init_executor(self) -> None:
+        self._init_failure_state()
         self._ray = ray = import_ray()
         self.world_size = self.parallel_config.world_size
-        self._encoder = DeltaEncoder()
-        self._failure: WorkerCrashedError | None = None
-        self._timed_out_step = None  # (pending, done, result): see failures.py
         self.parallel_worker_tasks: list[Any] | None = None  # vLLM's name for async tasks
         self._task_ranks: dict[Any, int] = {}
         self._group = group = RayWorkerGroup(ray, f"fleetllm-{uuid.uuid4().hex[:8]}")
@@ -186,92 +164,73 @@ class RayDistributedExecutor(Executor):
         """submit(actor, rank) -> ObjectRef on each rank; the results, or the first error as
         the rank's remote error, or CommunicationTimeoutError at the startup deadline."""
         ranks = list(range(len(self._group.actors))) if ranks is None else ranks
-        refs = [submit(self._group.actors[r], r) for r in ranks]
+        call = _RayCall({submit(self._group.actors[r], r): r for r in ranks},
+                        context="(during worker startup)\n")
 
         def too_late(missing: list[int]) -> str:
             return (f"worker ranks {missing} did not finish starting (actor start, "
                     "init_device, load_model) within startup_timeout="
                     f"{self.parallel_config.startup_timeout}s")
 
-        return self._gather(refs, ranks, deadline, False, too_late, "(during worker startup)\n")
+        return self._collect(call, deadline, False, step=False, too_late=too_late, ranks=ranks)
 
-    # ------------------------------------------------------------------------------ calls
+    # ------------------------------------------------------------------ transport and failure
 
-    def _raise_if_unusable(self) -> None:
-        super()._raise_if_unusable()
-        if self._is_shutdown:
-            earlier = "" if self._failure is None else \
-                f" (it had failed before: {self._failure.args[0].splitlines()[0]})"
-            raise EngineShutdownError(f"the executor is shut down{earlier}; create a new one")
-        if self._failure is not None:
-            f = self._failure
-            raise WorkerCrashedError(f.args[0], rank=f.rank, exitcode=f.exitcode)
-
-    def _fail(self, error: WorkerCrashedError) -> None:
-        """Give up on the workers: kill them (one waiting in a collective cannot be told to
-        stop), remove the placement group; every later call raises `error`."""
-        self._encoder.need_reset = True
-        if self._failure is None:
-            self._failure = error
-        self._group.stop_workers()
-
-    def _crashed(self, rank: int, cause: BaseException) -> NoReturn:
-        if self._is_shutdown:  # shutdown() killed the actors under a call in another thread
-            raise EngineShutdownError("the executor was shut down during this call") from cause
+    def _death(self, rank: int, cause: BaseException) -> NoReturn:
         node = self._group.nodes[rank] if rank < len(self._group.nodes) else {}
         where = f" on node {node['node_ip']} (id {node['node_id'][:12]})" if node else ""
         what = str(cause).strip().splitlines()
-        error = WorkerCrashedError(
+        self._crashed(WorkerCrashedError(
             f"worker rank {rank} (Ray actor{where}) died: {what[0] if what else cause!r}; "
             "every worker was stopped and the executor is unusable: create a new one",
-            rank=rank)
-        self._fail(error)
-        raise error from cause
+            rank=rank), cause)
 
-    def _gather(self, refs: list[Any], ranks: list[int], deadline: float | None,
-                return_exceptions: bool, too_late: Callable[[list[int]], str],
-                context: str = "") -> list[Any]:
-        """Results of one call per rank, in `ranks` order (see collective_rpc)."""
-        pending = dict(zip(refs, ranks, strict=True))
-        results: dict[int, Any] = {}
-        errors: dict[int, BaseException] = {}
-        error_deadline = None
-        while pending:
-            now = time.monotonic()
-            ends = [t for t in (deadline, error_deadline) if t is not None]
-            if ends and min(ends) <= now:
-                break
-            left = min(ends) - now if ends else None
-            for rank, kind, value in wait_some(self._ray, pending, left):
-                if kind == "dead":
-                    self._crashed(rank, value)
-                if kind == "ok":
-                    results[rank] = value
+    def _stop_workers(self) -> None:
+        self._group.stop_workers()
+
+    def _send(self, method: RpcMethod, args: tuple, kwargs: dict[str, Any] | None,
+              step: bool, deadline: float | None) -> _RayCall:
+        actors = self._group.actors
+        if step:
+            out = self.output_rank
+            return _RayCall({a.execute_model_step.remote(args[0], r == out): r
+                             for r, a in enumerate(actors)}, step=True)
+        return _RayCall({a.execute_method.remote(method, *args, **(kwargs or {})): r
+                         for r, a in enumerate(actors)})
+
+    def _replies(self, call: _RayCall, timeout: float | None) -> list[Reply]:
+        replies: list[Reply] = []
+        for rank, kind, value in wait_some(self._ray, call.pending, timeout):
+            if kind == "dead":
+                self._death(rank, value)
+            if kind == "error":  # the method raised; in a step, Ray failed the call itself
+                exc, tb = value  # (e.g. an unpicklable result): where it stood is unknown
+                replies.append((rank, ERR, (remote_error(rank, exc, call.context + tb),
+                                            type(exc).__name__, str(exc), call.step)))
+            elif not call.step:
+                replies.append((rank, OK, value))
+            else:
+                status, payload = value
+                if status == STEP_OK:
+                    replies.append((rank, OK, payload))
+                elif status == STEP_RESYNC:
+                    replies.append((rank, RESYNC, None))
                 else:
-                    exc, tb = value
-                    errors[rank] = remote_error(rank, exc, context + tb)
-            if errors and not return_exceptions and error_deadline is None:
-                error_deadline = time.monotonic() + ERROR_GRACE_S
-        if errors and not return_exceptions:
-            raise errors[min(errors)]
-        missing = [r for r in ranks if r not in results and r not in errors]
-        if missing:
-            raise CommunicationTimeoutError(too_late(missing))
-        return [errors.get(r, results.get(r)) for r in ranks]
+                    err, entered = payload
+                    exc, tb = load_error(err)
+                    replies.append((rank, ERR, (remote_error(rank, exc, tb), err[1], err[2],
+                                                entered)))
+        return replies
 
-    def collective_rpc(self, method: RpcMethod, timeout: float | None = None,
-                       args: tuple = (), kwargs: dict[str, Any] | None = None,
-                       return_exceptions: bool = False) -> list[Any]:
-        # The timeout covers waiting for a step in progress too.
-        with self._exclusive(timeout):
-            self._raise_if_unusable()
-            ranks = list(range(self.world_size))
-            refs = [a.execute_method.remote(method, *args, **(kwargs or {}))
-                    for a in self._group.actors]
-            deadline = None if timeout is None else time.monotonic() + timeout
-            return self._gather(refs, ranks, deadline, return_exceptions, lambda missing: (
-                f"collective_rpc({_name(method)!r}) got no reply from worker ranks {missing} "
-                f"within timeout={timeout}s"))
+    def _await_deaths(self, call: _RayCall) -> None:
+        """gloo sees a peer's connection close before Ray reports the actor dead: if a rank
+        still out dies within DEATH_WAIT_S, that is the error to report."""
+        end = time.monotonic() + DEATH_WAIT_S
+        while call.pending and time.monotonic() < end:
+            for rank, kind, value in wait_some(self._ray, call.pending,
+                                               end - time.monotonic()):
+                if kind == "dead":
+                    self._death(rank, value)
 
     def _run_workers(self, method: RpcMethod, *args: Any,
                      async_run_tensor_parallel_workers_only: bool = False,
@@ -287,7 +246,7 @@ class RayDistributedExecutor(Executor):
         a time (e.g. to bound the memory of simultaneous load_model calls). use_dummy_driver
         changes nothing here: every rank, rank 0 included, is an actor."""
         del use_dummy_driver
-        with self._exclusive():
+        with self.access.exclusive():
             self._raise_if_unusable()
             tp = self.parallel_config.tensor_parallel_size
             ranks = [r for r in range(self.world_size)
@@ -307,144 +266,30 @@ class RayDistributedExecutor(Executor):
             results: list[Any] = []
             for i in range(0, len(ranks), step):
                 batch = ranks[i:i + step]
-                results += self._gather([submit(r) for r in batch], batch, None, False,
-                                        lambda missing: f"ranks {missing} did not reply")
+                call = _RayCall({submit(r): r for r in batch})
+                results += self._collect(call, None, False, step=False, ranks=batch)
             return results
 
     def stop_remote_worker_execution_loop(self) -> None:
         """Wait for the tasks _run_workers(async_run_tensor_parallel_workers_only=True)
         started, raising their errors; afterwards no worker is busy. (No rank waits in an
         execution loop between steps here: see the module docstring.)"""
-        with self._exclusive():
+        with self.access.exclusive():
             tasks, self.parallel_worker_tasks = self.parallel_worker_tasks, None
             if not tasks:
                 return
             ranks = [self._task_ranks.pop(t) for t in tasks]
-            self._gather(tasks, ranks, None, False, lambda missing: f"ranks {missing}")
-
-    # ------------------------------------------------------------------------------ steps
-
-    def execute_model(self, execute_model_req: ExecuteModelRequest) -> list[SamplerOutput]:
-        return self._driver_execute_model(execute_model_req)
+            self._collect(_RayCall(dict(zip(tasks, ranks, strict=True))), None, False,
+                          step=False, ranks=ranks)
 
     def _driver_execute_model(self, execute_model_req: ExecuteModelRequest | None
                               ) -> list[SamplerOutput] | None:
-        """One step on every rank; the output rank's result. None: the stop signal of vLLM's
-        API (stop_remote_worker_execution_loop), returns None."""
+        """vLLM's name: one step on every rank, the output rank's result; None is the stop
+        signal of vLLM's API (stop_remote_worker_execution_loop) and returns None."""
         if execute_model_req is None:
             self.stop_remote_worker_execution_loop()
             return None
-        with self._exclusive():
-            if self._timed_out_step is not None:  # not waited for: give up on the workers
-                try:
-                    self._give_up_timed_out_step(pending_ranks(self._timed_out_step[1]))
-                except CommunicationTimeoutError:
-                    pass
-            self._raise_if_unusable()
-            if not self.delta_encoding:
-                return self._step(execute_model_req)
-            try:
-                try:
-                    return self._step(self._encoder.encode(execute_model_req))
-                except _Resync:
-                    return self._step(self._encoder.encode(execute_model_req, full=True))
-            except BaseException:  # the workers may hold part of this step: resend in full
-                self._encoder.need_reset = True
-                raise
-
-    def _step(self, request: Any) -> list[SamplerOutput]:
-        """Run one (maybe encoded) request on every rank; apply failures.py's rules."""
-        out = self.output_rank
-        pending = {a.execute_model_step.remote(request, r == out): r
-                   for r, a in enumerate(self._group.actors)}
-        return self._await_step(pending, [False] * self.world_size, None, first_wait=True)
-
-    def _wait_timed_out_step(self) -> list[SamplerOutput]:
-        pending, done, result = self._timed_out_step
-        self._timed_out_step = None
-        try:
-            return self._await_step(pending, done, result, first_wait=False)
-        except BaseException:
-            self._encoder.need_reset = True
-            raise
-
-    def _await_step(self, pending: dict[Any, int], done: list[bool], result: Any,
-                    first_wait: bool) -> list[SamplerOutput]:
-        out, n = self.output_rank, self.world_size
-        timeout = self.parallel_config.execute_model_timeout
-        deadline = time.monotonic() + timeout
-        resync = False
-        errors: dict[int, BaseException] = {}  # in order of arrival
-        info: dict[int, tuple[str, str, bool]] = {}  # (type, message, entered a collective)
-        error_deadline = None
-        while pending:
-            now = time.monotonic()
-            end = deadline if error_deadline is None else min(deadline, error_deadline)
-            if end <= now:
-                break
-            for rank, kind, value in wait_some(self._ray, pending, end - now):
-                done[rank] = True
-                if kind == "dead":
-                    self._crashed(rank, value)
-                if kind == "error":  # Ray failed the call itself (e.g. an unpicklable result):
-                    errors[rank] = remote_error(rank, *value)  # where it stood is unknown
-                    info[rank] = (type(value[0]).__name__, str(value[0]), True)
-                    continue
-                status, payload = value
-                if status == STEP_OK:
-                    result = payload if rank == out else result
-                elif status == STEP_RESYNC:
-                    resync = True
-                else:
-                    err, entered = payload
-                    exc, tb = load_error(err)
-                    errors[rank] = remote_error(rank, exc, tb)
-                    info[rank] = (err[1], err[2], entered)
-            if errors and not resync and error_deadline is None:
-                error_deadline = time.monotonic() + EXEC_ERROR_GRACE_S
-            reason = out_of_step(info, done) if errors else None
-            if reason is not None:
-                self._step_failed(errors, reason, pending)
-        missing = [r for r in range(n) if not done[r]]
-        if errors and missing:
-            self._step_failed(errors, f"while ranks {missing} did not report the same error "
-                                      "in time (presumably waiting in a collective operation)",
-                              pending)
-        if resync and not missing:
-            raise _Resync()
-        if errors:  # every rank, the same error, before any collective: still in step
-            raise errors[min(errors)]
-        if missing and first_wait:  # failures.py: the caller may wait once more
-            self._timed_out_step = (pending, done, result)
-            raise CommunicationTimeoutError(step_outstanding_message(missing, timeout))
-        if missing:
-            self._give_up_timed_out_step(missing)
-        return result
-
-    def _give_up_timed_out_step(self, missing: list[int]) -> NoReturn:
-        self._timed_out_step = None
-        what = step_timeout_message(missing, self.parallel_config.execute_model_timeout)
-        self._fail(WorkerCrashedError(f"{what}, twice; the workers were stopped and the "
-                                      "executor is unusable: create a new one",
-                                      rank=missing[0] if len(missing) == 1 else None))
-        raise CommunicationTimeoutError(f"{what}, twice: the workers are hung; every worker "
-                                        "was stopped, the executor is unusable")
-
-    def _step_failed(self, errors: dict[int, BaseException], reason: str,
-                     pending: dict[Any, int]) -> NoReturn:
-        """The step failed with the ranks possibly out of step. A failure inside a collective
-        is often a peer's death (gloo sees the connection close before Ray reports the actor
-        dead): if a rank still out dies within DEATH_WAIT_S, that is the error to report."""
-        if pending:
-            end = time.monotonic() + DEATH_WAIT_S
-            while pending and time.monotonic() < end:
-                for rank, kind, value in wait_some(self._ray, pending, end - time.monotonic()):
-                    if kind == "dead":
-                        self._crashed(rank, value)
-        rank, remote = next(iter(errors.items()))
-        error = step_failed_error(rank, remote, reason)
-        self._fail(error)
-        raise error from remote
+        return self.execute_model(execute_model_req)
 
     def restart_failed_workers(self) -> None:
         """As the base class does, holding this process's Ray connection meanwhile: closing

@@ -30,19 +30,20 @@ class UniProcExecutor(Executor):
         if self._is_shutdown:  # the worker has freed its cache: say so, not what broke
             raise EngineShutdownError("the executor was shut down; create a new LLM (or "
                                       "executor) to run the model again")
-        self._raise_if_unusable()
-        worker = self.driver_worker.worker
-        try:
-            if timeout is None:
-                return [run_method(worker, method, args, kwargs or {})]
-            return [_call_with_timeout(worker, method, args, kwargs or {}, timeout)]
-        except CommunicationTimeoutError:
-            raise
-        except Exception as e:
-            err = remote_error(0, as_out_of_memory(e), traceback.format_exc())
-            if return_exceptions:
-                return [err]
-            raise err from e
+        with self.access.exclusive(timeout):
+            self._raise_if_unusable()
+            worker = self.driver_worker.worker
+            try:
+                if timeout is None:
+                    return [run_method(worker, method, args, kwargs or {})]
+                return [_call_with_timeout(worker, method, args, kwargs or {}, timeout)]
+            except CommunicationTimeoutError:
+                raise
+            except Exception as e:
+                err = remote_error(0, as_out_of_memory(e), traceback.format_exc())
+                if return_exceptions:
+                    return [err]
+                raise err from e
 
     def _shutdown(self) -> None:
         worker = getattr(self.driver_worker, "worker", None)
