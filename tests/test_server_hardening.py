@@ -1,0 +1,105 @@
+"""Server defects found in review (issue 16, "Hardening II", items 8 and 10-14), in-process:
+each test failed before its fix. Logprob tokens with SentencePiece tokenizers (item 11) are
+in test_server_logprobs.py; the open-file limit and `bench serve` against a real server are
+in test_server.py."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import weakref
+
+import pytest
+from serving_helpers import CHAT_TEMPLATE, KV, AppClient
+
+from fleetllm.engine.async_engine import AsyncLLMEngine
+from fleetllm.engine.async_stream import RequestStream
+from fleetllm.engine.outputs import CompletionOutput, RequestOutput
+from fleetllm.entrypoints.openai.api_server import build_app
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+HI = {"prompt": "hello", "max_tokens": 3}
+CHAT_HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+NEVER = "\x00" * 4  # a stop string no output contains: the request may end early
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return tiny_models["llama_gqa"]
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    eng = AsyncLLMEngine.from_engine_args(str(model), kv_cache_memory=KV, max_model_len=256)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def app(engine):
+    client = AppClient(build_app(engine, ["tiny"], chat_template=CHAT_TEMPLATE))
+    yield client
+    client.close()
+
+
+def events(response) -> list:
+    """The parsed `data:` events of a server-sent-events body, [DONE] last."""
+    assert response.status_code == 200, response.text[:300]
+    data = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]", data[-3:]
+    return [json.loads(d) for d in data[:-1]]
+
+
+# ---------------------------------------------------------------- 8: merge on put
+
+
+class _NoEngine:
+    def abort(self, request_id, error=None):
+        pass
+
+
+def cumulative(n: int, finished: bool = False) -> RequestOutput:
+    ids = list(range(n))
+    completion = CompletionOutput(0, "x" * n, ids, None, None,
+                                  finish_reason="length" if finished else None)
+    return RequestOutput("r", None, [1], None, [completion], finished)
+
+
+def test_a_slow_reader_holds_one_pending_output_and_loses_nothing():
+    async def run():
+        stream = RequestStream("r", _NoEngine())
+        refs = []
+        for n in range(1, 201):  # 200 steps the reader does not pick up
+            out = cumulative(n)
+            refs.append(weakref.ref(out))
+            stream.put(out)
+            del out
+        await asyncio.sleep(0)  # the engine loop's deliveries run
+        gc.collect()
+        assert sum(r() is not None for r in refs) == 1  # only the newest is held
+        first = await stream.__anext__()
+        assert first.outputs[0].delta_token_ids == list(range(200))
+        stream.put(cumulative(201))
+        stream.put(cumulative(203, finished=True))
+        stream.put(RuntimeError("after the end"))  # a finished output is never lost to it
+        await asyncio.sleep(0)
+        last = await stream.__anext__()
+        assert last.finished and last.outputs[0].delta_token_ids == [200, 201, 202]
+        assert last.outputs[0].delta_text == "xxx"
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+
+        failing = RequestStream("f", _NoEngine())
+        failing.put(cumulative(3))
+        failing.put(cumulative(5))
+        failing.put(RuntimeError("engine died"))
+        await asyncio.sleep(0)
+        out = await failing.__anext__()  # the outputs first, merged, then the error
+        assert out.outputs[0].delta_token_ids == [0, 1, 2, 3, 4]
+        with pytest.raises(RuntimeError, match="engine died"):
+            await failing.__anext__()
+
+    asyncio.run(run())
+
+
