@@ -11,7 +11,7 @@ import json
 import weakref
 
 import pytest
-from serving_helpers import CHAT_TEMPLATE, KV, AppClient
+from serving_helpers import CHAT_TEMPLATE, KV, AppClient, assert_error
 
 from fleetllm.engine.async_engine import AsyncLLMEngine
 from fleetllm.engine.async_stream import RequestStream
@@ -101,5 +101,41 @@ def test_a_slow_reader_holds_one_pending_output_and_loses_nothing():
             await failing.__anext__()
 
     asyncio.run(run())
+
+
+# ---------------------------------------------------------------- 10: no finish_reason "error"
+
+
+@pytest.fixture(scope="module")
+def small_pool(model):
+    """4 KV blocks of 16 tokens."""
+    eng = AsyncLLMEngine.from_engine_args(str(model), num_gpu_blocks_override=4, block_size=16)
+    client = AppClient(build_app(eng, ["tiny"]))
+    yield client
+    client.close()
+    eng.shutdown()
+
+
+def test_samples_that_can_never_fit_the_pool_are_refused_with_a_400_saying_why(small_pool):
+    body = {"prompt": list(range(3, 43)), "n": 2, "max_tokens": 40, "ignore_eos": True}
+    for stream in (False, True):
+        error = assert_error(small_pool.request("POST", COMPLETIONS,
+                                                json={**body, "stream": stream}), 400)
+        assert "n=2 samples of 80 tokens" in error["message"]
+        assert "the whole pool has 4" in error["message"]
+
+
+def test_a_request_that_fails_in_the_engine_is_an_error_never_a_finish_reason(small_pool):
+    # Admitted (it may stop early), then its two samples outgrow the pool in the engine.
+    body = {"prompt": list(range(3, 33)), "n": 2, "max_tokens": 40, "ignore_eos": True,
+            "stop": NEVER, "temperature": 1.0, "seed": 0}
+    error = assert_error(small_pool.request("POST", COMPLETIONS, json=body), 500)
+    assert "cannot be scheduled" in error["message"] and "4 blocks" in error["message"]
+    chunks = events(small_pool.request("POST", COMPLETIONS, json={**body, "stream": True}))
+    assert "cannot be scheduled" in chunks[-1]["error"]["message"]
+    assert chunks[-1]["error"]["code"] == 500
+    assert all(c["finish_reason"] != "error" for e in chunks[:-1] for c in e["choices"])
+    r = small_pool.request("POST", COMPLETIONS, json={"prompt": [5, 6], "max_tokens": 2})
+    assert r.status_code == 200, r.text  # the server carries on
 
 

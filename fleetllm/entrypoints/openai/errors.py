@@ -18,7 +18,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleetllm.engine.async_engine import EngineUnhealthyError, RequestAbortedError
 from fleetllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
-from fleetllm.errors import EngineShutdownError, EngineSleepingError, FleetLLMError
+from fleetllm.errors import (
+    EngineShutdownError,
+    EngineSleepingError,
+    FleetLLMError,
+    RequestFailedError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +78,8 @@ def api_error_from(e: BaseException) -> APIError:
         return APIError(503, _plain(e))
     if isinstance(e, ValueError):  # InvalidRequestError, ConfigurationError (bad params)
         return APIError(400, _plain(e))
+    if isinstance(e, RequestFailedError):  # accepted, then failed in the engine: say why
+        return APIError(500, _plain(e))
     logger.error("unexpected error serving a request", exc_info=e)
     return APIError(500, "internal server error")
 

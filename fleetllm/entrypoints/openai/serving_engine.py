@@ -27,7 +27,7 @@ from fleetllm.entrypoints.openai.errors import (
     validation_error,
 )
 from fleetllm.entrypoints.openai.protocol import ChatMessage, SamplingRequest
-from fleetllm.errors import ConfigurationError
+from fleetllm.errors import ConfigurationError, RequestFailedError
 from fleetllm.sampling_params import SamplingParams
 
 M = TypeVar("M", bound=BaseModel)
@@ -71,6 +71,15 @@ def sse_error(e: BaseException) -> str:
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def checked(out: RequestOutput) -> RequestOutput:
+    """A request the engine ended with finish_reason "error" raises RequestFailedError (a
+    500 with the reason, or an in-band error event): "error" is not an OpenAI finish reason
+    and would hide why."""
+    if out.error is not None or any(c.finish_reason == "error" for c in out.outputs):
+        raise RequestFailedError(out.error or "the engine ended the request with an error")
+    return out
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
@@ -229,7 +238,7 @@ async def merge_streams(streams: list[RequestStream]
     if len(streams) == 1:  # the common case needs no task and no queue
         try:
             async for out in streams[0]:
-                yield 0, out
+                yield 0, checked(out)
         finally:
             streams[0].close()
         return
@@ -238,7 +247,7 @@ async def merge_streams(streams: list[RequestStream]
     async def pump(i: int, stream: RequestStream) -> None:
         try:
             async for out in stream:
-                queue.put_nowait((i, out))
+                queue.put_nowait((i, checked(out)))
             queue.put_nowait((i, _END))
         except Exception as e:
             queue.put_nowait((i, e))
@@ -269,7 +278,7 @@ async def collect_final(streams: list[RequestStream], request: Request | None
     async def last(stream: RequestStream) -> RequestOutput:
         final = None
         async for out in stream:
-            final = out
+            final = checked(out)
         assert final is not None  # a stream ends with its finished output or raises
         return final
 
