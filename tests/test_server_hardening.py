@@ -139,3 +139,54 @@ def test_a_request_that_fails_in_the_engine_is_an_error_never_a_finish_reason(sm
     assert r.status_code == 200, r.text  # the server carries on
 
 
+# ---------------------------------------------------------------- 12: no field silently ignored
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CHAT, {"tool_choice": "auto"}, "tool_choice"),
+    (CHAT, {"functions": [{"name": "f"}]}, "functions"),
+    (CHAT, {"function_call": "auto"}, "function_call"),
+    (CHAT, {"messages": [{"role": "assistant", "content": None,
+                          "tool_calls": [{"id": "c", "type": "function"}]}]},
+     "messages.0.tool_calls"),
+    (COMPLETIONS, {"suffix": "end"}, "suffix"),
+    (COMPLETIONS, {"logit_bias": {"5": 1.0}}, "logit_bias"),
+])
+def test_unsupported_fields_are_a_400_naming_them(app, path, extra, param):
+    base = CHAT_HI if path == CHAT else HI
+    error = assert_error(app.request("POST", path, json={**base, **extra}), 400, param)
+    assert "not supported" in error["message"] or "only text" in error["message"]
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    (COMPLETIONS, {"temprature": 0.5}, "temprature"),
+    (CHAT, {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi", "nam": "x"}]}, "messages.0.nam"),
+    (CHAT, {"stream": True, "stream_options": {"include_usage": True, "x": 1}},
+     "stream_options.x"),
+    ("/tokenize", {"prompt": "hi", "add_bos": True}, "add_bos"),
+])
+def test_unknown_fields_are_a_400_naming_them(app, path, extra, param):
+    base = {"/tokenize": {}, CHAT: CHAT_HI}.get(path, HI)
+    error = assert_error(app.request("POST", path, json={**base, **extra}), 400, param)
+    assert "unknown field" in error["message"] and param in error["message"]
+
+
+def test_fields_that_ask_for_nothing_or_change_nothing_are_accepted(app):
+    harmless = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "seed": 3,
+                "service_tier": "auto", "tools": [], "tool_choice": "none",
+                "response_format": {"type": "text"}, "parallel_tool_calls": True,
+                "logit_bias": {}, "stream": True,
+                "stream_options": {"include_usage": True, "include_obfuscation": False},
+                "messages": [{"role": "user", "content": "hi"},
+                             {"role": "assistant", "content": "yo", "refusal": None,
+                              "tool_calls": None, "annotations": []},
+                             {"role": "user", "content": "again"}]}
+    chunks = events(app.request("POST", CHAT, json={**CHAT_HI, **harmless}))
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+    r = app.request("POST", COMPLETIONS, json={**HI, "user": "u", "suffix": None})
+    assert r.status_code == 200, r.text
+
+

@@ -164,8 +164,6 @@ class OpenAIServing:
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "logit_bias")
         if req.n > self.max_num_seqs:
             raise APIError(400, f"n: {req.n} is more than the server's max_num_seqs="
                            f"{self.max_num_seqs}", "n")
