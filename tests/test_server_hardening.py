@@ -190,3 +190,30 @@ def test_fields_that_ask_for_nothing_or_change_nothing_are_accepted(app):
     assert r.status_code == 200, r.text
 
 
+# ---------------------------------------------------------------- 13: vLLM's validation
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(app, engine):
+    prompt = "The quick brown fox"
+    ids = engine.tokenizer.encode(prompt)
+    body = {"prompt": prompt, "echo": True, "max_tokens": 0, "logprobs": 2,
+            "temperature": 0}
+    choice = (r := app.request("POST", COMPLETIONS, json=body)).json()["choices"][0]
+    assert r.status_code == 200, r.text
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) and "".join(lp["tokens"]) == prompt
+    assert lp["token_logprobs"][0] is None and all(x <= 0 for x in lp["token_logprobs"][1:])
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(ids))]
+    assert r.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0,
+                                 "total_tokens": len(ids)}
+    # Without logprobs: the prompt and nothing else; streamed: the same, in one chunk.
+    plain = app.request("POST", COMPLETIONS, json={**body, "logprobs": None}).json()
+    assert plain["choices"][0]["text"] == prompt
+    chunks = events(app.request("POST", COMPLETIONS, json={**body, "stream": True}))
+    assert [c["choices"][0]["text"] for c in chunks] == [prompt]
+    assert chunks[0]["choices"][0]["logprobs"] == lp
+    assert_error(app.request("POST", COMPLETIONS, json={**body, "echo": False}), 400,
+                 "max_tokens")
+
+

@@ -118,7 +118,8 @@ class SamplingRequest(RequestModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[NonNegInt] | list[list[NonNegInt]]
-    max_tokens: int | None = Field(16, ge=1)
+    # 0 only with echo: score the prompt, generate nothing (checked by the handler)
+    max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(None, ge=1, le=MAX_N)

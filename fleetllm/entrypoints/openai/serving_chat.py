@@ -49,7 +49,8 @@ class ServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         streams = await self.start(request_id, [({"prompt": text, "prompt_token_ids": ids},
                                                   params)], arrival)
-        fmt = LogprobFormatter(self.decode, req.return_tokens_as_token_ids)
+        fmt = LogprobFormatter(self.tokenizer, req.return_tokens_as_token_ids,
+                               req.skip_special_tokens)
         if req.stream:
             return SSEResponse(self._stream(req, request_id, int(arrival), len(ids), streams,
                                             fmt))
