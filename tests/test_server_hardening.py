@@ -193,6 +193,26 @@ def test_fields_that_ask_for_nothing_or_change_nothing_are_accepted(app):
 # ---------------------------------------------------------------- 13: vLLM's validation
 
 
+def test_top_logprobs_needs_logprobs_and_stream_options_needs_stream(app):
+    for logprobs in (False, None):
+        body = {**CHAT_HI, "top_logprobs": 2, **({} if logprobs is None else
+                                                  {"logprobs": logprobs})}
+        assert_error(app.request("POST", CHAT, json=body), 400, "top_logprobs")
+    for path, base in ((COMPLETIONS, HI), (CHAT, CHAT_HI)):
+        body = {**base, "stream_options": {"include_usage": True}}
+        assert_error(app.request("POST", path, json=body), 400, "stream_options")
+        assert_error(app.request("POST", path, json={**body, "stream": False}), 400,
+                     "stream_options")
+
+
+def test_max_completion_tokens_overflow_names_that_field(app):
+    body = {**CHAT_HI, "max_tokens": None, "max_completion_tokens": 300}
+    error = assert_error(app.request("POST", CHAT, json=body), 400, "max_completion_tokens")
+    assert "max_completion_tokens" in error["message"]
+    error = assert_error(app.request("POST", CHAT, json={**CHAT_HI, "max_tokens": 300}), 400,
+                         "max_tokens")
+
+
 def test_echo_with_max_tokens_0_scores_the_prompt(app, engine):
     prompt = "The quick brown fox"
     ids = engine.tokenizer.encode(prompt)

@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from fleetllm.engine.async_engine import RequestStream
 from fleetllm.engine.outputs import CompletionOutput
+from fleetllm.entrypoints.openai.errors import APIError
 from fleetllm.entrypoints.openai.logprobs import LogprobFormatter
 from fleetllm.entrypoints.openai.protocol import (
     AssistantMessage,
@@ -38,12 +39,16 @@ from fleetllm.entrypoints.openai.serving_engine import (
 class ServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.time()
-        self.check_model(req.model)
+        self.check_request(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs: only allowed with logprobs: true",
+                           "top_logprobs")
         text, ids = await self.render_chat(req.messages, req.add_generation_prompt)
         self.check_token_ids(ids, "messages")
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens
-        max_tokens = self.max_tokens_for(requested, len(ids), "messages")
+        # max_completion_tokens is OpenAI's current name, max_tokens the deprecated one.
+        param = "max_completion_tokens" if req.max_completion_tokens is not None \
+            else "max_tokens"
+        max_tokens = self.max_tokens_for(getattr(req, param), len(ids), "messages", param)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, top_n)
         request_id = random_id("chatcmpl")

@@ -80,7 +80,7 @@ class _Choice:
 class ServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         arrival = time.time()
-        self.check_model(req.model)
+        self.check_request(req)
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of is not supported (leave it out, or equal to n)",
                            "best_of")

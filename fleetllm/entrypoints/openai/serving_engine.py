@@ -144,8 +144,17 @@ class OpenAIServing:
             raise APIError(400, f"{param}: token ids {bad[:5]} are outside the vocabulary "
                            f"[0, {self.vocab_size})", param)
 
-    def max_tokens_for(self, requested: int | None, prompt_len: int, what: str) -> int:
-        """`requested`, or all the room left when None; a 400 when it does not fit."""
+    def check_request(self, req: SamplingRequest) -> None:
+        """What completions and chat check before anything else (vLLM's checks too)."""
+        self.check_model(req.model)
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options: only allowed with stream: true",
+                           "stream_options")
+
+    def max_tokens_for(self, requested: int | None, prompt_len: int, what: str,
+                       param: str = "max_tokens") -> int:
+        """`requested`, or all the room left when None; a 400 (naming `param`, the field the
+        client set) when it does not fit."""
         limit = self.max_model_len
         if requested is None:
             if prompt_len >= limit:
@@ -158,8 +167,8 @@ class OpenAIServing:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. "
                            f"However, you requested {prompt_len + requested} tokens "
                            f"({prompt_len} in the {what}, {requested} in the completion). "
-                           f"Please reduce the length of the {what} or completion.",
-                           "max_tokens")
+                           f"Please reduce the length of the {what} or completion "
+                           f"({param}).", param)
         return requested
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
