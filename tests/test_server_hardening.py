@@ -237,3 +237,18 @@ def test_echo_with_max_tokens_0_scores_the_prompt(app, engine):
                  "max_tokens")
 
 
+# ---------------------------------------------------------------- 14: operations
+
+
+def test_stream_chunks_leave_out_usage_and_role_until_they_have_them(app):
+    for path, base in ((CHAT, CHAT_HI), (COMPLETIONS, HI)):
+        for usage in (True, False):
+            body = {**base, "stream": True, "stream_options": {"include_usage": usage}}
+            chunks = events(app.request("POST", path, json=body))
+            with_usage = [c for c in chunks if "usage" in c]
+            assert with_usage == (chunks[-1:] if usage else [])
+            assert all(c["usage"] is not None for c in with_usage)
+            deltas = [ch["delta"] for c in chunks for ch in c["choices"] if "delta" in ch]
+            assert all("role" not in d for d in deltas[1:])
+            if path == CHAT:
+                assert deltas[0]["role"] == "assistant"

@@ -11,9 +11,9 @@ it unless its value asks for nothing); any other field is a 400 naming it.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -85,6 +85,22 @@ class RequestModel(BaseModel):
 
 class ResponseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class OmitWhenNone(ResponseModel):
+    """Leaves out the fields named in `omit_when_none` while they are None: a stream chunk
+    carries `usage` only in the usage chunk and `role` only in the first delta, as OpenAI's
+    and vLLM's do (`"usage": null` on every chunk trips strict clients)."""
+
+    omit_when_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: Any) -> Any:
+        data = handler(self)
+        for name in self.omit_when_none:
+            if name in data and data[name] is None:
+                del data[name]
+        return data
 
 
 class StreamOptions(RequestModel):
@@ -189,7 +205,8 @@ class CompletionChoice(ResponseModel):
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(ResponseModel):
+class CompletionResponse(OmitWhenNone):  # a stream chunk too
+    omit_when_none = ("usage",)
     id: str
     object: str = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -234,7 +251,8 @@ class ChatCompletionResponse(ResponseModel):
     usage: UsageInfo | None = None
 
 
-class DeltaMessage(ResponseModel):
+class DeltaMessage(OmitWhenNone):
+    omit_when_none = ("role", "content")
     role: str | None = None
     content: str | None = None
 
@@ -247,7 +265,8 @@ class ChatStreamChoice(ResponseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(ResponseModel):
+class ChatCompletionChunk(OmitWhenNone):
+    omit_when_none = ("usage",)
     id: str
     object: str = "chat.completion.chunk"
     created: int
