@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import resource
 import weakref
 
 import pytest
@@ -16,6 +17,7 @@ from serving_helpers import CHAT_TEMPLATE, KV, AppClient, assert_error
 from fleetllm.engine.async_engine import AsyncLLMEngine
 from fleetllm.engine.async_stream import RequestStream
 from fleetllm.engine.outputs import CompletionOutput, RequestOutput
+from fleetllm.entrypoints.openai import api_server
 from fleetllm.entrypoints.openai.api_server import build_app
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -252,3 +254,91 @@ def test_stream_chunks_leave_out_usage_and_role_until_they_have_them(app):
             assert all("role" not in d for d in deltas[1:])
             if path == CHAT:
                 assert deltas[0]["role"] == "assistant"
+
+
+def test_cors_preflight_is_answered_before_the_api_key(engine):
+    client = AppClient(build_app(engine, ["tiny"], api_key="k"))
+    preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    try:
+        r = client.request("OPTIONS", COMPLETIONS, headers=preflight)
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-origin"] == "*"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        r = client.request("POST", COMPLETIONS, json=HI, headers={"Origin": "http://x"})
+        assert_error(r, 401)  # still refused, but a browser may read why
+        assert r.headers["access-control-allow-origin"] == "*"
+    finally:
+        client.close()
+    only = AppClient(build_app(engine, ["tiny"], http=api_server.HTTPOptions(
+        allowed_origins=["http://ui.example"], allow_credentials=True)))
+    try:
+        r = only.request("OPTIONS", COMPLETIONS, headers=preflight)
+        assert r.headers["access-control-allow-origin"] == "http://ui.example"
+        assert r.headers["access-control-allow-credentials"] == "true"
+        r = only.request("OPTIONS", COMPLETIONS, headers={**preflight, "Origin": "http://evil"})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    finally:
+        only.close()
+
+
+def test_x_request_id_names_the_request_and_is_echoed(engine):
+    client = AppClient(build_app(engine, ["tiny"], chat_template=CHAT_TEMPLATE,
+                                 http=api_server.HTTPOptions(enable_request_id_headers=True)))
+    try:
+        r = client.request("POST", COMPLETIONS, json=HI, headers={"X-Request-Id": "abc-1"})
+        assert r.headers["x-request-id"] == "abc-1" and r.json()["id"] == "cmpl-abc-1"
+        r = client.request("POST", CHAT, json={**CHAT_HI, "stream": True},
+                           headers={"X-Request-Id": "abc-2"})
+        assert r.headers["x-request-id"] == "abc-2"
+        assert {c["id"] for c in events(r)} == {"chatcmpl-abc-2"}
+        r = client.request("POST", COMPLETIONS, json=HI)  # none sent: one is made up
+        assert r.json()["id"] == f"cmpl-{r.headers['x-request-id']}"
+        assert client.request("GET", "/health").headers["x-request-id"]
+
+        async def same_id_twice():  # clients reuse ids: the engine's stay unique
+            return await asyncio.gather(*(client.client.post(
+                COMPLETIONS, json={**HI, "max_tokens": 8}, headers={"X-Request-Id": "dup"})
+                for _ in range(2)))
+
+        assert [r.status_code for r in client.run(same_id_twice())] == [200, 200]
+        r = client.request("POST", COMPLETIONS, json=HI, headers={"X-Request-Id": "x" * 300})
+        assert_error(r, 400, "X-Request-Id")
+    finally:
+        client.close()
+    plain = AppClient(build_app(engine, ["tiny"]))  # without the flag: used, not echoed
+    try:
+        r = plain.request("POST", COMPLETIONS, json=HI, headers={"X-Request-Id": "abc-3"})
+        assert r.json()["id"] == "cmpl-abc-3" and "x-request-id" not in r.headers
+    finally:
+        plain.close()
+
+
+def test_the_open_file_soft_limit_is_raised_to_the_hard_limit():
+    from fleetllm.entrypoints.openai.launcher import raise_open_file_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard <= 256:
+        pytest.skip(f"needs a finite hard limit above 256, not {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        assert raise_open_file_limit() == (256, hard)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+        assert raise_open_file_limit() == (hard, hard)  # already there: nothing to do
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_serve_flags_for_cors_and_request_ids():
+    from fleetllm.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert (args.allowed_origins, args.allowed_methods, args.allowed_headers) == \
+        (["*"], ["*"], ["*"])
+    assert not args.allow_credentials and not args.enable_request_id_headers
+    args = build_parser().parse_args([
+        "serve", "--allowed-origins", '["http://a", "http://b"]', "--allowed-methods",
+        "GET,POST", "--allow-credentials", "--enable-request-id-headers"])
+    assert args.allowed_origins == ["http://a", "http://b"]
+    assert args.allowed_methods == ["GET", "POST"]
+    assert args.allow_credentials and args.enable_request_id_headers

@@ -30,7 +30,7 @@ from fleetllm.entrypoints.openai.serving_engine import (
     collect_final,
     json_response,
     merge_streams,
-    random_id,
+    request_ids,
     sse,
     sse_error,
 )
@@ -51,9 +51,9 @@ class ServingChat(OpenAIServing):
         max_tokens = self.max_tokens_for(getattr(req, param), len(ids), "messages", param)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, top_n)
-        request_id = random_id("chatcmpl")
-        streams = await self.start(request_id, [({"prompt": text, "prompt_token_ids": ids},
-                                                  params)], arrival)
+        request_id, engine_id = request_ids(raw, "chatcmpl")
+        streams = await self.start(engine_id, [({"prompt": text, "prompt_token_ids": ids},
+                                                 params)], arrival)
         fmt = LogprobFormatter(self.tokenizer, req.return_tokens_as_token_ids,
                                req.skip_special_tokens)
         if req.stream:

@@ -31,7 +31,7 @@ from fleetllm.entrypoints.openai.serving_engine import (
     collect_final,
     json_response,
     merge_streams,
-    random_id,
+    request_ids,
     sse,
     sse_error,
 )
@@ -95,12 +95,12 @@ class ServingCompletion(OpenAIServing):
             prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
             requests.append((p.engine_prompt(), self.sampling_params(
                 req, max(max_tokens, 1), req.logprobs, prompt_logprobs)))
-        request_id = random_id("cmpl")
-        streams = await self.start(request_id, requests, arrival)
+        response_id, engine_id = request_ids(raw, "cmpl")
+        streams = await self.start(engine_id, requests, arrival)
         fmt = LogprobFormatter(self.tokenizer, req.return_tokens_as_token_ids,
                                req.skip_special_tokens)
         if req.stream:
-            return SSEResponse(self._stream(req, request_id, int(arrival), prompts, streams,
+            return SSEResponse(self._stream(req, response_id, int(arrival), prompts, streams,
                                             fmt, score_only))
         try:
             finals = await collect_final(streams, raw)
@@ -113,7 +113,7 @@ class ServingCompletion(OpenAIServing):
                 part = _Choice(req, fmt, prompts[i], out, c, score_only)
                 generated.append(part)
                 choices.append(self._choice(req, i * req.n + c.index, part, fmt))
-        return json_response(CompletionResponse(id=request_id, created=int(arrival),
+        return json_response(CompletionResponse(id=response_id, created=int(arrival),
                                                 model=self.model_name, choices=choices,
                                                 usage=_usage(prompts, generated)))
 

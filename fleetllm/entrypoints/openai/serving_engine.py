@@ -26,6 +26,7 @@ from fleetllm.entrypoints.openai.errors import (
     truncate,
     validation_error,
 )
+from fleetllm.entrypoints.openai.gate import MAX_REQUEST_ID_CHARS, valid_request_id
 from fleetllm.entrypoints.openai.protocol import ChatMessage, SamplingRequest
 from fleetllm.errors import ConfigurationError, RequestFailedError
 from fleetllm.sampling_params import SamplingParams
@@ -71,6 +72,21 @@ def sse_error(e: BaseException) -> str:
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def request_ids(raw: Request | None, prefix: str) -> tuple[str, str]:
+    """(the response's id, the base of its engine request ids). The response id is built
+    from the client's X-Request-Id when it sent one (as vLLM), else random; engine ids stay
+    unique even when clients reuse theirs."""
+    given = raw.headers.get("x-request-id") if raw is not None else None
+    if not given:
+        rid = random_id(prefix)
+        return rid, rid
+    if not valid_request_id(given):
+        raise APIError(400, f"X-Request-Id: must be 1 to {MAX_REQUEST_ID_CHARS} printable "
+                       "ASCII characters", "X-Request-Id")
+    rid = f"{prefix}-{given}"
+    return rid, f"{rid}-{uuid.uuid4().hex[:8]}"
 
 
 def checked(out: RequestOutput) -> RequestOutput:
@@ -222,14 +238,15 @@ class OpenAIServing:
         except Exception:  # ids the tokenizer does not know (a padded embedding table)
             return ""
 
-    async def start(self, request_id: str, requests: list[tuple[PromptType, SamplingParams]],
+    async def start(self, engine_id: str, requests: list[tuple[PromptType, SamplingParams]],
                     arrival_time: float) -> list[RequestStream]:
-        """One engine request per prompt; all accepted, or none (4xx/503 raised)."""
+        """One engine request per prompt (`engine_id`-i); all accepted, or none (4xx/503
+        raised)."""
         streams: list[RequestStream] = []
         try:
             for i, (prompt, params) in enumerate(requests):
                 streams.append(await self.engine.add_request(
-                    f"{request_id}-{i}", prompt, params, arrival_time))
+                    f"{engine_id}-{i}", prompt, params, arrival_time))
         except BaseException as e:
             for stream in streams:
                 stream.close()
