@@ -320,6 +320,15 @@ def test_bench_serve_runs_against_the_server(server, tmp_path):
     assert json.loads(out.read_text())["median_ttft_ms"] > 0
 
 
+def test_bench_serve_chat_endpoint(server):
+    from fleetllm.benchmarks.serve import main
+
+    result = main(["--base-url", server.url, "--endpoint", "/v1/chat/completions",
+                   "--num-prompts", "4", "--input-len", "8", "--output-len", "5", "--quiet"])
+    assert result["completed"] == 4 and result["failed"] == 0, result["errors"]
+    assert result["total_output_tokens"] == 20 and result["median_ttft_ms"] > 0
+
+
 def test_the_server_raises_its_open_file_soft_limit(server):
     """Started with a soft limit of 1024 (see the fixture): it serves with the hard one."""
     limits = (Path("/proc") / str(server.pid) / "limits").read_text()

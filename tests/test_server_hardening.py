@@ -11,6 +11,7 @@ import json
 import resource
 import weakref
 
+import httpx
 import pytest
 from serving_helpers import CHAT_TEMPLATE, KV, AppClient, assert_error
 
@@ -342,3 +343,25 @@ def test_serve_flags_for_cors_and_request_ids():
     assert args.allowed_origins == ["http://a", "http://b"]
     assert args.allowed_methods == ["GET", "POST"]
     assert args.allow_credentials and args.enable_request_id_headers
+
+
+@pytest.mark.parametrize("body, ok", [
+    ('data: {"choices": [{"index": 0, "text": ""}]}\n\ndata: [DONE]\n\n', False),
+    ("data: [DONE]\n\n", False),
+    ('data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\ndata: [DONE]\n\n', True),
+    ('data: {"choices": [{"index": 0, "text": "hi"}]}\n\ndata: [DONE]\n\n', True),
+])
+def test_bench_serve_counts_a_stream_without_text_as_failed(body, ok):
+    from fleetllm.benchmarks.serve import _one
+
+    transport = httpx.MockTransport(lambda request: httpx.Response(
+        200, text=body, headers={"content-type": "text/event-stream"}))
+
+    async def run():
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            return await _one(client, CHAT, "hello", 4)
+
+    result = asyncio.run(run())
+    assert result.ok is ok, result
+    if not ok:
+        assert "no text" in result.error
