@@ -127,3 +127,10 @@ class EngineSleepingError(FleetLLMError, RuntimeError):
     wake_up), and by sleep() while requests are in flight, whose KV cache it would discard."""
 
     code = "E009"
+
+
+class RequestFailedError(FleetLLMError, RuntimeError):
+    """The engine accepted a request and then ended it with finish_reason "error" (out of
+    memory even alone in a step, or its samples outgrew the KV pool). The message says why."""
+
+    code = "E010"

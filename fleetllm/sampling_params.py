@@ -115,3 +115,11 @@ class SamplingParams:
     def min_tokens_stop_ids(self) -> list[int]:
         """Token ids that may not be sampled before min_tokens outputs exist."""
         return self.stop_token_ids + ([] if self.ignore_eos else self.eos_token_ids)
+
+    def certain_tokens(self, room: int) -> int:
+        """How many tokens each sample is certain to generate with `room` left in the
+        context: all of max_tokens only when nothing can end a sample early (an EOS token, a
+        stop string or stop token id), else min_tokens."""
+        if self.stop or self.stop_token_ids or (self.eos_token_ids and not self.ignore_eos):
+            return min(self.min_tokens, room)
+        return room if self.max_tokens is None else min(self.max_tokens, room)

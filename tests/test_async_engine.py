@@ -129,10 +129,10 @@ def test_cancelled_consumer_aborts_every_sample_and_frees_blocks(engine):
 
 def test_rejected_requests_leave_the_others_alone(engine):
     async def run():
-        # Long enough to still run when the duplicate id below is tried (a fast machine
-        # finished 30 tokens before the four rejections were through).
+        # Long enough to be still running when the duplicate id comes (30 tokens could
+        # finish while the bad requests were being refused).
         good = asyncio.create_task(consume(engine, ids(8), SamplingParams(
-            temperature=0, max_tokens=400, ignore_eos=True), "good"))
+            temperature=0, max_tokens=600, ignore_eos=True), "good"))
         await asyncio.sleep(0.01)
         for bad in ({"prompt_token_ids": [999999]}, {"prompt_token_ids": []},
                     {"prompt_token_ids": list(range(3, 2000))}, 12345):
@@ -141,7 +141,7 @@ def test_rejected_requests_leave_the_others_alone(engine):
         with pytest.raises(InvalidRequestError, match="already in use"):
             await engine.add_request("good", ids(3), SamplingParams())
         _, tokens, _ = await good
-        assert len(tokens[0]) == 400
+        assert len(tokens[0]) == 600
 
     asyncio.run(run())
     engine.check_health()

@@ -41,13 +41,14 @@ def test_forked_group_without_swap_space_is_recomputed_not_lost(tiny_models):
     """The review's case: 12 blocks, no CPU pool, r1 has two seeded samples. Preempting r1
     used to raise in the middle of scheduling and empty every queue. Now r1 is recomputed
     (both samples); at 100 tokens it can never fit the pool and ends with an error; r0 and
-    r2 complete; no block leaks."""
+    r2 complete; no block leaks. (r1 has a stop string that never matches: a request certain
+    to outgrow the pool is refused at admission instead, see test_server_hardening.)"""
     path = tiny_models["llama_gqa"]
     greedy = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
 
     def run(r1_tokens: int, **engine_kw):
         seeded = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=r1_tokens,
-                                ignore_eos=True)
+                                ignore_eos=True, stop=["\x00" * 4])
         with LLM(path, **engine_kw) as llm:
             outs = llm.generate([ids(16), ids(16, 40), ids(16, 70)], [greedy, seeded, greedy],
                                 use_tqdm=False)

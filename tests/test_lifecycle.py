@@ -249,10 +249,13 @@ def test_performance_metrics_follow_a_known_load(tiny_models):
 
 
 def test_a_request_that_cannot_be_scheduled_counts_as_failed(tiny_models):
-    # Two samples of a 40-token prompt outgrow a pool of 4 blocks: preempted, then ignored.
+    # Two samples of a 30-token prompt fit a pool of 4 blocks when admitted, then outgrow
+    # it: preempted, then ignored. (The stop string never matches: a request certain to
+    # outgrow the pool is refused at admission instead.)
     with LLM(tiny_models["llama_gqa"], num_gpu_blocks_override=4, block_size=16) as llm:
-        [out] = llm.generate({"prompt_token_ids": list(range(3, 43))},
-                             SamplingParams(n=2, max_tokens=40, ignore_eos=True),
+        [out] = llm.generate({"prompt_token_ids": list(range(3, 33))},
+                             SamplingParams(n=2, max_tokens=40, ignore_eos=True,
+                                            stop=["\x00" * 4]),
                              use_tqdm=False)
         assert out.outputs[0].finish_reason == "error"
         m = llm.llm_engine.model_executor.get_performance_metrics()

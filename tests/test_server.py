@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
+import resource
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -25,15 +28,27 @@ def model(tiny_models):
     return tiny_models["llama_gqa"]
 
 
+@contextlib.contextmanager
+def open_file_soft_limit(limit: int):
+    """Processes started inside inherit this soft limit on open files (the common 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(limit, soft), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
     template = tmp_path_factory.mktemp("tpl") / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     # Steps of at least 3 ms: a long request is still running when the client hangs up.
-    srv = LocalServer([str(model), "--kv-cache-memory", str(KV), "--served-model-name", MODEL,
-                       "--chat-template", str(template),
-                       "--worker-cls", "serving_helpers.SlowWorker"],
-                      env=server_env(FLEETLLM_TEST_STEP_DELAY="0.003"))
+    with open_file_soft_limit(1024):
+        srv = LocalServer([str(model), "--kv-cache-memory", str(KV), "--served-model-name",
+                           MODEL, "--chat-template", str(template),
+                           "--worker-cls", "serving_helpers.SlowWorker"],
+                          env=server_env(FLEETLLM_TEST_STEP_DELAY="0.003"))
     try:
         yield srv
     finally:
@@ -303,3 +318,21 @@ def test_bench_serve_runs_against_the_server(server, tmp_path):
     assert result["completed"] == 6 and result["failed"] == 0
     assert result["total_output_tokens"] == 30
     assert json.loads(out.read_text())["median_ttft_ms"] > 0
+
+
+def test_bench_serve_chat_endpoint(server):
+    from fleetllm.benchmarks.serve import main
+
+    result = main(["--base-url", server.url, "--endpoint", "/v1/chat/completions",
+                   "--num-prompts", "4", "--input-len", "8", "--output-len", "5", "--quiet"])
+    assert result["completed"] == 4 and result["failed"] == 0, result["errors"]
+    assert result["total_output_tokens"] == 20 and result["median_ttft_ms"] > 0
+
+
+def test_the_server_raises_its_open_file_soft_limit(server):
+    """Started with a soft limit of 1024 (see the fixture): it serves with the hard one."""
+    limits = (Path("/proc") / str(server.pid) / "limits").read_text()
+    [line] = [x for x in limits.splitlines() if x.startswith("Max open files")]
+    soft, hard = line.split()[3:5]
+    assert soft == hard, line
+    assert "raised the open-file limit from 1024" in server.log()

@@ -4,17 +4,21 @@ server at a Poisson request rate, then throughput and TTFT / ITL / E2E latency.
     fleetllm bench serve --base-url http://127.0.0.1:8000 [--num-prompts 200]
         [--input-len 128 --output-len 64 | --dataset prompts.jsonl]
         [--request-rate 8 | inf] [--max-concurrency N] [--json result.json]
+        [--endpoint /v1/completions | /v1/chat/completions]
     fleetllm bench serve [--num-prompts ...] [serve flags: --model DIR, engine flags ...]
 
 Without --base-url it starts `fleetllm serve` itself (every flag this benchmark does not know
 goes to the server) and stops it at the end. Random prompts are token ids cut from random
 English-like text tokenized by the server's /tokenize, so they are exactly --input-len tokens;
 every request asks for exactly its output length (ignore_eos). A --dataset JSONL line is
-{"prompt": "..."} or {"prompt_token_ids": [...]}, optionally with "output_len".
+{"prompt": "..."} or {"prompt_token_ids": [...]}, optionally with "output_len". With
+--endpoint /v1/chat/completions each prompt is one user message (token ids are turned into
+text by the server's /detokenize first; its chat template then adds its own tokens).
 
 TTFT is the time to the first streamed token, ITL the gaps between streamed chunks (the
 server may merge tokens into one chunk when the client reads slower than it generates), E2E
-the whole request. main() returns the figures as a dict (also written by --json).
+the whole request. A request counts as completed only if its stream carried text.
+main() returns the figures as a dict (also written by --json).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ _WORDS = ("the of and to in is was for on that with as by at from his her which 
           "only its over also after first two may new any these most world engine token "
           "model server request stream batch cache block layer python function return value "
           "import class def print range list dict error tensor worker process").split()
+CHAT_ENDPOINT = "/v1/chat/completions"
 
 
 @dataclass
@@ -51,7 +56,8 @@ def main(argv: list[str] | None = None) -> int | dict:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default=None,
                         help="a running server (default: start one with the other flags)")
-    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--endpoint", default="/v1/completions",
+                        help=f"/v1/completions (default) or {CHAT_ENDPOINT}")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--input-len", type=int, default=128)
@@ -99,6 +105,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers,
                                  limits=limits, timeout=timeout) as client:
         prompts = await _prompts(client, args)
+        if _is_chat(args.endpoint):
+            prompts = [(await _as_text(client, p), n) for p, n in prompts]
         rng = random.Random(args.data_seed)
         gate = asyncio.Semaphore(args.max_concurrency or len(prompts) or 1)
 
@@ -140,9 +148,35 @@ async def _prompts(client: Any, args: argparse.Namespace) -> list[tuple[Any, int
     return [(ids[i:i + args.input_len], args.output_len) for i in range(args.num_prompts)]
 
 
+def _is_chat(endpoint: str) -> bool:
+    return endpoint.rstrip("/").endswith("/chat/completions")
+
+
+async def _as_text(client: Any, prompt: Any) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    r = await client.post("/detokenize", json={"tokens": prompt})
+    r.raise_for_status()
+    return r.json()["prompt"]
+
+
+def _body(endpoint: str, prompt: Any, output_len: int) -> dict[str, Any]:
+    common = {"ignore_eos": True, "stream": True, "temperature": 0.0,
+              "stream_options": {"include_usage": True}}
+    if _is_chat(endpoint):
+        return {"messages": [{"role": "user", "content": prompt}],
+                "max_completion_tokens": output_len, **common}
+    return {"prompt": prompt, "max_tokens": output_len, **common}
+
+
+def _chunk_text(chunk: dict[str, Any]) -> str:
+    """A completions chunk's text, or a chat chunk's delta content."""
+    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or ""
+                   for c in chunk.get("choices") or [])
+
+
 async def _one(client: Any, endpoint: str, prompt: Any, output_len: int) -> RequestResult:
-    body = {"prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "stream": True,
-            "temperature": 0.0, "stream_options": {"include_usage": True}}
+    body = _body(endpoint, prompt, output_len)
     result = RequestResult()
     start = last = time.perf_counter()
     try:
@@ -159,7 +193,7 @@ async def _one(client: Any, endpoint: str, prompt: Any, output_len: int) -> Requ
                     return result
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(c.get("text") for c in chunk.get("choices", [])):
+                if _chunk_text(chunk):
                     now = time.perf_counter()
                     if result.ttft == 0.0:
                         result.ttft = now - start
@@ -167,6 +201,9 @@ async def _one(client: Any, endpoint: str, prompt: Any, output_len: int) -> Requ
                         result.itls.append(now - last)
                     last = now
         result.e2e = time.perf_counter() - start
+        if result.ttft == 0.0:  # 200 and [DONE], but nothing generated is not a success
+            result.error = "the stream carried no text"
+            return result
         result.ok = True
     except Exception as e:  # one failed request is a figure, not the end of the benchmark
         result.error = f"{type(e).__name__}: {e}"

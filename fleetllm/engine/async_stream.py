@@ -23,15 +23,21 @@ class StreamingCompletionOutput(CompletionOutput):
 
 
 class RequestStream:
-    """One request's outputs: fed by the engine loop thread, read by one asyncio task."""
+    """One request's outputs: fed by the engine loop thread, read by one asyncio task.
+
+    Outputs are cumulative, so a newer one replaces one the reader has not picked up yet
+    (merge on put, as vLLM v1's RequestOutputCollector does): a slow reader holds at most one
+    pending output, not one per step (which is quadratic in the output length). A finished
+    output is never replaced, and an exception waits until the pending output is read."""
 
     def __init__(self, request_id: str, engine: _Aborter):
         self.request_id = request_id
         self.finished = False
         self._engine = engine
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending: RequestOutput | None = None
         self._error: BaseException | None = None
+        self._ready = asyncio.Event()
         self._sent: dict[int, tuple[int, int]] = {}  # index -> (chars, tokens) released
         self._closed = False
 
@@ -39,28 +45,30 @@ class RequestStream:
         """Engine loop side."""
         deliver_threadsafe([(self, item)])
 
+    def _put_local(self, item: RequestOutput | BaseException) -> None:
+        """On the stream's event loop: merge `item` into what is pending."""
+        if isinstance(item, BaseException):
+            if self._error is None:  # the first error is the cause; later ones follow it
+                self._error = item
+        elif self._pending is None or not self._pending.finished:
+            self._pending = item
+        self._ready.set()
+
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self._error is not None:
-            self.finished, error, self._error = True, self._error, None
-            raise error
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        # Merge whatever else is already here: outputs are cumulative.
-        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
-            following = self._queue.get_nowait()
-            if isinstance(following, BaseException):
-                self._error = following
-                break
-            item = following
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.finished = item.finished
-        return self._with_deltas(item)
+        while self._pending is None and self._error is None:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._pending is not None:
+            out, self._pending = self._pending, None
+            self.finished = out.finished
+            return self._with_deltas(out)
+        self.finished, error, self._error = True, self._error, None
+        raise error
 
     def _with_deltas(self, out: RequestOutput) -> RequestOutput:
         completions = []
@@ -92,7 +100,7 @@ def deliver_threadsafe(items: list[tuple[RequestStream, RequestOutput | BaseExce
     request (64 streams would otherwise cost 64 self-pipe writes every step)."""
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
     for stream, item in items:
-        by_loop.setdefault(stream._loop, []).append((stream._queue, item))
+        by_loop.setdefault(stream._loop, []).append((stream, item))
     for loop, batch in by_loop.items():
         try:
             loop.call_soon_threadsafe(_put_all, batch)
@@ -100,6 +108,6 @@ def deliver_threadsafe(items: list[tuple[RequestStream, RequestOutput | BaseExce
             pass
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, item in batch:
-        q.put_nowait(item)
+def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in batch:
+        stream._put_local(item)

@@ -7,7 +7,9 @@ tokenizers that merge spaces into the next token.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence as Ids
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from fleetllm.sampling_params import SamplingParams
 from fleetllm.sequence import Logprob, Sequence
@@ -15,7 +17,29 @@ from fleetllm.sequence import Logprob, Sequence
 _LOOKBACK = 6  # tokens of context decoded before the new ones
 
 
+class DecodeState(Protocol):
+    """Where incremental decoding stands: a Sequence, or a TokenTexts."""
+
+    tokens: list[str] | None
+    prefix_offset: int
+    read_offset: int
+
+
+@dataclass
+class TokenTexts:
+    """A DecodeState of its own, for decoding ids that are not a Sequence's output (a
+    prompt's, for its logprobs)."""
+
+    tokens: list[str] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+
 class Detokenizer:
+    """Decodes token ids into text a few tokens at a time, each in the context of the tokens
+    before it. Decoding an id alone is wrong for SentencePiece tokenizers (Llama-2, Mistral):
+    "▁world" alone decodes to "world", after another token to " world"."""
+
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
 
@@ -23,34 +47,74 @@ class Detokenizer:
         """Seed the incremental state with the prompt's tail."""
         if self.tokenizer is None:
             return
-        tokens = self._tokens(seq.prompt_token_ids[-_LOOKBACK - 1:], params)
-        seq.tokens = tokens
-        seq.prefix_offset = max(len(tokens) - _LOOKBACK, 0)
-        seq.read_offset = len(tokens)
+        self.seed(seq, seq.prompt_token_ids[-_LOOKBACK - 1:], params.skip_special_tokens)
+
+    def seed(self, state: DecodeState, ids: Ids[int], skip_special_tokens: bool) -> None:
+        """Start `state` after `ids`, whose text counts as already read."""
+        tokens = self._tokens(ids, skip_special_tokens)
+        state.tokens = tokens
+        state.prefix_offset = max(len(tokens) - _LOOKBACK, 0)
+        state.read_offset = len(tokens)
 
     def decode_new_token(self, seq: Sequence, params: SamplingParams) -> str:
-        """Append the text of the sequence's last token; returns the new text."""
+        """Append the text of the sequence's last token; returns the new text. When logprobs
+        are kept, the token's and its alternatives' decoded_token become their text here:
+        the chosen token's is exactly the text it added, so a request's logprob tokens join
+        into its text."""
         if self.tokenizer is None:
             return ""
-        tok = self.tokenizer
-        seq.tokens.extend(self._tokens(seq.output_token_ids[-1:], params))
-        prefix = tok.convert_tokens_to_string(seq.tokens[seq.prefix_offset: seq.read_offset])
-        text = tok.convert_tokens_to_string(seq.tokens[seq.prefix_offset:])
-        if len(text) <= len(prefix) or text.endswith("\ufffd"):
-            return ""  # an incomplete UTF-8 character: wait for the next token
-        new_text = text[len(prefix):]
-        seq.prefix_offset, seq.read_offset = seq.read_offset, len(seq.tokens)
+        skip = params.skip_special_tokens
+        entry = seq.output_logprobs[-1] if params.logprobs is not None and \
+            seq.output_logprobs else None
+        token = seq.output_token_ids[-1]
+        if entry is not None:
+            others = [t for t in entry if t != token]
+            for t, text in zip(others, self.texts_in_context(seq, others, skip), strict=True):
+                entry[t].decoded_token = text
+        new_text = self.advance(seq, token, skip)
+        if entry is not None and token in entry:
+            entry[token].decoded_token = new_text
         seq.output_text += new_text
         return new_text
 
-    def _tokens(self, ids: list[int], params: SamplingParams) -> list[str]:
+    def advance(self, state: DecodeState, token_id: int, skip_special_tokens: bool) -> str:
+        """Append one token to `state`; returns the text it releases ("" while it ends in an
+        incomplete UTF-8 character, which the next token then releases)."""
+        assert state.tokens is not None
+        state.tokens.extend(self._tokens([token_id], skip_special_tokens))
+        text = self._new_text(state.tokens, state.prefix_offset, state.read_offset)
+        if text:
+            state.prefix_offset, state.read_offset = state.read_offset, len(state.tokens)
+        return text
+
+    def texts_in_context(self, state: DecodeState, ids: Ids[int], skip_special_tokens: bool
+                         ) -> list[str]:
+        """The text each of `ids` would release as the next token; `state` is unchanged."""
+        assert state.tokens is not None
+        context = state.tokens[state.prefix_offset:]
+        read = state.read_offset - state.prefix_offset
+        return [self._new_text(context + self._tokens([t], skip_special_tokens), 0, read)
+                for t in ids]
+
+    def _new_text(self, tokens: list[str], prefix_offset: int, read_offset: int) -> str:
+        tok = self.tokenizer
+        prefix = tok.convert_tokens_to_string(tokens[prefix_offset:read_offset])
+        text = tok.convert_tokens_to_string(tokens[prefix_offset:])
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 character: wait for the next token
+        return text[len(prefix):]
+
+    def _tokens(self, ids: Ids[int], skip_special_tokens: bool) -> list[str]:
         # Ids past the tokenizer's vocabulary (models pad their embedding tables) have no
         # text: they come back as None and count as empty.
         tokens = self.tokenizer.convert_ids_to_tokens(
-            ids, skip_special_tokens=params.skip_special_tokens)
+            list(ids), skip_special_tokens=skip_special_tokens)
         return [t for t in tokens if t is not None]
 
     def decode_logprobs(self, logprobs: dict[int, Logprob]) -> None:
+        """Each id decoded alone: a first pass, so that every entry has text (a stop token
+        never reaches decode_new_token). decode_new_token replaces it with the text in
+        context; given the sequence here, one pass in context would do."""
         if self.tokenizer is None:
             return
         for token_id, lp in logprobs.items():

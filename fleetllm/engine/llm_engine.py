@@ -155,6 +155,16 @@ class LLMEngine:
         if params.n > self.scheduler.config.max_num_seqs:
             raise InvalidRequestError(f"n={params.n} samples can never run together with "
                                       f"max_num_seqs={self.scheduler.config.max_num_seqs}")
+        # Each sample, at the length it is certain to reach, holding its own blocks (as a
+        # preempted group is recomputed): past the pool the scheduler would end it with
+        # finish_reason "error" after it ran. Refused now instead, saying why.
+        length = n + params.certain_tokens(limit - n)
+        need = params.n * math.ceil(length / cc.block_size)
+        if need > cc.num_gpu_blocks:
+            raise InvalidRequestError(f"n={params.n} samples of {length} tokens each need "
+                                      f"{need} KV blocks of {cc.block_size} tokens, but the "
+                                      f"whole pool has {cc.num_gpu_blocks}: lower n or "
+                                      f"max_tokens")
         self._check_in_vocab("stop_token_ids", params.stop_token_ids)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none")

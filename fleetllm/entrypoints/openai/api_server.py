@@ -9,7 +9,9 @@
 
 Bodies are parsed by hand (serving_engine.parse_body) rather than by FastAPI, so that a
 missing content type, malformed JSON or a non-object body is a 400 in OpenAI's error shape
-like every other error. The app runs in-process too (tests drive it through httpx's ASGI
+like every other error. In front of the routes, outermost first: CORS (a browser's preflight
+is answered before the API key is asked for), X-Request-Id headers (when enabled), then the
+gate (API key, drain). The app runs in-process too (tests drive it through httpx's ASGI
 transport); launcher.py serves it with uvicorn and drains it on SIGTERM.
 """
 
@@ -17,10 +19,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 
 import fleetllm
@@ -30,7 +34,7 @@ from fleetllm.entrypoints.openai.errors import (
     error_response,
     install_error_handlers,
 )
-from fleetllm.entrypoints.openai.gate import ServerGate, ServerState
+from fleetllm.entrypoints.openai.gate import RequestIdHeaders, ServerGate, ServerState
 from fleetllm.entrypoints.openai.metrics import PrometheusMetrics
 from fleetllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -48,9 +52,22 @@ from fleetllm.entrypoints.openai.serving_tokenization import ServingTokenization
 T = TypeVar("T")
 
 
+@dataclass
+class HTTPOptions:
+    """CORS and request-id headers (vLLM's flags and defaults)."""
+
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    enable_request_id_headers: bool = False
+
+
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None,
               api_key: str | None = None, chat_template: str | None = None,
-              state: ServerState | None = None, enable_sleep_mode: bool = False) -> FastAPI:
+              state: ServerState | None = None, enable_sleep_mode: bool = False,
+              http: HTTPOptions | None = None) -> FastAPI:
+    http = http or HTTPOptions()
     names = served_model_names or [engine.model_config.model]
     state = state or ServerState()
     metrics = PrometheusMetrics(names[0])
@@ -65,8 +82,14 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     app.state.engine = engine
     app.state.metrics = metrics
     install_error_handlers(app)
-    # Outermost: it answers 401/503 before anything below reads the request.
+    # Each add_middleware wraps what is there: the last added runs first. The gate answers
+    # 401/503 before anything below reads the request.
     app.add_middleware(ServerGate, state=state, api_key=api_key)
+    if http.enable_request_id_headers:
+        app.add_middleware(RequestIdHeaders)
+    app.add_middleware(CORSMiddleware, allow_origins=http.allowed_origins,
+                       allow_methods=http.allowed_methods, allow_headers=http.allowed_headers,
+                       allow_credentials=http.allow_credentials)
 
     @app.get("/health")
     async def health() -> Response:

@@ -4,6 +4,7 @@ not import the web stack (`fleetllm generate` stays fast)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 
@@ -29,6 +30,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="on SIGTERM/SIGINT, seconds in-flight requests get to finish")
     http.add_argument("--step-timeout", type=float, default=60.0,
                       help="/health reports the engine unhealthy when one step takes longer")
+    http.add_argument("--allowed-origins", type=string_list, default=["*"],
+                      help='CORS: origins browsers may call from, a JSON list (as vLLM) or '
+                           'comma-separated (default ["*"])')
+    http.add_argument("--allowed-methods", type=string_list, default=["*"],
+                      help='CORS: allowed methods (default ["*"])')
+    http.add_argument("--allowed-headers", type=string_list, default=["*"],
+                      help='CORS: allowed request headers (default ["*"])')
+    http.add_argument("--allow-credentials", action="store_true",
+                      help="CORS: allow credentials (cookies, Authorization)")
+    http.add_argument("--enable-request-id-headers", action="store_true",
+                      help="send X-Request-Id on every response: the client's, or a fresh "
+                           "one (a client's X-Request-Id names its request either way)")
     http.add_argument("--enable-sleep-mode", action="store_true",
                       help="add POST /sleep, POST /wake_up and GET /is_sleeping")
     http.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -36,3 +49,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       choices=["debug", "info", "warning", "error"])
     parser.set_defaults(engine_actions=add_engine_args(parser))
     return parser
+
+
+def string_list(value: str) -> list[str]:
+    """A JSON list of strings (vLLM's form) or a comma-separated list."""
+    if value.lstrip().startswith("["):
+        try:
+            items = json.loads(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise argparse.ArgumentTypeError("must be a JSON list of strings")
+        return items
+    return [x.strip() for x in value.split(",") if x.strip()]

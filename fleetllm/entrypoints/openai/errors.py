@@ -18,7 +18,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleetllm.engine.async_engine import EngineUnhealthyError, RequestAbortedError
 from fleetllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
-from fleetllm.errors import EngineShutdownError, EngineSleepingError, FleetLLMError
+from fleetllm.errors import (
+    EngineShutdownError,
+    EngineSleepingError,
+    FleetLLMError,
+    RequestFailedError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +78,8 @@ def api_error_from(e: BaseException) -> APIError:
         return APIError(503, _plain(e))
     if isinstance(e, ValueError):  # InvalidRequestError, ConfigurationError (bad params)
         return APIError(400, _plain(e))
+    if isinstance(e, RequestFailedError):  # accepted, then failed in the engine: say why
+        return APIError(500, _plain(e))
     logger.error("unexpected error serving a request", exc_info=e)
     return APIError(500, "internal server error")
 
@@ -91,6 +98,10 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         return APIError(400, "invalid request")
     first = errors[0]
     loc = [x for x in first.get("loc", ()) if x not in _LOC_PREFIXES]
+    if first.get("type") == "unsupported_field":  # raised for the object: name the field
+        loc.append(first["ctx"]["field"])
+    if first.get("type") == "extra_forbidden":
+        return _unknown_fields([e for e in errors if e.get("type") == "extra_forbidden"])
     if not loc:
         return APIError(400, str(first.get("msg", "invalid request")))
     field_errors = [e for e in errors if [x for x in e.get("loc", ())
@@ -103,6 +114,15 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         param = ".".join(path[:names[-1] + 1])
         return APIError(400, f"{param}: {_UNION_HINTS[name]}", param)
     return APIError(400, f"{param}: {first.get('msg', 'invalid value')}", param)
+
+
+def _unknown_fields(errors: list[dict[str, Any]]) -> APIError:
+    """Every unknown field at once, so a client fixes them in one go."""
+    names = [".".join(str(x) for x in e["loc"] if x not in _LOC_PREFIXES) for e in errors]
+    listed = ", ".join(truncate(name, 64) for name in names[:10])
+    plural = len(names) > 1
+    return APIError(400, f"unknown field{'s' if plural else ''} {listed}: this server does "
+                    f"not implement {'them' if plural else 'it'}", names[0])
 
 
 def _is_field(x: Any) -> bool:

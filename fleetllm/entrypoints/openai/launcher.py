@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import resource
 import signal
 import socket
 import threading
@@ -24,7 +25,7 @@ from pathlib import Path
 import uvicorn
 
 from fleetllm.engine.async_engine import AsyncLLMEngine
-from fleetllm.entrypoints.openai.api_server import build_app
+from fleetllm.entrypoints.openai.api_server import HTTPOptions, build_app
 from fleetllm.entrypoints.openai.gate import ServerState
 from fleetllm.errors import ConfigurationError, EngineShutdownError
 
@@ -88,17 +89,23 @@ def run_serve(args: argparse.Namespace) -> int:
     """The `fleetllm serve` command."""
     from fleetllm.cli import engine_kwargs_from, resolve_model
 
-    logging.basicConfig(level=args.log_level.upper(),
+    # force: `fleetllm` set up plain WARNING logging before this command ran, which would
+    # otherwise hide --log-level info (the drain's and the open-file limit's lines).
+    logging.basicConfig(level=args.log_level.upper(), force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = resolve_model(args.model_tag or args.model)
     chat_template = load_chat_template(args.chat_template)
     warn_if_exposed(args.host, args.api_key)
+    raise_open_file_limit()
     engine = AsyncLLMEngine.from_engine_args(model, step_timeout_s=args.step_timeout,
                                              **engine_kwargs_from(args, args.engine_actions))
     try:
         state = ServerState()
+        http = HTTPOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers,
+                           args.allow_credentials, args.enable_request_id_headers)
         app = build_app(engine, args.served_model_name or [model], args.api_key,
-                        chat_template, state, enable_sleep_mode=args.enable_sleep_mode)
+                        chat_template, state, enable_sleep_mode=args.enable_sleep_mode,
+                        http=http)
         sock = _bind(args.host, args.port)
         host, port = sock.getsockname()[:2]
         # Tests and scripts wait for this line to learn the port (--port 0).
@@ -112,6 +119,24 @@ def run_serve(args: argparse.Namespace) -> int:
         engine.shutdown()
     logger.info("stopped")
     return 0
+
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise the soft limit on open files to the hard one (as vLLM does): every connection
+    is a file, and at the common default of 1024, 2,000 clients made tens of thousands of
+    accept errors and starved /health. Returns (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # An unlimited hard limit still has the kernel's ceiling (nr_open): ask for 1M then.
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft, soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as e:
+        logger.warning("could not raise the open-file limit from %d to %d: %s", soft, target, e)
+        return soft, soft
+    logger.info("raised the open-file limit from %d to %d", soft, target)
+    return soft, target
 
 
 def warn_if_exposed(host: str, api_key: str | None) -> bool:

@@ -1,30 +1,106 @@
 """The OpenAI API's request and response bodies, as pydantic models.
 
-Requests are validated strictly (no "1" for 1, no true for 1, no NaN or Infinity), unknown
-fields are ignored as OpenAI does, and every bound that protects the engine (a huge top_k or
-seed would fail inside the sampler and take every request down with it) is checked here.
-Fields past OpenAI's are vLLM's extensions, with vLLM's names.
+Requests are validated strictly (no "1" for 1, no true for 1, no NaN or Infinity), and every
+bound that protects the engine (a huge top_k or seed would fail inside the sampler and take
+every request down with it) is checked here. Fields past OpenAI's are vLLM's extensions, with
+vLLM's names. No field is silently dropped: a field is declared below (and used), or listed
+in IGNORED_FIELDS (accepted: it changes nothing here), or in UNSUPPORTED_FIELDS (a 400 naming
+it unless its value asks for nothing); any other field is a 400 naming it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
 
 NonNegInt = Annotated[int, Field(ge=0)]
 StopString = Annotated[str, Field(min_length=1)]
 MAX_LOGPROBS = 20
 MAX_N = 128
 
+# Fields of OpenAI's API that are accepted and ignored, wherever they appear (a request, a
+# message, stream_options): field -> why ignoring it changes nothing a client can observe.
+IGNORED_FIELDS: dict[str, str] = {
+    "user": "an end-user id for a provider's abuse monitoring",
+    "metadata": "tags for stored completions; nothing is stored here",
+    "store": "asks the provider to keep the completion; nothing is kept here",
+    "service_tier": "a provider's processing tier; there is one here",
+    "parallel_tool_calls": "only means something with tools, which are refused",
+    "include_obfuscation": "stream_options: pads chunks against side channels",
+    "refusal": "an assistant message's refusal text (replayed history)",
+    "annotations": "an assistant message's citations (replayed history)",
+    "tool_call_id": "links a tool message to a call; the content is still used",
+}
+
+# Fields of OpenAI's API that this server does not implement: a 400 naming the field, unless
+# its value asks for nothing (null, [], {} or one of the listed values):
+# field -> (what the 400 says, the values that ask for nothing).
+UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "response_format": ("structured outputs are not supported yet", ({"type": "text"},)),
+    "tools": ("tool calling is not supported yet", ()),
+    "tool_choice": ("tool calling is not supported yet", ("none",)),
+    "tool_calls": ("tool calling is not supported yet", ()),
+    "functions": ("function calling is not supported yet", ()),
+    "function_call": ("function calling is not supported yet", ("none",)),
+    "logit_bias": ("logit_bias is not supported", ()),
+    "suffix": ("suffix (text after the insertion point) is not supported", ("",)),
+    "audio": ("audio is not supported", ()),
+    "modalities": ("only text output is supported", (["text"],)),
+    "prediction": ("predicted outputs are not supported", ()),
+    "web_search_options": ("web search is not supported", ()),
+}
+
+
+def _asks_for_nothing(value: Any, harmless: tuple[Any, ...]) -> bool:
+    return value is None or (isinstance(value, list | dict) and not value) or any(
+        type(value) is type(h) and value == h for h in harmless)
+
 
 class RequestModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen_fields(cls, data: Any) -> Any:
+        """Drop IGNORED_FIELDS, refuse UNSUPPORTED_FIELDS; declared fields always win, and
+        anything else stays for extra="forbid" to name."""
+        if not isinstance(data, dict):
+            return data
+        kept = {}
+        for key, value in data.items():
+            if key in cls.model_fields:
+                kept[key] = value
+            elif key in UNSUPPORTED_FIELDS:
+                why, harmless = UNSUPPORTED_FIELDS[key]
+                if not _asks_for_nothing(value, harmless):
+                    raise PydanticCustomError("unsupported_field", "{why}",
+                                              {"field": key, "why": why})
+            elif key not in IGNORED_FIELDS:
+                kept[key] = value
+        return kept
 
 
 class ResponseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class OmitWhenNone(ResponseModel):
+    """Leaves out the fields named in `omit_when_none` while they are None: a stream chunk
+    carries `usage` only in the usage chunk and `role` only in the first delta, as OpenAI's
+    and vLLM's do (`"usage": null` on every chunk trips strict clients)."""
+
+    omit_when_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: Any) -> Any:
+        data = handler(self)
+        for name in self.omit_when_none:
+            if name in data and data[name] is None:
+                del data[name]
+        return data
 
 
 class StreamOptions(RequestModel):
@@ -50,8 +126,6 @@ class SamplingRequest(RequestModel):
     min_tokens: int = Field(0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # vLLM: logprob tokens as "token_id:123", for clients that need the ids exactly.
@@ -60,10 +134,10 @@ class SamplingRequest(RequestModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[NonNegInt] | list[list[NonNegInt]]
-    max_tokens: int | None = Field(16, ge=1)
+    # 0 only with echo: score the prompt, generate nothing (checked by the handler)
+    max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
 
@@ -131,7 +205,8 @@ class CompletionChoice(ResponseModel):
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(ResponseModel):
+class CompletionResponse(OmitWhenNone):  # a stream chunk too
+    omit_when_none = ("usage",)
     id: str
     object: str = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -176,7 +251,8 @@ class ChatCompletionResponse(ResponseModel):
     usage: UsageInfo | None = None
 
 
-class DeltaMessage(ResponseModel):
+class DeltaMessage(OmitWhenNone):
+    omit_when_none = ("role", "content")
     role: str | None = None
     content: str | None = None
 
@@ -189,7 +265,8 @@ class ChatStreamChoice(ResponseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(ResponseModel):
+class ChatCompletionChunk(OmitWhenNone):
+    omit_when_none = ("usage",)
     id: str
     object: str = "chat.completion.chunk"
     created: int

@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from fleetllm.engine.async_engine import RequestStream
 from fleetllm.engine.outputs import CompletionOutput
+from fleetllm.entrypoints.openai.errors import APIError
 from fleetllm.entrypoints.openai.logprobs import LogprobFormatter
 from fleetllm.entrypoints.openai.protocol import (
     AssistantMessage,
@@ -29,7 +30,7 @@ from fleetllm.entrypoints.openai.serving_engine import (
     collect_final,
     json_response,
     merge_streams,
-    random_id,
+    request_ids,
     sse,
     sse_error,
 )
@@ -38,18 +39,23 @@ from fleetllm.entrypoints.openai.serving_engine import (
 class ServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.time()
-        self.check_model(req.model)
+        self.check_request(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs: only allowed with logprobs: true",
+                           "top_logprobs")
         text, ids = await self.render_chat(req.messages, req.add_generation_prompt)
         self.check_token_ids(ids, "messages")
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens
-        max_tokens = self.max_tokens_for(requested, len(ids), "messages")
+        # max_completion_tokens is OpenAI's current name, max_tokens the deprecated one.
+        param = "max_completion_tokens" if req.max_completion_tokens is not None \
+            else "max_tokens"
+        max_tokens = self.max_tokens_for(getattr(req, param), len(ids), "messages", param)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, top_n)
-        request_id = random_id("chatcmpl")
-        streams = await self.start(request_id, [({"prompt": text, "prompt_token_ids": ids},
-                                                  params)], arrival)
-        fmt = LogprobFormatter(self.decode, req.return_tokens_as_token_ids)
+        request_id, engine_id = request_ids(raw, "chatcmpl")
+        streams = await self.start(engine_id, [({"prompt": text, "prompt_token_ids": ids},
+                                                 params)], arrival)
+        fmt = LogprobFormatter(self.tokenizer, req.return_tokens_as_token_ids,
+                               req.skip_special_tokens)
         if req.stream:
             return SSEResponse(self._stream(req, request_id, int(arrival), len(ids), streams,
                                             fmt))

@@ -1,4 +1,9 @@
-"""POST /v1/completions: one engine request per prompt, choices numbered prompt * n + sample."""
+"""POST /v1/completions: one engine request per prompt, choices numbered prompt * n + sample.
+
+`echo: true, max_tokens: 0` scores the prompt (as vLLM; lm-evaluation-harness's loglikelihood
+asks exactly this): the choice is the prompt's text, with its logprobs when `logprobs` is set,
+and nothing generated (the engine draws one token, which is dropped).
+"""
 
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from fleetllm.entrypoints.openai.serving_engine import (
     collect_final,
     json_response,
     merge_streams,
-    random_id,
+    request_ids,
     sse,
     sse_error,
 )
@@ -37,41 +42,80 @@ class _Prompt:
     def __init__(self, text: str | None, token_ids: list[int]):
         self.text = text
         self.token_ids = token_ids
+        self.decoded: tuple[list[str], list] | None = None  # prompt_texts, once per prompt
 
     def engine_prompt(self) -> PromptType:
         return {"prompt": self.text, "prompt_token_ids": self.token_ids}
 
 
+class _Choice:
+    """What one choice shows: the generated part of an output (nothing when only scoring
+    the prompt: it ends for its length, 0), and its echoed prompt."""
+
+    def __init__(self, req: CompletionRequest, fmt: LogprobFormatter, prompt: _Prompt,
+                 out: RequestOutput, c: CompletionOutput, score_only: bool):
+        self.token_ids = [] if score_only else c.token_ids
+        self.text = "" if score_only else c.text
+        self.logprobs = [] if score_only else (c.logprobs or [])
+        self.finish_reason = ("length" if c.finished() else None) if score_only else \
+            c.finish_reason
+        self.stop_reason = None if score_only else c.stop_reason
+        self.echo = req.echo
+        self._fmt, self._prompt, self._out = fmt, prompt, out
+
+    def prompt_part(self, with_logprobs: bool) -> tuple[str, CompletionLogprobs]:
+        """The echoed prompt: its text, and its tokens' logprobs from offset 0."""
+        if not self.echo:
+            return "", CompletionLogprobs()
+        p = self._prompt
+        if p.decoded is None:
+            p.decoded = self._fmt.prompt_texts(p.token_ids, self._out.prompt_logprobs or [])
+        texts, entries = p.decoded
+        text = p.text if p.text is not None else "".join(texts)
+        if not with_logprobs:
+            return text, CompletionLogprobs()
+        return text, self._fmt.completion(p.token_ids, entries, 0, texts)
+
+
 class ServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         arrival = time.time()
-        self.check_model(req.model)
+        self.check_request(req)
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of is not supported (leave it out, or equal to n)",
                            "best_of")
+        score_only = req.max_tokens == 0
+        if score_only and not req.echo:
+            raise APIError(400, "max_tokens: must be at least 1 (0 only with echo: true, "
+                           "which scores the prompt)", "max_tokens")
         prompts = await self._prompts(req.prompt)
         requests: list[tuple[PromptType, SamplingParams]] = []
         for p in prompts:
             max_tokens = self.max_tokens_for(req.max_tokens, len(p.token_ids), "prompt")
             prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
             requests.append((p.engine_prompt(), self.sampling_params(
-                req, max_tokens, req.logprobs, prompt_logprobs)))
-        request_id = random_id("cmpl")
-        streams = await self.start(request_id, requests, arrival)
-        fmt = LogprobFormatter(self.decode, req.return_tokens_as_token_ids)
+                req, max(max_tokens, 1), req.logprobs, prompt_logprobs)))
+        response_id, engine_id = request_ids(raw, "cmpl")
+        streams = await self.start(engine_id, requests, arrival)
+        fmt = LogprobFormatter(self.tokenizer, req.return_tokens_as_token_ids,
+                               req.skip_special_tokens)
         if req.stream:
-            return SSEResponse(self._stream(req, request_id, int(arrival), prompts, streams,
-                                            fmt))
+            return SSEResponse(self._stream(req, response_id, int(arrival), prompts, streams,
+                                            fmt, score_only))
         try:
             finals = await collect_final(streams, raw)
         except ClientDisconnected:
             return Response(status_code=499)
-        choices = [self._choice(req, i * req.n + c.index, prompts[i], out, c, fmt)
-                   for i, out in enumerate(finals) for c in out.outputs]
-        usage = _usage(prompts, [c for out in finals for c in out.outputs])
-        return json_response(CompletionResponse(id=request_id, created=int(arrival),
+        choices = []
+        generated: list[_Choice] = []
+        for i, out in enumerate(finals):
+            for c in out.outputs:
+                part = _Choice(req, fmt, prompts[i], out, c, score_only)
+                generated.append(part)
+                choices.append(self._choice(req, i * req.n + c.index, part, fmt))
+        return json_response(CompletionResponse(id=response_id, created=int(arrival),
                                                 model=self.model_name, choices=choices,
-                                                usage=usage))
+                                                usage=_usage(prompts, generated)))
 
     async def _prompts(self, prompt: str | list) -> list[_Prompt]:
         if isinstance(prompt, str):
@@ -91,58 +135,55 @@ class ServingCompletion(OpenAIServing):
             self.check_token_ids(out[-1].token_ids, param)
         return out
 
-    def _echo_text(self, prompt: _Prompt) -> str:
-        return prompt.text if prompt.text is not None else self.decode(prompt.token_ids)
-
-    def _choice(self, req: CompletionRequest, index: int, prompt: _Prompt,
-                out: RequestOutput, c: CompletionOutput, fmt: LogprobFormatter
-                ) -> CompletionChoice:
-        prefix = self._echo_text(prompt) if req.echo else ""
-        logprobs = None
-        if req.logprobs is not None:
-            logprobs = CompletionLogprobs()
-            if req.echo:
-                logprobs = fmt.completion(prompt.token_ids, _prompt_logprobs(out), 0)
-            tail = fmt.completion(c.token_ids, c.logprobs or [], len(prefix))
-            logprobs = _concat(logprobs, tail)
-        return CompletionChoice(index=index, text=prefix + c.text, logprobs=logprobs,
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+    def _choice(self, req: CompletionRequest, index: int, part: _Choice,
+                fmt: LogprobFormatter) -> CompletionChoice:
+        with_logprobs = req.logprobs is not None
+        prefix, logprobs = part.prompt_part(with_logprobs)
+        if with_logprobs:
+            logprobs = _concat(logprobs, fmt.completion(part.token_ids, part.logprobs,
+                                                        len(prefix)))
+        return CompletionChoice(index=index, text=prefix + part.text,
+                                logprobs=logprobs if with_logprobs else None,
+                                finish_reason=part.finish_reason,
+                                stop_reason=part.stop_reason)
 
     async def _stream(self, req: CompletionRequest, request_id: str, created: int,
-                      prompts: list[_Prompt], streams: list, fmt: LogprobFormatter
-                      ) -> AsyncIterator[str]:
-        offsets: dict[int, int] = {}  # choice -> characters sent
+                      prompts: list[_Prompt], streams: list, fmt: LogprobFormatter,
+                      score_only: bool) -> AsyncIterator[str]:
+        with_logprobs = req.logprobs is not None
+        offsets: dict[int, int] = {}  # choice -> where its next logprob token starts
         finished: set[int] = set()
-        last: dict[int, CompletionOutput] = {}
+        last: dict[int, _Choice] = {}
         try:
             async for i, out in merge_streams(streams):
                 for c in out.outputs:
                     index = i * req.n + c.index
                     if index in finished:
                         continue
-                    last[index] = c
-                    text, logprobs = c.delta_text, None
-                    if req.logprobs is not None:
-                        logprobs = CompletionLogprobs()
-                    if req.echo and index not in offsets:
-                        text = self._echo_text(prompts[i]) + text
-                        if logprobs is not None:
-                            logprobs = fmt.completion(prompts[i].token_ids,
-                                                      _prompt_logprobs(out), 0)
-                    if logprobs is not None:
-                        start = offsets.get(index, 0) + len(text) - len(c.delta_text)
-                        logprobs = _concat(logprobs, fmt.completion(
-                            c.delta_token_ids, c.delta_logprobs or [], start))
-                    if not text and not c.delta_token_ids and not c.finished():
+                    part = last[index] = _Choice(req, fmt, prompts[i], out, c, score_only)
+                    text = "" if score_only else c.delta_text
+                    ids = [] if score_only else c.delta_token_ids
+                    logprobs = CompletionLogprobs()
+                    if index not in offsets:  # the first chunk: the echoed prompt
+                        prefix, logprobs = part.prompt_part(with_logprobs)
+                        text = prefix + text
+                        offsets[index] = len(prefix)
+                    if with_logprobs:
+                        tail = fmt.completion(ids, [] if score_only else
+                                              c.delta_logprobs or [], offsets[index])
+                        offsets[index] += sum(len(t) for t in tail.tokens)
+                        logprobs = _concat(logprobs, tail)
+                    if not text and not ids and not c.finished():
                         continue
-                    offsets[index] = offsets.get(index, 0) + len(text)
                     if c.finished():
                         finished.add(index)
                     yield sse(CompletionResponse(
                         id=request_id, created=created, model=self.model_name,
-                        choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                  finish_reason=c.finish_reason,
-                                                  stop_reason=c.stop_reason)]))
+                        choices=[CompletionChoice(
+                            index=index, text=text,
+                            logprobs=logprobs if with_logprobs else None,
+                            finish_reason=part.finish_reason,
+                            stop_reason=part.stop_reason)]))
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield sse(CompletionResponse(id=request_id, created=created,
                                              model=self.model_name, choices=[],
@@ -152,11 +193,6 @@ class ServingCompletion(OpenAIServing):
         yield "data: [DONE]\n\n"
 
 
-def _prompt_logprobs(out: RequestOutput) -> list:
-    lps = list(out.prompt_logprobs or [])
-    return lps + [None] * (len(out.prompt_token_ids) - len(lps))
-
-
 def _concat(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
     return CompletionLogprobs(text_offset=a.text_offset + b.text_offset,
                               token_logprobs=a.token_logprobs + b.token_logprobs,
@@ -164,8 +200,8 @@ def _concat(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
                               top_logprobs=a.top_logprobs + b.top_logprobs)
 
 
-def _usage(prompts: list[_Prompt], completions: list[CompletionOutput]) -> UsageInfo:
+def _usage(prompts: list[_Prompt], choices: list[_Choice]) -> UsageInfo:
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
-    completion_tokens = sum(len(c.token_ids) for c in completions)
+    completion_tokens = sum(len(c.token_ids) for c in choices)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens)

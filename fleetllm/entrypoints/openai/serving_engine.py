@@ -26,8 +26,9 @@ from fleetllm.entrypoints.openai.errors import (
     truncate,
     validation_error,
 )
+from fleetllm.entrypoints.openai.gate import MAX_REQUEST_ID_CHARS, valid_request_id
 from fleetllm.entrypoints.openai.protocol import ChatMessage, SamplingRequest
-from fleetllm.errors import ConfigurationError
+from fleetllm.errors import ConfigurationError, RequestFailedError
 from fleetllm.sampling_params import SamplingParams
 
 M = TypeVar("M", bound=BaseModel)
@@ -71,6 +72,30 @@ def sse_error(e: BaseException) -> str:
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def request_ids(raw: Request | None, prefix: str) -> tuple[str, str]:
+    """(the response's id, the base of its engine request ids). The response id is built
+    from the client's X-Request-Id when it sent one (as vLLM), else random; engine ids stay
+    unique even when clients reuse theirs."""
+    given = raw.headers.get("x-request-id") if raw is not None else None
+    if not given:
+        rid = random_id(prefix)
+        return rid, rid
+    if not valid_request_id(given):
+        raise APIError(400, f"X-Request-Id: must be 1 to {MAX_REQUEST_ID_CHARS} printable "
+                       "ASCII characters", "X-Request-Id")
+    rid = f"{prefix}-{given}"
+    return rid, f"{rid}-{uuid.uuid4().hex[:8]}"
+
+
+def checked(out: RequestOutput) -> RequestOutput:
+    """A request the engine ended with finish_reason "error" raises RequestFailedError (a
+    500 with the reason, or an in-band error event): "error" is not an OpenAI finish reason
+    and would hide why."""
+    if out.error is not None or any(c.finish_reason == "error" for c in out.outputs):
+        raise RequestFailedError(out.error or "the engine ended the request with an error")
+    return out
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
@@ -135,8 +160,17 @@ class OpenAIServing:
             raise APIError(400, f"{param}: token ids {bad[:5]} are outside the vocabulary "
                            f"[0, {self.vocab_size})", param)
 
-    def max_tokens_for(self, requested: int | None, prompt_len: int, what: str) -> int:
-        """`requested`, or all the room left when None; a 400 when it does not fit."""
+    def check_request(self, req: SamplingRequest) -> None:
+        """What completions and chat check before anything else (vLLM's checks too)."""
+        self.check_model(req.model)
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options: only allowed with stream: true",
+                           "stream_options")
+
+    def max_tokens_for(self, requested: int | None, prompt_len: int, what: str,
+                       param: str = "max_tokens") -> int:
+        """`requested`, or all the room left when None; a 400 (naming `param`, the field the
+        client set) when it does not fit."""
         limit = self.max_model_len
         if requested is None:
             if prompt_len >= limit:
@@ -149,14 +183,12 @@ class OpenAIServing:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. "
                            f"However, you requested {prompt_len + requested} tokens "
                            f"({prompt_len} in the {what}, {requested} in the completion). "
-                           f"Please reduce the length of the {what} or completion.",
-                           "max_tokens")
+                           f"Please reduce the length of the {what} or completion "
+                           f"({param}).", param)
         return requested
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "logit_bias")
         if req.n > self.max_num_seqs:
             raise APIError(400, f"n: {req.n} is more than the server's max_num_seqs="
                            f"{self.max_num_seqs}", "n")
@@ -206,14 +238,15 @@ class OpenAIServing:
         except Exception:  # ids the tokenizer does not know (a padded embedding table)
             return ""
 
-    async def start(self, request_id: str, requests: list[tuple[PromptType, SamplingParams]],
+    async def start(self, engine_id: str, requests: list[tuple[PromptType, SamplingParams]],
                     arrival_time: float) -> list[RequestStream]:
-        """One engine request per prompt; all accepted, or none (4xx/503 raised)."""
+        """One engine request per prompt (`engine_id`-i); all accepted, or none (4xx/503
+        raised)."""
         streams: list[RequestStream] = []
         try:
             for i, (prompt, params) in enumerate(requests):
                 streams.append(await self.engine.add_request(
-                    f"{request_id}-{i}", prompt, params, arrival_time))
+                    f"{engine_id}-{i}", prompt, params, arrival_time))
         except BaseException as e:
             for stream in streams:
                 stream.close()
@@ -229,7 +262,7 @@ async def merge_streams(streams: list[RequestStream]
     if len(streams) == 1:  # the common case needs no task and no queue
         try:
             async for out in streams[0]:
-                yield 0, out
+                yield 0, checked(out)
         finally:
             streams[0].close()
         return
@@ -238,7 +271,7 @@ async def merge_streams(streams: list[RequestStream]
     async def pump(i: int, stream: RequestStream) -> None:
         try:
             async for out in stream:
-                queue.put_nowait((i, out))
+                queue.put_nowait((i, checked(out)))
             queue.put_nowait((i, _END))
         except Exception as e:
             queue.put_nowait((i, e))
@@ -269,7 +302,7 @@ async def collect_final(streams: list[RequestStream], request: Request | None
     async def last(stream: RequestStream) -> RequestOutput:
         final = None
         async for out in stream:
-            final = out
+            final = checked(out)
         assert final is not None  # a stream ends with its finished output or raises
         return final
 
