@@ -113,7 +113,7 @@ def kill_a_starting_worker(executor, old_pids: set[int], stop: threading.Event) 
 
 
 async def one_round(engine: AsyncLLMEngine, pool, refs, rng: random.Random, index: int,
-                    totals: Counter) -> None:
+                    totals: Counter, dirs_before: set[str]) -> None:
     executor = engine.engine.model_executor
     scenario = SCENARIOS[index % len(SCENARIOS)]  # each in turn; the rest is random
     totals[scenario] += 1
@@ -165,19 +165,24 @@ async def one_round(engine: AsyncLLMEngine, pool, refs, rng: random.Random, inde
     bm = engine.engine.scheduler.block_manager
     assert bm.num_free_gpu_blocks == bm.num_gpu_blocks, "device blocks leaked"
     assert not engine.engine.seq_groups
-    await asyncio.to_thread(check_processes, executor)
+    await asyncio.to_thread(check_processes, executor, dirs_before)
 
 
-def check_processes(executor) -> None:
+def mp_dirs() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "fleetllm-mp-*")))
+
+
+def check_processes(executor, dirs_before: set[str]) -> None:
     """Exactly the live workers are our children (besides multiprocessing's resource
-    tracker), no zombies; one mp temp dir, the live group's."""
+    tracker), no zombies; of the mp temp dirs made since the soak began, only the live
+    group's is left (others in /tmp belong to other processes)."""
     end = time.monotonic() + 10
     while True:
         workers = set(executor.worker_pids)
         kids = {p for p in children_of(os.getpid()) if alive(p)}
         extra = {p for p in kids - workers if not _is_resource_tracker(p)}
-        dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "fleetllm-mp-*")))
-        if not extra and workers <= kids and dirs == {executor.tmpdir}:
+        dirs = mp_dirs() - dirs_before
+        if not extra and workers <= kids and dirs <= {executor.tmpdir}:
             return
         assert time.monotonic() < end, (extra, workers - kids, dirs)
         time.sleep(0.1)
@@ -197,6 +202,7 @@ def shm_entries() -> set[str]:
 
 def test_fault_soak(tiny_models):
     async def main():
+        dirs_before = mp_dirs()
         engine = AsyncLLMEngine.from_engine_args(
             tiny_models["llama_gqa"], tensor_parallel_size=2, kv_cache_memory=32 << 20,
             max_num_seqs=16, max_num_batched_tokens=256, execute_model_timeout=TIMEOUT_S,
@@ -213,7 +219,7 @@ def test_fault_soak(tiny_models):
             indices = [int(ONLY)] if ONLY else range(ROUNDS)
             for index in indices:
                 rng = random.Random(f"{SEED}-{index}")
-                await one_round(engine, pool, refs, rng, index, totals)
+                await one_round(engine, pool, refs, rng, index, totals, dirs_before)
             assert not engine.errored
             assert shm_entries() <= shm_before, "/dev/shm entries leaked"
             assert threading.active_count() <= threads_before + 1, "threads leaked"

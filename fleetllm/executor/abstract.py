@@ -77,7 +77,10 @@ class Executor(ABC):
         self.scheduler_config = config.scheduler_config
         self.device_config = config.device_config
         self.load_config = config.load_config
-        self.access = WorkerAccess(lambda: self.parallel_config.execute_model_timeout)
+        # (No reference back to self: the executor must stay collectable by reference count,
+        # which is what ends an mp executor's workers when its LLM is dropped.)
+        pc = config.parallel_config
+        self.access = WorkerAccess(lambda: pc.execute_model_timeout)
         self.sleep_state = SleepState()
         self.metrics = MetricsRecorder()
         self._is_shutdown = False
