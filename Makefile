@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,ray]'
+	@# The C++ CPU kernels compile at first use; do it now, once (a failure only warns).
+	$(PY) -c 'from fleetllm.attention.kernel_build import main; main()'
 	touch $(STAMP)
 
 run: setup
