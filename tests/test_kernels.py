@@ -278,6 +278,21 @@ def test_variants_never_target_the_build_machine(tmp_path):
     assert kernel_build.build_directory("portable", flags, copy) != same
 
 
+@needs_kernels
+@not_under_sanitizer
+def test_a_dead_builders_lock_does_not_block_the_next_process():
+    """torch's build lock is a plain file, which a builder killed mid-build leaves behind: the
+    next process used to wait for it forever. It holds an flock around the build instead, so a
+    lock file found then is stale and removed."""
+    variant = kernel_build.chosen_variant()
+    built = kernel_build.build_directory(variant, kernel_build.flags(variant),
+                                         kernel_build.source_dir())
+    (built / "lock").touch()
+    python("from fleetllm.attention import cpu_kernels; assert cpu_kernels.available()",
+           timeout=120)
+    assert not (built / "lock").exists()
+
+
 def test_a_variant_the_cpu_lacks_is_refused(monkeypatch):
     monkeypatch.setattr(kernel_build, "best_variant", lambda: "avx2")
     monkeypatch.setenv("FLEETLLM_CPU_ISA", "avx512")
