@@ -1,11 +1,12 @@
 # Two commands: `make run` (set up, then generate with the bundled demo model) and
-# `make test` (set up, then lint and run the tests). Set-up is idempotent and fast once done.
+# `make test` (set up, then lint, run the tests, then the kernel tests again against a sanitizer
+# build). Set-up is idempotent and fast once done.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= def fibonacci(n):
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test lint sanitize clean
 
 setup: $(STAMP)
 
@@ -14,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,ray]'
+	@# The C++ CPU kernels compile at first use; do it now, once (a failure only warns).
+	$(PY) -c 'from fleetllm.attention.kernel_build import main; main()'
 	touch $(STAMP)
 
 run: setup
@@ -29,6 +32,25 @@ test: lint
 		unshare -n sh -c 'ip link set lo up && exec $(PY) -m pytest -q $(PYTEST_ARGS)'; \
 	else \
 		$(PY) -m pytest -q $(PYTEST_ARGS); \
+	fi
+	@$(MAKE) --no-print-directory sanitize
+
+# The kernel tests against an AddressSanitizer + UBSan build of csrc/ (under a minute). Python
+# is not instrumented, so the ASan runtime is preloaded, with libstdc++ (ASan must find the C++
+# runtime at start to intercept exceptions); leaks are not checked (the interpreter keeps its
+# allocations until exit). --capture=sys: a sanitizer report goes to the terminal instead of
+# into the capture of a process that aborts. No compiler or no libasan: skipped, said so.
+KERNEL_TESTS := tests/test_kernels.py tests/test_attention.py tests/test_kernel_pool.py
+sanitize: setup
+	@asan=$$(c++ -print-file-name=libasan.so 2>/dev/null); \
+	cxxrt=$$(c++ -print-file-name=libstdc++.so.6 2>/dev/null); \
+	if [ -f "$$asan" ] && [ -f "$$cxxrt" ]; then \
+		echo "sanitizer run: $(KERNEL_TESTS)"; \
+		FLEETLLM_KERNEL_SANITIZE=1 LD_PRELOAD="$$asan $$cxxrt" ASAN_OPTIONS=detect_leaks=0 \
+			UBSAN_OPTIONS=print_stacktrace=1 \
+			$(PY) -m pytest -q --capture=sys -p no:cacheprovider $(KERNEL_TESTS); \
+	else \
+		echo "sanitizer run skipped: no C++ compiler with libasan here"; \
 	fi
 
 clean:

@@ -1,5 +1,6 @@
-"""fleetllm installed from a wheel (not editable) runs its commands: the benchmarks and the
-demo model are inside the package, not beside it in the repository.
+"""fleetllm installed from a wheel (not editable) runs its commands: the benchmarks, the demo
+model and the C++ kernel sources (compiled at first use) are inside the package, not beside it
+in the repository.
 
 No network: the wheel is built without an isolated build environment, installed with
 --no-deps --no-index into a fresh venv, and the dependencies (torch, transformers, ...) come
@@ -75,3 +76,19 @@ def test_wheel_runs_the_benchmarks(installed, tmp_path):
                   "--input-len", "8", "--output-len", "4", "--hf-batch-size", "0",
                   "--repeat", "1", "--kv-cache-memory", "33554432"], cwd=tmp_path, timeout=120)
     assert "requests/s" in proc.stdout
+
+
+def test_wheel_ships_the_kernel_sources_and_loads_them(installed, tmp_path):
+    """The wheel carries csrc/ as fleetllm/_csrc; the installed package compiles (or, with the
+    same sources, reuses the build of) this machine's variant and loads its ops."""
+    from fleetllm.attention import cpu_kernels
+
+    proc = check([str(installed / "python"), "-c",
+                  "from fleetllm.attention import cpu_kernels, kernel_build; "
+                  "print(kernel_build.source_dir()); print(cpu_kernels.available())"],
+                 cwd=tmp_path, timeout=300)
+    where, loaded = proc.stdout.split()
+    assert Path(where).is_relative_to(installed.parent) and Path(where).name == "_csrc"
+    assert sorted(p.name for p in Path(where).iterdir()) == \
+        sorted(p.name for p in (REPO / "csrc").iterdir())
+    assert loaded == str(cpu_kernels.available())

@@ -16,8 +16,9 @@ MAX_ROWS = 4  # the GEMV kernel's range
 
 
 def _weights(layer) -> tuple | None:
-    """The layer's weight pointers and shapes, computed once (the weights never move), or
-    None if the fused path does not apply to this layer."""
+    """The layer's weights (the Parameters themselves: sleep level 2 empties them in place, so
+    nothing here keeps their memory alive), heads, window and scale, computed once; or None if
+    the fused path does not apply to this layer."""
     cached = getattr(layer, "_fused", False)
     if cached is not False:
         return cached
@@ -29,17 +30,12 @@ def _weights(layer) -> tuple | None:
           and layer.input_layernorm.eps == layer.post_attention_layernorm.eps)
     layer._fused = None
     if ok:
-        def ptr(t):
-            return 0 if t is None else t.data_ptr()
-
         bias = [getattr(m, "bias", None) for m in linears]
         layer._fused = (
-            (ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
-             layer.input_layernorm.eps, ptr(attn.qkv_proj.weight), ptr(bias[0]),
-             ptr(attn.o_proj.weight), ptr(bias[1]), ptr(mlp.gate_up_proj.weight),
-             ptr(bias[2]), ptr(mlp.down_proj.weight), ptr(bias[3])),
-            (attn.o_proj.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
-             mlp.down_proj.weight.shape[1]), attn.sliding_window or 0, attn.scale)
+            (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+             layer.input_layernorm.eps, attn.qkv_proj.weight, bias[0], attn.o_proj.weight,
+             bias[1], mlp.gate_up_proj.weight, bias[2], mlp.down_proj.weight, bias[3]),
+            attn.num_heads, attn.sliding_window or 0, attn.scale)
     return layer._fused
 
 
@@ -59,13 +55,12 @@ def run_layer(layer, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tens
     fused = _weights(layer)
     if fused is None:
         return None
-    weights, (hid, heads, kv_heads, d, inter), window, scale = fused
+    weights, heads, window, scale = fused
     first = residual is None
     if first:
         residual = torch.empty_like(hidden)
     dec = meta.decode
     out = cpu_kernels.decoder_layer(
-        hidden, residual, first, weights,
-        (hid, heads, kv_heads, d, inter, kv_cache.shape[2], window, scale), rope[0], rope[1],
-        kv_cache, meta.slot_mapping, dec.tables, dec.table_start, dec.ctx_lens)
+        hidden, residual, first, weights, heads, window, scale, rope[0], rope[1], kv_cache,
+        meta.slot_mapping, dec.tables, dec.table_start, dec.ctx_lens)
     return out, residual

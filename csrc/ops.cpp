@@ -1,0 +1,329 @@
+// The torch.ops.fleetllm.* operators: schemas (the dispatcher checks argument kinds and that
+// tensors are on the CPU), checks of dtype, layout, shapes and index ranges (TORCH_CHECK:
+// a RuntimeError in Python, never a wild read or write), allocation of outputs and scratch
+// with at::empty (an allocation failure raises torch.OutOfMemoryError, which
+// fleetllm.errors.as_out_of_memory classifies), then the kernels of kernels.h.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <climits>
+#include <optional>
+#include <string>
+
+#include "kernels.h"
+#include "parallel.h"
+
+namespace fleetllm {
+namespace {
+
+using at::Tensor;
+using std::optional;
+
+int to_int(int64_t v, const char *what)
+{
+    TORCH_CHECK(v >= 0 && v <= INT_MAX, what, " out of range: ", v);
+    return static_cast<int>(v);
+}
+
+void check_f32(const Tensor &t, const char *name, int64_t dim)
+{
+    TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU, got ", t.device());
+    TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+    TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got ", t.sizes());
+}
+
+void check_dense(const Tensor &t, const char *name, at::IntArrayRef sizes)
+{
+    check_f32(t, name, static_cast<int64_t>(sizes.size()));
+    TORCH_CHECK(t.sizes() == sizes, name, " must have shape ", sizes, ", got ", t.sizes());
+    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+void check_index(const Tensor &t, at::ScalarType type, const char *name, int64_t n)
+{
+    TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU, got ", t.device());
+    TORCH_CHECK(t.scalar_type() == type, name, " must be ", type, ", got ", t.scalar_type());
+    TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), name, " must be a contiguous 1-D tensor");
+    TORCH_CHECK(n < 0 || t.size(0) == n, name, " must have ", n, " entries, got ", t.size(0));
+}
+
+struct Cache {
+    int blocks, bs, kvh, d;
+};
+
+// One layer's KV cache [2, num_blocks, block_size, KVH, D].
+Cache check_cache(const Tensor &kv)
+{
+    check_f32(kv, "kv_cache", 5);
+    TORCH_CHECK(kv.is_contiguous() && kv.size(0) == 2,
+                "kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim]");
+    Cache c{to_int(kv.size(1), "num_blocks"), to_int(kv.size(2), "block_size"),
+            to_int(kv.size(3), "kv_heads"), to_int(kv.size(4), "head_dim")};
+    TORCH_CHECK(c.bs > 0 && c.kvh > 0 && c.d > 0, "kv_cache has an empty dimension");
+    return c;
+}
+
+// Every token's cache slot exists.
+void check_slots(const Tensor &slots, int64_t t, const Cache &c)
+{
+    check_index(slots, at::kLong, "slots", t);
+    const int64_t *s = slots.const_data_ptr<int64_t>(), num = static_cast<int64_t>(c.blocks) * c.bs;
+    for (int64_t i = 0; i < t; i++)
+        TORCH_CHECK(s[i] >= 0 && s[i] < num, "slot ", s[i], " of token ", i, " is outside the ",
+                    num, " cache slots");
+}
+
+// Every sequence's context lies in blocks that exist. Returns the batch for the kernel.
+kernels::DecodeBatch check_batch(const Tensor &tables, const Tensor &table_start,
+                                 const Tensor &ctx_lens, int64_t b, const Cache &c)
+{
+    check_index(tables, at::kInt, "tables", -1);
+    check_index(table_start, at::kInt, "table_start", b);
+    check_index(ctx_lens, at::kInt, "ctx_lens", b);
+    const int32_t *tab = tables.const_data_ptr<int32_t>();
+    const int32_t *start = table_start.const_data_ptr<int32_t>();
+    const int32_t *lens = ctx_lens.const_data_ptr<int32_t>();
+    int maxlen = 0;
+    for (int64_t i = 0; i < b; i++) {
+        TORCH_CHECK(lens[i] > 0, "sequence ", i, " has context length ", lens[i]);
+        const int64_t blocks = (static_cast<int64_t>(lens[i]) + c.bs - 1) / c.bs;
+        TORCH_CHECK(start[i] >= 0 && start[i] + blocks <= tables.size(0), "sequence ", i,
+                    "'s ", blocks, " blocks from table entry ", start[i], " exceed the ",
+                    tables.size(0), " table entries");
+        for (int64_t j = start[i]; j < start[i] + blocks; j++)
+            TORCH_CHECK(tab[j] >= 0 && tab[j] < c.blocks, "table entry ", j, " names block ",
+                        tab[j], " of ", c.blocks);
+        maxlen = lens[i] > maxlen ? lens[i] : maxlen;
+    }
+    return {tab, start, lens, maxlen};
+}
+
+// The step's RoPE tables, [T, (1,) head_dim / 2] each.
+void check_rope(const Tensor &cos, const Tensor &sin, int64_t t, int d)
+{
+    for (const Tensor *table : {&cos, &sin}) {
+        TORCH_CHECK(table->device().is_cpu() && table->scalar_type() == at::kFloat,
+                    "cos and sin must be float32 CPU tensors");
+        TORCH_CHECK(table->is_contiguous() && table->dim() >= 1 && table->size(0) == t
+                    && table->numel() == t * (d / 2),
+                    "cos and sin must be contiguous [T, (1,) head_dim / 2], got ", table->sizes());
+    }
+}
+
+Tensor scratch(long floats)
+{
+    return at::empty({floats}, at::TensorOptions().dtype(at::kFloat));
+}
+
+const float *opt_ptr(const optional<Tensor> &t)
+{
+    return t.has_value() ? t->const_data_ptr<float>() : nullptr;
+}
+
+void paged_decode(const Tensor &q, const Tensor &kv_cache, const Tensor &tables,
+                  const Tensor &table_start, const Tensor &ctx_lens, int64_t window, double scale,
+                  const Tensor &out)
+{
+    const Cache c = check_cache(kv_cache);
+    check_f32(q, "q", 3);
+    const int b = to_int(q.size(0), "batch"), h = to_int(q.size(1), "heads");
+    TORCH_CHECK(q.size(2) == c.d && h % c.kvh == 0, "q ", q.sizes(), " does not match kv_cache ",
+                kv_cache.sizes(), " (heads a multiple of kv_heads, the same head_dim)");
+    TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == c.d && (b <= 1 || q.stride(0) >= h * c.d),
+                "q's heads and dims must be contiguous (rows may be strided)");
+    check_dense(out, "out", {b, h, c.d});
+    const kernels::DecodeBatch batch = check_batch(tables, table_start, ctx_lens, b, c);
+    const int nthreads = at::get_num_threads();
+    Tensor work = scratch(kernels::paged_decode_scratch(h, c.d, c.bs, batch.maxlen, nthreads));
+    const float *k = kv_cache.const_data_ptr<float>();
+    const long half = static_cast<long>(c.blocks) * c.bs * c.kvh * c.d;
+    kernels::paged_decode_f32(q.const_data_ptr<float>(), q.stride(0), k, k + half, batch,
+                              out.mutable_data_ptr<float>(), b, h, c.kvh, c.d, c.bs,
+                              to_int(window, "window"), static_cast<float>(scale),
+                              work.mutable_data_ptr<float>(), nthreads);
+}
+
+Tensor add_rmsnorm(const Tensor &x, const optional<Tensor> &residual, const Tensor &weight,
+                   double eps)
+{
+    check_f32(x, "x", 2);
+    const int t = to_int(x.size(0), "rows"), h = to_int(x.size(1), "hidden size");
+    TORCH_CHECK(h > 0 && x.is_contiguous(), "x must be a contiguous [T, H], H > 0");
+    if (residual.has_value())
+        check_dense(*residual, "residual", {t, h});
+    check_dense(weight, "weight", {h});
+    Tensor out = at::empty({t, h}, x.options());
+    kernels::add_rmsnorm_f32(x.const_data_ptr<float>(),
+                             residual ? residual->mutable_data_ptr<float>() : nullptr,
+                             weight.const_data_ptr<float>(), out.mutable_data_ptr<float>(), t, h,
+                             static_cast<float>(eps), at::get_num_threads());
+    return out;
+}
+
+Tensor silu_mul(const Tensor &gate_up)
+{
+    check_f32(gate_up, "gate_up", 2);
+    const int t = to_int(gate_up.size(0), "rows"), two_i = to_int(gate_up.size(1), "width");
+    TORCH_CHECK(gate_up.is_contiguous() && two_i > 0 && two_i % 2 == 0,
+                "gate_up must be a contiguous [T, 2I], I > 0");
+    Tensor out = at::empty({t, two_i / 2}, gate_up.options());
+    kernels::silu_mul_f32(gate_up.const_data_ptr<float>(), out.mutable_data_ptr<float>(), t,
+                          two_i / 2, at::get_num_threads());
+    return out;
+}
+
+std::tuple<Tensor, Tensor> rope_qk_kv(const Tensor &qkv, const Tensor &cos, const Tensor &sin,
+                                      int64_t heads, int64_t kv_heads,
+                                      const optional<Tensor> &kv_cache,
+                                      const optional<Tensor> &slots)
+{
+    check_f32(qkv, "qkv", 2);
+    const int t = to_int(qkv.size(0), "rows"), h = to_int(heads, "heads");
+    const int kvh = to_int(kv_heads, "kv_heads");
+    const int64_t width = qkv.size(1);
+    TORCH_CHECK(h > 0 && kvh > 0 && width % (h + 2 * kvh) == 0 && width / (h + 2 * kvh) % 2 == 0,
+                "qkv's width ", width, " is not (heads + 2 kv_heads) * an even head_dim");
+    const int d = to_int(width / (h + 2 * kvh), "head_dim");
+    TORCH_CHECK(d > 0 && qkv.stride(1) == 1 && (t <= 1 || qkv.stride(0) >= width),
+                "qkv's rows must be contiguous (they may be strided)");
+    check_rope(cos, sin, t, d);
+    TORCH_CHECK(kv_cache.has_value() == slots.has_value(), "kv_cache and slots go together");
+    float *k_cache = nullptr, *v_cache = nullptr;
+    if (kv_cache) {
+        const Cache c = check_cache(*kv_cache);
+        TORCH_CHECK(c.kvh == kvh && c.d == d, "kv_cache ", kv_cache->sizes(),
+                    " does not match kv_heads ", kvh, ", head_dim ", d);
+        check_slots(*slots, t, c);
+        k_cache = kv_cache->mutable_data_ptr<float>();
+        v_cache = k_cache + static_cast<long>(c.blocks) * c.bs * c.kvh * c.d;
+    }
+    Tensor q = at::empty({t, h, d}, qkv.options()), k = at::empty({t, kvh, d}, qkv.options());
+    kernels::rope_qk_kv_f32(qkv.const_data_ptr<float>(), qkv.stride(0), cos.const_data_ptr<float>(),
+                            sin.const_data_ptr<float>(), q.mutable_data_ptr<float>(),
+                            k.mutable_data_ptr<float>(), k_cache, v_cache,
+                            slots ? slots->const_data_ptr<int64_t>() : nullptr, t, h, kvh, d,
+                            at::get_num_threads());
+    return {q, k};
+}
+
+Tensor gemv(const Tensor &x, const Tensor &weight, const optional<Tensor> &bias)
+{
+    check_f32(x, "x", 2);
+    check_f32(weight, "weight", 2);
+    const int m = to_int(x.size(0), "rows"), k = to_int(x.size(1), "in_features");
+    const int n = to_int(weight.size(0), "out_features");
+    check_dense(x, "x", {m, k});
+    check_dense(weight, "weight", {n, k});
+    if (bias)
+        check_dense(*bias, "bias", {n});
+    Tensor y = at::empty({m, n}, x.options());
+    kernels::gemv_f32(x.const_data_ptr<float>(), weight.const_data_ptr<float>(), opt_ptr(bias),
+                      y.mutable_data_ptr<float>(), m, n, k, at::get_num_threads());
+    return y;
+}
+
+Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const Tensor &w_in,
+                     const Tensor &w_post, double eps, const Tensor &w_qkv,
+                     const optional<Tensor> &b_qkv, const Tensor &w_o,
+                     const optional<Tensor> &b_o, const Tensor &w_gu,
+                     const optional<Tensor> &b_gu, const Tensor &w_down,
+                     const optional<Tensor> &b_down, int64_t heads, int64_t window, double scale,
+                     const Tensor &cos, const Tensor &sin, const Tensor &kv_cache,
+                     const Tensor &slots, const Tensor &tables, const Tensor &table_start,
+                     const Tensor &ctx_lens)
+{
+    const Cache c = check_cache(kv_cache);
+    check_f32(x, "x", 2);
+    check_f32(w_down, "w_down", 2);
+    kernels::LayerDims d{to_int(x.size(0), "rows"), to_int(x.size(1), "hidden size"),
+                         to_int(heads, "heads"), c.kvh, c.d, to_int(w_down.size(1), "inter"),
+                         c.bs, to_int(window, "window"), static_cast<float>(scale)};
+    TORCH_CHECK(d.hid > 0 && d.H > 0 && d.I > 0 && d.H % d.KVH == 0 && d.D % 2 == 0,
+                "decoder_layer: bad dimensions");
+    const int64_t qkv_dim = static_cast<int64_t>(d.H + 2 * d.KVH) * d.D;
+    check_dense(x, "x", {d.T, d.hid});
+    check_dense(residual, "residual", {d.T, d.hid});
+    check_dense(w_in, "w_in", {d.hid});
+    check_dense(w_post, "w_post", {d.hid});
+    check_dense(w_qkv, "w_qkv", {qkv_dim, d.hid});
+    check_dense(w_o, "w_o", {d.hid, static_cast<int64_t>(d.H) * d.D});
+    check_dense(w_gu, "w_gu", {2L * d.I, d.hid});
+    check_dense(w_down, "w_down", {d.hid, d.I});
+    const std::tuple<const optional<Tensor> *, const char *, int64_t> biases[] = {
+        {&b_qkv, "b_qkv", qkv_dim}, {&b_o, "b_o", d.hid}, {&b_gu, "b_gu", 2L * d.I},
+        {&b_down, "b_down", d.hid}};
+    for (const auto &[bias, name, n] : biases)
+        if (bias->has_value())
+            check_dense(**bias, name, {n});
+    check_rope(cos, sin, d.T, d.D);
+    check_slots(slots, d.T, c);
+    const kernels::DecodeBatch batch = check_batch(tables, table_start, ctx_lens, d.T, c);
+    const int nthreads = at::get_num_threads();
+    Tensor work = scratch(kernels::decoder_layer_work(d, batch.maxlen, nthreads));
+    Tensor out = at::empty({d.T, d.hid}, x.options());
+    const kernels::LayerWeights w{
+        w_in.const_data_ptr<float>(), w_post.const_data_ptr<float>(),
+        w_qkv.const_data_ptr<float>(), opt_ptr(b_qkv), w_o.const_data_ptr<float>(),
+        opt_ptr(b_o), w_gu.const_data_ptr<float>(), opt_ptr(b_gu),
+        w_down.const_data_ptr<float>(), opt_ptr(b_down), static_cast<float>(eps)};
+    float *k_cache = kv_cache.mutable_data_ptr<float>();
+    kernels::decoder_layer_f32(x.const_data_ptr<float>(), residual.mutable_data_ptr<float>(),
+                               first, out.mutable_data_ptr<float>(), w, d,
+                               cos.const_data_ptr<float>(), sin.const_data_ptr<float>(), k_cache,
+                               k_cache + static_cast<long>(c.blocks) * c.bs * c.kvh * c.d,
+                               slots.const_data_ptr<int64_t>(), batch,
+                               work.mutable_data_ptr<float>(), nthreads);
+    return out;
+}
+
+// What this library was built as: its instruction sets, sanitizers and thread mode (tests
+// check that the variant asked for is the one loaded).
+std::string build_info()
+{
+    std::string s = "isa:";
+#if defined(__AVX512F__)
+    s += " avx512f";
+#endif
+#if defined(__AVX2__)
+    s += " avx2";
+#endif
+#if defined(__FMA__)
+    s += " fma";
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+    s += "; sanitize: address,undefined";
+#endif
+    return s + "; threads: " + (torch_threads() ? "torch" : "pool");
+}
+
+}  // namespace
+}  // namespace fleetllm
+
+TORCH_LIBRARY(fleetllm, m)
+{
+    m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor tables, Tensor table_start, "
+          "Tensor ctx_lens, int window, float scale, Tensor(a!) out) -> ()");
+    m.def("add_rmsnorm(Tensor x, Tensor(a!)? residual, Tensor weight, float eps) -> Tensor");
+    m.def("silu_mul(Tensor gate_up) -> Tensor");
+    m.def("rope_qk_kv(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, "
+          "Tensor(a!)? kv_cache, Tensor? slots) -> (Tensor, Tensor)");
+    m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+    m.def("decoder_layer(Tensor x, Tensor(a!) residual, bool first, Tensor w_in, Tensor w_post, "
+          "float eps, Tensor w_qkv, Tensor? b_qkv, Tensor w_o, Tensor? b_o, Tensor w_gu, "
+          "Tensor? b_gu, Tensor w_down, Tensor? b_down, int heads, int window, float scale, "
+          "Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slots, Tensor tables, "
+          "Tensor table_start, Tensor ctx_lens) -> Tensor");
+    m.def("build_info() -> str", &fleetllm::build_info);
+}
+
+TORCH_LIBRARY_IMPL(fleetllm, CPU, m)
+{
+    m.impl("paged_decode", &fleetllm::paged_decode);
+    m.impl("add_rmsnorm", &fleetllm::add_rmsnorm);
+    m.impl("silu_mul", &fleetllm::silu_mul);
+    m.impl("rope_qk_kv", &fleetllm::rope_qk_kv);
+    m.impl("gemv", &fleetllm::gemv);
+    m.impl("decoder_layer", &fleetllm::decoder_layer);
+}

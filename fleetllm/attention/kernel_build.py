@@ -1,0 +1,209 @@
+"""Building and loading fleetllm's C++ CPU kernels (the sources in `csrc/`).
+
+What: `load()` compiles csrc/*.cpp with `torch.utils.cpp_extension.load` (ninja, torch's
+include paths and link flags) into a shared library and loads it with
+`torch.ops.load_library`; its TORCH_LIBRARY block registers the `torch.ops.fleetllm.*` ops with
+their schemas. `fleetllm.attention.cpu_kernels` calls them.
+
+Why at first use (JIT) and not ahead of time as a CppExtension in the package build:
+- the wheel stays pure Python and independent of the torch build: a library built ahead of
+  time is bound to the exact torch (C++ ABI) it was compiled against, fleetllm accepts any
+  torch >= 2.5, and its wheel runs on x86 and aarch64 alike;
+- only the variant this CPU runs is compiled (one build, 6-9 s here, instead of three);
+- building the package needs no torch, so an isolated pip build cannot pull a multi-GB torch,
+  and a missing or failing compiler is a warning and the pure-PyTorch path at run time, not a
+  failed install;
+- editing csrc/ rebuilds on the next run, in every checkout.
+The cost: the first use on a machine compiles (`make setup` does it ahead), and the fast path
+needs a C++ compiler and ninja (a dependency of fleetllm).
+
+Instruction sets (the variants): on x86-64, "avx512" (-mavx512f/vl/bw/dq -mavx2 -mfma),
+"avx2" (-mavx2 -mfma) and "portable" (the compiler's baseline), the same split and the same
+flags as PyTorch's own per-capability kernels; the best one torch reports for this CPU
+(`torch.backends.cpu.get_cpu_capability()`, which honours ATEN_CPU_CAPABILITY) is built. Other
+machines (aarch64, ...) build "portable". Nothing is built for "the CPU of the build machine"
+(no -march=native): a library is correct on every CPU its variant is chosen for, so a build
+directory shared between machines (a home directory on NFS, a container image) holds no
+library that is wrong for some of them. FLEETLLM_CPU_ISA=portable|avx2 picks a lower variant.
+
+Build directory: <torch's extensions root>/fleetllm/<variant>-<hash of the sources, flags,
+compiler, torch and Python versions>. The sources are copied into it, so that every checkout
+and installed wheel with the same sources shares one build (torch's ninja file names the
+source paths: different paths would rebuild in turn), and a library another process has
+loaded is never rebuilt in place (different sources get another directory). torch's own lock
+(FileBaton) is a plain file, left behind by a process killed during a build, after which every
+later process would wait for it forever: an flock, which the kernel releases when its holder
+dies, is held around the build, and a baton found while holding it is stale and removed.
+
+What fails, and how: no compiler, no ninja, a compile error or a library that does not load
+raise from `load()` (cpu_kernels then warns and uses the PyTorch path). FLEETLLM_KERNEL_WERROR=1
+adds -Werror (a test compiles every variant with it); FLEETLLM_KERNEL_SANITIZE=1 builds with
+AddressSanitizer, UBSan and -Werror (`make sanitize`; the process must preload libasan).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PACKAGE = Path(__file__).resolve().parents[1]
+# An installed wheel carries the sources in the package (setup.py copies them there); a
+# checkout has them at the repository root.
+_SOURCE_DIRS = (PACKAGE / "_csrc", PACKAGE.parent / "csrc")
+SOURCES = ("ops.cpp", "paged_decode.cpp", "fused_ops.cpp", "parallel.cpp", "pool.cpp")
+
+# -O3 with vectorization hints (`omp simd`, without an OpenMP runtime: -fopenmp-simd), and
+# no errno or trap semantics for float math, which otherwise keep sqrt and the exp loops
+# scalar.
+COMMON_FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-pthread",
+                "-Wall", "-Wextra")
+ISA_FLAGS = {
+    "portable": (),
+    "avx2": ("-mavx2", "-mfma"),
+    "avx512": ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx2", "-mfma"),
+}
+SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                  "-fno-omit-frame-pointer", "-g")
+_X86 = ("x86_64", "amd64")
+_RANK = {"portable": 0, "avx2": 1, "avx512": 2}
+
+
+class BuildError(RuntimeError):
+    """The kernels could not be built or loaded here."""
+
+
+def source_dir() -> Path:
+    for d in _SOURCE_DIRS:
+        if (d / "ops.cpp").is_file():
+            return d
+    raise BuildError(f"the kernel sources are in none of {[str(d) for d in _SOURCE_DIRS]}")
+
+
+def variants(machine: str | None = None) -> list[str]:
+    """The variants that exist for a machine (platform.machine() by default)."""
+    machine = (machine or platform.machine()).lower()
+    return list(ISA_FLAGS) if machine in _X86 else ["portable"]
+
+
+def best_variant(machine: str | None = None, capability: str | None = None) -> str:
+    """The variant for this CPU: on x86-64 by torch's CPU capability, elsewhere portable."""
+    machine = (machine or platform.machine()).lower()
+    if machine not in _X86:
+        return "portable"
+    capability = capability or torch.backends.cpu.get_cpu_capability()
+    return {"AVX512": "avx512", "AVX2": "avx2"}.get(capability, "portable")
+
+
+def chosen_variant() -> str:
+    """best_variant(), or FLEETLLM_CPU_ISA if that names one this CPU can run."""
+    best = best_variant()
+    asked = os.environ.get("FLEETLLM_CPU_ISA", "").strip().lower()
+    if not asked:
+        return best
+    if asked not in variants():
+        raise BuildError(f"FLEETLLM_CPU_ISA={asked!r}: not one of {variants()}")
+    if _RANK[asked] > _RANK[best]:
+        raise BuildError(f"FLEETLLM_CPU_ISA={asked!r}: this CPU runs at most {best!r}")
+    return asked
+
+
+def flags(variant: str, sanitize: bool = False, werror: bool = False) -> list[str]:
+    return [*COMMON_FLAGS, *ISA_FLAGS[variant], *(SANITIZE_FLAGS if sanitize else ()),
+            *(("-Werror",) if werror else ())]
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0")
+
+
+def build_directory(variant: str, cflags: list[str], src: Path) -> Path:
+    key = hashlib.sha256()
+    for part in (*cflags, os.environ.get("CXX", "c++"), torch.__version__, sys.version):
+        key.update(part.encode() + b"\0")
+    for name in sorted(p.name for p in src.iterdir() if p.suffix in (".cpp", ".h")):
+        key.update(name.encode() + b"\0" + (src / name).read_bytes() + b"\0")
+    from torch.utils import cpp_extension  # imports setuptools: only when building
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    suffix = "-asan" if "-fsanitize=address,undefined" in cflags else ""
+    return Path(root) / "fleetllm" / f"{variant}{suffix}-{key.hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """torch runs `ninja` from PATH; the ninja wheel's binary is not there when the venv is
+    not activated (`.venv/bin/fleetllm ...`)."""
+    if shutil.which("ninja"):
+        yield
+        return
+    try:
+        import ninja  # the PyPI package: its binary lives in the package
+        extra = ninja.BIN_DIR
+    except (ImportError, AttributeError):
+        extra = str(Path(sys.executable).parent)
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = extra + os.pathsep + old
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
+def load(variant: str | None = None) -> Path:
+    """Build (if needed) and load the kernels; returns the library's path. Raises BuildError.
+    Call once per process: torch registers the `fleetllm` op namespace once."""
+    from torch.utils import cpp_extension
+
+    variant = variant or chosen_variant()
+    sanitize = _env_flag("FLEETLLM_KERNEL_SANITIZE")
+    # The sanitizer build is CI's full compile and link of this CPU's variant: warnings fail it.
+    cflags = flags(variant, sanitize, sanitize or _env_flag("FLEETLLM_KERNEL_WERROR"))
+    src = source_dir()
+    out = build_directory(variant, cflags, src)
+    name = "fleetllm_" + out.name.replace("-", "_")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "build.flock", "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)  # waits while another process builds here
+            (out / "lock").unlink(missing_ok=True)  # torch's baton: only a dead builder's
+            copies = out / "src"
+            copies.mkdir(exist_ok=True)
+            for p in src.iterdir():
+                if p.suffix in (".cpp", ".h") and not (copies / p.name).exists():
+                    shutil.copyfile(p, copies / (p.name + ".tmp"))
+                    os.replace(copies / (p.name + ".tmp"), copies / p.name)
+            if not (out / f"{name}.so").exists():
+                logger.warning("Compiling fleetllm's CPU kernels (%s; once per machine and "
+                               "version, ~5-30 s) in %s", variant, out)
+            with _ninja_on_path():
+                cpp_extension.load(
+                    name=name, sources=[str(copies / s) for s in SOURCES],
+                    extra_cflags=cflags,
+                    extra_ldflags=["-pthread", *(SANITIZE_FLAGS[:1] if sanitize else ())],
+                    build_directory=str(out), is_python_module=False, verbose=False)
+    except (OSError, RuntimeError, ImportError, ValueError) as e:
+        # RuntimeError: compile or link errors, no ninja; OSError: dlopen (the library or the
+        # sanitizer runtime not loadable), no compiler; ValueError: torch's compiler checks.
+        raise BuildError(f"building the {variant} CPU kernels in {out} failed: {e}") from e
+    return out / f"{name}.so"
+
+
+def main() -> None:
+    """Build ahead of first use (`make setup`); a failure is reported, not raised."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        print(f"fleetllm CPU kernels: {load()}")
+    except BuildError as e:
+        print(f"fleetllm CPU kernels unavailable, the PyTorch path will run: {e}")

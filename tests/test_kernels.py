@@ -1,0 +1,344 @@
+"""The torch.ops.fleetllm ops and their build: schemas and argument checks, out-of-memory as an
+error, fork safety, every instruction-set variant and both thread modes agreeing, and the
+pure-PyTorch fallback when no compiler is there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_cases import decoder_layer_args, flat, op_outputs
+
+from fleetllm.attention import cpu_kernels, kernel_build
+
+REPO = Path(__file__).resolve().parents[1]
+SANITIZE = os.environ.get("FLEETLLM_KERNEL_SANITIZE", "0") != "0"
+# Runs in other processes that build other libraries: not what the sanitizer run checks.
+not_under_sanitizer = pytest.mark.skipif(SANITIZE, reason="builds other variants")
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler here")
+
+
+def python(code: str, env: dict[str, str] | None = None, timeout: float = 300
+           ) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+            **(env or {})}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full,
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    return proc
+
+
+@needs_kernels
+def test_ops_have_schemas():
+    schemas = {n: str(getattr(torch.ops.fleetllm, n).default._schema)
+               for n in ("gemv", "paged_decode", "rope_qk_kv", "decoder_layer")}
+    assert schemas["gemv"] == "fleetllm::gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
+    assert "Tensor(a!) out) -> ()" in schemas["paged_decode"]
+    assert "Tensor(a!)? kv_cache, Tensor? slots) -> (Tensor, Tensor)" in schemas["rope_qk_kv"]
+    assert "Tensor(b!) kv_cache" in schemas["decoder_layer"]
+    assert kernel_build.best_variant() in kernel_build.variants()
+    assert ("sanitize: address,undefined" in cpu_kernels.build_info()) == SANITIZE
+
+
+def _decode_args(**changes):
+    g = torch.Generator().manual_seed(0)
+    args = dict(q=torch.randn(2, 4, 16, generator=g), kv_cache=torch.randn(2, 8, 4, 2, 16),
+                tables=torch.tensor([0, 1, 2], dtype=torch.int32),
+                table_start=torch.tensor([0, 1], dtype=torch.int32),
+                ctx_lens=torch.tensor([3, 8], dtype=torch.int32), window=0, scale=0.25,
+                out=torch.empty(2, 4, 16))
+    args.update(changes)
+    return args
+
+
+@needs_kernels
+@pytest.mark.parametrize("changes, message", [
+    (dict(q=torch.randn(2, 4, 16, dtype=torch.float64)), "q must be float32"),
+    (dict(q=torch.randn(2, 16, 4).transpose(1, 2)), "heads and dims must be contiguous"),
+    (dict(q=torch.randn(2, 3, 16)), "does not match kv_cache"),
+    (dict(out=torch.empty(2, 4, 8)), "out must have shape"),
+    (dict(kv_cache=torch.randn(8, 4, 2, 16)), "kv_cache must have 5 dimensions"),
+    (dict(tables=torch.tensor([0, 1, 2])), "tables must be Int"),
+    (dict(tables=torch.tensor([0, 1, 9], dtype=torch.int32)), "names block 9 of 8"),
+    (dict(ctx_lens=torch.tensor([3, 9], dtype=torch.int32)), "exceed the 3 table entries"),
+    (dict(ctx_lens=torch.tensor([3], dtype=torch.int32)), "ctx_lens must have 2 entries"),
+    (dict(table_start=torch.tensor([0, -1], dtype=torch.int32)), "from table entry -1"),
+    (dict(window=-1), "window out of range"),
+])
+def test_paged_decode_checks_its_arguments(changes, message):
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.fleetllm.paged_decode(**_decode_args(**changes))
+    torch.ops.fleetllm.paged_decode(**_decode_args())  # the unchanged call is fine
+
+
+@needs_kernels
+def test_other_ops_check_their_arguments():
+    x, w = torch.randn(2, 8), torch.randn(5, 8)
+    cases = [
+        (lambda: cpu_kernels.gemv(x, w[:, :4], None), "weight must have shape \\[5, 8\\]"),
+        (lambda: cpu_kernels.gemv(x, w, torch.randn(4)), "bias must have shape"),
+        (lambda: cpu_kernels.gemv(x.t(), w.t(), None), "must be contiguous"),
+        (lambda: cpu_kernels.add_rmsnorm(x, torch.randn(3, 8), x[0], 1e-6), "residual"),
+        (lambda: cpu_kernels.silu_mul(torch.randn(2, 7)), "gate_up must be"),
+        (lambda: cpu_kernels.rope_qk_kv(torch.randn(3, 64), torch.randn(3, 1, 8),
+                                        torch.randn(3, 1, 8), 2, 1, torch.randn(2, 4, 4, 1, 16),
+                                        torch.tensor([0, 1, 16])), "slot 16 of token 2"),
+        (lambda: cpu_kernels.rope_qk_kv(torch.randn(3, 64), torch.randn(2, 1, 8),
+                                        torch.randn(3, 1, 8), 2, 1, None, None), "cos and sin"),
+        (lambda: torch.ops.fleetllm.gemv(x, 3, None), "Expected a value of type 'Tensor'"),
+    ]
+    g, rope = torch.Generator().manual_seed(0), torch.randn(3, 1, 8)
+    args = decoder_layer_args(g, rope, rope)
+    short_w_o, bad_b_o = list(args["weights"]), list(args["weights"])
+    short_w_o[5] = short_w_o[5][:, :-1].contiguous()  # one input column short
+    bad_b_o[6] = torch.randn(7)
+    cases.append((lambda: cpu_kernels.decoder_layer(**{**args, "weights": tuple(short_w_o)}),
+                  "w_o must have shape"))
+    cases.append((lambda: cpu_kernels.decoder_layer(**{**args, "weights": tuple(bad_b_o)}),
+                  "b_o must have shape"))
+    cases.append((lambda: cpu_kernels.decoder_layer(**{**args, "heads": 6}), "w_qkv must have"))
+    cases.append((lambda: cpu_kernels.decoder_layer(**{**args, "cos": rope[:2]}), "cos and sin"))
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+    cpu_kernels.decoder_layer(**args)  # the unchanged call is fine
+
+
+@needs_kernels
+@pytest.mark.skipif(SANITIZE, reason="ASan reserves terabytes of address space")
+def test_out_of_memory_is_an_error_not_a_crash():
+    """paged_decode and decoder_layer used to malloc their scratch unchecked: a failed
+    allocation was a segfault, which under `uni` kills the user's process. Their scratch is now
+    a torch tensor: here ~150 GB, beyond this process's address-space limit, and torch's
+    allocator error is what errors.as_out_of_memory classifies as OutOfMemoryError."""
+    proc = python("""
+        import resource, torch
+        from fleetllm.attention import cpu_kernels
+        from fleetllm.errors import OutOfMemoryError, as_out_of_memory
+        assert cpu_kernels.available()
+        torch.set_num_threads(2)
+        h, kvh, d, bs = 1024, 1, 4, 1 << 20   # 16 blocks of 1M tokens: all of them block 0
+        cache = torch.zeros(2, 1, bs, kvh, d)
+        tables = torch.zeros(16, dtype=torch.int32)
+        start, lens = torch.zeros(1, dtype=torch.int32), torch.tensor([16 << 20], dtype=torch.int32)
+        q = torch.zeros(1, h, d)
+        hid, inter = 8, 8
+        weights = (torch.ones(hid), torch.ones(hid), 1e-6, torch.zeros((h + 2) * d, hid), None,
+                   torch.zeros(hid, h * d), None, torch.zeros(2 * inter, hid), None,
+                   torch.zeros(hid, inter), None)
+        rope = torch.zeros(1, 1, d // 2)
+        size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (size + (2 << 30), resource.RLIM_INFINITY))
+        calls = {
+            "paged_decode": lambda: cpu_kernels.paged_decode(
+                q, cache, tables, start, lens, 0, 0.5, torch.empty_like(q)),
+            "decoder_layer": lambda: cpu_kernels.decoder_layer(
+                torch.zeros(1, hid), torch.zeros(1, hid), False, weights, h, 0, 0.5, rope,
+                rope, cache, torch.zeros(1, dtype=torch.long), tables, start, lens),
+        }
+        for name, call in calls.items():
+            try:
+                call()
+            except RuntimeError as e:
+                assert isinstance(as_out_of_memory(e), OutOfMemoryError), e
+                print(name, "OOM:", str(e).splitlines()[0])
+        """)
+    lines = proc.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["paged_decode OOM", "decoder_layer OOM"]
+    assert all("DefaultCPUAllocator: can't allocate memory" in line for line in lines), lines
+
+
+@needs_kernels
+def test_a_forked_child_can_use_the_kernels():
+    """Fork while another thread runs kernels on the pool, then run kernels in the child: the
+    pool must not wait in the child for the parent's locks or workers (pthread_atfork)."""
+    proc = python("""
+        import os, random, threading, time, torch
+        from fleetllm.attention import cpu_kernels as ck
+        assert ck.available()
+        torch.set_num_threads(2)
+        x, w = torch.randn(4, 512), torch.randn(2048, 512)   # large enough for the pool
+        want = ck.gemv(x, w, None)
+        stop = threading.Event()
+        def busy():
+            while not stop.is_set():
+                ck.gemv(x[:1], w, None)
+                time.sleep(random.random() * 1e-4)
+        thread = threading.Thread(target=busy)
+        thread.start()
+        hung = failed = 0
+        for i in range(40):
+            time.sleep(random.random() * 2e-3)
+            pid = os.fork()
+            if pid == 0:
+                ok = all(torch.equal(ck.gemv(x, w, None), want) for _ in range(5))
+                os._exit(0 if ok else 1)
+            deadline = time.monotonic() + 20
+            while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+                time.sleep(1e-3)
+            if done[0] == 0:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                hung += 1
+            elif done[1] != 0:
+                failed += 1
+        stop.set()
+        thread.join()
+        print("hung", hung, "failed", failed)
+        """)
+    assert proc.stdout.strip() == "hung 0 failed 0"
+
+
+def _compare(other: dict, tol: float = 0.0) -> None:
+    ours = op_outputs()
+    assert other.keys() - {"build_info"} == ours.keys()
+    for name, value in ours.items():
+        for a, b in zip(flat(value), flat(other[name]), strict=True):
+            torch.testing.assert_close(b, a, rtol=tol, atol=tol, msg=name)
+
+
+def _outputs_from(tmp_path: Path, env: dict[str, str]) -> dict:
+    out = tmp_path / "outputs.pt"
+    python(f"import runpy, sys; sys.argv = ['', {str(out)!r}]; "
+           f"runpy.run_path({str(REPO / 'tests' / 'kernel_cases.py')!r}, run_name='__main__')",
+           env=env)
+    return torch.load(out)
+
+
+@needs_kernels
+@not_under_sanitizer
+def test_torch_threads_give_identical_results(tmp_path):
+    """FLEETLLM_KERNEL_THREADS=torch runs the same work items on at::parallel_for: every item
+    is computed by one thread either way, so the outputs are bitwise equal."""
+    other = _outputs_from(tmp_path, {"FLEETLLM_KERNEL_THREADS": "torch"})
+    assert other["build_info"].endswith("threads: torch")
+    _compare(other)
+
+
+@needs_kernels
+@not_under_sanitizer
+@pytest.mark.parametrize("variant", ["portable", "avx2"])
+def test_other_instruction_set_variants_agree(variant, tmp_path):
+    """What a wheel built here runs on another x86 CPU: the lower variants, built and loaded
+    for real (FLEETLLM_CPU_ISA), agree with this CPU's to fp32 rounding."""
+    best = kernel_build.best_variant()
+    if variant not in kernel_build.variants() or variant == best:
+        pytest.skip(f"{variant} is this machine's own variant, or not an option here")
+    if kernel_build._RANK[variant] > kernel_build._RANK[best]:
+        pytest.skip(f"this CPU cannot run {variant}")
+    other = _outputs_from(tmp_path, {"FLEETLLM_CPU_ISA": variant})
+    assert ("avx2" in other["build_info"]) == (variant == "avx2"), other["build_info"]
+    assert "avx512f" not in other["build_info"]
+    _compare(other, tol=2e-5)
+
+
+@needs_kernels
+@not_under_sanitizer
+def test_every_variant_compiles_without_warnings():
+    """-Wall -Wextra -Werror for every variant of this machine's architecture, whether or not
+    this CPU runs it (a syntax-only pass: the CI's compile check)."""
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-isystem{p}" for p in include_paths("cpu")]
+    src = kernel_build.source_dir()
+    for variant in kernel_build.variants():
+        for source in kernel_build.SOURCES:
+            cmd = [os.environ.get("CXX", "c++"), "-std=c++20", "-fsyntax-only", "-fPIC",
+                   *kernel_build.flags(variant, werror=True), *includes, str(src / source)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, (variant, source, proc.stderr[-3000:])
+
+
+def test_variants_never_target_the_build_machine(tmp_path):
+    """The old cache was keyed by x86's /proc/cpuinfo flags line only: on aarch64 every CPU
+    shared one key, and a -march=native library built on one CPU was loaded on another. Now
+    no variant targets the building CPU; aarch64 builds the portable variant, and the build
+    directory is keyed by what is compiled, so it may be shared between machines."""
+    for variant in kernel_build.ISA_FLAGS:
+        assert not [f for f in kernel_build.flags(variant) if "native" in f]
+    assert kernel_build.variants("aarch64") == ["portable"]
+    assert kernel_build.best_variant("aarch64", "SVE256") == "portable"
+    assert kernel_build.best_variant("x86_64", "AVX2") == "avx2"
+    assert kernel_build.best_variant("x86_64", "DEFAULT") == "portable"
+    copy = tmp_path / "csrc"
+    copy.mkdir()
+    for p in kernel_build.source_dir().iterdir():
+        (copy / p.name).write_bytes(p.read_bytes())
+    flags = kernel_build.flags("portable")
+    same = kernel_build.build_directory("portable", flags, copy)
+    assert same == kernel_build.build_directory("portable", flags, kernel_build.source_dir())
+    (copy / "pool.h").write_text((copy / "pool.h").read_text() + "\n// changed\n")
+    assert kernel_build.build_directory("portable", flags, copy) != same
+
+
+@needs_kernels
+@not_under_sanitizer
+def test_a_dead_builders_lock_does_not_block_the_next_process():
+    """torch's build lock is a plain file, which a builder killed mid-build leaves behind: the
+    next process used to wait for it forever. It holds an flock around the build instead, so a
+    lock file found then is stale and removed."""
+    variant = kernel_build.chosen_variant()
+    built = kernel_build.build_directory(variant, kernel_build.flags(variant),
+                                         kernel_build.source_dir())
+    (built / "lock").touch()
+    python("from fleetllm.attention import cpu_kernels; assert cpu_kernels.available()",
+           timeout=120)
+    assert not (built / "lock").exists()
+
+
+def test_a_variant_the_cpu_lacks_is_refused(monkeypatch):
+    monkeypatch.setattr(kernel_build, "best_variant", lambda: "avx2")
+    monkeypatch.setenv("FLEETLLM_CPU_ISA", "avx512")
+    with pytest.raises(kernel_build.BuildError, match="runs at most 'avx2'"):
+        kernel_build.chosen_variant()
+    monkeypatch.setenv("FLEETLLM_CPU_ISA", "sse9")
+    with pytest.raises(kernel_build.BuildError, match="not one of"):
+        kernel_build.chosen_variant()
+
+
+@not_under_sanitizer
+@pytest.mark.parametrize("how", ["no compiler", "FLEETLLM_CPU_KERNELS=0"])
+def test_without_a_compiler_the_pytorch_path_gives_the_same_tokens(how, tiny_models, tmp_path):
+    """A fresh build with CXX naming a compiler that does not exist (and an empty build
+    directory) fails, warns once, and the engine runs on the pure-PyTorch path: the same
+    greedy tokens as with the kernels, logprobs to fp32 rounding. (On a machine that really
+    has no compiler, the engine runs and the comparison is left to the HF parity tests.)"""
+    code = f"""
+        import json, logging
+        logging.basicConfig(level=logging.WARNING)
+        from fleetllm import LLM, SamplingParams
+        from fleetllm.attention import cpu_kernels
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+        prompts = [{{"prompt_token_ids": list(range(5 + i, 30 + 7 * i))}} for i in range(3)]
+        with LLM({str(tiny_models["qwen2_bias"])!r}, kv_cache_memory=16 << 20) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        print(json.dumps([cpu_kernels.available(),
+                          [(c.token_ids, [{{str(k): v.logprob for k, v in d.items()}}
+                                          for d in c.logprobs])
+                           for o in outs for c in o.outputs]]))
+        """
+    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    env.update({"CXX": str(tmp_path / "no-such-c++"), "CC": str(tmp_path / "no-such-cc")}
+               if how == "no compiler" else {"FLEETLLM_CPU_KERNELS": "0"})
+    without = python(code, env)
+    kernels_off, runs = json.loads(without.stdout.strip().splitlines()[-1])
+    assert not kernels_off and runs
+    if not cpu_kernels.available():  # no compiler here either: nothing to compare with
+        return
+    kernels_on, want = json.loads(python(code).stdout.strip().splitlines()[-1])
+    assert kernels_on
+    if how == "no compiler":
+        assert "CPU kernels are unavailable" in without.stderr
+        assert not list((tmp_path / "ext").rglob("*.so"))
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(runs, want, strict=True):
+        assert tokens == want_tokens
+        for got, exp in zip(logprobs, want_logprobs, strict=True):
+            assert got.keys() == exp.keys()
+            assert all(abs(got[k] - exp[k]) < 1e-4 for k in got)
