@@ -124,7 +124,7 @@ def test_snippet(block: Block, request, tmp_path):
         f"{block.id}: a ```{block.lang or '(no language)'} block: label it python, bash, or "
         "text (not run)")
     if "skip" in block.directives:
-        pytest.skip(block.directives["skip"][1:-1])
+        pytest.skip(f"{block.id}: {block.directives['skip'][1:-1]}")
     if block.kind == "text":
         return
     if "parse" in block.directives:
