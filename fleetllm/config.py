@@ -212,8 +212,8 @@ class ParallelConfig:
     # Times the engine may replace crashed or hung workers and resume every request (0: none;
     # then a crash fails every request, as in vLLM).
     max_worker_restarts: int = 3
-    # The "ray" backend's settings (fleetllm/executor/ray_executor.py, docs/ray.md); the other
-    # backends ignore them, so one command line can compare backends. The Ray cluster to
+    # The "ray" backend's settings (fleetllm/executor/ray_executor.py, docs/distributed.md);
+    # the other backends ignore them, so one command line can compare backends. The Ray cluster to
     # join ("auto", "host:port", "ray://host:port"); None: $RAY_ADDRESS when set, else a private
     # local instance is started, and stopped with the last executor using it.
     ray_address: str | None = None

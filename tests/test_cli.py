@@ -142,9 +142,10 @@ class _FutureConfig:
 def test_engine_flag_types_follow_the_config_fields(monkeypatch):
     import fleetllm.cli as cli
     from fleetllm.config import engine_arg_fields
+    from fleetllm.engine import arg_utils
 
     fields = engine_arg_fields()
-    monkeypatch.setattr(cli, "engine_arg_fields", lambda: [
+    monkeypatch.setattr(arg_utils, "engine_arg_fields", lambda: [
         *fields, *((_FutureConfig, f) for f in dataclasses.fields(_FutureConfig))])
     args = cli.build_parser().parse_args([
         "generate", "--some-timeout", "5", "--execute-model-timeout", "5", "--optional-count",
@@ -167,12 +168,13 @@ def test_engine_flag_types_follow_the_config_fields(monkeypatch):
 
 
 def test_missing_demo_model_says_how_to_get_it(tmp_path, monkeypatch):
-    import fleetllm.cli as cli
+    from fleetllm.engine import arg_utils
     from fleetllm.errors import ModelLoadError
 
-    monkeypatch.setattr(cli, "DEMO_MODEL", tmp_path / "demo_model")
+    assert arg_utils.resolve_model(None) == str(arg_utils.DEMO_MODEL)  # the bundled one
+    monkeypatch.setattr(arg_utils, "DEMO_MODEL", tmp_path / "demo_model")
     with pytest.raises(ModelLoadError) as info:
-        cli.resolve_model(None)
+        arg_utils.resolve_model(None)
     assert "--model" in str(info.value) and "train_demo_model.py" in str(info.value)
 
 

@@ -25,7 +25,7 @@ import time
 from fleetllm.benchmarks import workload
 from fleetllm.benchmarks.presets import PRESETS
 from fleetllm.benchmarks.throughput import resolve_source
-from fleetllm.cli import HelpFormatter, add_engine_args, engine_kwargs_from
+from fleetllm.engine.arg_utils import HelpFormatter, add_engine_args, engine_kwargs_from
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

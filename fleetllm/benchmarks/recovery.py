@@ -18,7 +18,12 @@ import random
 import signal
 import time
 
-from fleetllm.cli import HelpFormatter, add_engine_args, engine_kwargs_from, resolve_model
+from fleetllm.engine.arg_utils import (
+    HelpFormatter,
+    add_engine_args,
+    engine_kwargs_from,
+    resolve_model,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

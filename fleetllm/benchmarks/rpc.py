@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from fleetllm.engine.arg_utils import HelpFormatter
+
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -88,8 +90,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from fleetllm.cli import HelpFormatter
-
     parser = argparse.ArgumentParser(prog="python -m fleetllm.benchmarks.rpc",
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)

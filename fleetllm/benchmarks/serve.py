@@ -51,7 +51,8 @@ class RequestResult:
     itls: list[float] = field(default_factory=list)
 
 
-def main(argv: list[str] | None = None) -> int | dict:
+def build_parser() -> argparse.ArgumentParser:
+    """This benchmark's own flags; main() hands the ones it does not know to the server."""
     parser = argparse.ArgumentParser(prog="fleetllm bench serve",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default=None,
@@ -69,6 +70,11 @@ def main(argv: list[str] | None = None) -> int | dict:
     parser.add_argument("--data-seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH", help="write the figures here")
     parser.add_argument("--quiet", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int | dict:
+    parser = build_parser()
     args, server_args = parser.parse_known_args(argv)
     try:
         import httpx  # noqa: F401 - fail before starting anything

@@ -33,7 +33,12 @@ import time
 
 from fleetllm.benchmarks import workload
 from fleetllm.benchmarks.presets import PRESETS, preset_dir
-from fleetllm.cli import HelpFormatter, add_engine_args, engine_kwargs_from, resolve_model
+from fleetllm.engine.arg_utils import (
+    HelpFormatter,
+    add_engine_args,
+    engine_kwargs_from,
+    resolve_model,
+)
 
 _PRESET_DEFAULTS = dict(num_prompts=64, input_len=(16, 256), output_len=(16, 64),
                         hf_batch_size=16, repeat=2)

@@ -2,7 +2,8 @@
 
 When one host is not enough, fleetllm runs on Ray rather than on a home-made cluster manager.
 Select it with distributed_executor_backend="ray" (CLI: --distributed-executor-backend ray);
-Ray is an extra: `pip install 'fleetllm[ray]'`. docs/ray.md covers running on real machines.
+Ray is an extra: `pip install 'fleetllm[ray]'`. docs/distributed.md covers running on real
+machines.
 
 Cluster (ray_utils.RayConnection): a Ray connection this process already has is used as it is;
 otherwise the executor joins ParallelConfig.ray_address or $RAY_ADDRESS, or else starts a

@@ -7,10 +7,10 @@ import argparse
 import json
 import os
 
+from fleetllm.engine.arg_utils import add_engine_args
+
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from fleetllm.cli import add_engine_args
-
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
                         help="checkpoint directory (or --model; default: the bundled demo "
                              "model)")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import uvicorn
 
+from fleetllm.engine.arg_utils import engine_kwargs_from, resolve_model
 from fleetllm.engine.async_engine import AsyncLLMEngine
 from fleetllm.entrypoints.openai.api_server import HTTPOptions, build_app
 from fleetllm.entrypoints.openai.gate import ServerState
@@ -87,8 +88,6 @@ class DrainingServer(uvicorn.Server):
 
 def run_serve(args: argparse.Namespace) -> int:
     """The `fleetllm serve` command."""
-    from fleetllm.cli import engine_kwargs_from, resolve_model
-
     # force: `fleetllm` set up plain WARNING logging before this command ran, which would
     # otherwise hide --log-level info (the drain's and the open-file limit's lines).
     logging.basicConfig(level=args.log_level.upper(), force=True,
