@@ -108,7 +108,7 @@ def test_an_out_of_memory_step_is_retried_with_half_the_tokens(tiny_models):
         results = {}
         while engine.has_unfinished_requests():
             results.update({o.request_id: o for o in engine.step() if o.finished})
-        # not grown back to the size that failed (for OOM_FORGET_STEPS good steps)
+        # not grown back to the size that failed (for recovery.OOM_FORGET_STEPS good steps)
         assert engine.scheduler.max_num_batched_tokens < 512
         assert tokens([results[str(i)] for i in range(16)]) == undisturbed
 

@@ -12,7 +12,6 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +19,11 @@ from fleetllm.config import EngineConfig, read_json
 from fleetllm.core.scheduler import Scheduler, SchedulerOutputs
 from fleetllm.engine.detokenizer import Detokenizer, find_stop_string, held_back_length
 from fleetllm.engine.outputs import RequestOutput
+from fleetllm.engine.recovery import RecoveryMixin
 from fleetllm.errors import (
     CommunicationTimeoutError,
     EngineSleepingError,
     InvalidRequestError,
-    WorkerCrashedError,
 )
 from fleetllm.executor import Executor
 from fleetllm.sampling_params import SamplingParams
@@ -39,8 +38,6 @@ from fleetllm.sequence import (
 
 PromptType = str | dict[str, Any]
 logger = logging.getLogger(__name__)
-# After an out-of-memory step, the failing size is avoided for this many good steps.
-OOM_FORGET_STEPS = 1000
 
 
 def load_tokenizer(path: str) -> Any:
@@ -53,7 +50,7 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-class LLMEngine:
+class LLMEngine(RecoveryMixin):
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = config.model_config
@@ -273,111 +270,6 @@ class LLMEngine:
             logger.warning("%s; waiting once more", str(error).splitlines()[0])
             return self.model_executor.wait_for_timed_out_step()
 
-    def _recover(self, sched: SchedulerOutputs, error: BaseException) -> bool:
-        """After a failed step (already requeued): can the engine carry on? Workers that
-        crashed or hung are replaced and every request resumes; a step out of memory is
-        retried smaller (also when, under TP/PP, it failed the workers: they are replaced
-        and the step shrinks too, or it would fail again). Anything else propagates."""
-        oom = out_of_memory_cause(error)
-        if isinstance(error, WorkerCrashedError | CommunicationTimeoutError):
-            if not self._restart_workers(error):
-                return False
-        elif oom is None:
-            return False
-        if oom is not None:
-            self._shrink_token_budget(sched, oom)
-        return True
-
-    def check_health(self, timeout: float = 10.0) -> None:
-        """Executor.check_health, recovered from as a failed step is: workers found dead or
-        hung while the engine is idle (or asleep) are replaced, within max_worker_restarts,
-        and every request resumes. Raises only what cannot be recovered."""
-        try:
-            self.model_executor.check_health(timeout)
-        except (WorkerCrashedError, CommunicationTimeoutError) as error:
-            if not self._restart_workers(error):
-                raise
-
-    def _restart_workers(self, error: BaseException) -> bool:
-        """Replace the workers (Executor.restart_failed_workers) and recompute every request.
-        A restart that fails counts as one and is tried again, after a short pause, until
-        max_worker_restarts is reached: then False (the caller raises)."""
-        limit = self.config.parallel_config.max_worker_restarts
-        while True:
-            if self.worker_restarts >= limit:
-                logger.error("workers failed again after %d restarts (max_worker_restarts=%d):"
-                             " giving up: %s", self.worker_restarts, limit, error)
-                return False
-            self.worker_restarts += 1
-            logger.warning("workers failed (%s); restarting them (%d of %d) and resuming %d "
-                           "requests", str(error).splitlines()[0], self.worker_restarts, limit,
-                           len(self.seq_groups))
-            try:
-                self.model_executor.restart_failed_workers()
-                break
-            except WorkerCrashedError as restart_error:
-                error = restart_error
-                time.sleep(min(2.0, 0.25 * self.worker_restarts))
-        # The new workers hold no KV blocks and no per-request state: every request is
-        # recomputed from its prompt and the tokens it has (seeded draws are counter-based,
-        # so they continue exactly).
-        self._sync_kv_epoch()
-        self._finished_since_last_step.clear()
-        return True
-
-    def _sync_kv_epoch(self) -> None:
-        """The workers' KV cache lost its content since this engine last looked (a restart,
-        or sleep() called on the executor itself): forget the cached prefixes and recompute
-        the requests that had KV there, instead of reading blocks that are gone."""
-        epoch = self.model_executor.kv_cache_epoch
-        if epoch != self._kv_epoch:
-            self._kv_epoch = epoch
-            self.scheduler.recompute_all()
-
-    def _shrink_token_budget(self, sched: SchedulerOutputs, error: BaseException) -> None:
-        """Out of memory in a step: retry with half its tokens, and keep that budget (for
-        OOM_FORGET_STEPS good steps: memory may come back) rather than grow it back into the
-        size that failed: every step past a real memory limit would fail again. A request
-        that ran alone at its smallest step (one token per sequence) cannot fit: it fails."""
-        groups = [s.seq_group for s in sched.scheduled_seq_groups]
-        smallest = max((len(g.unfinished_seqs()) for g in groups), default=1)
-        if len(groups) == 1 and sched.num_batched_tokens <= smallest:
-            self.scheduler.fail_group(groups[0], f"out of memory even alone in a step of "
-                                      f"{sched.num_batched_tokens} tokens: {error}")
-            self.seq_groups.pop(groups[0].request_id, None)
-            self._finished_since_last_step.append(groups[0].request_id)
-            self._unreported.append(groups[0])
-            return
-        budget = max(smallest, sched.num_batched_tokens // 2)
-        logger.warning("a step of %d tokens ran out of memory; retrying with at most %d",
-                       sched.num_batched_tokens, budget)
-        self.scheduler.max_num_batched_tokens = budget
-        self._oom_ceiling = budget
-        self._steps_since_oom = 0
-
-    def _widen_token_budget(self) -> None:
-        """Nothing could be scheduled with work waiting: a budget halved after an OOM may be
-        narrower than a group's sequences (n samples decode together). Double it, up to
-        the configured one, rather than wait for ever."""
-        full = self.config.scheduler_config.max_num_batched_tokens
-        if self.scheduler.max_num_batched_tokens < full:
-            self.scheduler.max_num_batched_tokens = min(
-                full, 2 * self.scheduler.max_num_batched_tokens)
-            self._oom_ceiling = self.scheduler.max_num_batched_tokens
-
-    def _regrow_token_budget(self) -> None:
-        """OOM_FORGET_STEPS good steps after an out-of-memory step, the budget doubles back
-        to the configured one, a step at a time (an OOM on the way halves it again)."""
-        if self._oom_ceiling is not None:
-            self._steps_since_oom += 1
-            if self._steps_since_oom >= OOM_FORGET_STEPS:
-                self._oom_ceiling = None
-        full = self.config.scheduler_config.max_num_batched_tokens
-        cap = full if self._oom_ceiling is None else min(full, self._oom_ceiling)
-        if self.scheduler.max_num_batched_tokens < cap:
-            self.scheduler.max_num_batched_tokens = min(
-                cap, 2 * self.scheduler.max_num_batched_tokens)
-
     def _process(self, sched: SchedulerOutputs, result: SamplerOutput, finished_only: bool
                  ) -> list[RequestOutput]:
         now = time.time()
@@ -471,26 +363,3 @@ class LLMEngine:
         """Executor.wake_up: restore "weights", "kv_cache" or both (None). Workers that died
         while asleep are replaced first (max_worker_restarts), then woken."""
         self._recovering(lambda: self.model_executor.wake_up(tags))
-
-    def _recovering(self, call: Callable[[], None]) -> None:
-        """Run a call to the workers outside a step; if they crashed or hung, restart them
-        (as a failed step would) and run it again."""
-        try:
-            call()
-        except (WorkerCrashedError, CommunicationTimeoutError) as error:
-            if not self._restart_workers(error):
-                raise
-            call()
-
-
-def out_of_memory_cause(error: BaseException) -> BaseException | None:
-    """The out-of-memory error that `error` is or was caused by (a worker's OOM inside a
-    collective fails the executor: it arrives as the __cause__ of a WorkerCrashedError)."""
-    seen: set[int] = set()
-    cause: BaseException | None = error
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, MemoryError):
-            return cause
-        seen.add(id(cause))
-        cause = cause.__cause__
-    return None
