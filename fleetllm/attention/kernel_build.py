@@ -66,9 +66,12 @@ SOURCES = ("ops.cpp", "paged_decode.cpp", "fused_ops.cpp", "parallel.cpp", "pool
 
 # -O3 with vectorization hints (`omp simd`, without an OpenMP runtime: -fopenmp-simd), and
 # no errno or trap semantics for float math, which otherwise keep sqrt and the exp loops
-# scalar.
+# scalar. -mtune=native only schedules instructions for the CPU that builds (the one that
+# runs them: builds happen at first use); it chooses none, so a library stays correct on any
+# CPU its variant is picked for. Without it, batch-1 decode measured 2-4% slower than the
+# old -march=native build (docs/perf.md, item 12).
 COMMON_FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-pthread",
-                "-Wall", "-Wextra")
+                "-Wall", "-Wextra", "-mtune=native")
 ISA_FLAGS = {
     "portable": (),
     "avx2": ("-mavx2", "-mfma"),
