@@ -28,10 +28,10 @@ def as_out_of_memory(exc: BaseException) -> BaseException:
     if isinstance(exc, OutOfMemoryError):
         return exc
     text = str(exc)
-    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or (
-            isinstance(exc, RuntimeError) and not isinstance(exc, FleetLLMError)
-            and ("can't allocate memory" in text
-                                               or "out of memory" in text.lower())):
+    allocator_failure = isinstance(exc, RuntimeError) and not isinstance(exc, FleetLLMError) \
+        and ("can't allocate memory" in text or "out of memory" in text.lower())
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or \
+            allocator_failure:
         oom = OutOfMemoryError(f"{type(exc).__name__}: {text}")
         oom.__cause__ = exc
         return oom

@@ -108,7 +108,6 @@ class RecoveryMixin:
         logger.warning("a step of %d tokens ran out of memory; retrying with at most %d",
                        sched.num_batched_tokens, budget)
         self.scheduler.max_num_batched_tokens = budget
-        self._oom_ceiling = budget
         self._steps_since_oom = 0
 
     def _widen_token_budget(self) -> None:
@@ -119,20 +118,20 @@ class RecoveryMixin:
         if self.scheduler.max_num_batched_tokens < full:
             self.scheduler.max_num_batched_tokens = min(
                 full, 2 * self.scheduler.max_num_batched_tokens)
-            self._oom_ceiling = self.scheduler.max_num_batched_tokens
 
     def _regrow_token_budget(self) -> None:
-        """OOM_FORGET_STEPS good steps after an out-of-memory step, the budget doubles back
-        to the configured one, a step at a time (an OOM on the way halves it again)."""
-        if self._oom_ceiling is not None:
+        """After a good step: OOM_FORGET_STEPS good steps after an out-of-memory step, the
+        budget doubles back to the configured one, a step at a time (an OOM on the way
+        halves it again and restarts the count)."""
+        if self._steps_since_oom is not None:
             self._steps_since_oom += 1
-            if self._steps_since_oom >= OOM_FORGET_STEPS:
-                self._oom_ceiling = None
+            if self._steps_since_oom < OOM_FORGET_STEPS:
+                return
+            self._steps_since_oom = None
         full = self.config.scheduler_config.max_num_batched_tokens
-        cap = full if self._oom_ceiling is None else min(full, self._oom_ceiling)
-        if self.scheduler.max_num_batched_tokens < cap:
+        if self.scheduler.max_num_batched_tokens < full:
             self.scheduler.max_num_batched_tokens = min(
-                cap, 2 * self.scheduler.max_num_batched_tokens)
+                full, 2 * self.scheduler.max_num_batched_tokens)
 
     def _recovering(self, call: Callable[[], None]) -> None:
         """Run a call to the workers outside a step; if they crashed or hung, restart them

@@ -156,7 +156,6 @@ class WorkerGroup:
             except OSError:
                 pass
 
-
     def kill_now(self) -> None:
         """From a signal handler: SIGKILL the workers and remove the temp dir, taking no lock
         (the code the signal interrupted may hold any of them: close() would deadlock)."""
