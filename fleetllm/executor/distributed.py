@@ -24,6 +24,7 @@ A call goes to every rank and collects their replies:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from fleetllm.errors import CommunicationTimeoutError, EngineShutdownError, WorkerCrashedError
@@ -150,7 +151,6 @@ class DistributedExecutor(Executor):
 
     def _wait_timed_out_step(self) -> list[SamplerOutput]:
         handle, state = self.access.outstanding
-        self.access.outstanding = None
         timeout = self.parallel_config.execute_model_timeout
         try:
             result = self._collect(handle, time.monotonic() + timeout, False, step=True,
@@ -182,7 +182,7 @@ class DistributedExecutor(Executor):
                                         "unusable: create a new one") from cause
 
     def _collect(self, handle: Any, deadline: float | None, return_exceptions: bool,
-                 step: bool, too_late: Any = None,
+                 step: bool, too_late: Callable[[list[int]], str] | None = None,
                  state: tuple[dict[int, Any], dict[int, bool]] | None = None,
                  ranks: list[int] | None = None) -> list[Any]:
         """The replies to `handle` from `ranks` (default: every rank), in that order, with the
@@ -235,7 +235,8 @@ class DistributedExecutor(Executor):
                 raise CommunicationTimeoutError(step_outstanding_message(missing, timeout))
             if step:
                 self._hung(f"{step_timeout_message(missing, timeout)}, twice", missing)
-            raise CommunicationTimeoutError(too_late(missing))
+            raise CommunicationTimeoutError(too_late(missing) if too_late else
+                                            f"no reply from worker ranks {missing}")
         return [errors.get(r, results.get(r)) for r in ranks]
 
     def _step_failed(self, handle: Any, errors: dict[int, BaseException], reason: str

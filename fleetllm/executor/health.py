@@ -35,6 +35,7 @@ class WorkerAccess:
         self._owner: int | None = None  # the thread that left it outstanding
         self._outstanding_since = 0.0
         self.step_started: float | None = None  # a step runs (or is outstanding) since
+        self._in_step = False  # inside step(): this thread holds the lock
         self.restarting = False
 
     # ------------------------------------------------------------------ the timed-out window
@@ -85,16 +86,20 @@ class WorkerAccess:
         running after it returns, while it is outstanding)."""
         with self.exclusive():
             self.step_started = time.monotonic()
+            self._in_step = True
             try:
                 yield
             finally:
+                self._in_step = False
                 if self._outstanding is None:
                     self.step_started = None
 
     def step_settled(self) -> None:
-        """The outstanding step was waited for or given up."""
+        """The outstanding step was waited for or given up (also by a new step, which then
+        keeps its own start time)."""
         self.outstanding = None
-        self.step_started = None
+        if not self._in_step:
+            self.step_started = None
 
     # ------------------------------------------------------------------------------ health
 
