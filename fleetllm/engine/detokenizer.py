@@ -112,9 +112,8 @@ class Detokenizer:
         return [t for t in tokens if t is not None]
 
     def decode_logprobs(self, logprobs: dict[int, Logprob]) -> None:
-        """Each id decoded alone: a first pass, so that every entry has text (a stop token
-        never reaches decode_new_token). decode_new_token replaces it with the text in
-        context; given the sequence here, one pass in context would do."""
+        """Each id decoded alone: for the entries of a stopping token, whose text is not
+        part of the output and so never decoded in context (decode_new_token)."""
         if self.tokenizer is None:
             return
         for token_id, lp in logprobs.items():

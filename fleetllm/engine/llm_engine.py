@@ -79,9 +79,9 @@ class LLMEngine(RecoveryMixin):
         self.worker_restarts = 0  # workers replaced after a crash or hang (max_worker_restarts)
         # The executor's kv_cache_epoch when this engine last knew the workers' KV content.
         self._kv_epoch = self.model_executor.kv_cache_epoch
-        # Out of memory: steps of more tokens than this are known to fail (None: none are).
-        self._oom_ceiling: int | None = None
-        self._steps_since_oom = 0
+        # Good steps since an out-of-memory step halved the token budget, which stays halved
+        # until OOM_FORGET_STEPS of them (None: no such step, the budget may grow back).
+        self._steps_since_oom: int | None = None
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs: Any) -> LLMEngine:
@@ -321,15 +321,18 @@ class LLMEngine(RecoveryMixin):
                     self.scheduler.free_seq(seq)
 
     def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
-        if params.logprobs is not None:
-            self.detokenizer.decode_logprobs(seq.output_logprobs[-1])
         token = seq.output_token_ids[-1]
         n_out = len(seq.output_token_ids)
         eos = not params.ignore_eos and token in params.eos_token_ids
         stop_token = n_out >= params.min_tokens and (eos or token in params.stop_token_ids)
-        # The stopping token's text is not part of the output (as in vLLM): not decoded.
-        new_text = "" if stop_token and not params.include_stop_str_in_output else \
-            self.detokenizer.decode_new_token(seq, params)
+        if stop_token and not params.include_stop_str_in_output:
+            # The stopping token's text is not part of the output (as in vLLM): not decoded
+            # in context, so its logprob entries get each id's own text.
+            new_text = ""
+            if params.logprobs is not None:
+                self.detokenizer.decode_logprobs(seq.output_logprobs[-1])
+        else:  # gives the logprob entries their text in context
+            new_text = self.detokenizer.decode_new_token(seq, params)
         if stop_token:
             seq.status = SequenceStatus.FINISHED_STOPPED
             seq.stop_reason = None if eos else token
