@@ -46,14 +46,18 @@ async def collect(engine: AsyncLLMEngine, prompt, rid: str) -> list[int]:
     return final.outputs[0].token_ids
 
 
+def probing_engine(model) -> AsyncLLMEngine:
+    """mp TP=2 behind AsyncLLMEngine, probing its idle workers every 0.2 s."""
+    return AsyncLLMEngine.from_engine_args(model, tensor_parallel_size=2, kv_cache_memory=KV,
+                                           health_probe_interval_s=0.2)
+
+
 # ------------------------------------------------------------------------ 1. idle death
 
 
 def test_a_worker_killed_while_the_server_engine_is_idle_is_replaced(tiny_models):
     async def main():
-        engine = AsyncLLMEngine.from_engine_args(
-            tiny_models["llama_gqa"], tensor_parallel_size=2, kv_cache_memory=KV,
-            health_probe_interval_s=0.2)
+        engine = probing_engine(tiny_models["llama_gqa"])
         try:
             before = await collect(engine, PROMPTS[0], "a")
             executor = engine.engine.model_executor
@@ -92,9 +96,7 @@ def test_a_worker_that_dies_while_asleep_is_replaced_by_wake_up(tiny_models, lev
 
 def test_the_idle_probe_replaces_a_dead_worker_of_a_sleeping_engine(tiny_models):
     async def main():
-        engine = AsyncLLMEngine.from_engine_args(
-            tiny_models["llama_gqa"], tensor_parallel_size=2, kv_cache_memory=KV,
-            health_probe_interval_s=0.2)
+        engine = probing_engine(tiny_models["llama_gqa"])
         try:
             before = await collect(engine, PROMPTS[1], "a")
             await engine.sleep(1)
