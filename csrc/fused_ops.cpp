@@ -4,9 +4,12 @@
 // costs more than the work. A small-M GEMV streaming a dense [out, in] weight at the memory's
 // bandwidth (oneDNN and MKL stream it at half that for 1-4 rows). A whole decoder layer of a
 // small decode batch as one call: about 3 of the 21 ms of a batch-1 step on the 125M preset
-// were the ~10 Python calls per layer it replaces.
-#include <cmath>
+// were the ~10 Python calls per layer it replaces. Each in float32 and bfloat16 (kernels.h).
 #include <cstring>
+#include <type_traits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "kernels.h"
 #include "parallel.h"
@@ -14,124 +17,225 @@
 namespace fleetllm::kernels {
 namespace {
 
+template <class T, class C = T>
 struct RowsCtx {
-    const float *x, *w, *cos, *sin, *qkv;
-    float *residual, *out, *q_out, *k_out, *k_cache, *v_cache;
+    const T *x, *w, *cos, *sin, *qkv;
+    T *residual, *out, *q_out, *k_out;
+    C *k_cache, *v_cache;
     const int64_t *slots;
     long row_stride;
     int H, I, KVH, D;
     float eps;
 };
 
+// As transformers' LlamaRMSNorm: (x + residual) is stored in T, normalized in float32,
+// rounded to T, then times the weight (rounded again).
+template <class T>
 void rmsnorm_body(void *arg, long begin, long end, int)
 {
-    const auto *c = static_cast<const RowsCtx *>(arg);
+    const auto *c = static_cast<const RowsCtx<T> *>(arg);
     const int H = c->H;
     for (long t = begin; t < end; t++) {
-        const float *xr = c->x + t * H;
-        const float *r = c->residual ? c->residual + t * H : xr;
+        const T *xr = c->x + t * H;
+        const T *r = c->residual ? c->residual + t * H : xr;
         float ss = 0.f;
         if (c->residual) {
-            float *rw = c->residual + t * H;
+            T *rw = c->residual + t * H;
             #pragma omp simd reduction(+:ss)
-            for (int i = 0; i < H; i++) { const float v = xr[i] + rw[i]; rw[i] = v; ss += v * v; }
+            for (int i = 0; i < H; i++) {
+                const float v = round_to<T>(to_f32(xr[i]) + to_f32(rw[i]));
+                rw[i] = from_f32<T>(v);
+                ss += v * v;
+            }
         } else {
             #pragma omp simd reduction(+:ss)
-            for (int i = 0; i < H; i++) ss += r[i] * r[i];
+            for (int i = 0; i < H; i++) ss += to_f32(r[i]) * to_f32(r[i]);
         }
         const float inv = 1.f / std::sqrt(ss / H + c->eps);
-        float *o = c->out + t * H;
+        T *o = c->out + t * H;
         #pragma omp simd
-        for (int i = 0; i < H; i++) o[i] = (r[i] * inv) * c->w[i];
+        for (int i = 0; i < H; i++)
+            o[i] = from_f32<T>(round_to<T>(to_f32(r[i]) * inv) * to_f32(c->w[i]));
     }
 }
 
+template <class T>
 void silu_body(void *arg, long begin, long end, int)
 {
-    const auto *c = static_cast<const RowsCtx *>(arg);
+    const auto *c = static_cast<const RowsCtx<T> *>(arg);
     const int I = c->I;
     for (long t = begin; t < end; t++) {
-        const float *g = c->x + t * 2 * I, *u = g + I;
-        float *o = c->out + t * I;
+        const T *g = c->x + t * 2 * I, *u = g + I;
+        T *o = c->out + t * I;
         #pragma omp simd
-        for (int i = 0; i < I; i++) o[i] = g[i] / (1.f + exp_f32(-g[i])) * u[i];
+        for (int i = 0; i < I; i++) {
+            const float gi = to_f32(g[i]);
+            o[i] = from_f32<T>(round_to<T>(gi / (1.f + exp_f32(-gi))) * to_f32(u[i]));
+        }
     }
 }
 
-inline void rope_row(const float *x, float *o, const float *c, const float *s, int half)
+// As transformers' apply_rotary_pos_emb: q * cos + rotate_half(q) * sin, each product and the
+// sum stored in T.
+template <class T>
+inline void rope_row(const T *x, T *o, const T *cs, const T *sn, int half)
 {
     #pragma omp simd
     for (int i = 0; i < half; i++) {
-        o[i] = x[i] * c[i] - x[i + half] * s[i];
-        o[i + half] = x[i + half] * c[i] + x[i] * s[i];
+        const float x1 = to_f32(x[i]), x2 = to_f32(x[i + half]);
+        const float c = to_f32(cs[i]), s = to_f32(sn[i]);
+        o[i] = from_f32<T>(round_to<T>(x1 * c) - round_to<T>(x2 * s));
+        o[i + half] = from_f32<T>(round_to<T>(x2 * c) + round_to<T>(x1 * s));
     }
 }
 
+template <class T, class C>
 void rope_body(void *arg, long begin, long end, int)
 {
-    const auto *c = static_cast<const RowsCtx *>(arg);
+    const auto *c = static_cast<const RowsCtx<T, C> *>(arg);
     const int H = c->H, KVH = c->KVH, D = c->D, half = D / 2;
     for (long t = begin; t < end; t++) {
-        const float *row = c->qkv + t * c->row_stride;
-        const float *cs = c->cos + t * half, *sn = c->sin + t * half;
+        const T *row = c->qkv + t * c->row_stride;
+        const T *cs = c->cos + t * half, *sn = c->sin + t * half;
         for (int h = 0; h < H; h++)
             rope_row(row + static_cast<long>(h) * D, c->q_out + (t * H + h) * D, cs, sn, half);
-        float *ko = c->k_out + t * KVH * D;
+        T *ko = c->k_out + t * KVH * D;
         for (int h = 0; h < KVH; h++)
             rope_row(row + static_cast<long>(H + h) * D, ko + static_cast<long>(h) * D, cs, sn,
                      half);
         if (c->k_cache) {
-            const long slot = c->slots[t] * KVH * D;
-            std::memcpy(c->k_cache + slot, ko, sizeof(float) * static_cast<size_t>(KVH) * D);
-            std::memcpy(c->v_cache + slot, row + static_cast<long>(H + KVH) * D,
-                        sizeof(float) * static_cast<size_t>(KVH) * D);
+            const long slot = c->slots[t] * KVH * D, n = static_cast<long>(KVH) * D;
+            if constexpr (std::is_same_v<T, C>) {
+                std::memcpy(c->k_cache + slot, ko, sizeof(T) * n);
+                std::memcpy(c->v_cache + slot, row + static_cast<long>(H + KVH) * D,
+                            sizeof(T) * n);
+            } else {
+                convert(ko, c->k_cache + slot, n);
+                convert(row + static_cast<long>(H + KVH) * D, c->v_cache + slot, n);
+            }
         }
     }
 }
 
 // y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for a few rows m: each weight row is streamed once
-// per 4 rows of x, 4 weight rows at a time (16 independent FMA chains). Memory-bound: it runs
-// at the machine's read bandwidth where a GEMM library re-packs or underuses it. may_alias:
-// the vector loads read float arrays.
+// per 4 rows of x, 4 weight rows at a time (16 independent FMA chains), float32 sums (a
+// bfloat16 weight is widened in registers: a shift, no memory traffic). Memory-bound: it
+// runs at the machine's read bandwidth where a GEMM library re-packs or underuses it.
+// may_alias: the vector loads read float and bf16 arrays.
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint16_t h16u __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint32_t u16x32 __attribute__((vector_size(64)));
 
-template <int MT>
-void gemv_tile(const float *x, const float *w, const float *bias, float *y, long n0, int N,
-               int K)
+// (The vector comes back through a reference: a 64-byte vector return value would change the
+// ABI of the portable and avx2 builds, which -Wpsabi rejects.)
+inline void load16(const float *p, v16 &out) { out = *reinterpret_cast<const v16u *>(p); }
+inline void load16(const bf16 *p, v16 &out)
 {
-    v16 acc[4][MT];
-    std::memset(acc, 0, sizeof(acc));
-    const int rows = N - n0 < 4 ? static_cast<int>(N - n0) : 4, kv = K & ~15;
-    const float *wr[4];
-    for (int r = 0; r < 4; r++) wr[r] = w + (n0 + (r < rows ? r : 0)) * K;
-    for (int k = 0; k < kv; k += 16) {
-        v16 xv[MT];
-        for (int m = 0; m < MT; m++)
-            xv[m] = *reinterpret_cast<const v16u *>(x + static_cast<long>(m) * K + k);
-        for (int r = 0; r < 4; r++) {
-            const v16 wv = *reinterpret_cast<const v16u *>(wr[r] + k);
-            for (int m = 0; m < MT; m++) acc[r][m] += xv[m] * wv;
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        for (int m = 0; m < MT; m++) {
-            float s = bias ? bias[n0 + r] : 0.f;
-            for (int i = 0; i < 16; i++) s += acc[r][m][i];
-            for (int k = kv; k < K; k++) s += x[static_cast<long>(m) * K + k] * wr[r][k];
-            y[static_cast<long>(m) * N + n0 + r] = s;
-        }
+#if defined(__AVX512F__)  // one widening load and a shift (GCC splits the generic form)
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)));
+    out = __builtin_bit_cast(v16, _mm512_slli_epi32(w, 16));
+#else
+    const h16u h = *reinterpret_cast<const h16u *>(p);
+    out = __builtin_bit_cast(v16, __builtin_convertvector(h, u16x32) << 16);
+#endif
 }
 
+template <int MT, class T>
+void gemv_tile(const T *x, const T *w, const T *bias, T *y, long n0, int N, int K)
+{
+    const int rows = N - n0 < 4 ? static_cast<int>(N - n0) : 4, kv = K & ~31;
+    for (int r = 0; r < rows; r++) {  // one row at a time: one sequential stream
+        const T *wr = w + (n0 + r) * K;
+        v16 acc[2][MT];
+        std::memset(acc, 0, sizeof(acc));
+        for (int k = 0; k < kv; k += 32) {
+            v16 w0, w1, x0, x1;
+            load16(wr + k, w0);
+            load16(wr + k + 16, w1);
+            for (int m = 0; m < MT; m++) {
+                const T *xm = x + static_cast<long>(m) * K + k;
+                load16(xm, x0);
+                load16(xm + 16, x1);
+                acc[0][m] += x0 * w0;
+                acc[1][m] += x1 * w1;
+            }
+        }
+        for (int m = 0; m < MT; m++) {
+            float s = bias ? to_f32(bias[n0 + r]) : 0.f;
+            const v16 a = acc[0][m] + acc[1][m];
+            for (int i = 0; i < 16; i++) s += a[i];
+            for (int k = kv; k < K; k++)
+                s += to_f32(x[static_cast<long>(m) * K + k]) * to_f32(wr[k]);
+            y[static_cast<long>(m) * N + n0 + r] = from_f32<T>(s);
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+// The same tile for bf16 with AVX-512 BF16's dot product of bf16 pairs (vdpbf16ps: 32 weights
+// per instruction, straight from memory), on CPUs that have it (checked at run time: the
+// avx512 variant also runs on CPUs without it). Pairs are summed in another order than above,
+// so the two differ in the last bits of the float32 sum.
+template <int MT>
+__attribute__((target("avx512bf16"))) void gemv_tile_dp(const bf16 *x, const bf16 *w,
+                                                        const bf16 *bias, bf16 *y, long n0,
+                                                        int N, int K)
+{
+    const int rows = N - n0 < 4 ? static_cast<int>(N - n0) : 4, kv = K & ~63;
+    for (int r = 0; r < rows; r++) {  // one row at a time: one sequential stream
+        const bf16 *wr = w + (n0 + r) * K;
+        __m512 acc[2][MT];
+        for (int m = 0; m < MT; m++) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
+        for (int k = 0; k < kv; k += 64) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
+            for (int m = 0; m < MT; m++) {
+                const bf16 *xm = x + static_cast<long>(m) * K + k;
+                acc[0][m] = _mm512_dpbf16_ps(acc[0][m], w0, (__m512bh)_mm512_loadu_si512(xm));
+                acc[1][m] = _mm512_dpbf16_ps(acc[1][m], w1,
+                                             (__m512bh)_mm512_loadu_si512(xm + 32));
+            }
+        }
+        for (int m = 0; m < MT; m++) {
+            float s = (bias ? to_f32(bias[n0 + r]) : 0.f)
+                      + _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]));
+            for (int k = kv; k < K; k++)
+                s += to_f32(x[static_cast<long>(m) * K + k]) * to_f32(wr[k]);
+            y[static_cast<long>(m) * N + n0 + r] = from_f32<bf16>(s);
+        }
+    }
+}
+
+const bool has_bf16_dot = __builtin_cpu_supports("avx512bf16");
+#endif
+
+template <class T>
 struct GemvCtx {
-    const float *x, *w, *bias;
-    float *y;
+    const T *x, *w, *bias;
+    T *y;
     int mt, N, K;
 };
 
+template <class T>
 void gemv_body(void *arg, long begin, long end, int)
 {
-    const auto *c = static_cast<const GemvCtx *>(arg);
+    const auto *c = static_cast<const GemvCtx<T> *>(arg);
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, bf16>)
+        if (has_bf16_dot) {
+            for (long tile = begin; tile < end; tile++) {
+                const long n0 = tile * 4;
+                switch (c->mt) {
+                case 1: gemv_tile_dp<1>(c->x, c->w, c->bias, c->y, n0, c->N, c->K); break;
+                case 2: gemv_tile_dp<2>(c->x, c->w, c->bias, c->y, n0, c->N, c->K); break;
+                case 3: gemv_tile_dp<3>(c->x, c->w, c->bias, c->y, n0, c->N, c->K); break;
+                default: gemv_tile_dp<4>(c->x, c->w, c->bias, c->y, n0, c->N, c->K);
+                }
+            }
+            return;
+        }
+#endif
     for (long tile = begin; tile < end; tile++) {
         const long n0 = tile * 4;
         switch (c->mt) {
@@ -145,33 +249,36 @@ void gemv_body(void *arg, long begin, long end, int)
 
 }  // namespace
 
-void add_rmsnorm_f32(const float *x, float *residual, const float *w, float *out, int T, int H,
-                     float eps, int nthreads)
+template <class T>
+void add_rmsnorm(const T *x, T *residual, const T *w, T *out, int rows, int H, float eps,
+                 int nthreads)
 {
-    RowsCtx c{};
+    RowsCtx<T> c{};
     c.x = x;
     c.residual = residual;
     c.w = w;
     c.out = out;
     c.H = H;
     c.eps = eps;
-    parallel_run(nthreads, rmsnorm_body, &c, T, 1 + PAR_MIN / H, T <= SPIN_ROWS);
+    parallel_run(nthreads, rmsnorm_body<T>, &c, rows, 1 + PAR_MIN / H, rows <= SPIN_ROWS);
 }
 
-void silu_mul_f32(const float *gu, float *out, int T, int I, int nthreads)
+template <class T>
+void silu_mul(const T *gu, T *out, int rows, int I, int nthreads)
 {
-    RowsCtx c{};
+    RowsCtx<T> c{};
     c.x = gu;
     c.out = out;
     c.I = I;
-    parallel_run(nthreads, silu_body, &c, T, 1 + PAR_MIN / I, T <= SPIN_ROWS);
+    parallel_run(nthreads, silu_body<T>, &c, rows, 1 + PAR_MIN / I, rows <= SPIN_ROWS);
 }
 
-void rope_qk_kv_f32(const float *qkv, long row_stride, const float *cos, const float *sin,
-                    float *q_out, float *k_out, float *k_cache, float *v_cache,
-                    const int64_t *slots, int T, int H, int KVH, int D, int nthreads)
+template <class T, class C>
+void rope_qk_kv(const T *qkv, long row_stride, const T *cos, const T *sin, T *q_out, T *k_out,
+                C *k_cache, C *v_cache, const int64_t *slots, int rows, int H, int KVH, int D,
+                int nthreads)
 {
-    RowsCtx c{};
+    RowsCtx<T, C> c{};
     c.qkv = qkv;
     c.row_stride = row_stride;
     c.cos = cos;
@@ -184,59 +291,84 @@ void rope_qk_kv_f32(const float *qkv, long row_stride, const float *cos, const f
     c.H = H;
     c.KVH = KVH;
     c.D = D;
-    parallel_run(nthreads, rope_body, &c, T, 1 + PAR_MIN / ((H + 2 * KVH) * D), T <= SPIN_ROWS);
+    parallel_run(nthreads, rope_body<T, C>, &c, rows, 1 + PAR_MIN / ((H + 2 * KVH) * D),
+                 rows <= SPIN_ROWS);
 }
 
-void gemv_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
-              int nthreads)
+template <class T>
+void gemv(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, int nthreads)
 {
     const long tiles = (N + 3) / 4;
     // ~4 chunks per thread: long sequential streams, some balance; inline if small
     const long chunk = static_cast<long>(N) * K < 4 * PAR_MIN
                            ? tiles : 1 + tiles / (4 * (nthreads > 0 ? nthreads : 1));
     for (int m0 = 0; m0 < M; m0 += 4) {
-        GemvCtx c{x + static_cast<long>(m0) * K, w, bias, y + static_cast<long>(m0) * N,
-                  M - m0 < 4 ? M - m0 : 4, N, K};
-        parallel_run(nthreads, gemv_body, &c, tiles, chunk, true);
+        GemvCtx<T> c{x + static_cast<long>(m0) * K, w, bias, y + static_cast<long>(m0) * N,
+                     M - m0 < 4 ? M - m0 : 4, N, K};
+        parallel_run(nthreads, gemv_body<T>, &c, tiles, chunk, true);
     }
+}
+
+// Floats reserved for a layer's activations (a bf16 layer uses half of them).
+static long activation_floats(const LayerDims &d)
+{
+    const long qkv_dim = static_cast<long>(d.H + 2 * d.KVH) * d.D;
+    return static_cast<long>(d.T) * (2L * d.hid + qkv_dim + 2L * d.H * d.D
+                                     + static_cast<long>(d.KVH) * d.D + 3L * d.I);
 }
 
 long decoder_layer_work(const LayerDims &d, int maxlen, int nthreads)
 {
-    const long qkv_dim = static_cast<long>(d.H + 2 * d.KVH) * d.D;
-    const long acts = static_cast<long>(d.T) * (2L * d.hid + qkv_dim + 2L * d.H * d.D
-                                                + static_cast<long>(d.KVH) * d.D + 3L * d.I);
-    return acts + paged_decode_scratch(d.H, d.D, d.bs, maxlen, nthreads);
+    return activation_floats(d) + paged_decode_scratch(d.H, d.D, d.bs, maxlen, nthreads);
 }
 
-void decoder_layer_f32(const float *x, float *residual, bool first, float *out,
-                       const LayerWeights &w, const LayerDims &d, const float *cos,
-                       const float *sin, float *k_cache, float *v_cache, const int64_t *slots,
-                       const DecodeBatch &batch, float *work, int nthreads)
+template <class T, class C>
+void decoder_layer(const T *x, T *residual, bool first, T *out, const LayerWeights<T> &w,
+                   const LayerDims &d, const T *cos, const T *sin, C *k_cache, C *v_cache,
+                   const int64_t *slots, const DecodeBatch &batch, float *work, int nthreads)
 {
-    const int T = d.T, hid = d.hid, H = d.H, KVH = d.KVH, D = d.D, I = d.I;
+    const int T_ = d.T, hid = d.hid, H = d.H, KVH = d.KVH, D = d.D, I = d.I;
     const int qkv_dim = (H + 2 * KVH) * D;
-    float *normed = work, *qkv = normed + static_cast<long>(T) * hid;
-    float *q = qkv + static_cast<long>(T) * qkv_dim, *k = q + static_cast<long>(T) * H * D;
-    float *att = k + static_cast<long>(T) * KVH * D, *o = att + static_cast<long>(T) * H * D;
-    float *gu = o + static_cast<long>(T) * hid, *act = gu + static_cast<long>(T) * 2 * I;
-    float *scratch = act + static_cast<long>(T) * I;
+    // The activations in T (as many floats are reserved: a bf16 layer uses half), then the
+    // attention's float scratch.
+    T *normed = reinterpret_cast<T *>(work), *qkv = normed + static_cast<long>(T_) * hid;
+    T *q = qkv + static_cast<long>(T_) * qkv_dim, *k = q + static_cast<long>(T_) * H * D;
+    T *att = k + static_cast<long>(T_) * KVH * D, *o = att + static_cast<long>(T_) * H * D;
+    T *gu = o + static_cast<long>(T_) * hid, *act = gu + static_cast<long>(T_) * 2 * I;
+    float *scratch = work + activation_floats(d);
     if (first) {
-        std::memcpy(residual, x, sizeof(float) * static_cast<size_t>(T) * hid);
-        add_rmsnorm_f32(residual, nullptr, w.w_in, normed, T, hid, w.eps, nthreads);
+        std::memcpy(residual, x, sizeof(T) * static_cast<size_t>(T_) * hid);
+        add_rmsnorm<T>(residual, nullptr, w.w_in, normed, T_, hid, w.eps, nthreads);
     } else {
-        add_rmsnorm_f32(x, residual, w.w_in, normed, T, hid, w.eps, nthreads);
+        add_rmsnorm<T>(x, residual, w.w_in, normed, T_, hid, w.eps, nthreads);
     }
-    gemv_f32(normed, w.w_qkv, w.b_qkv, qkv, T, qkv_dim, hid, nthreads);
-    rope_qk_kv_f32(qkv, qkv_dim, cos, sin, q, k, k_cache, v_cache, slots, T, H, KVH, D,
-                   nthreads);
-    paged_decode_f32(q, static_cast<long>(H) * D, k_cache, v_cache, batch, att, T, H, KVH, D,
-                     d.bs, d.window, d.scale, scratch, nthreads);
-    gemv_f32(att, w.w_o, w.b_o, o, T, hid, H * D, nthreads);
-    add_rmsnorm_f32(o, residual, w.w_post, normed, T, hid, w.eps, nthreads);
-    gemv_f32(normed, w.w_gu, w.b_gu, gu, T, 2 * I, hid, nthreads);
-    silu_mul_f32(gu, act, T, I, nthreads);
-    gemv_f32(act, w.w_down, w.b_down, out, T, hid, I, nthreads);
+    gemv<T>(normed, w.w_qkv, w.b_qkv, qkv, T_, qkv_dim, hid, nthreads);
+    rope_qk_kv<T, C>(qkv, qkv_dim, cos, sin, q, k, k_cache, v_cache, slots, T_, H, KVH, D,
+                     nthreads);
+    paged_decode<T, C>(q, static_cast<long>(H) * D, k_cache, v_cache, batch, att, T_, H, KVH,
+                       D, d.bs, d.window, d.scale, scratch, nthreads);
+    gemv<T>(att, w.w_o, w.b_o, o, T_, hid, H * D, nthreads);
+    add_rmsnorm<T>(o, residual, w.w_post, normed, T_, hid, w.eps, nthreads);
+    gemv<T>(normed, w.w_gu, w.b_gu, gu, T_, 2 * I, hid, nthreads);
+    silu_mul<T>(gu, act, T_, I, nthreads);
+    gemv<T>(act, w.w_down, w.b_down, out, T_, hid, I, nthreads);
 }
+
+#define FLEETLLM_ROW_OPS(T)                                                                   \
+    template void add_rmsnorm<T>(const T *, T *, const T *, T *, int, int, float, int);      \
+    template void silu_mul<T>(const T *, T *, int, int, int);                                 \
+    template void gemv<T>(const T *, const T *, const T *, T *, int, int, int, int);
+#define FLEETLLM_CACHE_OPS(T, C)                                                              \
+    template void rope_qk_kv<T, C>(const T *, long, const T *, const T *, T *, T *, C *, C *, \
+                                   const int64_t *, int, int, int, int, int);                 \
+    template void decoder_layer<T, C>(const T *, T *, bool, T *, const LayerWeights<T> &,     \
+                                      const LayerDims &, const T *, const T *, C *, C *,      \
+                                      const int64_t *, const DecodeBatch &, float *, int);
+FLEETLLM_ROW_OPS(float)
+FLEETLLM_ROW_OPS(bf16)
+FLEETLLM_CACHE_OPS(float, float)
+FLEETLLM_CACHE_OPS(float, bf16)
+FLEETLLM_CACHE_OPS(bf16, float)
+FLEETLLM_CACHE_OPS(bf16, bf16)
 
 }  // namespace fleetllm::kernels

@@ -1,13 +1,42 @@
-// The CPU kernels on raw float32 buffers (paged_decode.cpp, fused_ops.cpp). Nothing here checks
-// its arguments or allocates: ops.cpp checks every tensor against the op's schema and shapes
-// and allocates outputs and scratch with at::empty (so an allocation failure is a c10 error,
-// not a null pointer), then calls these.
+// The CPU kernels on raw buffers (paged_decode.cpp, fused_ops.cpp), in float32 or bfloat16
+// storage with float32 math. Nothing here checks its arguments or allocates: ops.cpp checks
+// every tensor against the op's schema and shapes and allocates outputs and scratch with
+// at::empty (so an allocation failure is a c10 error, not a null pointer), then calls these.
+//
+// Templates: T is the activations' and weights' storage type, C the KV cache's (float or
+// bf16; ops.cpp instantiates every pair). In bfloat16 every kernel rounds where the
+// PyTorch/transformers modules it replaces round (after each elementwise op, once after a
+// matmul's float32 sum), so a bf16 model gives the same tokens through either; in float32
+// the rounding steps are no-ops and the kernels are the float32 kernels they always were.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
 namespace fleetllm::kernels {
+
+// A bfloat16 as stored: the top 16 bits of a float32. A type of its own (not uint16_t), so
+// that templates and overloads tell it apart from integers.
+enum class bf16 : uint16_t {};
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(bf16 x)
+{
+    return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16);
+}
+
+// Round to nearest even, as torch does (a NaN stays a quiet NaN).
+template <class T> T from_f32(float x);
+template <> inline float from_f32<float>(float x) { return x; }
+template <> inline bf16 from_f32<bf16>(float x)
+{
+    const uint32_t u = __builtin_bit_cast(uint32_t, x);
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return static_cast<bf16>(x != x ? 0x7FC0u : r);
+}
+
+// x rounded to T's precision, as a float: an intermediate result a T model stores.
+template <class T> inline float round_to(float x) { return to_f32(from_f32<T>(x)); }
 
 // Sizes at which work is split: below PAR_MIN elements an op runs on the calling thread alone
 // (waking threads costs more); up to SPIN_ROWS rows (a small decode batch) the pool stays
@@ -22,39 +51,45 @@ struct DecodeBatch {
     int maxlen;
 };
 
-// Floats of scratch paged_decode_f32 needs: per thread, scores of H heads over the longest
-// context (plus a block at each end) and an H x D accumulator.
+// Floats of scratch paged_decode needs: per thread, scores of H heads over the longest
+// context (plus a block at each end), an H x D accumulator, the query in float32 and the
+// heads' softmax sums.
 long paged_decode_scratch(int H, int D, int bs, int maxlen, int nthreads);
 
-// out[b] = attention of q[b] (H heads of D floats; rows q_stride floats apart) over sequence
-// b's context, read in place from one layer's k and v caches [num_blocks, bs, KVH, D].
+// out[b] = attention of q[b] (H heads of D; rows q_stride elements apart) over sequence b's
+// context, read in place from one layer's k and v caches [num_blocks, bs, KVH, D].
 // out: [B, H, D] contiguous.
-void paged_decode_f32(const float *q, long q_stride, const float *k, const float *v,
-                      const DecodeBatch &batch, float *out, int B, int H, int KVH, int D, int bs,
-                      int window, float scale, float *scratch, int nthreads);
+template <class T, class C>
+void paged_decode(const T *q, long q_stride, const C *k, const C *v, const DecodeBatch &batch,
+                  T *out, int B, int H, int KVH, int D, int bs, int window, float scale,
+                  float *scratch, int nthreads);
 
 // residual (if not null) += x, in place; out = rmsnorm(residual or x) * w. [T, H] rows.
-void add_rmsnorm_f32(const float *x, float *residual, const float *w, float *out, int T, int H,
-                     float eps, int nthreads);
+template <class T>
+void add_rmsnorm(const T *x, T *residual, const T *w, T *out, int rows, int H, float eps,
+                 int nthreads);
 
 // out[t, i] = silu(gu[t, i]) * gu[t, I + i]; gu: [T, 2I], out: [T, I].
-void silu_mul_f32(const float *gu, float *out, int T, int I, int nthreads);
+template <class T>
+void silu_mul(const T *gu, T *out, int rows, int I, int nthreads);
 
-// Neox RoPE of q and k from the fused qkv rows ([T] rows of (H + 2 KVH) * D floats, row_stride
+// Neox RoPE of q and k from the fused qkv rows ([T] rows of (H + 2 KVH) * D, row_stride
 // apart): q -> q_out [T, H, D], k -> k_out [T, KVH, D]; with caches (not null), k (rotated)
 // and v are also written at each token's slot of the [num_slots, KVH, D] caches. cos, sin:
 // [T, D/2].
-void rope_qk_kv_f32(const float *qkv, long row_stride, const float *cos, const float *sin,
-                    float *q_out, float *k_out, float *k_cache, float *v_cache,
-                    const int64_t *slots, int T, int H, int KVH, int D, int nthreads);
+template <class T, class C>
+void rope_qk_kv(const T *qkv, long row_stride, const T *cos, const T *sin, T *q_out, T *k_out,
+                C *k_cache, C *v_cache, const int64_t *slots, int rows, int H, int KVH, int D,
+                int nthreads);
 
 // y = x @ w^T (+ bias): x [M, K], w [N, K], y [M, N], all contiguous; bias may be null.
-void gemv_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
-              int nthreads);
+template <class T>
+void gemv(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, int nthreads);
 
 // One decoder layer's weights (contiguous; biases may be null).
+template <class T>
 struct LayerWeights {
-    const float *w_in, *w_post, *w_qkv, *b_qkv, *w_o, *b_o, *w_gu, *b_gu, *w_down, *b_down;
+    const T *w_in, *w_post, *w_qkv, *b_qkv, *w_o, *b_o, *w_gu, *b_gu, *w_down, *b_down;
     float eps;
 };
 
@@ -63,16 +98,16 @@ struct LayerDims {
     float scale;
 };
 
-// Floats of work space decoder_layer_f32 needs (its activations, then paged_decode's scratch).
+// Floats of work space decoder_layer needs (its activations, then paged_decode's scratch).
 long decoder_layer_work(const LayerDims &d, int maxlen, int nthreads);
 
 // One decoder layer of a decode step of a few sequences (one new token each), no tensor
 // parallelism: the kernels above in sequence. x: the layer input [T, hid]; residual: in/out
 // (first: x is copied into it, as the model's first layer does); out: [T, hid].
-void decoder_layer_f32(const float *x, float *residual, bool first, float *out,
-                       const LayerWeights &w, const LayerDims &d, const float *cos,
-                       const float *sin, float *k_cache, float *v_cache, const int64_t *slots,
-                       const DecodeBatch &batch, float *work, int nthreads);
+template <class T, class C>
+void decoder_layer(const T *x, T *residual, bool first, T *out, const LayerWeights<T> &w,
+                   const LayerDims &d, const T *cos, const T *sin, C *k_cache, C *v_cache,
+                   const int64_t *slots, const DecodeBatch &batch, float *work, int nthreads);
 
 // exp(x) for float, vectorizable (glibc's expf is not, without -ffast-math): Cody-Waite
 // reduction x = n ln2 + r, Cephes' degree-6 polynomial for exp(r), times 2^n built in the
@@ -92,6 +127,14 @@ static inline float exp_f32(float x)
     // n is in [-126, 128] after the clamp, so the shift cannot overflow (128 gives +inf, as
     // in the C original this replaces: only inputs within 0.35 of the clamp reach it).
     return y * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+}
+
+// Element-wise copy with conversion (a memcpy when the types agree).
+template <class S, class D>
+inline void convert(const S *src, D *dst, long n)
+{
+    #pragma omp simd
+    for (long i = 0; i < n; i++) dst[i] = from_f32<D>(to_f32(src[i]));
 }
 
 }  // namespace fleetllm::kernels

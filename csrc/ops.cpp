@@ -1,5 +1,6 @@
 // The torch.ops.fleetllm.* operators: schemas (the dispatcher checks argument kinds and that
-// tensors are on the CPU), checks of dtype, layout, shapes and index ranges (TORCH_CHECK:
+// tensors are on the CPU), checks of dtype (float32 or bfloat16: activations and weights of
+// one, the KV cache of either), layout, shapes and index ranges (TORCH_CHECK:
 // a RuntimeError in Python, never a wild read or write), allocation of outputs and scratch
 // with at::empty (an allocation failure raises torch.OutOfMemoryError, which
 // fleetllm.errors.as_out_of_memory classifies), then the kernels of kernels.h.
@@ -19,6 +20,7 @@ namespace fleetllm {
 namespace {
 
 using at::Tensor;
+using kernels::bf16;
 using std::optional;
 
 int to_int(int64_t v, const char *what)
@@ -27,16 +29,21 @@ int to_int(int64_t v, const char *what)
     return static_cast<int>(v);
 }
 
-void check_f32(const Tensor &t, const char *name, int64_t dim)
+// Activations, weights and KV caches: float32 or bfloat16 (kernels.h).
+void check_float(const Tensor &t, const char *name, int64_t dim)
 {
     TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU, got ", t.device());
-    TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+    TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+                " must be float32 or bfloat16, got ", t.scalar_type());
     TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got ", t.sizes());
 }
 
-void check_dense(const Tensor &t, const char *name, at::IntArrayRef sizes)
+// Of the dtype the op runs in (its first tensor's), contiguous, of these sizes.
+void check_dense(const Tensor &t, const char *name, at::IntArrayRef sizes, at::ScalarType type)
 {
-    check_f32(t, name, static_cast<int64_t>(sizes.size()));
+    check_float(t, name, static_cast<int64_t>(sizes.size()));
+    TORCH_CHECK(t.scalar_type() == type, name, " must be ", type, " as the op's input, got ",
+                t.scalar_type());
     TORCH_CHECK(t.sizes() == sizes, name, " must have shape ", sizes, ", got ", t.sizes());
     TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
@@ -49,19 +56,56 @@ void check_index(const Tensor &t, at::ScalarType type, const char *name, int64_t
     TORCH_CHECK(n < 0 || t.size(0) == n, name, " must have ", n, " entries, got ", t.size(0));
 }
 
+// f(float{}) or f(bf16{}) by the tensor type: the kernels' instantiations.
+template <class F>
+void dispatch(at::ScalarType type, F &&f)
+{
+    if (type == at::kBFloat16)
+        f(bf16{});
+    else
+        f(float{});
+}
+
+// f(T{}, C{}): activations in T, the KV cache in C.
+template <class F>
+void dispatch2(at::ScalarType t, at::ScalarType c, F &&f)
+{
+    dispatch(t, [&](auto a) { dispatch(c, [&](auto b) { f(a, b); }); });
+}
+
+template <class T>
+const T *cptr(const Tensor &t)
+{
+    return static_cast<const T *>(t.const_data_ptr());
+}
+
+template <class T>
+T *mptr(const Tensor &t)
+{
+    return static_cast<T *>(t.mutable_data_ptr());
+}
+
+template <class T>
+const T *opt_ptr(const optional<Tensor> &t)
+{
+    return t.has_value() ? cptr<T>(*t) : nullptr;
+}
+
 struct Cache {
     int blocks, bs, kvh, d;
+    long half;  // elements of the K half; V follows
 };
 
 // One layer's KV cache [2, num_blocks, block_size, KVH, D].
 Cache check_cache(const Tensor &kv)
 {
-    check_f32(kv, "kv_cache", 5);
+    check_float(kv, "kv_cache", 5);
     TORCH_CHECK(kv.is_contiguous() && kv.size(0) == 2,
                 "kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim]");
     Cache c{to_int(kv.size(1), "num_blocks"), to_int(kv.size(2), "block_size"),
-            to_int(kv.size(3), "kv_heads"), to_int(kv.size(4), "head_dim")};
+            to_int(kv.size(3), "kv_heads"), to_int(kv.size(4), "head_dim"), 0};
     TORCH_CHECK(c.bs > 0 && c.kvh > 0 && c.d > 0, "kv_cache has an empty dimension");
+    c.half = static_cast<long>(c.blocks) * c.bs * c.kvh * c.d;
     return c;
 }
 
@@ -100,12 +144,12 @@ kernels::DecodeBatch check_batch(const Tensor &tables, const Tensor &table_start
     return {tab, start, lens, maxlen};
 }
 
-// The step's RoPE tables, [T, (1,) head_dim / 2] each.
-void check_rope(const Tensor &cos, const Tensor &sin, int64_t t, int d)
+// The step's RoPE tables, [T, (1,) head_dim / 2] each, in the activations' dtype.
+void check_rope(const Tensor &cos, const Tensor &sin, int64_t t, int d, at::ScalarType type)
 {
     for (const Tensor *table : {&cos, &sin}) {
-        TORCH_CHECK(table->device().is_cpu() && table->scalar_type() == at::kFloat,
-                    "cos and sin must be float32 CPU tensors");
+        TORCH_CHECK(table->device().is_cpu() && table->scalar_type() == type,
+                    "cos and sin must be ", type, " CPU tensors");
         TORCH_CHECK(table->is_contiguous() && table->dim() >= 1 && table->size(0) == t
                     && table->numel() == t * (d / 2),
                     "cos and sin must be contiguous [T, (1,) head_dim / 2], got ", table->sizes());
@@ -117,60 +161,62 @@ Tensor scratch(long floats)
     return at::empty({floats}, at::TensorOptions().dtype(at::kFloat));
 }
 
-const float *opt_ptr(const optional<Tensor> &t)
-{
-    return t.has_value() ? t->const_data_ptr<float>() : nullptr;
-}
-
 void paged_decode(const Tensor &q, const Tensor &kv_cache, const Tensor &tables,
                   const Tensor &table_start, const Tensor &ctx_lens, int64_t window, double scale,
                   const Tensor &out)
 {
     const Cache c = check_cache(kv_cache);
-    check_f32(q, "q", 3);
+    check_float(q, "q", 3);
     const int b = to_int(q.size(0), "batch"), h = to_int(q.size(1), "heads");
     TORCH_CHECK(q.size(2) == c.d && h % c.kvh == 0, "q ", q.sizes(), " does not match kv_cache ",
                 kv_cache.sizes(), " (heads a multiple of kv_heads, the same head_dim)");
     TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == c.d && (b <= 1 || q.stride(0) >= h * c.d),
                 "q's heads and dims must be contiguous (rows may be strided)");
-    check_dense(out, "out", {b, h, c.d});
+    check_dense(out, "out", {b, h, c.d}, q.scalar_type());
     const kernels::DecodeBatch batch = check_batch(tables, table_start, ctx_lens, b, c);
     const int nthreads = at::get_num_threads();
     Tensor work = scratch(kernels::paged_decode_scratch(h, c.d, c.bs, batch.maxlen, nthreads));
-    const float *k = kv_cache.const_data_ptr<float>();
-    const long half = static_cast<long>(c.blocks) * c.bs * c.kvh * c.d;
-    kernels::paged_decode_f32(q.const_data_ptr<float>(), q.stride(0), k, k + half, batch,
-                              out.mutable_data_ptr<float>(), b, h, c.kvh, c.d, c.bs,
-                              to_int(window, "window"), static_cast<float>(scale),
-                              work.mutable_data_ptr<float>(), nthreads);
+    dispatch2(q.scalar_type(), kv_cache.scalar_type(), [&](auto t, auto cache) {
+        using T = decltype(t);
+        using C = decltype(cache);
+        const C *k = cptr<C>(kv_cache);
+        kernels::paged_decode<T, C>(cptr<T>(q), q.stride(0), k, k + c.half, batch, mptr<T>(out),
+                                    b, h, c.kvh, c.d, c.bs, to_int(window, "window"),
+                                    static_cast<float>(scale), mptr<float>(work), nthreads);
+    });
 }
 
 Tensor add_rmsnorm(const Tensor &x, const optional<Tensor> &residual, const Tensor &weight,
                    double eps)
 {
-    check_f32(x, "x", 2);
+    check_float(x, "x", 2);
     const int t = to_int(x.size(0), "rows"), h = to_int(x.size(1), "hidden size");
     TORCH_CHECK(h > 0 && x.is_contiguous(), "x must be a contiguous [T, H], H > 0");
     if (residual.has_value())
-        check_dense(*residual, "residual", {t, h});
-    check_dense(weight, "weight", {h});
+        check_dense(*residual, "residual", {t, h}, x.scalar_type());
+    check_dense(weight, "weight", {h}, x.scalar_type());
     Tensor out = at::empty({t, h}, x.options());
-    kernels::add_rmsnorm_f32(x.const_data_ptr<float>(),
-                             residual ? residual->mutable_data_ptr<float>() : nullptr,
-                             weight.const_data_ptr<float>(), out.mutable_data_ptr<float>(), t, h,
-                             static_cast<float>(eps), at::get_num_threads());
+    dispatch(x.scalar_type(), [&](auto tag) {
+        using T = decltype(tag);
+        kernels::add_rmsnorm<T>(cptr<T>(x), residual ? mptr<T>(*residual) : nullptr,
+                                cptr<T>(weight), mptr<T>(out), t, h, static_cast<float>(eps),
+                                at::get_num_threads());
+    });
     return out;
 }
 
 Tensor silu_mul(const Tensor &gate_up)
 {
-    check_f32(gate_up, "gate_up", 2);
+    check_float(gate_up, "gate_up", 2);
     const int t = to_int(gate_up.size(0), "rows"), two_i = to_int(gate_up.size(1), "width");
     TORCH_CHECK(gate_up.is_contiguous() && two_i > 0 && two_i % 2 == 0,
                 "gate_up must be a contiguous [T, 2I], I > 0");
     Tensor out = at::empty({t, two_i / 2}, gate_up.options());
-    kernels::silu_mul_f32(gate_up.const_data_ptr<float>(), out.mutable_data_ptr<float>(), t,
-                          two_i / 2, at::get_num_threads());
+    dispatch(gate_up.scalar_type(), [&](auto tag) {
+        using T = decltype(tag);
+        kernels::silu_mul<T>(cptr<T>(gate_up), mptr<T>(out), t, two_i / 2,
+                             at::get_num_threads());
+    });
     return out;
 }
 
@@ -179,7 +225,7 @@ std::tuple<Tensor, Tensor> rope_qk_kv(const Tensor &qkv, const Tensor &cos, cons
                                       const optional<Tensor> &kv_cache,
                                       const optional<Tensor> &slots)
 {
-    check_f32(qkv, "qkv", 2);
+    check_float(qkv, "qkv", 2);
     const int t = to_int(qkv.size(0), "rows"), h = to_int(heads, "heads");
     const int kvh = to_int(kv_heads, "kv_heads");
     const int64_t width = qkv.size(1);
@@ -188,39 +234,47 @@ std::tuple<Tensor, Tensor> rope_qk_kv(const Tensor &qkv, const Tensor &cos, cons
     const int d = to_int(width / (h + 2 * kvh), "head_dim");
     TORCH_CHECK(d > 0 && qkv.stride(1) == 1 && (t <= 1 || qkv.stride(0) >= width),
                 "qkv's rows must be contiguous (they may be strided)");
-    check_rope(cos, sin, t, d);
+    check_rope(cos, sin, t, d, qkv.scalar_type());
     TORCH_CHECK(kv_cache.has_value() == slots.has_value(), "kv_cache and slots go together");
-    float *k_cache = nullptr, *v_cache = nullptr;
+    Cache c{};
     if (kv_cache) {
-        const Cache c = check_cache(*kv_cache);
+        c = check_cache(*kv_cache);
         TORCH_CHECK(c.kvh == kvh && c.d == d, "kv_cache ", kv_cache->sizes(),
                     " does not match kv_heads ", kvh, ", head_dim ", d);
         check_slots(*slots, t, c);
-        k_cache = kv_cache->mutable_data_ptr<float>();
-        v_cache = k_cache + static_cast<long>(c.blocks) * c.bs * c.kvh * c.d;
     }
     Tensor q = at::empty({t, h, d}, qkv.options()), k = at::empty({t, kvh, d}, qkv.options());
-    kernels::rope_qk_kv_f32(qkv.const_data_ptr<float>(), qkv.stride(0), cos.const_data_ptr<float>(),
-                            sin.const_data_ptr<float>(), q.mutable_data_ptr<float>(),
-                            k.mutable_data_ptr<float>(), k_cache, v_cache,
-                            slots ? slots->const_data_ptr<int64_t>() : nullptr, t, h, kvh, d,
-                            at::get_num_threads());
+    const at::ScalarType cache_type = kv_cache ? kv_cache->scalar_type() : qkv.scalar_type();
+    dispatch2(qkv.scalar_type(), cache_type, [&](auto tag, auto cache) {
+        using T = decltype(tag);
+        using C = decltype(cache);
+        C *k_cache = kv_cache ? mptr<C>(*kv_cache) : nullptr;
+        kernels::rope_qk_kv<T, C>(cptr<T>(qkv), qkv.stride(0), cptr<T>(cos), cptr<T>(sin),
+                                  mptr<T>(q), mptr<T>(k), k_cache,
+                                  k_cache ? k_cache + c.half : nullptr,
+                                  slots ? slots->const_data_ptr<int64_t>() : nullptr, t, h, kvh,
+                                  d, at::get_num_threads());
+    });
     return {q, k};
 }
 
 Tensor gemv(const Tensor &x, const Tensor &weight, const optional<Tensor> &bias)
 {
-    check_f32(x, "x", 2);
-    check_f32(weight, "weight", 2);
+    check_float(x, "x", 2);
+    check_float(weight, "weight", 2);
     const int m = to_int(x.size(0), "rows"), k = to_int(x.size(1), "in_features");
     const int n = to_int(weight.size(0), "out_features");
-    check_dense(x, "x", {m, k});
-    check_dense(weight, "weight", {n, k});
+    const at::ScalarType type = x.scalar_type();
+    check_dense(x, "x", {m, k}, type);
+    check_dense(weight, "weight", {n, k}, type);
     if (bias)
-        check_dense(*bias, "bias", {n});
+        check_dense(*bias, "bias", {n}, type);
     Tensor y = at::empty({m, n}, x.options());
-    kernels::gemv_f32(x.const_data_ptr<float>(), weight.const_data_ptr<float>(), opt_ptr(bias),
-                      y.mutable_data_ptr<float>(), m, n, k, at::get_num_threads());
+    dispatch(type, [&](auto tag) {
+        using T = decltype(tag);
+        kernels::gemv<T>(cptr<T>(x), cptr<T>(weight), opt_ptr<T>(bias), mptr<T>(y), m, n, k,
+                         at::get_num_threads());
+    });
     return y;
 }
 
@@ -235,46 +289,48 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
                      const Tensor &ctx_lens)
 {
     const Cache c = check_cache(kv_cache);
-    check_f32(x, "x", 2);
-    check_f32(w_down, "w_down", 2);
+    check_float(x, "x", 2);
+    check_float(w_down, "w_down", 2);
+    const at::ScalarType type = x.scalar_type();
     kernels::LayerDims d{to_int(x.size(0), "rows"), to_int(x.size(1), "hidden size"),
                          to_int(heads, "heads"), c.kvh, c.d, to_int(w_down.size(1), "inter"),
                          c.bs, to_int(window, "window"), static_cast<float>(scale)};
     TORCH_CHECK(d.hid > 0 && d.H > 0 && d.I > 0 && d.H % d.KVH == 0 && d.D % 2 == 0,
                 "decoder_layer: bad dimensions");
     const int64_t qkv_dim = static_cast<int64_t>(d.H + 2 * d.KVH) * d.D;
-    check_dense(x, "x", {d.T, d.hid});
-    check_dense(residual, "residual", {d.T, d.hid});
-    check_dense(w_in, "w_in", {d.hid});
-    check_dense(w_post, "w_post", {d.hid});
-    check_dense(w_qkv, "w_qkv", {qkv_dim, d.hid});
-    check_dense(w_o, "w_o", {d.hid, static_cast<int64_t>(d.H) * d.D});
-    check_dense(w_gu, "w_gu", {2L * d.I, d.hid});
-    check_dense(w_down, "w_down", {d.hid, d.I});
+    check_dense(x, "x", {d.T, d.hid}, type);
+    check_dense(residual, "residual", {d.T, d.hid}, type);
+    check_dense(w_in, "w_in", {d.hid}, type);
+    check_dense(w_post, "w_post", {d.hid}, type);
+    check_dense(w_qkv, "w_qkv", {qkv_dim, d.hid}, type);
+    check_dense(w_o, "w_o", {d.hid, static_cast<int64_t>(d.H) * d.D}, type);
+    check_dense(w_gu, "w_gu", {2L * d.I, d.hid}, type);
+    check_dense(w_down, "w_down", {d.hid, d.I}, type);
     const std::tuple<const optional<Tensor> *, const char *, int64_t> biases[] = {
         {&b_qkv, "b_qkv", qkv_dim}, {&b_o, "b_o", d.hid}, {&b_gu, "b_gu", 2L * d.I},
         {&b_down, "b_down", d.hid}};
     for (const auto &[bias, name, n] : biases)
         if (bias->has_value())
-            check_dense(**bias, name, {n});
-    check_rope(cos, sin, d.T, d.D);
+            check_dense(**bias, name, {n}, type);
+    check_rope(cos, sin, d.T, d.D, type);
     check_slots(slots, d.T, c);
     const kernels::DecodeBatch batch = check_batch(tables, table_start, ctx_lens, d.T, c);
     const int nthreads = at::get_num_threads();
     Tensor work = scratch(kernels::decoder_layer_work(d, batch.maxlen, nthreads));
     Tensor out = at::empty({d.T, d.hid}, x.options());
-    const kernels::LayerWeights w{
-        w_in.const_data_ptr<float>(), w_post.const_data_ptr<float>(),
-        w_qkv.const_data_ptr<float>(), opt_ptr(b_qkv), w_o.const_data_ptr<float>(),
-        opt_ptr(b_o), w_gu.const_data_ptr<float>(), opt_ptr(b_gu),
-        w_down.const_data_ptr<float>(), opt_ptr(b_down), static_cast<float>(eps)};
-    float *k_cache = kv_cache.mutable_data_ptr<float>();
-    kernels::decoder_layer_f32(x.const_data_ptr<float>(), residual.mutable_data_ptr<float>(),
-                               first, out.mutable_data_ptr<float>(), w, d,
-                               cos.const_data_ptr<float>(), sin.const_data_ptr<float>(), k_cache,
-                               k_cache + static_cast<long>(c.blocks) * c.bs * c.kvh * c.d,
-                               slots.const_data_ptr<int64_t>(), batch,
-                               work.mutable_data_ptr<float>(), nthreads);
+    dispatch2(type, kv_cache.scalar_type(), [&](auto tag, auto cache) {
+        using T = decltype(tag);
+        using C = decltype(cache);
+        const kernels::LayerWeights<T> w{
+            cptr<T>(w_in), cptr<T>(w_post), cptr<T>(w_qkv), opt_ptr<T>(b_qkv), cptr<T>(w_o),
+            opt_ptr<T>(b_o), cptr<T>(w_gu), opt_ptr<T>(b_gu), cptr<T>(w_down),
+            opt_ptr<T>(b_down), static_cast<float>(eps)};
+        C *k_cache = mptr<C>(kv_cache);
+        kernels::decoder_layer<T, C>(cptr<T>(x), mptr<T>(residual), first, mptr<T>(out), w, d,
+                                     cptr<T>(cos), cptr<T>(sin), k_cache, k_cache + c.half,
+                                     slots.const_data_ptr<int64_t>(), batch,
+                                     mptr<float>(work), nthreads);
+    });
     return out;
 }
 

@@ -1,9 +1,10 @@
 // Paged decode attention: one query per sequence over its context, read in place from the KV
 // blocks (no gathered copy, no padding to the longest context), each K/V byte read once per
 // step and layer. One work item is (sequence, group of KV heads); D is a literal in the
-// specialized calls, so the inner loops vectorize with known trip counts.
-#include <cmath>
+// specialized calls, so the inner loops vectorize with known trip counts. Queries and outputs
+// in T, the cache in C (float32 or bfloat16); scores, softmax and sums in float32.
 #include <cstring>
+#include <type_traits>
 
 #include "kernels.h"
 #include "parallel.h"
@@ -11,29 +12,33 @@
 namespace fleetllm::kernels {
 namespace {
 
+// RoundP (a bfloat16 model): as PyTorch's CPU flash attention, which transformers' bf16 models
+// run, the softmax numerators are rounded to bfloat16 before P . V and the sum divides at the
+// end; a float32 model normalizes P first, as before.
+template <class C, bool RoundP>
 inline __attribute__((always_inline)) void decode_item(
-    const float *q, const float *k, const float *v, const int32_t *table, int start, int len,
-    int kh0, int nkv, float *out, int H, int KVH, const int D, int bs, float scale,
-    float *scores, float *acc)
+    const float *q, const C *k, const C *v, const int32_t *table, int start, int len, int kh0,
+    int nkv, float *acc, int H, int KVH, const int D, int bs, float scale, float *scores,
+    float *inv_sum)
 {
     const int G = H / KVH, nh = nkv * G;
-    const long tok = static_cast<long>(KVH) * D;  // floats per token slot in a block
+    const long tok = static_cast<long>(KVH) * D;  // elements per token slot in a block
     const int b0 = start / bs, b1 = (len + bs - 1) / bs;
     const int n = (b1 - b0) * bs;                  // whole blocks; the ends are masked
     const int lo = start - b0 * bs, hi = len - b0 * bs;
     const float *qb = q + static_cast<long>(kh0) * G * D;
     for (int blk = b0; blk < b1; blk++) {  // scores = q . K, block by block
-        const float *kb = k + static_cast<long>(table[blk]) * bs * tok + static_cast<long>(kh0) * D;
+        const C *kb = k + static_cast<long>(table[blk]) * bs * tok + static_cast<long>(kh0) * D;
         const int base = (blk - b0) * bs;
         for (int o = 0; o < bs; o++) {
             for (int kh = 0; kh < nkv; kh++) {
-                const float *kp = kb + o * tok + static_cast<long>(kh) * D;
+                const C *kp = kb + o * tok + static_cast<long>(kh) * D;
                 for (int g = 0; g < G; g++) {
                     const int h = kh * G + g;
                     const float *qh = qb + static_cast<long>(h) * D;
                     float s = 0.f;
                     #pragma omp simd reduction(+:s)
-                    for (int d = 0; d < D; d++) s += qh[d] * kp[d];
+                    for (int d = 0; d < D; d++) s += qh[d] * to_f32(kp[d]);
                     scores[static_cast<long>(h) * n + base + o] = s * scale;
                 }
             }
@@ -46,62 +51,94 @@ inline __attribute__((always_inline)) void decode_item(
         #pragma omp simd reduction(+:sum)
         for (int t = lo; t < hi; t++) { const float e = exp_f32(sh[t] - m); sh[t] = e; sum += e; }
         const float inv = 1.f / sum;
-        #pragma omp simd
-        for (int t = lo; t < hi; t++) sh[t] *= inv;
+        if constexpr (RoundP) {
+            #pragma omp simd
+            for (int t = lo; t < hi; t++) sh[t] = round_to<bf16>(sh[t]);
+            inv_sum[h] = inv;
+        } else {
+            #pragma omp simd
+            for (int t = lo; t < hi; t++) sh[t] *= inv;
+        }
     }
     std::memset(acc, 0, sizeof(float) * static_cast<size_t>(nh) * D);
     for (int blk = b0; blk < b1; blk++) {  // out = P . V
-        const float *vb = v + static_cast<long>(table[blk]) * bs * tok + static_cast<long>(kh0) * D;
+        const C *vb = v + static_cast<long>(table[blk]) * bs * tok + static_cast<long>(kh0) * D;
         const int base = (blk - b0) * bs;
         const int o0 = base < lo ? lo - base : 0;
         const int o1 = base + bs <= hi ? bs : hi - base;
         for (int o = o0; o < o1; o++) {
             for (int kh = 0; kh < nkv; kh++) {
-                const float *vp = vb + o * tok + static_cast<long>(kh) * D;
+                const C *vp = vb + o * tok + static_cast<long>(kh) * D;
                 for (int g = 0; g < G; g++) {
                     const int h = kh * G + g;
                     const float w = scores[static_cast<long>(h) * n + base + o];
                     float *ah = acc + static_cast<long>(h) * D;
                     #pragma omp simd
-                    for (int d = 0; d < D; d++) ah[d] += w * vp[d];
+                    for (int d = 0; d < D; d++) ah[d] += w * to_f32(vp[d]);
                 }
             }
         }
     }
-    std::memcpy(out + static_cast<long>(kh0) * G * D, acc,
-                sizeof(float) * static_cast<size_t>(nh) * D);
+    if constexpr (RoundP)
+        for (int h = 0; h < nh; h++) {
+            float *ah = acc + static_cast<long>(h) * D;
+            #pragma omp simd
+            for (int d = 0; d < D; d++) ah[d] *= inv_sum[h];
+        }
 }
 
+template <class T, class C>
 struct DecodeCtx {
-    const float *q, *k, *v;
+    const T *q;
+    const C *k, *v;
     long q_stride, scratch_per;
     const DecodeBatch *batch;
-    float *out, *scratch, scale;
+    T *out;
+    float *scratch, scale;
     int H, KVH, D, bs, window, split, nkv;
 };
 
+template <class T, class C>
 void decode_body(void *arg, long begin, long end, int tid)
 {
-    const auto *c = static_cast<const DecodeCtx *>(arg);
+    const auto *c = static_cast<const DecodeCtx<T, C> *>(arg);
+    const int H = c->H, D = c->D, G = H / c->KVH;
     float *scores = c->scratch + tid * c->scratch_per;
-    float *acc = scores + static_cast<long>(c->H) * (c->batch->maxlen + 2 * c->bs);
+    float *acc = scores + static_cast<long>(H) * (c->batch->maxlen + 2 * c->bs);
+    float *qf = acc + static_cast<long>(H) * D, *inv_sum = qf + static_cast<long>(H) * D;
     for (long item = begin; item < end; item++) {
         const int b = static_cast<int>(item / c->split);
         const int kh0 = static_cast<int>(item % c->split) * c->nkv;
+        const long h0 = static_cast<long>(kh0) * G * D, nhd = static_cast<long>(c->nkv) * G * D;
         const int len = c->batch->ctx_lens[b];
         const int start = c->window > 0 && len > c->window ? len - c->window : 0;
-        const float *qb = c->q + static_cast<long>(b) * c->q_stride;
-        float *ob = c->out + static_cast<long>(b) * c->H * c->D;
+        const T *qb = c->q + static_cast<long>(b) * c->q_stride;
+        T *ob = c->out + static_cast<long>(b) * H * D;
+        // The item's heads of q in float32, and their output (acc) in float32 until the end;
+        // a float32 model reads q and sums into out in place.
+        const float *qv;
+        float *ov;
+        if constexpr (std::is_same_v<T, float>) {
+            qv = qb;
+            ov = ob + h0;
+        } else {
+            convert(qb + h0, qf + h0, nhd);
+            qv = qf;
+            ov = acc;
+        }
         const int32_t *table = c->batch->tables + c->batch->table_start[b];
-        if (c->D == 64)
-            decode_item(qb, c->k, c->v, table, start, len, kh0, c->nkv, ob, c->H, c->KVH, 64,
-                        c->bs, c->scale, scores, acc);
-        else if (c->D == 128)
-            decode_item(qb, c->k, c->v, table, start, len, kh0, c->nkv, ob, c->H, c->KVH, 128,
-                        c->bs, c->scale, scores, acc);
+        constexpr bool round_p = !std::is_same_v<T, float>;
+        if (D == 64)
+            decode_item<C, round_p>(qv, c->k, c->v, table, start, len, kh0, c->nkv, ov, H, c->KVH, 64,
+                        c->bs, c->scale, scores, inv_sum);
+        else if (D == 128)
+            decode_item<C, round_p>(qv, c->k, c->v, table, start, len, kh0, c->nkv, ov, H, c->KVH, 128,
+                        c->bs, c->scale, scores, inv_sum);
         else
-            decode_item(qb, c->k, c->v, table, start, len, kh0, c->nkv, ob, c->H, c->KVH,
-                        c->D, c->bs, c->scale, scores, acc);
+            decode_item<C, round_p>(qv, c->k, c->v, table, start, len, kh0, c->nkv, ov, H, c->KVH, D,
+                        c->bs, c->scale, scores, inv_sum);
+        if constexpr (!std::is_same_v<T, float>)
+            convert(acc, ob + h0, nhd);
     }
 }
 
@@ -109,15 +146,16 @@ void decode_body(void *arg, long begin, long end, int tid)
 
 long paged_decode_scratch(int H, int D, int bs, int maxlen, int nthreads)
 {
-    const long per = static_cast<long>(H) * (maxlen + 2L * bs) + static_cast<long>(H) * D;
+    const long per = static_cast<long>(H) * (maxlen + 2L * bs) + 2L * H * D + H;
     return per * (nthreads > 0 ? nthreads : 1);
 }
 
-void paged_decode_f32(const float *q, long q_stride, const float *k, const float *v,
-                      const DecodeBatch &batch, float *out, int B, int H, int KVH, int D, int bs,
-                      int window, float scale, float *scratch, int nthreads)
+template <class T, class C>
+void paged_decode(const T *q, long q_stride, const C *k, const C *v, const DecodeBatch &batch,
+                  T *out, int B, int H, int KVH, int D, int bs, int window, float scale,
+                  float *scratch, int nthreads)
 {
-    DecodeCtx c{};
+    DecodeCtx<T, C> c{};
     c.q = q;
     c.k = k;
     c.v = v;
@@ -136,7 +174,17 @@ void paged_decode_f32(const float *q, long q_stride, const float *k, const float
     c.split = B >= 4 * nthreads ? 1 : KVH;
     c.nkv = KVH / c.split;
     c.scratch_per = paged_decode_scratch(H, D, bs, batch.maxlen, 1);
-    parallel_run(nthreads, decode_body, &c, static_cast<long>(B) * c.split, 1, B <= SPIN_ROWS);
+    parallel_run(nthreads, decode_body<T, C>, &c, static_cast<long>(B) * c.split, 1,
+                 B <= SPIN_ROWS);
 }
+
+#define FLEETLLM_DECODE(T, C)                                                                 \
+    template void paged_decode<T, C>(const T *, long, const C *, const C *,                   \
+                                     const DecodeBatch &, T *, int, int, int, int, int, int,  \
+                                     float, float *, int);
+FLEETLLM_DECODE(float, float)
+FLEETLLM_DECODE(float, bf16)
+FLEETLLM_DECODE(bf16, float)
+FLEETLLM_DECODE(bf16, bf16)
 
 }  // namespace fleetllm::kernels

@@ -10,10 +10,10 @@ decode sequences (one new token each) first. Per step, not per layer, the metada
 everything derived from the batch's shape (index tensors, masks, groups); each layer only
 writes its K/V and attends:
 
-- decode: on CPU in float32, `cpu_kernels.paged_decode` reads each sequence's context in place
-  from its blocks, every K/V byte once, no padding. Elsewhere, sequences are grouped by
-  context length (padding bounded to ~1/3 of a group's longest) and each group's context is
-  gathered once per layer with the step's index tensor, then SDPA.
+- decode: on CPU in float32 or bfloat16, `cpu_kernels.paged_decode` reads each sequence's
+  context in place from its blocks, every K/V byte once, no padding. Elsewhere, sequences are
+  grouped by context length (padding bounded to ~1/3 of a group's longest) and each group's
+  context is gathered once per layer with the step's index tensor, then SDPA.
 - prefill without a cached prefix: spans of similar length are right-padded into one batch
   and attended with one causal SDPA call (right padding needs no mask: a padded key is later
   than every real query of its row). One span is attended in place.
@@ -86,9 +86,9 @@ class TorchAttentionBackend:
             num_slots = kv_cache.shape[1] * kv_cache.shape[2]
             k_cache = kv_cache[0].view(num_slots, *kv_cache.shape[3:])
             v_cache = kv_cache[1].view(num_slots, *kv_cache.shape[3:])
-            if not kv_written:
-                k_cache.index_copy_(0, meta.slot_mapping, k)
-                v_cache.index_copy_(0, meta.slot_mapping, v)
+            if not kv_written:  # (kv_cache_dtype may differ from the model's)
+                k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+                v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         n_dec = meta.decode.num if meta.decode is not None else 0
         if n_dec:
             _decode(q[:n_dec], kv_cache, meta, scale, window, out[:n_dec])
@@ -103,8 +103,7 @@ class TorchAttentionBackend:
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
             window: int | None, out: torch.Tensor) -> None:
     dec = meta.decode
-    if (q.device.type == "cpu" and q.dtype == torch.float32 and q.stride(-1) == 1
-            and kv_cache.is_contiguous() and cpu_kernels.available()):
+    if (q.stride(-1) == 1 and kv_cache.is_contiguous() and cpu_kernels.usable(q, kv_cache)):
         cpu_kernels.paged_decode(q, kv_cache, dec.tables, dec.table_start, dec.ctx_lens,
                                  window, scale, out)
         return
@@ -118,6 +117,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
         b, t = slots.shape
         keys = k_cache.index_select(0, slots.view(-1)).view(b, t, *k_cache.shape[1:])
         values = v_cache.index_select(0, slots.view(-1)).view(b, t, *v_cache.shape[1:])
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         o = F.scaled_dot_product_attention(q.index_select(0, rows).unsqueeze(2),
                                            keys.transpose(1, 2), values.transpose(1, 2),
                                            attn_mask=mask, scale=scale, enable_gqa=True)
@@ -190,7 +190,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
             b, t = idx.shape
             qp = q.index_select(0, idx.view(-1)).view(b, t, *q.shape[1:]).transpose(1, 2)
             kp, vp = (c.index_select(0, slots.view(-1)).view(*slots.shape, *c.shape[1:])
-                      .transpose(1, 2) for c in (k_cache, v_cache))
+                      .transpose(1, 2).to(q.dtype) for c in (k_cache, v_cache))
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
                                                enable_gqa=True)
             out.index_copy_(0, dst, o.transpose(1, 2).reshape(b * t, *q.shape[1:])
@@ -258,7 +258,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scal
             window: int | None = None) -> torch.Tensor:
     """Causal attention of q (the last len(q) of len(k) positions) over k, v; with a window,
     query i (at key index prefix + i) sees the keys in (prefix + i - window, prefix + i]."""
-    q_, k_, v_ = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    # 4-D [1, heads, t, d]: PyTorch's CPU flash attention, as transformers calls it (3-D
+    # inputs take another kernel, which rounds bfloat16 differently).
+    q_, k_, v_ = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if prefix == 0 and (window is None or window >= q.shape[0]):
         o = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=scale,
                                            enable_gqa=True)
@@ -270,4 +272,4 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scal
             mask &= j > pos - window
         o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=scale,
                                            enable_gqa=True)
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)

@@ -1,4 +1,6 @@
-"""fleetllm's own CPU kernels, as `torch.ops.fleetllm.*` ops (C++ sources in `csrc/`).
+"""fleetllm's own CPU kernels, as `torch.ops.fleetllm.*` ops (C++ sources in `csrc/`), in
+float32 and bfloat16 (float32 math; in bfloat16 they round where transformers' modules round,
+csrc/kernels.h).
 
 Paged decode attention: one query per sequence over its context, read in place from the KV
 blocks (no gathered copy, no padding to the longest context), each K/V byte read once per
@@ -78,10 +80,14 @@ def available() -> bool:
     return (_ops if _tried else _load()) is not None
 
 
+DTYPES = (torch.float32, torch.bfloat16)
+
+
 def usable(*tensors: torch.Tensor) -> bool:
-    """The kernels apply: CPU float32 tensors, and the library is loaded."""
+    """The kernels apply: CPU float32 or bfloat16 tensors, and the library is loaded. (An op's
+    activations and weights share one dtype; a KV cache may have the other.)"""
     for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu":
+        if t.dtype not in DTYPES or t.device.type != "cpu":
             return False
     return (_ops if _tried else _load()) is not None
 
@@ -99,7 +105,7 @@ def build_info() -> str:
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
                  table_start: torch.Tensor, ctx_lens: torch.Tensor, window: int | None,
                  scale: float, out: torch.Tensor) -> None:
-    """out[b] = attention of q[b] over sequence b's context. q: [B, H, D] float32 (rows may
+    """out[b] = attention of q[b] over sequence b's context. q: [B, H, D] (rows may
     be strided, heads and dims contiguous); out: [B, H, D] contiguous; kv_cache: one layer's
     [2, num_blocks, block_size, KVH, D]; tables (every sequence's block ids, concatenated),
     table_start (where each sequence's begin), ctx_lens: int32. window: attend to the last
@@ -130,7 +136,8 @@ def rope_qk_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T (+ bias) for a few rows of x: contiguous float32 x [M, K], weight [N, K]."""
+    """x @ weight.T (+ bias) for a few rows of x: contiguous x [M, K], weight [N, K] of one
+    dtype; float32 sums, rounded once."""
     return _ops.gemv(x, weight, bias)
 
 

@@ -1,7 +1,8 @@
 """A decode step of a few sequences runs each decoder layer as one C call
 (cpu_kernels.decoder_layer): the same kernels as the module-by-module path (GEMV, fused norm,
 RoPE + cache write, paged attention, SiLU * up), minus ~10 Python calls, tensors and their
-glue per layer. Used when it computes exactly what the modules would: CPU float32, no tensor
+glue per layer. Used when it computes exactly what the modules would: CPU float32 or
+bfloat16 (the KV cache in either), no tensor
 parallelism, no q/k norm, the dense weights kept (FLEETLLM_LINEAR=auto), a batch of at most
 4 decode tokens and nothing else."""
 

@@ -4,12 +4,13 @@ Each layer holds only this rank's shard and has a `weight_loader(param, loaded, 
 that copies its slice out of the full checkpoint tensor. `loaded` may be a torch.Tensor or a
 safetensors slice (read lazily), so each rank reads only its own bytes from disk.
 
-After loading, `pack_linear_weights` hands each projection's weight to oneDNN in its own
-blocked layout (CPU, float32): its matmul then streams the weight once per call instead of
-packing it again in every call, as MKL's sgemm does for a plain [out, in] weight. On the 125M
-preset this measured 1.5-3x faster for 8-64 rows (decode batches) and about equal for long
-prefills; see docs/perf.md. For 1-4 rows (a decode step of a few sequences, memory-bound)
-fleetllm's own GEMV kernel streams the dense weight at the memory's bandwidth, ~1.5-2x
+After loading, `pack_linear_weights` hands each projection's weight to oneDNN in its own blocked
+layout (CPU, float32 or bfloat16; in bfloat16 oneDNN uses the CPU's AVX-512 BF16 dot-product
+instructions where it has them, ~2x the float32 rate here): its matmul then streams the weight once
+per call instead of packing it again in every call, as MKL's sgemm does for a plain [out, in]
+weight. On the 125M preset this measured 1.5-3x faster for 8-64 rows (decode batches) and about
+equal for long prefills; see docs/perf.md. For 1-4 rows (a decode step of a few sequences,
+memory-bound) fleetllm's own GEMV kernel streams the dense weight at the memory's bandwidth, ~1.5-2x
 oneDNN's rate there, so the dense copy is kept too while the projections weigh at most
 FLEETLLM_GEMV_MAX_BYTES (default 2 GiB): twice the weight memory for a faster small batch.
 FLEETLLM_LINEAR=packed keeps only the packed weights, =dense only plain F.linear.
@@ -212,9 +213,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     o1, o2 = out[..., :half], out[..., half:]
     torch.mul(x1, cos, out=o1)
-    o1.addcmul_(x2, sin, value=-1.0)
     torch.mul(x2, cos, out=o2)
-    o2.addcmul_(x1, sin)
+    if x.dtype == torch.float32:
+        o1.addcmul_(x2, sin, value=-1.0)
+        o2.addcmul_(x1, sin)
+    else:  # each product rounded to x's dtype before the sum, as transformers computes it
+        o1.sub_(x2 * sin)
+        o2.add_(x1 * sin)
     return out
 
 
@@ -254,7 +259,7 @@ def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) 
 def _can_pack(weight: torch.Tensor) -> bool:
     if os.environ.get("FLEETLLM_LINEAR", "auto") == "dense":
         return False
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return False
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
                                                             "_linear_pointwise")
@@ -269,7 +274,9 @@ def pack_linear_weights(model: nn.Module) -> int:
               and not isinstance(m, ParallelLMHead)}
     linears = [m for m in model.modules()
                if isinstance(m, ColumnParallelLinear | RowParallelLinear | ParallelLMHead)]
-    dense_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    # What keeping the dense weights costs: a tied LM head's is the embedding's, kept anyway.
+    dense_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears
+                      if id(m.weight) not in shared)
     keep_dense = os.environ.get("FLEETLLM_LINEAR", "auto") == "auto" and cpu_kernels.available() \
         and dense_bytes <= int(float(os.environ.get("FLEETLLM_GEMV_MAX_BYTES", 2 << 30)))
     count = 0
@@ -280,8 +287,11 @@ def pack_linear_weights(model: nn.Module) -> int:
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
             probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+            probe = probe.to(weight.dtype)
             got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [None], "")
-            torch.testing.assert_close(got, F.linear(probe, weight), rtol=1e-4, atol=1e-4)
+            tol = 1e-4 if weight.dtype == torch.float32 else 2e-2  # bf16: output rounding
+            torch.testing.assert_close(got.float(), F.linear(probe, weight).float(), rtol=tol,
+                                       atol=tol)
         except (RuntimeError, AssertionError) as e:
             logger.warning("oneDNN weight packing unavailable (%s): plain F.linear", e)
             return count
