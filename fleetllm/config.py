@@ -154,13 +154,18 @@ class ModelConfig:
                    f"must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
 
     def torch_dtype(self, device: str) -> torch.dtype:
+        """"auto": the checkpoint's dtype, except on the CPU for float16 checkpoints (and
+        ones that name none), which run in float32: fleetllm's CPU kernels and oneDNN's fast
+        matmuls are float32 and bfloat16 ones (float32 holds every float16 value exactly;
+        docs/perf.md says what float16 costs)."""
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
-        if device == "cpu":  # CPU matmuls in half precision are slow and inexact
-            return torch.float32
-        return _DTYPES.get(self.arch.torch_dtype or "", torch.bfloat16)
+        stored = _DTYPES.get(self.arch.torch_dtype or "")
+        if device == "cpu":
+            return torch.bfloat16 if stored == torch.bfloat16 else torch.float32
+        return stored or torch.bfloat16
 
 
 @dataclass
@@ -173,11 +178,16 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     # Reuse the KV blocks of cached prompt prefixes (core/prefix_cache.py).
     enable_prefix_caching: bool = True
+    # The KV cache's dtype: "auto" (the model's), "bfloat16" or "float32".
+    kv_cache_dtype: str = "auto"
     num_gpu_blocks: int | None = None  # set once the executor has measured
     num_cpu_blocks: int | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+               f"{self.kv_cache_dtype!r} is not supported: one of "
+               f"{', '.join(KV_CACHE_DTYPES)} (fleetllm has no quantized, fp8, KV cache)")
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
                f"must be a power of two in [1, 128], got {self.block_size!r}")
         if self.kv_cache_memory is not None:
@@ -192,7 +202,11 @@ class CacheConfig:
         if self.num_gpu_blocks_override is not None:
             _check(self.num_gpu_blocks_override > 0, "num_gpu_blocks_override", "must be > 0")
 
+    def torch_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype if self.kv_cache_dtype == "auto" else _DTYPES[self.kv_cache_dtype]
 
+
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's names
 
 
@@ -407,8 +421,6 @@ VLLM_ARGS: dict[str, VllmArg] = {
     # Features that change the results, which fleetllm does not implement: refused unless
     # they hold vLLM's default, which means what fleetllm does anyway.
     "quantization": VllmArg(None, "fleetllm runs unquantized checkpoints only", True),
-    "kv_cache_dtype": VllmArg("auto", "the KV cache is kept in the model's dtype ('auto')",
-                              True),
     "speculative_model": VllmArg(None, "no speculative decoding in fleetllm", True),
     "num_speculative_tokens": VllmArg(None, "no speculative decoding in fleetllm", True),
     "enable_lora": VllmArg(False, "no LoRA adapters in fleetllm", True),

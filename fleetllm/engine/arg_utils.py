@@ -29,8 +29,9 @@ _MEASURED = {"num_gpu_blocks", "num_cpu_blocks"}  # set by the engine, not by us
 # Help per engine flag. One that states its default itself gets no "(default: ...)" added.
 _HELP = {
     "tokenizer": "tokenizer directory (default: the model directory)",
-    "dtype": "auto (float32 on CPU, the checkpoint's dtype on CUDA), float32, float16, "
-             "bfloat16",
+    "dtype": "auto (the checkpoint's dtype; on CPU float16 checkpoints run in float32), "
+             "float32, float16, bfloat16",
+    "kv_cache_dtype": "auto (the model's dtype), bfloat16, float32",
     "max_model_len": "longest prompt + output, in tokens (default: the model's)",
     "seed": "random seed for weights (dummy) and unseeded sampling",
     "block_size": "tokens per KV cache block",

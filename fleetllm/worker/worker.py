@@ -58,6 +58,9 @@ class Worker(WorkerBase):
         attn = next(iter(self.model_runner.model.layers.values())).self_attn
         return len(self.model_runner.model.layers), attn.num_kv_heads, attn.head_dim
 
+    def _kv_dtype(self) -> torch.dtype:
+        return self.config.cache_config.torch_kv_dtype(self.model_runner.dtype)
+
     def determine_num_available_blocks(self) -> tuple[int, int]:
         cc, sc = self.config.cache_config, self.config.scheduler_config
         if self.device.type == "cuda":  # measure the profile run's peak alone
@@ -66,8 +69,7 @@ class Worker(WorkerBase):
         before = _peak_bytes(self.device)
         self.model_runner.profile_run()
         activation_peak = max(0, _peak_bytes(self.device) - before)
-        block_bytes = CacheEngine.block_bytes(self.config, *self._kv_shape(),
-                                              self.model_runner.dtype)
+        block_bytes = CacheEngine.block_bytes(self.config, *self._kv_shape(), self._kv_dtype())
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the profile's cached blocks are in activation_peak
             free, total = torch.cuda.mem_get_info(self.device)
@@ -94,7 +96,7 @@ class Worker(WorkerBase):
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.cache_engine = None  # free the old pools first when re-initializing
-        self.cache_engine = CacheEngine(self.config, *self._kv_shape(), self.model_runner.dtype,
+        self.cache_engine = CacheEngine(self.config, *self._kv_shape(), self._kv_dtype(),
                                         self.device, num_gpu_blocks, num_cpu_blocks)
 
     def execute_model(self, execute_model_req: ExecuteModelRequest

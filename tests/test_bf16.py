@@ -1,0 +1,249 @@
+"""bfloat16 end to end on the CPU: the kernels round where transformers' modules round, greedy
+outputs match transformers in bfloat16, dtype="auto" keeps a bf16 checkpoint in bf16, and the
+KV cache may be kept in either dtype (kv_cache_dtype)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_cases import decode_inputs
+
+from fleetllm import LLM, SamplingParams
+from fleetllm.attention import cpu_kernels
+from fleetllm.errors import ConfigurationError
+
+DEMO = Path(__file__).resolve().parents[1] / "fleetllm" / "demo_model"
+BF16 = torch.bfloat16
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler here")
+
+
+def _hf_rmsnorm(x, weight, eps):  # transformers' LlamaRMSNorm
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _hf_rope(x, cos, sin):  # transformers' apply_rotary_pos_emb, x: [T, heads, d]
+    half = x.shape[-1] // 2
+    cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+def _close_in_bf16(got, want, atol: float = 1e-6):
+    """Equal but for the order of a float32 sum: at most one bfloat16 step apart (atol: for
+    sums that cancel to near zero, the float32 error of their terms)."""
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=atol)
+
+
+@needs_kernels
+def test_elementwise_kernels_round_where_transformers_rounds():
+    g = torch.Generator().manual_seed(0)
+    x, r, w = (torch.randn(5, 300, generator=g).to(BF16) for _ in range(3))
+    residual = r.clone()
+    out = cpu_kernels.add_rmsnorm(x, residual, w[0], 1e-5)
+    assert torch.equal(residual, x + r)
+    assert torch.equal(out, _hf_rmsnorm(x + r, w[0], 1e-5))
+    assert torch.equal(cpu_kernels.add_rmsnorm(x, None, w[0], 1e-6), _hf_rmsnorm(x, w[0], 1e-6))
+    gu = (torch.randn(5, 600, generator=g) * 4).to(BF16)
+    assert torch.equal(cpu_kernels.silu_mul(gu), F.silu(gu[:, :300]) * gu[:, 300:])
+    t, h, kvh, d = 3, 4, 2, 16
+    qkv = torch.randn(t, (h + 2 * kvh) * d + 8, generator=g).to(BF16)[:, :-8]  # strided rows
+    cos, sin = (torch.randn(t, 1, d // 2, generator=g).to(BF16) for _ in range(2))
+    slots = torch.tensor([0, 5, 9])
+    for cache_dtype in (BF16, torch.float32):
+        cache = torch.zeros(2, 4, 4, kvh, d, dtype=cache_dtype)
+        q, k = cpu_kernels.rope_qk_kv(qkv, cos, sin, h, kvh, cache, slots)
+        want_k = _hf_rope(qkv[:, h * d:(h + kvh) * d].reshape(t, kvh, d), cos, sin)
+        assert torch.equal(q, _hf_rope(qkv[:, :h * d].reshape(t, h, d), cos, sin))
+        assert torch.equal(k, want_k)
+        assert torch.equal(cache[0].view(-1, kvh, d)[slots], want_k.to(cache_dtype))
+        assert torch.equal(cache[1].view(-1, kvh, d)[slots],
+                           qkv[:, (h + kvh) * d:].reshape(t, kvh, d).to(cache_dtype))
+
+
+@needs_kernels
+@pytest.mark.parametrize("m, n, k", [(1, 700, 300), (3, 64, 17), (4, 2048, 768), (2, 5, 64)])
+def test_gemv_sums_in_float32_and_rounds_once(m, n, k):
+    g = torch.Generator().manual_seed(m * n)
+    x, w, b = (torch.randn(*s, generator=g).to(BF16) for s in ((m, k), (n, k), (n,)))
+    want = (x.float() @ w.float().T + b.float()).to(BF16)
+    _close_in_bf16(cpu_kernels.gemv(x, w, b), want, 1e-3)
+    _close_in_bf16(cpu_kernels.gemv(x, w, None), (x.float() @ w.float().T).to(BF16), 1e-3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("cache_dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("q_dtype", [BF16, torch.float32])
+def test_paged_decode_in_either_dtype(q_dtype, cache_dtype):
+    g = torch.Generator().manual_seed(3)
+    for batch, heads, kvh, d, bs, window in ((1, 12, 4, 64, 16, 0), (9, 8, 2, 128, 1, 7),
+                                             (5, 4, 4, 16, 4, 0)):
+        cache, tables, starts, lens = decode_inputs(g, batch, heads, kvh, d, bs)
+        cache = cache.to(cache_dtype)
+        q = torch.randn(batch, heads, d, generator=g).to(q_dtype)
+        out = torch.empty_like(q)
+        cpu_kernels.paged_decode(q, cache, tables, starts, lens, window, d ** -0.5, out)
+        for b in range(batch):
+            n = int(lens[b])
+            table = tables[starts[b]: starts[b] + -(-n // bs)].long()
+            slots = (table[:, None] * bs + torch.arange(bs)).flatten()[:n]
+            first = max(0, n - window) if window else 0
+            keys, values = (cache[i].view(-1, kvh, d)[slots[first:]].float()
+                            .repeat_interleave(heads // kvh, 1) for i in (0, 1))
+            s = torch.einsum("hd,thd->ht", q[b].float(), keys) * d ** -0.5
+            if q_dtype == BF16:  # as PyTorch's flash attention: P in bf16, divided at the end
+                e = (s - s.amax(-1, keepdim=True)).exp()
+                want = torch.einsum("ht,thd->hd", e.to(BF16).float(), values) / e.sum(-1)[:, None]
+                _close_in_bf16(out[b], want.to(BF16))
+                if cache_dtype == BF16:  # and so the same as transformers' call of it
+                    k_, v_ = (x.to(BF16).transpose(0, 1)[None] for x in (keys, values))
+                    sdpa = F.scaled_dot_product_attention(q[b][None, :, None], k_, v_,
+                                                          scale=d ** -0.5)
+                    _close_in_bf16(out[b], sdpa[0, :, 0], 1e-3)
+            else:
+                want = torch.einsum("ht,thd->hd", s.softmax(-1), values)
+                torch.testing.assert_close(out[b], want, atol=2e-5, rtol=1e-4)
+
+
+@needs_kernels
+def test_ops_refuse_mixed_dtypes():
+    x, w = torch.randn(2, 8).to(BF16), torch.randn(5, 8)
+    with pytest.raises(RuntimeError, match="weight must be BFloat16 as the op's input"):
+        cpu_kernels.gemv(x, w, None)
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16, got Half"):
+        cpu_kernels.gemv(x.half(), w.half(), None)
+    with pytest.raises(RuntimeError, match="cos and sin must be BFloat16"):
+        cpu_kernels.rope_qk_kv(torch.randn(3, 64).to(BF16), torch.randn(3, 1, 8),
+                               torch.randn(3, 1, 8), 2, 1, None, None)
+
+
+def _bf16_checkpoint(src: Path, dst: Path) -> Path:
+    """The same checkpoint saved in bfloat16 (config.json then says so)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(src, dtype=BF16).save_pretrained(dst)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    return dst
+
+
+def _prompts(vocab: int, count: int = 8) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, vocab, (int(n),), generator=g).tolist()
+            for n in torch.randint(4, 40, (count,), generator=g)]
+
+
+def _hf_reference(path: Path, prompts: list[list[int]], max_tokens: int):
+    """transformers in bfloat16, greedy: per prompt (tokens, logits per step)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=BF16).eval()
+    refs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
+                                 do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0,
+                                 eos_token_id=None)
+        refs.append((out.sequences[0, len(prompt):].tolist(), [x[0] for x in out.logits]))
+    return refs
+
+
+def _agreement(ours: list[list[int]], refs) -> tuple[int, list[str]]:
+    """(requests token-identical to the reference, problems): at a request's first divergence
+    our token must be in the reference's top 5 and a near-tie there: its bf16 logit at most
+    four bf16 steps below the reference's largest (the decode attention's float32 sums and
+    exp differ from PyTorch's flash attention in the last bits, which a bf16 rounding can
+    turn into a step)."""
+    same, problems = 0, []
+    for i, (tokens, (want, logits)) in enumerate(zip(ours, refs, strict=True)):
+        want = want[:len(tokens)]
+        if tokens == want:
+            same += 1
+            continue
+        step = next(j for j, (a, b) in enumerate(zip(tokens, want, strict=True)) if a != b)
+        row = logits[step].float()
+        top = row.max().item()
+        ulp = 2.0 ** (torch.tensor(abs(top)).log2().floor().item() - 7)
+        if tokens[step] not in row.topk(5).indices.tolist() or row[tokens[step]] < top - 4 * ulp:
+            problems.append(f"request {i} step {step}: {tokens[step]} (logit "
+                            f"{row[tokens[step]]:.4f}) vs {want[step]} ({top:.4f})")
+    return same, problems
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_bias", "llama_tied", "qwen3_qknorm",
+                                  "llama3_rope", "demo"])
+def test_greedy_outputs_match_transformers_in_bf16(name, tiny_models, tmp_path):
+    """dtype="auto" on a bf16 checkpoint: bf16 weights, activations and KV cache; the batch
+    runs the oneDNN bf16 matmuls, then (as requests finish) the fused bf16 small-batch layer.
+    bf16 ties are real (two logits within a bf16 step, which summation order decides), so a
+    request may diverge: most are token-identical (docs/perf.md has the measured rates), and
+    every first divergence is such a tie within transformers' top 5."""
+    path = _bf16_checkpoint(DEMO if name == "demo" else tiny_models[name], tmp_path / name)
+    with LLM(path, kv_cache_memory=32 << 20) as llm:
+        assert llm.llm_engine.model_config.torch_dtype("cpu") == BF16
+        vocab = llm.llm_engine.model_config.arch.vocab_size
+        prompts = _prompts(vocab, 16)
+        params = [SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True)
+                  for i in range(len(prompts))]  # finishing at different steps: 16 down to 1
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+    ours = [o.outputs[0].token_ids for o in outs]
+    same, problems = _agreement(ours, _hf_reference(path, prompts, 4 + len(prompts)))
+    assert same >= 0.75 * len(prompts) and not problems, (same, problems)
+
+
+def test_dtype_auto_follows_the_checkpoint(tiny_models, tmp_path):
+    """bf16 checkpoints run in bf16 on the CPU; float16 ones in float32 (no fast float16 CPU
+    path: float32 holds every float16 exactly); float32 stays float32."""
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_models["llama_gqa"]
+    cases = {"float32": torch.float32, "bfloat16": BF16, "float16": torch.float32}
+    for stored, expected in cases.items():
+        path = tmp_path / stored
+        AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, stored)).save_pretrained(
+            path)
+        with LLM(path, tokenizer=str(src), kv_cache_memory=8 << 20) as llm:
+            dtypes = llm.llm_engine.model_executor.collective_rpc(_model_and_cache_dtypes)
+            assert dtypes == [(expected, expected)], stored
+
+
+def _model_and_cache_dtypes(worker) -> tuple[torch.dtype, torch.dtype]:
+    return worker.model_runner.dtype, worker.cache_engine.gpu_cache[0].dtype
+
+
+@pytest.mark.parametrize("dtype, kv_cache_dtype", [("bfloat16", "float32"),
+                                                   ("float32", "bfloat16")])
+def test_kv_cache_dtype(dtype, kv_cache_dtype, tiny_models, monkeypatch):
+    """The cache in the other dtype: its tensors have it, the kernels and the PyTorch path give
+    the same tokens, and a bf16 cache holds twice the blocks of a float32 one."""
+    path = tiny_models["llama_gqa"]
+    prompts = [{"prompt_token_ids": p} for p in _prompts(512, 6)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    results, blocks = [], {}
+    for kernels in (True, False):
+        if not kernels:
+            monkeypatch.setattr(cpu_kernels, "usable", lambda *t: False)
+            monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+        with LLM(path, dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=8 << 20,
+                 enable_prefix_caching=False) as llm:
+            [(_, cache)] = llm.llm_engine.model_executor.collective_rpc(_model_and_cache_dtypes)
+            assert cache == getattr(torch, kv_cache_dtype)
+            blocks[kv_cache_dtype] = llm.llm_engine.config.cache_config.num_gpu_blocks
+            results.append([o.outputs[0].token_ids
+                            for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert results[0] == results[1] or not cpu_kernels.available()
+    with LLM(path, dtype=dtype, kv_cache_memory=8 << 20) as llm:
+        auto_blocks = llm.llm_engine.config.cache_config.num_gpu_blocks
+    ratio = 2 if kv_cache_dtype == "bfloat16" else 0.5
+    assert blocks[kv_cache_dtype] == pytest.approx(auto_blocks * ratio, rel=0.02)
+
+
+def test_kv_cache_dtype_is_validated(tiny_models):
+    with pytest.raises(ConfigurationError, match="kv_cache_dtype: 'fp8' is not supported"):
+        LLM(tiny_models["llama_gqa"], kv_cache_dtype="fp8")
