@@ -46,7 +46,11 @@ test: lint docs
 # runtime at start to intercept exceptions); leaks are not checked (the interpreter keeps its
 # allocations until exit). --capture=sys: a sanitizer report goes to the terminal instead of
 # into the capture of a process that aborts. No compiler or no libasan: skipped, said so.
-KERNEL_TESTS := tests/test_kernels.py tests/test_attention.py tests/test_kernel_pool.py
+KERNEL_TESTS := tests/test_kernels.py tests/test_attention.py tests/test_kernel_pool.py \
+	tests/test_bf16.py::test_elementwise_kernels_round_where_transformers_rounds \
+	tests/test_bf16.py::test_gemv_sums_in_float32_and_rounds_once \
+	tests/test_bf16.py::test_paged_decode_in_either_dtype \
+	tests/test_bf16.py::test_ops_refuse_mixed_dtypes
 sanitize: setup
 	@asan=$$(c++ -print-file-name=libasan.so 2>/dev/null); \
 	cxxrt=$$(c++ -print-file-name=libstdc++.so.6 2>/dev/null); \
