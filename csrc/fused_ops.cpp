@@ -118,29 +118,10 @@ void rope_body(void *arg, long begin, long end, int)
 }
 
 // y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for a few rows m: each weight row is streamed once
-// per 4 rows of x, 4 weight rows at a time (16 independent FMA chains), float32 sums (a
-// bfloat16 weight is widened in registers: a shift, no memory traffic). Memory-bound: it
+// per 4 rows of x, one row after the other (one sequential stream per thread; two FMA chains
+// per row of x), float32 sums (a bfloat16 weight is widened in registers: a shift, no memory
+// traffic). Memory-bound: it
 // runs at the machine's read bandwidth where a GEMM library re-packs or underuses it.
-// may_alias: the vector loads read float and bf16 arrays.
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
-typedef uint16_t h16u __attribute__((vector_size(32), aligned(2), may_alias));
-typedef uint32_t u16x32 __attribute__((vector_size(64)));
-
-// (The vector comes back through a reference: a 64-byte vector return value would change the
-// ABI of the portable and avx2 builds, which -Wpsabi rejects.)
-inline void load16(const float *p, v16 &out) { out = *reinterpret_cast<const v16u *>(p); }
-inline void load16(const bf16 *p, v16 &out)
-{
-#if defined(__AVX512F__)  // one widening load and a shift (GCC splits the generic form)
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)));
-    out = __builtin_bit_cast(v16, _mm512_slli_epi32(w, 16));
-#else
-    const h16u h = *reinterpret_cast<const h16u *>(p);
-    out = __builtin_bit_cast(v16, __builtin_convertvector(h, u16x32) << 16);
-#endif
-}
-
 template <int MT, class T>
 void gemv_tile(const T *x, const T *w, const T *bias, T *y, long n0, int N, int K)
 {

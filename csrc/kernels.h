@@ -12,6 +12,9 @@
 
 #include <cmath>
 #include <cstdint>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace fleetllm::kernels {
 
@@ -127,6 +130,36 @@ static inline float exp_f32(float x)
     // n is in [-126, 128] after the clamp, so the shift cannot overflow (128 gives +inf, as
     // in the C original this replaces: only inputs within 0.35 of the clamp reach it).
     return y * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+}
+
+// 16 floats as one vector (GCC's vector extension: one AVX-512 register, two AVX2 ones),
+// loaded from float or bf16 memory. may_alias: the vector loads read float and bf16 arrays.
+// (Vectors pass by reference: a 64-byte vector argument or return value would change the ABI
+// of the portable and avx2 builds, which -Wpsabi rejects.)
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint16_t h16u __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint32_t u16x32 __attribute__((vector_size(64)));
+
+inline void load16(const float *p, v16 &out) { out = *reinterpret_cast<const v16u *>(p); }
+inline void load16(const bf16 *p, v16 &out)
+{
+#if defined(__AVX512F__)  // one widening load and a shift (GCC splits the generic form)
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)));
+    out = __builtin_bit_cast(v16, _mm512_slli_epi32(w, 16));
+#else
+    const h16u h = *reinterpret_cast<const h16u *>(p);
+    out = __builtin_bit_cast(v16, __builtin_convertvector(h, u16x32) << 16);
+#endif
+}
+
+// The sum of the 16 lanes, as a tree.
+inline float hsum16(const v16 &x)
+{
+    v16 v = x + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+    return v[0] + v[1];
 }
 
 // Element-wise copy with conversion (a memcpy when the types agree).
