@@ -52,14 +52,130 @@ inline __attribute__((always_inline)) void axpy(float w, const C *v, float *acc,
     for (int d = 0; d < D; d++) acc[d] += w * to_f32(v[d]);
 }
 
-// RoundP (a bfloat16 model): as PyTorch's CPU flash attention, which transformers' bf16 models
-// run, the softmax numerators are rounded to bfloat16 before P . V and the sum divides at the
-// end; a float32 model normalizes P first, as before.
+// acc[h] += P[h, t] * V[t] for the positions t in [lo, hi) (relative to block b0's start).
+template <class C>
+inline __attribute__((always_inline)) void accumulate_pv(
+    const C *v, const int32_t *table, int lo, int hi, int b0, int kh0, int nkv, float *acc,
+    int G, int KVH, const int D, int bs, int n, const float *scores)
+{
+    const long tok = static_cast<long>(KVH) * D;
+    for (int blk = b0 + lo / bs; blk * bs - b0 * bs < hi; blk++) {
+        const C *vb = v + static_cast<long>(table[blk]) * bs * tok + static_cast<long>(kh0) * D;
+        const int base = (blk - b0) * bs;
+        const int o0 = base < lo ? lo - base : 0;
+        const int o1 = base + bs <= hi ? bs : hi - base;
+        for (int o = o0; o < o1; o++) {
+            for (int kh = 0; kh < nkv; kh++) {
+                const C *vp = vb + o * tok + static_cast<long>(kh) * D;
+                for (int g = 0; g < G; g++) {
+                    const int h = kh * G + g;
+                    axpy(scores[static_cast<long>(h) * n + base + o], vp,
+                         acc + static_cast<long>(h) * D, D);
+                }
+            }
+        }
+    }
+}
+
+// PyTorch's Vectorized<float>::fexp_u20, step for step (the exp of its CPU flash attention's
+// whole vectors): 2^(x log2 e) with the fraction's correction as a cubic, assembled in the
+// exponent bits by one fused multiply-add and a truncation.
+static inline float fexp_u20(float x)
+{
+    const float lo = __builtin_bit_cast(float, 0xc2aeac50u);
+    const float hi = __builtin_bit_cast(float, 0x42b17218u);
+    float src = x * __builtin_bit_cast(float, 0x3fb8aa3bu);  // x log2(e)
+    const float f = src - std::floor(src);
+    float r = std::fma(f, -0.079204240219773236f, -0.22433836478672356f);
+    r = std::fma(f, r, 0.30354260500649682f);
+    r = std::fma(f, r, 0.00010703434948458272f);
+    src -= r;
+    int32_t bits = static_cast<int32_t>(std::fma(8388608.0f, src, 1065353216.0f));
+    bits = x < lo ? 0 : (x > hi ? 0x7F800000 : bits);
+    return __builtin_bit_cast(float, bits);
+}
+
+#if defined(__AVX512F__)
+constexpr int TORCH_LANES = 16;  // the float vector width of PyTorch's kernels for this CPU
+#else
+constexpr int TORCH_LANES = 8;
+#endif
+
+// A bfloat16 model's softmax and P . V as PyTorch's CPU flash attention computes a decode
+// query (the kernel transformers' bf16 models run), so that greedy tokens follow theirs: keys
+// in chunks of 512 from position 0, a running max and sum; per chunk fexp_u20 on whole vectors
+// summed lane by lane then reduced as a tree, expf on the remainder; the numerators rounded
+// to bfloat16 before P . V; the sum divides at the end. Masked positions (before a sliding
+// window's start) are zeros in their lanes.
+template <class C>
+inline __attribute__((always_inline)) void softmax_pv_as_torch(
+    const C *v, const int32_t *table, int start, int len, int kh0, int nkv, float *acc, int G,
+    int KVH, const int D, int bs, int b0, int n, float *scores, float *state)
+{
+    constexpr int CHUNK = 512;
+    const int nh = nkv * G, p0 = b0 * bs;  // scores[h * n + pos - p0]
+    float *run_max = state, *run_sum = state + nh;
+    for (int h = 0; h < nh; h++) { run_max[h] = -INFINITY; run_sum[h] = 0.f; }
+    std::memset(acc, 0, sizeof(float) * static_cast<size_t>(nh) * D);
+    for (int c0 = start / CHUNK * CHUNK; c0 < len; c0 += CHUNK) {
+        const int c1 = c0 + CHUNK < len ? c0 + CHUNK : len, vis = c0 > start ? c0 : start;
+        const int vec_end = c0 + (c1 - c0) / TORCH_LANES * TORCH_LANES;
+        for (int h = 0; h < nh; h++) {
+            float *sh = scores + static_cast<long>(h) * n;  // position t at sh[t - p0]
+            float m = run_max[h];
+            for (int t = vis; t < c1; t++) m = sh[t - p0] > m ? sh[t - p0] : m;
+            float lanes[TORCH_LANES] = {};
+            for (int t = c0; t < vec_end; t += TORCH_LANES) {
+                float *st = sh + t - p0;
+                if (t >= vis) {
+                    #pragma omp simd
+                    for (int l = 0; l < TORCH_LANES; l++) {
+                        const float e = fexp_u20(st[l] - m);
+                        st[l] = round_to<bf16>(e);
+                        lanes[l] += e;
+                    }
+                } else {  // a vector across the window's start: the masked lanes add nothing
+                    for (int l = 0; l < TORCH_LANES; l++)
+                        if (t + l >= vis) {
+                            const float e = fexp_u20(st[l] - m);
+                            st[l] = round_to<bf16>(e);
+                            lanes[l] += e;
+                        }
+                }
+            }
+            for (int d = TORCH_LANES / 2; d >= 1; d /= 2)
+                for (int l = 0; l < d; l++) lanes[l] += lanes[l + d];
+            float sum = lanes[0];
+            for (int t = vec_end > vis ? vec_end : vis; t < c1; t++) {
+                const float e = std::exp(sh[t - p0] - m);
+                sum += e;
+                sh[t - p0] = round_to<bf16>(e);
+            }
+            const float rescale = std::exp(run_max[h] - m);
+            run_sum[h] = std::fma(rescale, run_sum[h], sum);
+            run_max[h] = m;
+            if (c0 > start / CHUNK * CHUNK) {
+                float *ah = acc + static_cast<long>(h) * D;
+                for (int d = 0; d < D; d++) ah[d] *= rescale;
+            }
+        }
+        accumulate_pv(v, table, vis - p0, c1 - p0, b0, kh0, nkv, acc, G, KVH, D, bs, n, scores);
+    }
+    for (int h = 0; h < nh; h++) {
+        const float inv = 1.f / run_sum[h];
+        float *ah = acc + static_cast<long>(h) * D;
+        #pragma omp simd
+        for (int d = 0; d < D; d++) ah[d] *= inv;
+    }
+}
+
+// One item: scores = q . K * scale, then a float32 model normalizes P and sums P . V; a
+// bfloat16 one (RoundP) follows PyTorch's flash attention (softmax_pv_as_torch).
 template <class C, bool RoundP>
 inline __attribute__((always_inline)) void decode_item(
     const float *q, const C *k, const C *v, const int32_t *table, int start, int len, int kh0,
     int nkv, float *acc, int H, int KVH, const int D, int bs, float scale, float *scores,
-    float *inv_sum)
+    float *state)
 {
     const int G = H / KVH, nh = nkv * G;
     const long tok = static_cast<long>(KVH) * D;  // elements per token slot in a block
@@ -81,6 +197,11 @@ inline __attribute__((always_inline)) void decode_item(
             }
         }
     }
+    if constexpr (RoundP) {
+        softmax_pv_as_torch(v, table, start, len, kh0, nkv, acc, G, KVH, D, bs, b0, n, scores,
+                            state);
+        return;
+    }
     for (int h = 0; h < nh; h++) {  // softmax over the visible positions
         float *sh = scores + static_cast<long>(h) * n;
         float m = -INFINITY, sum = 0.f;
@@ -88,39 +209,11 @@ inline __attribute__((always_inline)) void decode_item(
         #pragma omp simd reduction(+:sum)
         for (int t = lo; t < hi; t++) { const float e = exp_f32(sh[t] - m); sh[t] = e; sum += e; }
         const float inv = 1.f / sum;
-        if constexpr (RoundP) {
-            #pragma omp simd
-            for (int t = lo; t < hi; t++) sh[t] = round_to<bf16>(sh[t]);
-            inv_sum[h] = inv;
-        } else {
-            #pragma omp simd
-            for (int t = lo; t < hi; t++) sh[t] *= inv;
-        }
+        #pragma omp simd
+        for (int t = lo; t < hi; t++) sh[t] *= inv;
     }
     std::memset(acc, 0, sizeof(float) * static_cast<size_t>(nh) * D);
-    for (int blk = b0; blk < b1; blk++) {  // out = P . V
-        const C *vb = v + static_cast<long>(table[blk]) * bs * tok + static_cast<long>(kh0) * D;
-        const int base = (blk - b0) * bs;
-        const int o0 = base < lo ? lo - base : 0;
-        const int o1 = base + bs <= hi ? bs : hi - base;
-        for (int o = o0; o < o1; o++) {
-            for (int kh = 0; kh < nkv; kh++) {
-                const C *vp = vb + o * tok + static_cast<long>(kh) * D;
-                for (int g = 0; g < G; g++) {
-                    const int h = kh * G + g;
-                    const float w = scores[static_cast<long>(h) * n + base + o];
-                    float *ah = acc + static_cast<long>(h) * D;
-                    axpy(w, vp, ah, D);
-                }
-            }
-        }
-    }
-    if constexpr (RoundP)
-        for (int h = 0; h < nh; h++) {
-            float *ah = acc + static_cast<long>(h) * D;
-            #pragma omp simd
-            for (int d = 0; d < D; d++) ah[d] *= inv_sum[h];
-        }
+    accumulate_pv(v, table, lo, hi, b0, kh0, nkv, acc, G, KVH, D, bs, n, scores);
 }
 
 template <class T, class C>
@@ -141,7 +234,7 @@ void decode_body(void *arg, long begin, long end, int tid)
     const int H = c->H, D = c->D, G = H / c->KVH;
     float *scores = c->scratch + tid * c->scratch_per;
     float *acc = scores + static_cast<long>(H) * (c->batch->maxlen + 2 * c->bs);
-    float *qf = acc + static_cast<long>(H) * D, *inv_sum = qf + static_cast<long>(H) * D;
+    float *qf = acc + static_cast<long>(H) * D, *state = qf + static_cast<long>(H) * D;
     for (long item = begin; item < end; item++) {
         const int b = static_cast<int>(item / c->split);
         const int kh0 = static_cast<int>(item % c->split) * c->nkv;
@@ -166,13 +259,13 @@ void decode_body(void *arg, long begin, long end, int tid)
         constexpr bool round_p = !std::is_same_v<T, float>;
         if (D == 64)
             decode_item<C, round_p>(qv, c->k, c->v, table, start, len, kh0, c->nkv, ov, H, c->KVH, 64,
-                        c->bs, c->scale, scores, inv_sum);
+                        c->bs, c->scale, scores, state);
         else if (D == 128)
             decode_item<C, round_p>(qv, c->k, c->v, table, start, len, kh0, c->nkv, ov, H, c->KVH, 128,
-                        c->bs, c->scale, scores, inv_sum);
+                        c->bs, c->scale, scores, state);
         else
             decode_item<C, round_p>(qv, c->k, c->v, table, start, len, kh0, c->nkv, ov, H, c->KVH, D,
-                        c->bs, c->scale, scores, inv_sum);
+                        c->bs, c->scale, scores, state);
         if constexpr (!std::is_same_v<T, float>)
             convert(acc, ob + h0, nhd);
     }
@@ -182,7 +275,7 @@ void decode_body(void *arg, long begin, long end, int tid)
 
 long paged_decode_scratch(int H, int D, int bs, int maxlen, int nthreads)
 {
-    const long per = static_cast<long>(H) * (maxlen + 2L * bs) + 2L * H * D + H;
+    const long per = static_cast<long>(H) * (maxlen + 2L * bs) + 2L * H * D + 2L * H;
     return per * (nthreads > 0 ? nthreads : 1);
 }
 

@@ -97,9 +97,9 @@ def test_paged_decode_in_either_dtype(q_dtype, cache_dtype):
                             .repeat_interleave(heads // kvh, 1) for i in (0, 1))
             s = torch.einsum("hd,thd->ht", q[b].float(), keys) * d ** -0.5
             if q_dtype == BF16:  # as PyTorch's flash attention: P in bf16, divided at the end
-                e = (s - s.amax(-1, keepdim=True)).exp()
+                e = (s - s.amax(-1, keepdim=True)).exp()  # (its exp is ~20 ulp: atol)
                 want = torch.einsum("ht,thd->hd", e.to(BF16).float(), values) / e.sum(-1)[:, None]
-                _close_in_bf16(out[b], want.to(BF16))
+                _close_in_bf16(out[b], want.to(BF16), 2e-3)
                 if cache_dtype == BF16:  # and so the same as transformers' call of it
                     k_, v_ = (x.to(BF16).transpose(0, 1)[None] for x in (keys, values))
                     sdpa = F.scaled_dot_product_attention(q[b][None, :, None], k_, v_,
@@ -108,6 +108,33 @@ def test_paged_decode_in_either_dtype(q_dtype, cache_dtype):
             else:
                 want = torch.einsum("ht,thd->hd", s.softmax(-1), values)
                 torch.testing.assert_close(out[b], want, atol=2e-5, rtol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("length", [5, 40, 100, 600])
+def test_bf16_decode_attention_is_pytorch_flash_attention_bit_for_bit(length):
+    """A bf16 model's decode attention computes what PyTorch's CPU flash attention (the kernel
+    transformers' bf16 models call) computes: the same exp (fexp_u20 on whole vectors, expf on
+    the rest), lane sums, bf16 numerators and 512-key chunks, so the outputs agree bit for bit
+    (but for float32 summation-order ties: >= 99.9% of the elements here; with expf alone it
+    was ~95%), and greedy tokens follow transformers' (test below)."""
+    g = torch.Generator().manual_seed(length)
+    heads, kvh, d, bs = 8, 2, 64, 16
+    same = total = 0
+    for _ in range(8):
+        blocks = -(-length // bs)
+        cache = torch.randn(2, blocks + 2, bs, kvh, d, generator=g).to(BF16)
+        table = torch.randperm(blocks + 2, generator=g)[:blocks].to(torch.int32)
+        q = (torch.randn(1, heads, d, generator=g) * 2).to(BF16)
+        k, v = (torch.cat([cache[i, b] for b in table.tolist()])[:length] for i in (0, 1))
+        want = F.scaled_dot_product_attention(q[:, :, None], k.transpose(0, 1)[None],
+                                              v.transpose(0, 1)[None], enable_gqa=True)
+        out = torch.empty_like(q)
+        cpu_kernels.paged_decode(q, cache, table, torch.tensor([0], dtype=torch.int32),
+                                 torch.tensor([length], dtype=torch.int32), None, d ** -0.5, out)
+        same += int((out[0] == want[0, :, 0]).sum())
+        total += out.numel()
+    assert same >= 0.999 * total, same / total
 
 
 @needs_kernels
@@ -181,8 +208,10 @@ def test_greedy_outputs_match_transformers_in_bf16(name, tiny_models, tmp_path):
     """dtype="auto" on a bf16 checkpoint: bf16 weights, activations and KV cache; the batch
     runs the oneDNN bf16 matmuls, then (as requests finish) the fused bf16 small-batch layer.
     bf16 ties are real (two logits within a bf16 step, which summation order decides), so a
-    request may diverge: most are token-identical (docs/perf.md has the measured rates), and
-    every first divergence is such a tie within transformers' top 5."""
+    request may diverge: at least 90% must be token-identical (measured: all of them, 240 of
+    240 with 40 prompts per model; docs/performance.md), and every first divergence must be
+    such a tie within transformers' top 5. (With the decode attention's own exp instead of
+    PyTorch's, 203 of 240 were.)"""
     path = _bf16_checkpoint(DEMO if name == "demo" else tiny_models[name], tmp_path / name)
     with LLM(path, kv_cache_memory=32 << 20) as llm:
         assert llm.llm_engine.model_config.torch_dtype("cpu") == BF16
@@ -194,7 +223,7 @@ def test_greedy_outputs_match_transformers_in_bf16(name, tiny_models, tmp_path):
                             use_tqdm=False)
     ours = [o.outputs[0].token_ids for o in outs]
     same, problems = _agreement(ours, _hf_reference(path, prompts, 4 + len(prompts)))
-    assert same >= 0.75 * len(prompts) and not problems, (same, problems)
+    assert same >= 0.9 * len(prompts) and not problems, (same, problems)
 
 
 def test_dtype_auto_follows_the_checkpoint(tiny_models, tmp_path):
