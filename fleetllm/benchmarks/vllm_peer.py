@@ -111,14 +111,17 @@ class Runner:
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=err, env=env, start_new_session=True)
         self._buffer = b""
+        self._busy = False  # a request is unanswered (a timeout, Ctrl-C): kill, don't ask
 
     def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        self._busy = True
         try:
             self.proc.stdin.write(json.dumps(msg).encode() + b"\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             raise self._failure("exited before it was sent a message") from None
         reply = self._read_line(time.monotonic() + timeout)
+        self._busy = False
         if not reply.get("ok"):
             sys.stderr.write(reply.get("traceback", ""))
             raise self._failure(reply.get("error", "failed"))
@@ -152,8 +155,9 @@ class Runner:
         return VLLMPeerError(f"{self.name}: {what}")
 
     def close(self) -> None:
-        """Ask it to exit; after EXIT_TIMEOUT_S, or if it cannot be asked, kill its group."""
-        if self.proc.poll() is None:
+        """Ask it to exit; after EXIT_TIMEOUT_S, or if it is still busy with a request (it
+        would not read the question before finishing), kill its group."""
+        if self.proc.poll() is None and not self._busy:
             try:
                 self.proc.stdin.write(b'{"op": "exit"}\n')
                 self.proc.stdin.close()

@@ -176,7 +176,7 @@ def matmul_rate(a: ArchConfig, rows: int, dtype: torch.dtype = torch.float32,
     """GFLOP/s of the model's own projections at `rows` rows in `dtype` (the engine's), the
     way a forward streams them: every layer's four projections with their own weights (so they
     come from memory, not a cache holding one matrix), then the LM head. Two implementations:
-    plain F.linear (`x @ W.T`: MKL in float32, oneDNN's bf16 kernels in bfloat16) and oneDNN
+    plain F.linear (`x @ W.T`: MKL in float32, torch's own bf16 GEMM in bfloat16) and oneDNN
     with pre-packed weights (what fleetllm runs for more than 4 rows); "best" is the faster,
     the machine's rate for the roofline. With more than 2 GiB of projection weights, only
     enough layers for 2 GiB are built."""
