@@ -38,8 +38,8 @@ from fleetllm.engine.arg_utils import HelpFormatter, add_engine_args, engine_kwa
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                        help="a built-in model with dummy weights instead of --model "
-                             "(default: none)")
+                        help="a built-in model with dummy weights instead of --model; "
+                             "max_model_len 8192 unless given (default: none)")
     parser.add_argument("--batch-size", type=int, default=1, help="requests run together")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="generated tokens")

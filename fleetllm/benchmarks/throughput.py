@@ -46,6 +46,7 @@ from fleetllm.engine.arg_utils import (
     resolve_model,
 )
 
+PRESET_MAX_MODEL_LEN = 8192
 _PRESET_DEFAULTS = dict(num_prompts=64, input_len=(16, 256), output_len=(16, 64),
                         hf_batch_size=16, repeat=2)
 _DEFAULTS = dict(num_prompts=64, input_len=(128, 128), output_len=(64, 64), hf_batch_size=8,
@@ -55,8 +56,8 @@ _DEFAULTS = dict(num_prompts=64, input_len=(128, 128), output_len=(64, 64), hf_b
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="a built-in model with dummy weights instead of --model, and the "
-                             "performance workload: 64 requests, 16:256 in, 16:64 out "
-                             "(default: none)")
+                             "performance workload: 64 requests, 16:256 in, 16:64 out; "
+                             "max_model_len 8192 unless given (default: none)")
     workload.add_workload_args(parser, "64", "128; 16:256 with --preset",
                                "64; 16:64 with --preset")
     parser.add_argument("--shared-prefix", type=int, default=0,
@@ -129,6 +130,10 @@ def resolve_source(args: argparse.Namespace, kwargs: dict) -> tuple[str, int | N
         raise ValueError("give --preset or --model, not both")
     if args.preset:
         kwargs.setdefault("load_format", "dummy")
+        # Not the model's full context (llama-1b: 131072, a 4 GiB bf16 KV cache for one
+        # sequence, more than the default KV budget): the workloads are far shorter.
+        kwargs.setdefault("max_model_len", min(PRESET_MAX_MODEL_LEN,
+                                               PRESETS[args.preset]["max_position_embeddings"]))
         return preset_dir(args.preset), kwargs.get("seed", 0)
     model = resolve_model(args.model)
     dummy = kwargs.get("load_format") == "dummy"
