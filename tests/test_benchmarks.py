@@ -32,7 +32,7 @@ def test_throughput_with_a_dataset_peers_and_roofline(tiny_models, tmp_path, cap
     for kind in ("dense", "best"):
         assert 0 < figures["roofline"][kind]["fraction"]
     text = capsys.readouterr().out
-    assert "ratio fleetllm / HF" in text and "roofline (torch matmul)" in text
+    assert "ratio fleetllm / HF" in text and "roofline (float32 torch matmul)" in text
 
 
 def test_shared_prefix_mode_compares_caching_on_and_off(tiny_models):

@@ -20,27 +20,35 @@ import torch
 from fleetllm.benchmarks.workload import Request
 
 
-def load_hf_model(model_dir: str, dummy_seed: int | None) -> Any:
-    """The checkpoint as a transformers model in float32; with dummy_seed, the dummy weights
-    fleetllm generates for that seed (load_format="dummy"), so both compute the same
-    function."""
+def load_hf_model(model_dir: str, dummy_seed: int | None,
+                  dtype: torch.dtype = torch.float32) -> Any:
+    """The checkpoint as a transformers model in `dtype` (the fleetllm engine's, so both
+    round alike); with dummy_seed, the dummy weights fleetllm generates for that seed
+    (load_format="dummy"), so both compute the same function."""
     import transformers
 
     from fleetllm.config import ArchConfig, read_json
     from fleetllm.model.loader import dummy_tensor, hf_tensor_shapes
 
     if dummy_seed is None:
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32).eval()
+        return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     raw = read_json(Path(model_dir) / "config.json")
     config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     shapes = hf_tensor_shapes(ArchConfig.from_dict(raw))
-    state = {name: dummy_tensor(name, shape, dummy_seed) for name, shape in shapes.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [m for m in missing if "lm_head" not in m]:
-        raise RuntimeError(f"dummy weights do not fit the model: {missing[:3]} "
-                           f"{unexpected[:3]}")
+    # One tensor at a time (load_state_dict of them all would hold a float32 copy of the
+    # whole model); copy_ rounds to the model's dtype as fleetllm's loader does.
+    params = dict(model.named_parameters())
+    missing = set(params) - set(shapes) - {"lm_head.weight"}
+    unexpected = set(shapes) - set(params)
+    if unexpected or missing:
+        raise RuntimeError(f"dummy weights do not fit the model: {sorted(missing)[:3]} "
+                           f"{sorted(unexpected)[:3]}")
+    with torch.no_grad():
+        for name, shape in shapes.items():
+            params[name].copy_(dummy_tensor(name, shape, dummy_seed))
+    if config.tie_word_embeddings:
+        model.tie_weights()
     return model.eval()
 
 

@@ -1,15 +1,18 @@
 """Latency at one batch size: time to first token, time per output token (p50/p99),
 end-to-end latency, decode tokens/s, for fleetllm and HF `generate` on the same prompts in the
-same process, next to the memory-bandwidth bound; and where a decode step's time goes.
+same process (and vLLM in its own, --compare vllm), next to the memory-bandwidth bound; and
+where a decode step's time goes.
 
     fleetllm bench latency --preset llama-125m --batch-size 1 [--input-len 128]
-        [--output-len 128] [--repeat 3] [--compare hf|none] [--json F] [engine flags]
+        [--output-len 128] [--repeat 3] [--compare hf,vllm|none] [--json F] [engine flags]
     python -m fleetllm.benchmarks.latency ...   (the same)
 
 fleetllm runs through LLMEngine.step() (streaming outputs, as a server does), all requests
-arriving together. The bound: a decode step reads every weight once (the embedding table only
-at the batch's rows) plus the batch's KV cache; divided by the memory read bandwidth measured
-in this run (after every round, best kept), that gives the most decode tokens/s the memory
+arriving together; vLLM steps its own engine the same way (vllm_peer.py; each configuration
+printed, fleetllm's ratio to the best). The bound: a decode step reads every weight once, in
+the engine's dtype (the embedding table only at the batch's rows, so a tied LM head counts
+once) plus the batch's KV cache in its dtype; divided by the memory read bandwidth measured in
+this run (after every round, best kept), that gives the most decode tokens/s the memory
 allows. The decode step split:
 the model's forward (embedding to logits, timed inside the worker) against everything else in
 LLMEngine.step (scheduling, input preparation, sampling, detokenization, outputs, IPC).
@@ -24,21 +27,29 @@ import time
 
 from fleetllm.benchmarks import workload
 from fleetllm.benchmarks.presets import PRESETS
-from fleetllm.benchmarks.throughput import resolve_source
+from fleetllm.benchmarks.throughput import (
+    add_vllm_args,
+    compare_peers,
+    engine_dtype,
+    resolve_source,
+)
 from fleetllm.engine.arg_utils import HelpFormatter, add_engine_args, engine_kwargs_from
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                        help="a built-in model with dummy weights instead of --model "
-                             "(default: none)")
+                        help="a built-in model with dummy weights instead of --model; "
+                             "max_model_len 8192 unless given (default: none)")
     parser.add_argument("--batch-size", type=int, default=1, help="requests run together")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="generated tokens")
     parser.add_argument("--repeat", type=int, default=3,
                         help="rounds, engines taking turns; each counts its best")
     parser.add_argument("--compare", default="hf",
-                        help="hf (transformers generate, same prompts and weights) or none")
+                        help="hf (transformers generate, same prompts and weights), vllm "
+                             "(vLLM's CPU build from .venv-vllm, `make peers`), both "
+                             "comma-separated, or none")
+    add_vllm_args(parser)
     parser.add_argument("--data-seed", dest="bench_seed", type=int, default=0,
                         help="seed for the random prompts")
     parser.add_argument("--json", default=None,
@@ -167,6 +178,16 @@ class _HFLatency:
         return _summary(start, {f"r{i}": stamps for i in range(len(prompts))}, None)
 
 
+class _VLLMLatency:
+    """A vLLM configuration stepping its own engine in its process (vllm_peer.py)."""
+
+    def __init__(self, peer):
+        self.peer, self.name = peer, peer.name
+
+    def run(self, prompts: list[list[int]], output_len: int) -> dict:
+        return _summary(0.0, self.peer.run_stream(prompts, output_len), None)
+
+
 def run(args: argparse.Namespace) -> dict:
     import random
 
@@ -174,16 +195,32 @@ def run(args: argparse.Namespace) -> dict:
 
     kwargs = engine_kwargs_from(args, args.engine_actions)
     model, dummy_seed = resolve_source(args, kwargs)
+    peers = compare_peers(args.compare, {"hf", "vllm"}, {"hf"})
+    if "vllm" in peers:  # before loading anything: a missing venv fails at once
+        from fleetllm.benchmarks.vllm_peer import vllm_python
+
+        vllm_python()
     engines = [_FleetLatency(model, kwargs)]
+    vllm = None
     try:
         arch = engines[0].engine.model_config.arch
+        dtype = engine_dtype(engines[0].llm)
+        cache_config = engines[0].engine.config.cache_config
+        kv_dtype = cache_config.torch_kv_dtype(dtype)
         rng = random.Random(args.bench_seed)
         prompts = [[rng.randrange(3, arch.vocab_size) for _ in range(args.input_len)]
                    for _ in range(args.batch_size)]
-        if args.compare == "hf":
+        if "hf" in peers:
             from fleetllm.benchmarks.hf_peers import load_hf_model
 
-            engines.append(_HFLatency(load_hf_model(model, dummy_seed)))
+            engines.append(_HFLatency(load_hf_model(model, dummy_seed, dtype)))
+        if "vllm" in peers:
+            from fleetllm.benchmarks.vllm_peer import VLLMPeers, parse_configs
+
+            vllm = VLLMPeers(parse_configs(args.vllm_configs, torch.get_num_threads()), model,
+                             dummy_seed, dtype, args.input_len + args.output_len,
+                             args.vllm_kv_gb)
+            engines += [_VLLMLatency(p) for p in vllm.peers]
         for e in engines:  # warm-up
             e.run(prompts, min(args.output_len, 8))
         best: dict[str, dict] = {}
@@ -198,20 +235,28 @@ def run(args: argparse.Namespace) -> dict:
             bandwidth = max(bandwidth, workload.read_bandwidth())
     finally:
         engines[0].llm.shutdown()
+        if vllm is not None:
+            vllm.close()
     ctx = args.input_len + args.output_len / 2  # mean context over the decode steps
-    kv = args.batch_size * ctx * 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4
-    step_bytes = workload.weight_bytes(arch) + kv
+    kv = args.batch_size * ctx * workload.kv_bytes_per_token(arch, kv_dtype.itemsize)
+    weights = workload.weight_bytes(arch, dtype.itemsize)
+    step_bytes = weights + kv
     bound = args.batch_size * bandwidth * 1e9 / step_bytes
-    figures = {"model": args.preset or model, "batch_size": args.batch_size,
+    dtype_name = str(dtype).removeprefix("torch.")
+    figures = {"model": args.preset or model, "dtype": dtype_name,
+               "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
+               "batch_size": args.batch_size,
                "input_len": args.input_len, "output_len": args.output_len,
                "torch_threads": torch.get_num_threads(), "engines": best,
                "read_bandwidth_gb_s": bandwidth, "decode_step_bytes": step_bytes,
                "bandwidth_bound_tokens_per_s": bound}
-    print(f"model: {args.preset or model}; batch {args.batch_size}, {args.input_len} prompt "
+    print(f"model: {args.preset or model} ({dtype_name}); batch {args.batch_size}, "
+          f"{args.input_len} prompt "
           f"tokens, {args.output_len} output tokens; torch threads {torch.get_num_threads()}; "
           f"best of {args.repeat} rounds, engines taking turns")
+    width = max(len(n) for n in best) + 2
     for name, r in best.items():
-        print(f"{name + ':':13s} TTFT {r['ttft_s'] * 1e3:7.1f} ms  TPOT p50 "
+        print(f"{name + ':':{width}s} TTFT {r['ttft_s'] * 1e3:7.1f} ms  TPOT p50 "
               f"{r['tpot_p50_s'] * 1e3:6.2f} ms  p99 {r['tpot_p99_s'] * 1e3:6.2f} ms  "
               f"end-to-end {r['e2e_s']:6.2f} s  decode {r['decode_tokens_per_s']:7.1f} "
               "tokens/s")
@@ -220,11 +265,17 @@ def run(args: argparse.Namespace) -> dict:
         ratio = ours / best["HF generate"]["decode_tokens_per_s"]
         figures["ratio_decode_vs_hf"] = ratio
         print(f"ratio fleetllm / HF decode tokens/s: {ratio:.2f}x")
+    configs = [n for n in best if n.startswith("vLLM (")]
+    if configs:
+        top = max(configs, key=lambda n: best[n]["decode_tokens_per_s"])
+        ratio = ours / best[top]["decode_tokens_per_s"]
+        figures["vllm"] = {"best": top, "ratio_decode": ratio}
+        print(f"ratio fleetllm / vLLM best ({top[6:-1]}) decode tokens/s: {ratio:.2f}x")
     figures["fraction_of_bound"] = ours / bound
     print(f"memory-bandwidth bound: {bandwidth:.1f} GB/s read (measured now); a decode step "
-          f"reads {step_bytes / 1e6:.0f} MB (weights {workload.weight_bytes(arch) / 1e6:.0f} "
-          f"MB, KV {kv / 1e6:.1f} MB) -> {bound:.1f} tokens/s; fleetllm reaches "
-          f"{ours / bound:.0%}")
+          f"reads {step_bytes / 1e6:.0f} MB (weights {weights / 1e6:.0f} MB in {dtype_name}, "
+          f"KV {kv / 1e6:.1f} MB in {figures['kv_cache_dtype']}) -> {bound:.1f} tokens/s; "
+          f"fleetllm reaches {ours / bound:.0%}")
     split = best["fleetllm"].get("decode_step")
     if split:
         print(f"decode step: {split['step_s'] * 1e3:.2f} ms = model forward "

@@ -1,5 +1,7 @@
 """Model presets for the benchmarks: a config.json written to a temporary directory and loaded
-with dummy (random, seeded) weights, so no checkpoint is needed."""
+with dummy (random, seeded) weights, so no checkpoint is needed (checkpoint.py writes the same
+weights to disk for peers that need files). The shapes are the public models' own; the
+weights are not."""
 
 from __future__ import annotations
 
@@ -17,6 +19,30 @@ PRESETS: dict[str, dict[str, Any]] = {
         "head_dim": 64, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2,
         "tie_word_embeddings": False, "torch_dtype": "float32",
+    },
+    # Qwen2-0.5B's shapes: q/k/v biases (implied by the architecture), tied embeddings, a
+    # 152K vocabulary (its LM head is a third of the FLOPs of a decode step).
+    "qwen2-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+        "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+        "head_dim": 64, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "hidden_act": "silu", "use_sliding_window": False,
+        "sliding_window": None, "bos_token_id": 151643, "eos_token_id": 151643,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    },
+    # Llama-3.2-1B's shapes: llama3 rope scaling, tied embeddings, 128K vocabulary.
+    "llama-1b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+        "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 64, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "rope_scaling": {
+            "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": 128000, "eos_token_id": 128001, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
     },
 }
 

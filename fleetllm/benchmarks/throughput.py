@@ -2,6 +2,7 @@
 process, next to the roofline of this machine.
 
     fleetllm bench throughput --preset llama-125m --compare hf,hf-cb [--repeat 2] [--json F]
+    fleetllm bench throughput --preset llama-1b --compare vllm [--vllm-configs all]
     fleetllm bench throughput --preset llama-125m --shared-prefix 1024 --input-len 32 \\
         --output-len 32 --compare none
     fleetllm bench throughput [--model DIR] [--num-prompts N] [--input-len N|LOW:HIGH]
@@ -14,11 +15,14 @@ fleetllm's ratio to each. Peers (--compare): `hf` (transformers generate, static
 --hf-batch-size, left-padded) and `hf-cb` (transformers' continuous batching), with the same
 weights (--preset's dummy weights are handed to them), dtype and thread count; greedy, each
 request exactly its output length (--hf-sort adds HF generate on length-sorted batches).
-The roofline: the workload's FLOPs at this run's matmul rate on the model's own shapes (every
-layer's weights streamed, at prefill-sized and at decode-batch-sized rows; measured after every
-round, best kept, so it sees the machine as the engines did), for plain torch matmul and for
-the best matmul measured (oneDNN, packed weights); the fraction of each that fleetllm reaches
-is printed.
+`vllm` is the real vLLM CPU build in its own processes (`make peers` installs it; see
+vllm_peer.py): each of its configurations (eager or compiled, threads bound by vLLM or to
+fleetllm's cores) is printed, and fleetllm's ratio to the best of them.
+The roofline: the workload's FLOPs at this run's matmul rate on the model's own shapes in the
+engine's dtype (every layer's weights streamed, at prefill-sized and at decode-batch-sized
+rows; measured after every round, best kept, so it sees the machine as the engines did), for
+plain torch matmul and for the best matmul measured (oneDNN, packed weights); the fraction of
+each that fleetllm reaches is printed.
 
 --shared-prefix N starts every prompt with one common N-token prefix and also runs fleetllm
 without prefix caching: mean time to first token with and without, and whether the outputs
@@ -31,6 +35,8 @@ import argparse
 import json
 import time
 
+import torch
+
 from fleetllm.benchmarks import workload
 from fleetllm.benchmarks.presets import PRESETS, preset_dir
 from fleetllm.engine.arg_utils import (
@@ -40,6 +46,7 @@ from fleetllm.engine.arg_utils import (
     resolve_model,
 )
 
+PRESET_MAX_MODEL_LEN = 8192
 _PRESET_DEFAULTS = dict(num_prompts=64, input_len=(16, 256), output_len=(16, 64),
                         hf_batch_size=16, repeat=2)
 _DEFAULTS = dict(num_prompts=64, input_len=(128, 128), output_len=(64, 64), hf_batch_size=8,
@@ -49,8 +56,8 @@ _DEFAULTS = dict(num_prompts=64, input_len=(128, 128), output_len=(64, 64), hf_b
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="a built-in model with dummy weights instead of --model, and the "
-                             "performance workload: 64 requests, 16:256 in, 16:64 out "
-                             "(default: none)")
+                             "performance workload: 64 requests, 16:256 in, 16:64 out; "
+                             "max_model_len 8192 unless given (default: none)")
     workload.add_workload_args(parser, "64", "128; 16:256 with --preset",
                                "64; 16:64 with --preset")
     parser.add_argument("--shared-prefix", type=int, default=0,
@@ -58,9 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "then also runs without prefix caching and both mean TTFTs are "
                              "printed")
     parser.add_argument("--compare", default=None,
-                        help="peers run in the same process: hf (transformers generate), "
-                             "hf-cb (transformers continuous batching), comma-separated, or "
-                             "none (default: hf)")
+                        help="peers: hf (transformers generate), hf-cb (transformers "
+                             "continuous batching), both in this process, vllm (vLLM's CPU "
+                             "build from .venv-vllm, `make peers`), comma-separated, or none "
+                             "(default: hf)")
+    add_vllm_args(parser)
     parser.add_argument("--hf-batch-size", type=int, default=None,
                         help="HF generate batch size (left-padded); 0 skips the HF peer "
                              "(default: 8; 16 with --preset)")
@@ -80,6 +89,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
+def add_vllm_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--vllm-configs", default="all",
+                        help="vLLM configurations with --compare vllm: all (eager and "
+                             "compiled, each with VLLM_CPU_OMP_THREADS_BIND auto and fleetllm's "
+                             "cores) or comma-separated MODE:BIND, e.g. compiled:auto,eager:cores")
+    parser.add_argument("--vllm-kv-gb", type=int, default=1,
+                        help="VLLM_CPU_KVCACHE_SPACE of each vLLM process, GiB")
+
+
+def engine_dtype(llm) -> torch.dtype:
+    """The dtype fleetllm runs the model in (--dtype, or the checkpoint's: "auto")."""
+    config = llm.llm_engine.config
+    return config.model_config.torch_dtype(config.device_config.device)
+
+
+def compare_peers(text: str | None, known: set[str], default: set[str]) -> set[str]:
+    peers = set(default) if text is None else \
+        {p.strip() for p in text.split(",") if p.strip() not in ("", "none")}
+    unknown = peers - known
+    if unknown:
+        raise ValueError(f"--compare: unknown peers {sorted(unknown)} ({', '.join(sorted(known))}"
+                         f", none)")
+    return peers
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fleetllm.benchmarks.throughput",
                                      description=__doc__.split("\n\n")[0],
@@ -96,6 +130,10 @@ def resolve_source(args: argparse.Namespace, kwargs: dict) -> tuple[str, int | N
         raise ValueError("give --preset or --model, not both")
     if args.preset:
         kwargs.setdefault("load_format", "dummy")
+        # Not the model's full context (llama-1b: 131072, a 4 GiB bf16 KV cache for one
+        # sequence, more than the default KV budget): the workloads are far shorter.
+        kwargs.setdefault("max_model_len", min(PRESET_MAX_MODEL_LEN,
+                                               PRESETS[args.preset]["max_position_embeddings"]))
         return preset_dir(args.preset), kwargs.get("seed", 0)
     model = resolve_model(args.model)
     dummy = kwargs.get("load_format") == "dummy"
@@ -124,7 +162,14 @@ class _Fleet:
         return [o.outputs[0].token_ids for o in outs], ttft
 
 
-def _engines(args: argparse.Namespace, model: str, kwargs: dict, dummy_seed: int | None):
+def _engines(args: argparse.Namespace, model: str, kwargs: dict, dummy_seed: int | None,
+             peers: set[str]):
+    """fleetllm's engines and the in-process peers (vLLM's come once the requests are known:
+    its max_model_len is theirs)."""
+    if "vllm" in peers:  # before loading anything: a missing venv fails at once
+        from fleetllm.benchmarks.vllm_peer import vllm_python
+
+        vllm_python()
     engines = [_Fleet("fleetllm", model, kwargs)]
     if args.compare_backend:
         engines.append(_Fleet(f"fleetllm ({args.compare_backend})", model,
@@ -132,17 +177,10 @@ def _engines(args: argparse.Namespace, model: str, kwargs: dict, dummy_seed: int
     if args.shared_prefix:
         engines.append(_Fleet("fleetllm (no prefix caching)", model,
                               {**kwargs, "enable_prefix_caching": False}))
-    peers = {"hf"} if args.compare is None else \
-        {p.strip() for p in args.compare.split(",") if p.strip() not in ("", "none")}
-    if args.hf_batch_size == 0:
-        peers.discard("hf")
-    unknown = peers - {"hf", "hf-cb"}
-    if unknown:
-        raise ValueError(f"--compare: unknown peers {sorted(unknown)} (hf, hf-cb, none)")
-    if peers:
+    if peers & {"hf", "hf-cb"}:
         from fleetllm.benchmarks.hf_peers import HFContinuousBatching, HFGenerate, load_hf_model
 
-        hf = load_hf_model(model, dummy_seed)
+        hf = load_hf_model(model, dummy_seed, engine_dtype(engines[0].llm))
         if "hf" in peers:
             engines.append(HFGenerate(hf, args.hf_batch_size))
             if args.hf_sort:
@@ -153,26 +191,36 @@ def _engines(args: argparse.Namespace, model: str, kwargs: dict, dummy_seed: int
 
 
 def run(args: argparse.Namespace) -> dict:
-    import torch
-
     kwargs = engine_kwargs_from(args, args.engine_actions)
     for name, value in (_PRESET_DEFAULTS if args.preset else _DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     model, dummy_seed = resolve_source(args, kwargs)
-    engines = _engines(args, model, kwargs, dummy_seed)
+    peers = compare_peers(args.compare, {"hf", "hf-cb", "vllm"}, {"hf"})
+    if args.hf_batch_size == 0:
+        peers.discard("hf")
+    engines = _engines(args, model, kwargs, dummy_seed, peers)
+    vllm = None
     try:
         llm = engines[0].llm
         arch = llm.llm_engine.model_config.arch
+        dtype = engine_dtype(llm)
         tokenizer = llm.get_tokenizer()
         vocab = min(arch.vocab_size, len(tokenizer) if tokenizer else arch.vocab_size)
         requests = workload.make_requests(args, vocab, tokenizer, args.shared_prefix)
+        if "vllm" in peers:
+            from fleetllm.benchmarks.vllm_peer import VLLMPeers, parse_configs
+
+            vllm = VLLMPeers(parse_configs(args.vllm_configs, torch.get_num_threads()), model,
+                             dummy_seed, dtype, max(len(r.prompt) + r.output_len
+                                                    for r in requests), args.vllm_kv_gb)
+            engines += vllm.peers
         rows = _roofline_rows(requests, llm.llm_engine.config)
         rates: dict[int, dict[str, float]] = {}
 
         def probe() -> None:  # once per round: the machine as the engines found it
             for r in rows:
-                for kind, value in workload.matmul_rate(arch, r).items():
+                for kind, value in workload.matmul_rate(arch, r, dtype).items():
                     rates.setdefault(r, {})[kind] = max(rates.get(r, {}).get(kind, 0), value)
 
         results = _measure(engines, requests, args.repeat,
@@ -181,13 +229,16 @@ def run(args: argparse.Namespace) -> dict:
         for e in engines:
             if isinstance(e, _Fleet):
                 e.llm.shutdown()
+        if vllm is not None:
+            vllm.close()
     n_in = sum(len(r.prompt) for r in requests)
     n_out = sum(r.output_len for r in requests)
-    figures: dict = {"model": args.preset or model, "requests": len(requests),
+    dtype_name = str(dtype).removeprefix("torch.")
+    figures: dict = {"model": args.preset or model, "dtype": dtype_name, "requests": len(requests),
                      "input_tokens": n_in, "output_tokens": n_out,
                      "torch_threads": torch.get_num_threads(), "repeat": args.repeat,
                      "engines": {}}
-    print(f"model: {args.preset or model}")
+    print(f"model: {args.preset or model} ({dtype_name})")
     print(f"requests: {len(requests)}, {n_in} input + {n_out} output tokens "
           f"({_span(requests)}); torch threads: {torch.get_num_threads()}; best of "
           f"{args.repeat} rounds, engines taking turns")
@@ -201,13 +252,15 @@ def run(args: argparse.Namespace) -> dict:
               f"{f['input_tokens_per_s']:8.1f}  output {f['output_tokens_per_s']:7.1f}  total "
               f"{f['total_tokens_per_s']:8.1f} tokens/s  ({seconds:.2f} s)")
     _ratios(engines, results, figures, kwargs.get("distributed_executor_backend", "default"))
+    if vllm is not None:
+        _vllm_ratio(engines, results, figures)
     if args.shared_prefix:
         _prefix_figures(results, figures)
     if args.shared_prefix:  # the cache skips most of the FLOPs a roofline would count
         print("roofline: not meaningful with --shared-prefix (prefix caching skips the "
               "shared prefix's FLOPs)")
     elif not args.no_roofline:
-        _roofline(arch, requests, results["fleetllm"][0], rows, rates, figures)
+        _roofline(arch, requests, results["fleetllm"][0], rows, rates, figures, dtype_name)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)
@@ -232,6 +285,8 @@ def _measure(engines, requests, repeat: int, probe=None) -> dict:
             start = time.perf_counter()
             out = e.run(requests)
             seconds = time.perf_counter() - start
+            if isinstance(out, workload.TimedRun):  # timed in its own process
+                out, seconds = out.outputs, out.seconds
             outputs, ttft = out if isinstance(out, tuple) else (out, None)
             best = results.get(e.name)
             if best is None or seconds < best[0]:
@@ -245,6 +300,8 @@ def _ratios(engines, results: dict, figures: dict, backend: str) -> None:
     ours, our_outputs, _ = results["fleetllm"]
     figures["ratios"] = {}
     for e in engines[1:]:
+        if e.name.startswith("vLLM ("):  # one ratio, to the best configuration: _vllm_ratio
+            continue
         seconds, outputs, _ = results[e.name]
         same = sum(a == b for a, b in zip(our_outputs, outputs, strict=True))
         label = {"HF generate": "HF", "HF generate (sorted)": "HF (sorted)",
@@ -259,6 +316,22 @@ def _ratios(engines, results: dict, figures: dict, backend: str) -> None:
             print(f"ratio fleetllm / {label}: {seconds / ours:.2f}x  (identical outputs "
                   f"{same}/{len(outputs)})")
         figures["ratios"][e.name] = {"speedup": seconds / ours, "identical_outputs": same}
+
+
+def _vllm_ratio(engines, results: dict, figures: dict) -> None:
+    """fleetllm against vLLM's best configuration; every configuration's identical outputs."""
+    ours, our_outputs, _ = results["fleetllm"]
+    names = [e.name for e in engines if e.name.startswith("vLLM (")]
+    same = {n: sum(a == b for a, b in zip(our_outputs, results[n][1], strict=True))
+            for n in names}
+    best = min(names, key=lambda n: results[n][0])
+    seconds = results[best][0]
+    figures["vllm"] = {"best": best, "speedup": seconds / ours, "identical_outputs": same[best],
+                       "configs": {n: {"seconds": results[n][0], "identical_outputs": same[n]}
+                                   for n in names}}
+    print(f"ratio fleetllm / vLLM best ({best[6:-1]}): {seconds / ours:.2f}x  (identical "
+          f"outputs {same[best]}/{len(our_outputs)}; per configuration "
+          f"{', '.join(str(same[n]) for n in names)})")
 
 
 def _prefix_figures(results: dict, figures: dict) -> None:
@@ -281,23 +354,23 @@ def _roofline_rows(requests, config) -> tuple[int, list[int]]:
     return [decode, *prefill]
 
 
-def _roofline(arch, requests, seconds: float, rows: list[int], rates: dict, figures: dict
-              ) -> None:
+def _roofline(arch, requests, seconds: float, rows: list[int], rates: dict, figures: dict,
+              dtype: str) -> None:
     """Roofline time = prefill FLOPs at the rate of prefill-sized matmuls + decode and LM-head
-    FLOPs at the rate of decode-batch-sized ones (rates: the best of the rounds). Two rates:
-    plain torch matmul (`x @ W.T`, MKL: the issue's definition) and the best this machine
-    does (oneDNN with packed weights, as fleetllm runs them)."""
+    FLOPs at the rate of decode-batch-sized ones (rates: the best of the rounds), in the
+    engine's dtype. Two rates: plain torch matmul (`x @ W.T`: the issue's definition) and the
+    best this machine does (oneDNN with packed weights, as fleetllm runs them)."""
     flops = workload.workload_flops(arch, requests)
     decode_rows, prefill_rows = rows[0], rows[1:]
     decode_rate = rates[decode_rows]
     tokens = sum(len(r.prompt) + r.output_len for r in requests)
     decode_flops = flops.decode + flops.lm_head
     figures["roofline"] = {
-        "workload_gflop": flops.total / 1e9, "prefill_gflop": flops.prefill / 1e9,
+        "dtype": dtype, "workload_gflop": flops.total / 1e9, "prefill_gflop": flops.prefill / 1e9,
         "decode_gflop": decode_flops / 1e9, "decode_rows": decode_rows,
         "decode_gflops": decode_rate,
         "prefill_gflops": {str(r): rates[r] for r in prefill_rows}}
-    for kind, label in (("dense", "torch matmul"), ("best", "best matmul")):
+    for kind, label in (("dense", f"{dtype} torch matmul"), ("best", f"{dtype} best matmul")):
         prefill_rate = max(rates[r][kind] for r in prefill_rows)
         roof = flops.prefill / (prefill_rate * 1e9) + decode_flops / (decode_rate[kind] * 1e9)
         figures["roofline"][kind] = {"seconds": roof, "total_tokens_per_s": tokens / roof,

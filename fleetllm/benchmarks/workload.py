@@ -23,6 +23,15 @@ class Request:
     output_len: int
 
 
+@dataclass
+class TimedRun:
+    """A round an engine timed itself (one in another process: its own clock around the
+    generation, not the transfer of requests and outputs)."""
+
+    outputs: list[list[int]]
+    seconds: float
+
+
 def parse_range(text: str) -> tuple[int, int]:
     """'128' -> (128, 128); '16:256' (or 16-256) -> (16, 256), inclusive."""
     for sep in (":", "-"):
@@ -102,11 +111,23 @@ def linear_params(a: ArchConfig) -> int:
     return per_layer * a.num_layers
 
 
-def weight_bytes(a: ArchConfig, dtype_bytes: int = 4) -> int:
-    """Bytes a decode step reads from the weights: every projection, the norms and the LM
-    head (the embedding table: only the rows of the batch's tokens)."""
+def weight_bytes(a: ArchConfig, dtype_bytes: int) -> int:
+    """Bytes a decode step reads from the weights stored with dtype_bytes per element: every
+    projection and its bias, the norms and the LM head. The embedding table is read only at
+    the batch's rows, so it counts once, as the LM head: the same matrix when the embeddings
+    are tied, and a table of which a step touches a few rows when not."""
     norms = (2 * a.num_layers + 1) * a.hidden_size
-    return (linear_params(a) + a.vocab_size * a.hidden_size + norms) * dtype_bytes
+    if a.qk_norm:
+        norms += 2 * a.num_layers * a.head_dim
+    qkv = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+    biases = a.num_layers * ((qkv if a.qkv_bias else 0) + (a.hidden_size if a.o_bias else 0)
+                             + ((2 * a.intermediate_size + a.hidden_size) if a.mlp_bias else 0))
+    return (linear_params(a) + a.vocab_size * a.hidden_size + norms + biases) * dtype_bytes
+
+
+def kv_bytes_per_token(a: ArchConfig, dtype_bytes: int) -> int:
+    """Bytes of KV cache one token position holds (keys and values, every layer)."""
+    return 2 * a.num_layers * a.num_kv_heads * a.head_dim * dtype_bytes
 
 
 @dataclass
@@ -150,22 +171,28 @@ def _best_time(fn, repeat: int) -> float:
     return best
 
 
-def matmul_rate(a: ArchConfig, rows: int, repeat: int = 3) -> dict[str, float]:
-    """GFLOP/s of the model's own projections at `rows` rows, float32, the way a forward
-    streams them: every layer's four projections with their own weights (so they come from
-    memory, not a cache holding one matrix), then the LM head. Two implementations: plain
-    F.linear (MKL, `x @ W.T`) and oneDNN with pre-packed weights (what fleetllm runs for
-    more than 4 rows); "best" is the faster, the machine's rate for the roofline. With more
-    than 2 GiB of projection weights, only enough layers for 2 GiB are built."""
+def matmul_rate(a: ArchConfig, rows: int, dtype: torch.dtype = torch.float32,
+                repeat: int = 3) -> dict[str, float]:
+    """GFLOP/s of the model's own projections at `rows` rows in `dtype` (the engine's), the
+    way a forward streams them: every layer's four projections with their own weights (so they
+    come from memory, not a cache holding one matrix), then the LM head. Two implementations:
+    plain F.linear (`x @ W.T`: MKL in float32, torch's own bf16 GEMM in bfloat16) and oneDNN
+    with pre-packed weights (what fleetllm runs for more than 4 rows); "best" is the faster,
+    the machine's rate for the roofline. With more than 2 GiB of projection weights, only
+    enough layers for 2 GiB are built."""
     d, hid = a.head_dim, a.hidden_size
     shapes = [((a.num_heads + 2 * a.num_kv_heads) * d, hid), (hid, a.num_heads * d),
               (2 * a.intermediate_size, hid), (hid, a.intermediate_size)]
-    layer_bytes = 4 * sum(o * i for o, i in shapes)
+    layer_bytes = dtype.itemsize * sum(o * i for o, i in shapes)
     layers = max(1, min(a.num_layers, (2 << 30) // layer_bytes))
     gen = torch.Generator().manual_seed(0)
-    dense = [torch.randn(s, generator=gen) * 0.02 for _ in range(layers) for s in shapes]
-    dense.append(torch.randn((a.vocab_size, hid), generator=gen) * 0.02)
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen) for w in dense}
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:  # drawn in float32: any dtype
+        return (torch.randn(shape, generator=gen) * scale).to(dtype)
+
+    dense = [rand(*s, scale=0.02) for _ in range(layers) for s in shapes]
+    dense.append(rand(a.vocab_size, hid, scale=0.02))
+    inputs = {w.shape[1]: rand(rows, w.shape[1]) for w in dense}
     # Per token the layer shapes run num_layers times and the LM head once.
     flops = 2.0 * rows * (sum(o * i for o, i in shapes) * layers + a.vocab_size * hid)
     rates = {}

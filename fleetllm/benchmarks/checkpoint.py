@@ -1,0 +1,56 @@
+"""A preset's dummy weights written as a real checkpoint (config.json + safetensors), for peers
+that only load from disk (vLLM): the same tensors fleetllm's load_format="dummy" makes and
+hf_peers hands to transformers, a function of (seed, checkpoint tensor name), so every engine
+computes the same function."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from fleetllm.config import ArchConfig, read_json
+from fleetllm.model.loader import dummy_tensor, hf_tensor_shapes
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def write_dummy_checkpoint(config_dir: str | Path, out_dir: str | Path, seed: int,
+                           dtype: torch.dtype, shard_bytes: int = 1 << 30) -> Path:
+    """config_dir's config.json (torch_dtype set to `dtype`) and its dummy weights for `seed`
+    in `dtype`, in out_dir. Shards of at most shard_bytes (plus an index when more than one),
+    so a 1B model never holds more than one shard in memory while writing."""
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype} cannot be written; one of {list(DTYPE_NAMES)}")
+    raw = read_json(Path(config_dir) / "config.json")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[list[str]] = [[]]
+    size = 0
+    shapes = hf_tensor_shapes(ArchConfig.from_dict(raw))
+    for name, shape in shapes.items():
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    files = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for names, file in zip(shards, files, strict=True):
+        # Rounded from the float32 draw exactly as loading the dummy weights into a model
+        # of this dtype rounds them (a copy_ into the parameter).
+        tensors = {n: dummy_tensor(n, shapes[n], seed).to(dtype).contiguous() for n in names}
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        del tensors
+    if len(files) > 1:
+        total = sum(torch.Size(s).numel() for s in shapes.values()) * dtype.itemsize
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {n: f for names, f in zip(shards, files, strict=True)
+                                for n in names}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    (out / "config.json").write_text(json.dumps({**raw, "torch_dtype": DTYPE_NAMES[dtype]},
+                                                indent=1))
+    return out
