@@ -126,8 +126,8 @@ inline __attribute__((always_inline)) void softmax_pv_as_torch(
             for (int t = vis; t < c1; t++) m = sh[t - p0] > m ? sh[t - p0] : m;
             float lanes[TORCH_LANES] = {};
             for (int t = c0; t < vec_end; t += TORCH_LANES) {
-                float *st = sh + t - p0;
                 if (t >= vis) {
+                    float *st = sh + t - p0;
                     #pragma omp simd
                     for (int l = 0; l < TORCH_LANES; l++) {
                         const float e = fexp_u20(st[l] - m);
@@ -137,8 +137,8 @@ inline __attribute__((always_inline)) void softmax_pv_as_torch(
                 } else {  // a vector across the window's start: the masked lanes add nothing
                     for (int l = 0; l < TORCH_LANES; l++)
                         if (t + l >= vis) {
-                            const float e = fexp_u20(st[l] - m);
-                            st[l] = round_to<bf16>(e);
+                            const float e = fexp_u20(sh[t + l - p0] - m);
+                            sh[t + l - p0] = round_to<bf16>(e);
                             lanes[l] += e;
                         }
                 }
