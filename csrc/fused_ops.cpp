@@ -7,9 +7,6 @@
 // were the ~10 Python calls per layer it replaces. Each in float32 and bfloat16 (kernels.h).
 #include <cstring>
 #include <type_traits>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include "kernels.h"
 #include "parallel.h"
@@ -120,8 +117,8 @@ void rope_body(void *arg, long begin, long end, int)
 // y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for a few rows m: each weight row is streamed once
 // per 4 rows of x, one row after the other (one sequential stream per thread; two FMA chains
 // per row of x), float32 sums (a bfloat16 weight is widened in registers: a shift, no memory
-// traffic). Memory-bound: it
-// runs at the machine's read bandwidth where a GEMM library re-packs or underuses it.
+// traffic). Memory-bound: it runs at the machine's read bandwidth where a GEMM library re-packs
+// or underuses it.
 template <int MT, class T>
 void gemv_tile(const T *x, const T *w, const T *bias, T *y, long n0, int N, int K)
 {
@@ -198,32 +195,32 @@ struct GemvCtx {
     int mt, N, K;
 };
 
+// One tile of 4 weight rows against MT rows of x: the bf16 dot-product tile where the CPU has
+// AVX-512 BF16, the widening one otherwise.
+template <int MT, class T>
+void gemv_rows(const GemvCtx<T> *c, long n0)
+{
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, bf16>)
+        if (has_bf16_dot) {
+            gemv_tile_dp<MT>(c->x, c->w, c->bias, c->y, n0, c->N, c->K);
+            return;
+        }
+#endif
+    gemv_tile<MT>(c->x, c->w, c->bias, c->y, n0, c->N, c->K);
+}
+
 template <class T>
 void gemv_body(void *arg, long begin, long end, int)
 {
     const auto *c = static_cast<const GemvCtx<T> *>(arg);
-#if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, bf16>)
-        if (has_bf16_dot) {
-            for (long tile = begin; tile < end; tile++) {
-                const long n0 = tile * 4;
-                switch (c->mt) {
-                case 1: gemv_tile_dp<1>(c->x, c->w, c->bias, c->y, n0, c->N, c->K); break;
-                case 2: gemv_tile_dp<2>(c->x, c->w, c->bias, c->y, n0, c->N, c->K); break;
-                case 3: gemv_tile_dp<3>(c->x, c->w, c->bias, c->y, n0, c->N, c->K); break;
-                default: gemv_tile_dp<4>(c->x, c->w, c->bias, c->y, n0, c->N, c->K);
-                }
-            }
-            return;
-        }
-#endif
     for (long tile = begin; tile < end; tile++) {
         const long n0 = tile * 4;
         switch (c->mt) {
-        case 1: gemv_tile<1>(c->x, c->w, c->bias, c->y, n0, c->N, c->K); break;
-        case 2: gemv_tile<2>(c->x, c->w, c->bias, c->y, n0, c->N, c->K); break;
-        case 3: gemv_tile<3>(c->x, c->w, c->bias, c->y, n0, c->N, c->K); break;
-        default: gemv_tile<4>(c->x, c->w, c->bias, c->y, n0, c->N, c->K);
+        case 1: gemv_rows<1>(c, n0); break;
+        case 2: gemv_rows<2>(c, n0); break;
+        case 3: gemv_rows<3>(c, n0); break;
+        default: gemv_rows<4>(c, n0);
         }
     }
 }
