@@ -8,7 +8,14 @@ from collections import Counter
 import torch
 
 from fleetllm.sampling_params import SamplingParams
-from fleetllm.worker.sampler import PenaltyState, SampleRow, draw_seed, prompt_logprobs, sample
+from fleetllm.worker.sampler import (
+    PenaltyState,
+    SampleRow,
+    draw_seed,
+    exponential_noise,
+    prompt_logprobs,
+    sample,
+)
 
 LOGITS = torch.log(torch.tensor([0.40, 0.25, 0.15, 0.10, 0.05, 0.03, 0.02]))
 
@@ -40,6 +47,18 @@ def test_temperature_follows_the_distribution_and_sharpens():
     assert cold[0] == 400  # a low temperature concentrates on the mode
     hot = draw(SamplingParams(temperature=5.0), times=4000)
     assert hot[6] > 4000 * 0.08  # a high one flattens: the rarest token gets >> 2%
+
+
+def test_seeded_and_unseeded_draws_match_every_probability():
+    """The race's noise (-log U) is Exp(1): the drawn frequencies match every token's
+    probability, for draws from the batch's noise and from each row's own seed alike."""
+    torch.manual_seed(1)
+    want = torch.softmax(LOGITS, -1).tolist()
+    for seed in (None, 7):
+        counts = draw(SamplingParams(temperature=1.0, seed=seed), times=20000, seed=seed)
+        for token, p in enumerate(want):
+            sigma = (p * (1 - p) / 20000) ** 0.5
+            assert abs(counts[token] / 20000 - p) < 5 * sigma, (seed, token, counts)
 
 
 def test_top_k_top_p_min_p_restrict_the_support():
@@ -129,7 +148,8 @@ def _reference_draw(logits: torch.Tensor, params: SamplingParams, seed: int) -> 
     probs = torch.softmax(masked, dim=-1)
     if params.min_p > 0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    noise = torch.empty(vocab).exponential_(generator=torch.Generator().manual_seed(seed))
+    noise = exponential_noise(vocab, torch.device("cpu"),
+                              torch.Generator().manual_seed(seed))
     return int((probs / noise).argmax())
 
 
