@@ -64,6 +64,33 @@ def children_of(pid: int) -> list[int]:
     return kids
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def engine_core(server_pid: int) -> int:
+    """The server's engine-core process (its one child that is not a resource tracker)."""
+    [core] = [k for k in children_of(server_pid) if "resource_tracker" not in _cmdline(k)]
+    return core
+
+
+def engine_workers(server_pid: int) -> list[int]:
+    """The engine's worker processes: the children of the server's engine-core process when
+    it has one (the default), else the server's own (--disable-frontend-multiprocessing).
+    multiprocessing's resource trackers are not workers."""
+    def spawned(pid: int) -> list[int]:
+        return [k for k in children_of(pid) if "resource_tracker" not in _cmdline(k)]
+
+    kids = spawned(server_pid)
+    for kid in kids:
+        if spawned(kid):
+            return spawned(kid)
+    return kids
+
+
 def alive(pid: int) -> bool:
     """Running, and not a zombie waiting to be reaped."""
     try:

@@ -11,7 +11,7 @@ import signal
 import time
 
 import httpx
-from serving_helpers import KV, alive, assert_error, children_of, server_env
+from serving_helpers import KV, alive, assert_error, engine_workers, server_env
 
 from fleetllm.entrypoints.openai.local_server import LocalServer
 
@@ -26,7 +26,7 @@ def test_sigterm_drains_a_tp2_server_and_exits_0_without_workers(tiny_models):
                        "--worker-cls", "serving_helpers.SlowWorker"],
                       env=server_env(FLEETLLM_TEST_STEP_DELAY="0.02"))
     try:
-        workers = children_of(srv.pid)
+        workers = engine_workers(srv.pid)
         assert len(workers) >= 2, workers
 
         async def run():

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from serving_helpers import KV, AppClient, children_of, metric, metric_values, server_env
+from serving_helpers import KV, AppClient, engine_workers, metric, metric_values, server_env
 
 from fleetllm.engine.async_engine import AsyncLLMEngine
 from fleetllm.entrypoints.openai.api_server import build_app
@@ -60,7 +60,7 @@ def test_a_killed_worker_is_replaced_and_every_stream_completes(tiny_models):
     srv = start_tp2(tiny_models["llama_gqa"])
     try:
         undisturbed = asyncio.run(streams(srv.url, 16, None))
-        workers = children_of(srv.pid)
+        workers = engine_workers(srv.pid)
         assert len(workers) >= 2
         disturbed = asyncio.run(streams(srv.url, 16, workers[-1]))
         for before, after in zip(undisturbed, disturbed, strict=True):
@@ -76,7 +76,7 @@ def test_a_killed_worker_is_replaced_and_every_stream_completes(tiny_models):
 def test_past_the_restart_limit_streams_end_with_an_error_and_health_is_503(tiny_models):
     srv = start_tp2(tiny_models["llama_gqa"], "--max-worker-restarts", "0")
     try:
-        workers = children_of(srv.pid)
+        workers = engine_workers(srv.pid)
         outcome = asyncio.run(streams(srv.url, 4, workers[-1]))
         for events in outcome:
             assert "error" in events[-1], events[-1]  # a terminal error event

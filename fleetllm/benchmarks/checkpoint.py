@@ -54,3 +54,26 @@ def write_dummy_checkpoint(config_dir: str | Path, out_dir: str | Path, seed: in
     (out / "config.json").write_text(json.dumps({**raw, "torch_dtype": DTYPE_NAMES[dtype]},
                                                 indent=1))
     return out
+
+
+def write_word_tokenizer(out_dir: str | Path, vocab_size: int) -> Path:
+    """A tokenizer for a dummy checkpoint that has none: one word per token id ("w123"),
+    split on whitespace, so every id decodes to text that encodes back to the same id (a
+    serving benchmark's random prompts survive the round trip through text). Ids 0-2 are
+    <unk>, <s>, </s>, as in the presets' configs."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab.update({f"w{i}": i for i in range(len(specials), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>",
+        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False,
+        "model_max_length": 1 << 20}, indent=1))
+    return out

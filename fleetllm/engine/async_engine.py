@@ -99,6 +99,7 @@ class AsyncLLMEngine:
                  health_probe_interval_s: float = 5.0,
                  stat_loggers: list[StatLogger] | None = None):
         self.engine = engine
+        self.config = engine.config
         self.model_config = engine.model_config
         # No engine call (a step, an add) may take longer than this while the engine is
         # healthy: past it, check_health reports the engine wedged.
@@ -126,7 +127,18 @@ class AsyncLLMEngine:
     def from_engine_args(cls, model: str, *, step_timeout_s: float = 60.0,
                          health_probe_interval_s: float = 5.0,
                          stat_loggers: list[StatLogger] | None = None,
+                         engine_core_process: bool = False,
                          **engine_kwargs: Any) -> AsyncLLMEngine:
+        """engine_core_process: run the engine in a process of its own (core_client's
+        EngineCoreClient, the same API), so that this process's Python never competes with
+        the engine loop for the GIL. `fleetllm serve` does."""
+        if engine_core_process:
+            from fleetllm.engine.core_client import EngineCoreClient
+
+            return EngineCoreClient(  # type: ignore[return-value]
+                str(model), step_timeout_s=step_timeout_s,
+                health_probe_interval_s=health_probe_interval_s, stat_loggers=stat_loggers,
+                **engine_kwargs)
         return cls(LLMEngine.from_engine_args(str(model), **engine_kwargs),
                    step_timeout_s=step_timeout_s,
                    health_probe_interval_s=health_probe_interval_s, stat_loggers=stat_loggers)

@@ -44,6 +44,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                            "one (a client's X-Request-Id names its request either way)")
     http.add_argument("--enable-sleep-mode", action="store_true",
                       help="add POST /sleep, POST /wake_up and GET /is_sleeping")
+    http.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                      help="run the engine in the API server's process (default: an "
+                           "engine-core process of its own, so HTTP never holds the GIL a "
+                           "step needs)")
     http.add_argument("--access-log", action="store_true", help="log every HTTP request")
     http.add_argument("--log-level", default="info",
                       choices=["debug", "info", "warning", "error"])

@@ -96,8 +96,10 @@ def run_serve(args: argparse.Namespace) -> int:
     chat_template = load_chat_template(args.chat_template)
     warn_if_exposed(args.host, args.api_key)
     raise_open_file_limit()
-    engine = AsyncLLMEngine.from_engine_args(model, step_timeout_s=args.step_timeout,
-                                             **engine_kwargs_from(args, args.engine_actions))
+    engine = AsyncLLMEngine.from_engine_args(
+        model, step_timeout_s=args.step_timeout,
+        engine_core_process=not args.disable_frontend_multiprocessing,
+        **engine_kwargs_from(args, args.engine_actions))
     try:
         state = ServerState()
         http = HTTPOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers,

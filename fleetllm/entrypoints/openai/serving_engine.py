@@ -141,7 +141,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
         self.vocab_size = engine.model_config.arch.vocab_size
-        self.max_num_seqs = engine.engine.config.scheduler_config.max_num_seqs
+        self.max_num_seqs = engine.config.scheduler_config.max_num_seqs
 
     @property
     def model_name(self) -> str:

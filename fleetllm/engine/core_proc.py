@@ -1,0 +1,222 @@
+"""The engine-core process: the scheduler, executor and KV manager (an LLMEngine) in a process
+of their own, stepping in a busy loop, so that the API process's HTTP, JSON, SSE and
+tokenization never hold the GIL the engine needs between its kernels.
+
+How it works: core_client.EngineCoreClient starts this process (multiprocessing spawn) with
+two AF_UNIX socket pairs (see core_wire for the messages). The main thread loops: apply every
+message waiting on the data socket (adds, aborts, sleep/wake_up), step while there is work,
+send the step's deltas; idle, it waits up to health_probe_interval_s for a message and then
+probes the workers (LLMEngine.check_health replaces dead ones, as a failed step would). A
+control thread answers health checks from the control socket at any time: the workers' timed
+ping, and whether an engine call has run longer than step_timeout_s (wedged).
+
+Failures: worker crashes and hangs are the LLMEngine's to recover (restart, requests resume).
+An exception that escapes the loop is fatal: the core sends ["dead", error] and exits 1. When
+the API process goes away (EOF on the data socket) the core shuts its workers down and exits.
+The core ignores SIGINT and SIGTERM: the API process owns the lifecycle (a Ctrl-C or a
+drain reaches it there, and it stops the core in order).
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+from fleetllm.engine import core_wire as wire
+from fleetllm.engine.llm_engine import LLMEngine
+from fleetllm.engine.stats import EngineLoad
+from fleetllm.errors import EngineSleepingError
+
+logger = logging.getLogger(__name__)
+
+
+def run_engine_core(model: str, engine_kwargs: dict[str, Any], data: socket.socket,
+                    control: socket.socket, step_timeout_s: float,
+                    health_probe_interval_s: float, log_level: int) -> None:
+    """The process's target."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
+    try:
+        engine = LLMEngine.from_engine_args(model, **engine_kwargs)
+    except BaseException as e:  # noqa: BLE001 - reported to the API process, which raises it
+        wire.send(data, ["dead", wire.error_msg(e)])
+        raise SystemExit(1) from None
+    core = EngineCore(engine, data, step_timeout_s, health_probe_interval_s)
+    threading.Thread(target=core.serve_control, args=(control,), name="fleetllm-core-control",
+                     daemon=True).start()
+    wire.send(data, ["ready"])
+    code = core.run()
+    engine.shutdown()
+    raise SystemExit(code)
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, data: socket.socket, step_timeout_s: float,
+                 health_probe_interval_s: float):
+        self.engine = engine
+        self.data = data
+        self.step_timeout_s = step_timeout_s
+        self.health_probe_interval_s = health_probe_interval_s
+        self.reader = wire.FrameReader()
+        self.deltas = wire.DeltaEncoder()
+        self.live: set[str] = set()  # requests added and not yet finished or aborted
+        self.busy_since: float | None = None  # monotonic start of the engine call under way
+        self.fatal: BaseException | None = None
+        data.setblocking(False)
+
+    # ------------------------------------------------------------ the main loop
+
+    def run(self) -> int:
+        """0 when told to stop or when the API process went away, 1 after a fatal error."""
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                messages = self._receive(self.health_probe_interval_s if idle else 0.0)
+                if messages is None:
+                    return 0
+                if not messages and idle:
+                    self._busy(self.engine.check_health)  # a dead worker is replaced now
+                    self._send(["out", self._load(), []])  # worker_restarts may have moved
+                for msg in messages:
+                    if msg[0] == "stop":
+                        return 0
+                    self._apply(msg)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                elif messages:  # e.g. the last request aborted: /metrics sees it freed
+                    self._send(["out", self._load(), []])
+        except BaseException as e:  # noqa: BLE001 - anything from the engine is fatal
+            self.fatal = e
+            logger.error("engine core died: %s", e, exc_info=e)
+            try:
+                self.data.setblocking(True)
+                wire.send(self.data, ["dead", wire.error_msg(e)])
+            except OSError:
+                pass
+            return 1
+
+    def _receive(self, timeout: float) -> list[Any] | None:
+        """Every whole message waiting (waiting up to `timeout` for the first); None at EOF."""
+        ready, _, _ = select.select([self.data], [], [], timeout)
+        messages: list[Any] = []
+        while ready:
+            try:
+                chunk = self.data.recv(1 << 20)
+            except BlockingIOError:
+                break
+            except OSError:
+                return None
+            if not chunk:
+                return None
+            messages += self.reader.feed(chunk)
+        return messages
+
+    def _send(self, msg: Any) -> None:
+        self.data.setblocking(True)  # the API process's reader always drains its side
+        try:
+            wire.send(self.data, msg)
+        finally:
+            self.data.setblocking(False)
+
+    def _apply(self, msg: list[Any]) -> None:
+        kind = msg[0]
+        if kind == "add":
+            _, request_id, text, token_ids, params, arrival = msg
+            error = None
+            try:
+                if self.engine.model_executor.is_sleeping:
+                    raise EngineSleepingError(
+                        "the engine is asleep: wake it up (POST /wake_up) first")
+                prompt = {"prompt_token_ids": token_ids}
+                if text is not None:
+                    prompt["prompt"] = text
+                self._busy(self.engine.add_request, request_id, prompt,
+                           wire.load_params(params), arrival)
+                self.live.add(request_id)
+            except Exception as e:  # a rejected request: it queued nothing
+                error = wire.error_msg(e)
+            self._send(["added", request_id, error])
+        elif kind == "abort":
+            ids = list(self.live) if msg[1] is None else [msg[1]]
+            for request_id in ids:
+                if request_id in self.live:
+                    self.live.discard(request_id)
+                    self.deltas.forget(request_id)
+                    self._busy(self.engine.abort_request, request_id)
+        elif kind == "call":
+            _, call_id, name, arg = msg
+            error = None
+            try:
+                if name == "sleep":
+                    self._busy(self.engine.sleep, arg)
+                elif name == "wake_up":
+                    self._busy(self.engine.wake_up, arg)
+                else:
+                    raise ValueError(f"unknown call {name!r}")
+            except Exception as e:  # refused (e.g. sleep with requests in flight)
+                error = wire.error_msg(e)
+            self._send(["called", call_id, error, self.engine.model_executor.is_sleeping])
+
+    def _step(self) -> None:
+        outputs = self._busy(self.engine.step)
+        deltas = []
+        for out in outputs:
+            if out.request_id not in self.live:
+                continue  # aborted meanwhile
+            deltas.append(self.deltas.encode(out))
+            if out.finished:
+                self.live.discard(out.request_id)
+        self._send(["out", self._load(), deltas])
+
+    def _busy(self, fn: Any, *args: Any) -> Any:
+        self.busy_since = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.busy_since = None
+
+    def _load(self) -> list[Any]:
+        sched = self.engine.scheduler
+        blocks = sched.block_manager
+        cache = blocks.prefix_cache
+        return wire.load_msg(EngineLoad(
+            len(sched.running), len(sched.waiting), len(sched.swapped), blocks.num_gpu_blocks,
+            blocks.num_free_gpu_blocks, self.engine.worker_restarts,
+            cache.queried_tokens if cache else 0, cache.hit_tokens if cache else 0))
+
+    # ------------------------------------------------------------ the control thread
+
+    def serve_control(self, control: socket.socket) -> None:
+        while True:
+            msg = wire.recv(control)
+            if msg is None:
+                return
+            try:
+                self._check_health(float(msg[1]))
+                reply = None
+            except Exception as e:
+                reply = wire.error_msg(e)
+            try:
+                wire.send(control, [reply])
+            except OSError:
+                return
+
+    def _check_health(self, timeout: float) -> None:
+        from fleetllm.engine.async_engine import EngineUnhealthyError
+
+        if self.fatal is not None:
+            raise EngineUnhealthyError(f"the engine died: {self.fatal}")
+        since = self.busy_since
+        if since is not None and time.monotonic() - since > self.step_timeout_s:
+            raise EngineUnhealthyError(
+                f"no engine step has completed for {time.monotonic() - since:.1f} s "
+                f"(limit {self.step_timeout_s:g} s)")
+        if not self.engine.model_executor.is_sleeping:
+            self.engine.model_executor.check_health(timeout)

@@ -1,0 +1,206 @@
+"""What the API process and the engine-core process say to each other (core_client <->
+core_proc): msgpack messages (msgspec) in length-prefixed frames on AF_UNIX socket pairs.
+No pickle: a message is lists, strings and numbers, and an error travels as its class name
+and message, rebuilt from fleetllm's own error classes only.
+
+Data socket, API -> core:
+    ["add", request_id, prompt text | None, prompt token ids, SamplingParams fields,
+     arrival_time]
+    ["abort", request_id | None (every request)]
+    ["call", call_id, "sleep" | "wake_up", argument]
+    ["stop"]
+Data socket, core -> API:
+    ["ready"]                           the engine is built (or ["dead", error]: it is not)
+    ["added", request_id, error | None] an add was accepted or rejected
+    ["called", call_id, error | None, sleeping]
+    ["out", load, [delta, ...]]         one step: load is EngineLoad's fields in order
+    ["dead", error]                     the core failed for good and is exiting
+A delta is one request's news since the last: [request_id, finished, error text,
+metrics (5 floats) when finished, prompt_logprobs on its first delta, [[index, text,
+token ids, logprobs, cumulative logprob, finish reason, stop reason], ...]]: new text, new
+token ids and new logprobs only, never the history.
+Control socket (a thread of the core answers it, never queued behind a step):
+    ["health", timeout] -> [error | None]
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import astuple, fields
+from typing import Any
+
+import msgspec
+
+from fleetllm import errors
+from fleetllm.engine.outputs import CompletionOutput, RequestOutput
+from fleetllm.engine.stats import EngineLoad
+from fleetllm.sampling_params import SamplingParams
+from fleetllm.sequence import Logprob, RequestMetrics
+
+_LEN = struct.Struct("<I")
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder()
+_PARAM_FIELDS = [f.name for f in fields(SamplingParams)]
+
+
+def send(sock: socket.socket, msg: Any) -> None:
+    body = _encoder.encode(msg)
+    sock.sendall(_LEN.pack(len(body)) + body)
+
+
+def recv(sock: socket.socket) -> Any:
+    """One message, blocking; None when the peer is gone."""
+    head = _recv_exact(sock, _LEN.size)
+    if head is None:
+        return None
+    body = _recv_exact(sock, _LEN.unpack(head)[0])
+    return None if body is None else _decoder.decode(body)
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < size:
+        try:
+            chunk = sock.recv(size - len(buf))
+        except (ConnectionResetError, OSError):
+            return None
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+class FrameReader:
+    """Non-blocking side: feed() what recv() returned, then take the whole messages."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[Any]:
+        self._buf += data
+        out = []
+        while len(self._buf) >= _LEN.size:
+            (size,) = _LEN.unpack_from(self._buf)
+            if len(self._buf) < _LEN.size + size:
+                break
+            out.append(_decoder.decode(bytes(self._buf[_LEN.size:_LEN.size + size])))
+            del self._buf[:_LEN.size + size]
+        return out
+
+
+# ------------------------------------------------------------------ errors
+
+
+def error_msg(exc: BaseException) -> list[str]:
+    message = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
+    return [type(exc).__name__, message]
+
+
+def load_error(msg: list[str]) -> BaseException:
+    """fleetllm's own class of that name (its message as raised), else a RuntimeError that
+    names the remote type."""
+    name, message = msg
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.FleetLLMError):
+        try:
+            return cls(message)
+        except Exception:
+            pass
+    return RuntimeError(f"{name}: {message}")
+
+
+# ------------------------------------------------------------------ requests
+
+
+def params_msg(params: SamplingParams) -> list[Any]:
+    return [getattr(params, name) for name in _PARAM_FIELDS]
+
+
+def load_params(values: list[Any]) -> SamplingParams:
+    return SamplingParams(**dict(zip(_PARAM_FIELDS, values, strict=True)))
+
+
+def load_msg(load: EngineLoad) -> list[Any]:
+    return list(astuple(load))
+
+
+# ------------------------------------------------------------------ outputs
+
+
+def _logprobs_msg(entries: list[dict[int, Logprob]] | None) -> list | None:
+    if entries is None:
+        return None
+    return [[[t, lp.logprob, lp.rank, lp.decoded_token] for t, lp in e.items()]
+            for e in entries]
+
+
+def _load_logprobs(msg: list | None) -> list[dict[int, Logprob]] | None:
+    if msg is None:
+        return None
+    return [{t: Logprob(lp, rank, text) for t, lp, rank, text in e} for e in msg]
+
+
+class DeltaEncoder:
+    """Core side: what each request's outputs added since its last delta."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, dict[int, tuple[int, int]]] = {}  # id -> index -> (chars, tokens)
+
+    def encode(self, out: RequestOutput) -> list[Any]:
+        first = out.request_id not in self._sent
+        sent = self._sent.setdefault(out.request_id, {})
+        seqs = []
+        for c in out.outputs:
+            chars, tokens = sent.get(c.index, (0, 0))
+            sent[c.index] = (len(c.text), len(c.token_ids))
+            seqs.append([c.index, c.text[chars:], c.token_ids[tokens:],
+                         _logprobs_msg(None if c.logprobs is None else c.logprobs[tokens:]),
+                         c.cumulative_logprob, c.finish_reason, c.stop_reason])
+        metrics = None
+        if out.finished:
+            del self._sent[out.request_id]
+            if out.metrics is not None:
+                metrics = list(astuple(out.metrics))
+        prompt_lp = out.prompt_logprobs if first else None
+        return [out.request_id, out.finished, out.error, metrics,
+                None if prompt_lp is None else [None if e is None else _logprobs_msg([e])[0]
+                                                for e in prompt_lp], seqs]
+
+    def forget(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
+
+
+class RequestState:
+    """API side: one request's outputs so far, rebuilt from its deltas."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.prompt_logprobs: list | None = None
+        self.seqs: dict[int, CompletionOutput] = {}
+
+    def apply(self, delta: list[Any]) -> RequestOutput:
+        _, finished, error, metrics, prompt_lp, seqs = delta
+        if prompt_lp is not None:
+            self.prompt_logprobs = [None if e is None else _load_logprobs([e])[0]
+                                    for e in prompt_lp]
+        for index, text, ids, lps, cum, finish, stop in seqs:
+            seq = self.seqs.get(index)
+            if seq is None:
+                seq = self.seqs[index] = CompletionOutput(
+                    index, "", [], None, None if lps is None else [])
+            seq.text += text
+            seq.token_ids.extend(ids)
+            if lps is not None:
+                seq.logprobs.extend(_load_logprobs(lps))
+            seq.cumulative_logprob, seq.finish_reason, seq.stop_reason = cum, finish, stop
+        # Copies, as LLMEngine's outputs are: a consumer may keep an earlier output.
+        outputs = [CompletionOutput(s.index, s.text, list(s.token_ids), s.cumulative_logprob,
+                                    None if s.logprobs is None else list(s.logprobs),
+                                    s.finish_reason, s.stop_reason)
+                   for _, s in sorted(self.seqs.items())]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             self.prompt_logprobs, outputs, finished,
+                             None if metrics is None else RequestMetrics(*metrics), error)
