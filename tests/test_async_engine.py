@@ -16,6 +16,7 @@ from fleetllm.engine.async_engine import (
     EngineUnhealthyError,
     RequestStream,
 )
+from fleetllm.engine.core_client import EngineCoreClient
 from fleetllm.errors import EngineShutdownError, InvalidRequestError, WorkerCrashedError
 
 
@@ -28,8 +29,9 @@ def model(tiny_models):
 def engine(model, request):
     """The same API either way: the engine on a thread of this process, or in an engine-core
     process of its own (EngineCoreClient, what `fleetllm serve` runs)."""
-    eng = AsyncLLMEngine.from_engine_args(str(model), kv_cache_memory=KV,
-                                          engine_core_process=request.param == "core-process")
+    start = EngineCoreClient if request.param == "core-process" else \
+        AsyncLLMEngine.from_engine_args
+    eng = start(str(model), kv_cache_memory=KV)
     yield eng
     eng.shutdown()
 

@@ -264,3 +264,31 @@ def test_real_vllm_generates_what_fleetllm_does(tmp_path, monkeypatch):
                    "--input-len", "8:24", "--output-len", "4", "--repeat", "1",
                    "--no-roofline", *KV])
     assert figures["vllm"]["identical_outputs"] == 4
+
+
+def test_bench_serve_compares_with_a_vllm_server_on_the_same_requests(tiny_models, tmp_path,
+                                                                      monkeypatch):
+    """--compare vllm starts the peer server from the peer venv with the flags both servers
+    share, sends it the same requests and prints the ratios (a fake vLLM here)."""
+    from fleetllm.benchmarks import serve
+
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\nshift 2\nexec {sys.executable} "
+                    f"{Path(__file__).with_name('fake_vllm_server.py')} \"$@\"\n")
+    fake.chmod(0o755)
+    argv_file = tmp_path / "argv.json"
+    monkeypatch.setenv("FLEETLLM_VLLM_PYTHON", str(fake))
+    monkeypatch.setenv("FAKE_VLLM_ARGV", str(argv_file))
+    monkeypatch.setenv("FAKE_VLLM_KV", KV[1])
+    model = str(tiny_models["llama_gqa"])
+    result = serve.main(["--num-prompts", "4", "--input-len", "8", "--output-len", "4",
+                         "--compare", "vllm", model, *KV, "--no-enable-prefix-caching",
+                         "--dtype", "float32"])
+    for side in ("fleetllm", "vllm"):
+        r = result[side]
+        assert r["completed"] == 4 and r["total_output_tokens"] == 16, r
+        assert r["mean_tpot_ms"] > 0 and r["mean_ttft_ms"] > 0
+    argv = json.loads(argv_file.read_text())
+    assert argv[argv.index("--model") + 1] == model
+    assert "--no-enable-prefix-caching" in argv and argv[argv.index("--dtype") + 1] == "float32"
+    assert "--kv-cache-memory" not in argv  # fleetllm's own flags stay fleetllm's

@@ -68,6 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="requests per second, Poisson arrivals (default inf: all at once)")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--data-seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sent with every request (default 0: greedy)")
+    parser.add_argument("--compare", choices=["vllm"], default=None,
+                        help="also start `vllm serve` (the peer venv, `make peers`) on the same "
+                             "checkpoint and run the same requests against it, then print "
+                             "the ratios (needs the server flags, not --base-url)")
+    parser.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for "
+                        "the vLLM server (default 0-1: this machine's two cores)")
+    parser.add_argument("--vllm-kv-gb", type=int, default=4,
+                        help="VLLM_CPU_KVCACHE_SPACE for the vLLM server (GiB)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the figures here")
     parser.add_argument("--quiet", action="store_true")
     return parser
@@ -81,6 +91,8 @@ def main(argv: list[str] | None = None) -> int | dict:
     except ImportError:
         print("error: fleetllm bench serve needs httpx (pip install httpx)")
         return 1
+    if args.compare and args.base_url:
+        parser.error("--compare starts both servers: give the server flags, not --base-url")
     server = None
     if args.base_url is None:
         from fleetllm.entrypoints.openai.local_server import LocalServer
@@ -89,20 +101,34 @@ def main(argv: list[str] | None = None) -> int | dict:
         args.base_url = server.url
     elif server_args:
         parser.error(f"unrecognized arguments: {' '.join(server_args)}")
+    prompts = None
     try:
         result = asyncio.run(_run(args))
+        prompts = result.pop("prompts")
     finally:
         if server is not None:
             server.stop()
     if not args.quiet:
         _print(result)
+    if args.compare:
+        from fleetllm.benchmarks.serve_peer import start_vllm_server
+
+        fleet = result
+        with start_vllm_server(server_args, args.vllm_bind, args.vllm_kv_gb) as peer:
+            args.base_url = peer.url
+            result = asyncio.run(_run(args, prompts))
+            result.pop("prompts")
+        if not args.quiet:
+            _print(result, "vllm serve")
+            _print_ratios(fleet, result)
+        result = {"fleetllm": fleet, "vllm": result}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return result
 
 
-async def _run(args: argparse.Namespace) -> dict[str, Any]:
+async def _run(args: argparse.Namespace, prompts: list | None = None) -> dict[str, Any]:
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -110,7 +136,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     timeout = httpx.Timeout(None, connect=30.0)
     async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers,
                                  limits=limits, timeout=timeout) as client:
-        prompts = await _prompts(client, args)
+        prompts = prompts or await _prompts(client, args)
         if _is_chat(args.endpoint):
             prompts = [(await _as_text(client, p), n) for p, n in prompts]
         rng = random.Random(args.data_seed)
@@ -118,7 +144,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
         async def limited(prompt: Any, output_len: int) -> RequestResult:
             async with gate:
-                return await _one(client, args.endpoint, prompt, output_len)
+                return await _one(client, args.endpoint, prompt, output_len, args.temperature)
 
         tasks = []
         start = time.perf_counter()
@@ -128,7 +154,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return _summarize(results, duration, args)
+    return {**_summarize(results, duration, args), "prompts": prompts}
 
 
 async def _prompts(client: Any, args: argparse.Namespace) -> list[tuple[Any, int]]:
@@ -181,8 +207,9 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
                    for c in chunk.get("choices") or [])
 
 
-async def _one(client: Any, endpoint: str, prompt: Any, output_len: int) -> RequestResult:
-    body = _body(endpoint, prompt, output_len)
+async def _one(client: Any, endpoint: str, prompt: Any, output_len: int,
+               temperature: float = 0.0) -> RequestResult:
+    body = {**_body(endpoint, prompt, output_len), "temperature": temperature}
     result = RequestResult()
     start = last = time.perf_counter()
     try:
@@ -239,20 +266,25 @@ def _summarize(results: list[RequestResult], duration: float, args: argparse.Nam
         "request_throughput": len(ok) / duration if duration else 0.0,
         "output_throughput": output_tokens / duration if duration else 0.0,
         **_stats([r.ttft for r in ok], "ttft"),
+        # vLLM's TPOT: a request's time after its first token over its other tokens.
+        **_stats([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+                 "tpot"),
         **_stats([x for r in ok for x in r.itls], "itl"),
         **_stats([r.e2e for r in ok], "e2e"),
     }
 
 
-def _print(result: dict[str, Any]) -> None:
-    print(f"{' Serving Benchmark Result ':=^60}")
+def _print(result: dict[str, Any], title: str = "Serving Benchmark Result") -> None:
+    print(f"{f' {title} ':=^60}")
     rows = [("Successful requests", result["completed"]), ("Failed requests", result["failed"]),
             ("Request rate (req/s)", result["request_rate"]),
             ("Benchmark duration (s)", f"{result['duration_s']:.2f}"),
             ("Total generated tokens", result["total_output_tokens"]),
             ("Request throughput (req/s)", f"{result['request_throughput']:.2f}"),
             ("Output token throughput (tok/s)", f"{result['output_throughput']:.2f}")]
-    for name, label in (("ttft", "Time to First Token"), ("itl", "Inter-token Latency"),
+    for name, label in (("ttft", "Time to First Token"),
+                        ("tpot", "Time per Output Token (excl. 1st token)"),
+                        ("itl", "Inter-token Latency"),
                         ("e2e", "End-to-end Latency")):
         rows.append((f"--- {label}", ""))
         rows += [(f"{kind.capitalize()} {name.upper()} (ms)", f"{result[f'{kind}_{name}_ms']:.2f}")
@@ -261,6 +293,19 @@ def _print(result: dict[str, Any]) -> None:
         print(f"{label:<40}{value:>20}" if value != "" else f"{label:-<60}")
     for error in result["errors"]:
         print(f"error: {error}")
+    print("=" * 60)
+
+
+def _print_ratios(fleet: dict[str, Any], peer: dict[str, Any]) -> None:
+    """fleetllm / vLLM: above 1 is better for throughput, below 1 for latencies."""
+    print(f"{' fleetllm / vllm serve (same requests) ':=^60}")
+    for key, label in (("request_throughput", "request throughput (higher: better)"),
+                       ("output_throughput", "output tokens/s (higher: better)"),
+                       ("mean_ttft_ms", "mean TTFT (lower: better)"),
+                       ("mean_tpot_ms", "mean TPOT (lower: better)"),
+                       ("mean_itl_ms", "mean ITL (lower: better)")):
+        ratio = fleet[key] / peer[key] if peer[key] else float("nan")
+        print(f"{label:<40}{ratio:>19.2f}x")
     print("=" * 60)
 
 

@@ -127,18 +127,9 @@ class AsyncLLMEngine:
     def from_engine_args(cls, model: str, *, step_timeout_s: float = 60.0,
                          health_probe_interval_s: float = 5.0,
                          stat_loggers: list[StatLogger] | None = None,
-                         engine_core_process: bool = False,
                          **engine_kwargs: Any) -> AsyncLLMEngine:
-        """engine_core_process: run the engine in a process of its own (core_client's
-        EngineCoreClient, the same API), so that this process's Python never competes with
-        the engine loop for the GIL. `fleetllm serve` does."""
-        if engine_core_process:
-            from fleetllm.engine.core_client import EngineCoreClient
-
-            return EngineCoreClient(  # type: ignore[return-value]
-                str(model), step_timeout_s=step_timeout_s,
-                health_probe_interval_s=health_probe_interval_s, stat_loggers=stat_loggers,
-                **engine_kwargs)
+        """The engine on a thread of this process. core_client.EngineCoreClient(model,
+        ...) has the same API with the engine in a process of its own (`fleetllm serve`)."""
         return cls(LLMEngine.from_engine_args(str(model), **engine_kwargs),
                    step_timeout_s=step_timeout_s,
                    health_probe_interval_s=health_probe_interval_s, stat_loggers=stat_loggers)

@@ -85,8 +85,11 @@ class EngineCoreClient:
         core_control.close()
         self._data = data
         first = self._await_ready(data)
-        if first is not None:  # the engine could not be built: nothing to clean up but it
+        if first is not None:  # the engine could not be built
             self._proc.join(10)
+            self._tokenizer_pool.shutdown(wait=False)
+            data.close()
+            self._control.close()
             raise first
         self._reader = threading.Thread(target=self._read, name="fleetllm-core-reader",
                                         daemon=True)
@@ -130,7 +133,7 @@ class EngineCoreClient:
         prompt = await self._tokenized(prompt)
         text, token_ids = _prompt_parts(prompt)
         stream = RequestStream(request_id, self)
-        state = wire.RequestState(request_id, text, token_ids)
+        state = wire.RequestState(request_id, text, token_ids or [])
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._raise_if_unusable()
@@ -336,10 +339,12 @@ def _dead(cause: BaseException) -> EngineDeadError:
     return err
 
 
-def _prompt_parts(prompt: PromptType) -> tuple[str | None, list[int]]:
-    """(text, token ids) of a tokenized prompt; anything else is the core's to reject."""
+def _prompt_parts(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of a prompt, either None when absent; anything else is sent as no
+    prompt at all, for the core's engine to reject with its message."""
     if isinstance(prompt, dict):
-        return prompt.get("prompt"), list(prompt.get("prompt_token_ids") or [])
+        ids = prompt.get("prompt_token_ids")
+        return prompt.get("prompt"), None if ids is None else list(ids)
     if isinstance(prompt, list):
         return None, list(prompt)
-    return (prompt if isinstance(prompt, str) else None), []
+    return (prompt if isinstance(prompt, str) else None), None

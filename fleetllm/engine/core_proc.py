@@ -134,9 +134,8 @@ class EngineCore:
                 if self.engine.model_executor.is_sleeping:
                     raise EngineSleepingError(
                         "the engine is asleep: wake it up (POST /wake_up) first")
-                prompt = {"prompt_token_ids": token_ids}
-                if text is not None:
-                    prompt["prompt"] = text
+                prompt = {k: v for k, v in (("prompt", text), ("prompt_token_ids", token_ids))
+                          if v is not None}
                 self._busy(self.engine.add_request, request_id, prompt,
                            wire.load_params(params), arrival)
                 self.live.add(request_id)

@@ -26,6 +26,7 @@ import uvicorn
 
 from fleetllm.engine.arg_utils import engine_kwargs_from, resolve_model
 from fleetllm.engine.async_engine import AsyncLLMEngine
+from fleetllm.engine.core_client import EngineCoreClient
 from fleetllm.entrypoints.openai.api_server import HTTPOptions, build_app
 from fleetllm.entrypoints.openai.gate import ServerState
 from fleetllm.errors import ConfigurationError, EngineShutdownError
@@ -96,10 +97,11 @@ def run_serve(args: argparse.Namespace) -> int:
     chat_template = load_chat_template(args.chat_template)
     warn_if_exposed(args.host, args.api_key)
     raise_open_file_limit()
-    engine = AsyncLLMEngine.from_engine_args(
-        model, step_timeout_s=args.step_timeout,
-        engine_core_process=not args.disable_frontend_multiprocessing,
-        **engine_kwargs_from(args, args.engine_actions))
+    # The engine in a process of its own (core_proc), unless asked to keep it in this one.
+    start = AsyncLLMEngine.from_engine_args if args.disable_frontend_multiprocessing \
+        else EngineCoreClient
+    engine = start(model, step_timeout_s=args.step_timeout,
+                   **engine_kwargs_from(args, args.engine_actions))
     try:
         state = ServerState()
         http = HTTPOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers,

@@ -30,17 +30,24 @@ class ServerStartError(RuntimeError):
 
 class LocalServer:
     def __init__(self, args: list[str], env: Mapping[str, str] | None = None,
-                 startup_timeout: float = 180.0):
+                 startup_timeout: float = 180.0, command: list[str] | None = None,
+                 url: str | None = None):
+        """`fleetllm serve ARGS` on a free port; or another server (a peer): `command` (with
+        its args), listening at `url`, ready once its /health answers 200."""
         self._dir = tempfile.mkdtemp(prefix="fleetllm-serve-")
         self.log_path = Path(self._dir) / "server.log"
         self._log = open(self.log_path, "w")  # lives as long as the server
         self._final_log: str | None = None
-        cmd = [sys.executable, "-m", "fleetllm.cli", "serve", "--port", "0",
-               "--host", "127.0.0.1", *args]
+        cmd = command or [sys.executable, "-m", "fleetllm.cli", "serve", "--port", "0",
+                          "--host", "127.0.0.1", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log,
                                      env=dict(env) if env is not None else None, text=True)
         try:
-            self.url = self._wait_listening(startup_timeout)
+            if url is None:
+                self.url = self._wait_listening(startup_timeout)
+            else:
+                self.url = url
+                threading.Thread(target=self._copy_stdout, daemon=True).start()
             self._wait_healthy(startup_timeout)
         except BaseException:
             self.kill()
