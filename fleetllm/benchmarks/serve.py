@@ -192,8 +192,8 @@ async def _as_text(client: Any, prompt: Any) -> str:
     return r.json()["prompt"]
 
 
-def _body(endpoint: str, prompt: Any, output_len: int) -> dict[str, Any]:
-    common = {"ignore_eos": True, "stream": True, "temperature": 0.0,
+def _body(endpoint: str, prompt: Any, output_len: int, temperature: float) -> dict[str, Any]:
+    common = {"ignore_eos": True, "stream": True, "temperature": temperature,
               "stream_options": {"include_usage": True}}
     if _is_chat(endpoint):
         return {"messages": [{"role": "user", "content": prompt}],
@@ -209,7 +209,7 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
 
 async def _one(client: Any, endpoint: str, prompt: Any, output_len: int,
                temperature: float = 0.0) -> RequestResult:
-    body = {**_body(endpoint, prompt, output_len), "temperature": temperature}
+    body = _body(endpoint, prompt, output_len, temperature)
     result = RequestResult()
     start = last = time.perf_counter()
     try:

@@ -45,7 +45,13 @@ from fleetllm.engine.async_stream import (
 )
 from fleetllm.engine.llm_engine import LLMEngine, PromptType, load_tokenizer
 from fleetllm.engine.outputs import RequestOutput
-from fleetllm.engine.stats import EngineLoad, IterationStats, RequestStatsTracker, StatLogger
+from fleetllm.engine.stats import (
+    EngineLoad,
+    IterationStats,
+    RequestStatsTracker,
+    StatLogger,
+    record_stats,
+)
 from fleetllm.errors import EngineShutdownError, EngineSleepingError, InvalidRequestError
 from fleetllm.sampling_params import SamplingParams
 
@@ -195,17 +201,10 @@ class AsyncLLMEngine:
 
     def check_health(self) -> None:
         """Raise EngineUnhealthyError (EngineDeadError, ...) unless the engine can serve."""
-        if self._fatal is not None:
-            raise EngineDeadError(f"the engine died: {self._fatal}") from self._fatal
-        if self._stopped:
-            raise EngineShutdownError("the engine is shut down")
+        self._raise_if_unusable()
         if not self._thread.is_alive():
             raise EngineDeadError("the engine loop thread is gone")
-        since = self._busy_since
-        if since is not None and time.monotonic() - since > self.step_timeout_s:
-            raise EngineUnhealthyError(
-                f"no engine step has completed for {time.monotonic() - since:.1f} s "
-                f"(limit {self.step_timeout_s:g} s)")
+        raise_if_wedged(self._busy_since, self.step_timeout_s)
 
     def check_workers(self, timeout: float = 5.0) -> None:
         """Executor.check_health: every worker answers a timed ping, never queued behind a
@@ -364,21 +363,8 @@ class AsyncLLMEngine:
         deliver_threadsafe(deliveries)
 
     def _publish(self, stats: IterationStats) -> None:
-        sched = self.engine.scheduler
-        blocks = sched.block_manager
-        cache = blocks.prefix_cache
-        self.load = EngineLoad(len(sched.running), len(sched.waiting), len(sched.swapped),
-                               blocks.num_gpu_blocks, blocks.num_free_gpu_blocks,
-                               self.engine.worker_restarts,
-                               cache.queried_tokens if cache else 0,
-                               cache.hit_tokens if cache else 0)
-        if stats.is_empty():
-            return
-        for stat_logger in tuple(self.stat_loggers):
-            try:
-                stat_logger.record(stats)
-            except Exception:  # metrics must never take the engine down
-                logger.exception("stat logger %r failed", stat_logger)
+        self.load = EngineLoad.of(self.engine)
+        record_stats(self.stat_loggers, stats)
 
     def _die(self, error: BaseException) -> None:
         logger.error("engine loop died: %s", error, exc_info=error)
@@ -401,7 +387,18 @@ class AsyncLLMEngine:
         self._streams.clear()
 
 
+def raise_if_wedged(busy_since: float | None, step_timeout_s: float) -> None:
+    """EngineUnhealthyError when the engine call that started at busy_since (monotonic; None:
+    none under way) has run past step_timeout_s."""
+    if busy_since is not None and time.monotonic() - busy_since > step_timeout_s:
+        raise EngineUnhealthyError(
+            f"no engine step has completed for {time.monotonic() - busy_since:.1f} s "
+            f"(limit {step_timeout_s:g} s)")
+
+
 def _dead(cause: BaseException) -> EngineDeadError:
+    if isinstance(cause, EngineDeadError):  # the core client's own report of a dead core
+        return cause
     err = EngineDeadError(f"the engine died: {cause}")
     err.__cause__ = cause
     return err

@@ -32,12 +32,19 @@ from fleetllm.engine.async_engine import (
     EngineDeadError,
     EngineUnhealthyError,
     RequestAbortedError,
+    _dead,
     _settle,
 )
 from fleetllm.engine.async_stream import RequestStream, deliver_threadsafe
 from fleetllm.engine.core_proc import run_engine_core
 from fleetllm.engine.llm_engine import PromptType, load_tokenizer
-from fleetllm.engine.stats import EngineLoad, IterationStats, RequestStatsTracker, StatLogger
+from fleetllm.engine.stats import (
+    EngineLoad,
+    IterationStats,
+    RequestStatsTracker,
+    StatLogger,
+    record_stats,
+)
 from fleetllm.errors import EngineShutdownError, InvalidRequestError
 from fleetllm.executor.multiproc import _main_not_reimported
 from fleetllm.sampling_params import SamplingParams
@@ -123,6 +130,7 @@ class EngineCoreClient:
     encode = _Front.encode
     _tokenized = _Front._tokenized
     _raise_if_unusable = _Front._raise_if_unusable
+    errored = _Front.errored
 
     async def add_request(self, request_id: str, prompt: PromptType,
                           sampling_params: SamplingParams | None = None,
@@ -182,19 +190,17 @@ class EngineCoreClient:
             for rid in (self._adds if request_id is None else ids):
                 if rid in self._adds:  # its "added" is on its way: drop it then
                     self._adds[rid][4] = True
-            ended = [(self._streams.pop(r), r) for r in ids if r in self._streams]
+            ended = [(self._streams.pop(r)[0], r) for r in ids if r in self._streams]
             self._outbox.put(["abort", request_id])
-        stats = IterationStats()
-        for (stream, _), rid in ended:
-            self._tracker.abort(rid, stats)
+            stats = IterationStats()
+            for _, rid in ended:  # under the lock: the reader thread updates it too
+                self._tracker.abort(rid, stats)
+        for stream, rid in ended:
             stream.put(error or RequestAbortedError(f"request {rid} was aborted"))
-        self._publish(stats)
+        record_stats(self.stat_loggers, stats)
 
     def check_health(self) -> None:
-        if self._fatal is not None:
-            raise EngineDeadError(f"the engine died: {self._fatal}") from self._fatal
-        if self._stopped:
-            raise EngineShutdownError("the engine is shut down")
+        self._raise_if_unusable()
         if not self._proc.is_alive():
             raise EngineDeadError(f"the engine core process died (exit code "
                                   f"{self._proc.exitcode})")
@@ -213,10 +219,6 @@ class EngineCoreClient:
             raise EngineDeadError("the engine core process is gone")
         if reply[0] is not None:
             raise EngineUnhealthyError(reply[0][1])
-
-    @property
-    def errored(self) -> bool:
-        return self._fatal is not None
 
     def shutdown(self, timeout: float = 30.0) -> None:
         with self._lock:
@@ -292,17 +294,8 @@ class EngineCoreClient:
                     del self._streams[delta[0]]
                 deliveries.append((entry[0], out))
         self.load = EngineLoad(*load)
-        self._publish(stats)
+        record_stats(self.stat_loggers, stats)
         deliver_threadsafe(deliveries)
-
-    def _publish(self, stats: IterationStats) -> None:
-        if stats.is_empty():
-            return
-        for stat_logger in tuple(self.stat_loggers):
-            try:
-                stat_logger.record(stats)
-            except Exception:
-                logger.exception("stat logger %r failed", stat_logger)
 
     def _die(self, msg: list[Any] | None) -> None:
         if msg is None:
@@ -329,14 +322,6 @@ class EngineCoreClient:
             streams, self._streams = list(self._streams.values()), {}
         for stream, _ in streams:
             stream.put(make_error())
-
-
-def _dead(cause: BaseException) -> EngineDeadError:
-    if isinstance(cause, EngineDeadError):
-        return cause
-    err = EngineDeadError(f"the engine died: {cause}")
-    err.__cause__ = cause
-    return err
 
 
 def _prompt_parts(prompt: PromptType) -> tuple[str | None, list[int] | None]:

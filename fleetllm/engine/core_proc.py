@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from fleetllm.engine import core_wire as wire
+from fleetllm.engine.async_engine import EngineUnhealthyError, raise_if_wedged
 from fleetllm.engine.llm_engine import LLMEngine
 from fleetllm.engine.stats import EngineLoad
 from fleetllm.errors import EngineSleepingError
@@ -61,15 +62,14 @@ class EngineCore:
     def __init__(self, engine: LLMEngine, data: socket.socket, step_timeout_s: float,
                  health_probe_interval_s: float):
         self.engine = engine
-        self.data = data
         self.step_timeout_s = step_timeout_s
         self.health_probe_interval_s = health_probe_interval_s
+        self.data = data  # blocking for sends: the API process's reader always drains it
         self.reader = wire.FrameReader()
         self.deltas = wire.DeltaEncoder()
         self.live: set[str] = set()  # requests added and not yet finished or aborted
         self.busy_since: float | None = None  # monotonic start of the engine call under way
         self.fatal: BaseException | None = None
-        data.setblocking(False)
 
     # ------------------------------------------------------------ the main loop
 
@@ -83,7 +83,8 @@ class EngineCore:
                     return 0
                 if not messages and idle:
                     self._busy(self.engine.check_health)  # a dead worker is replaced now
-                    self._send(["out", self._load(), []])  # worker_restarts may have moved
+                    # worker_restarts may have moved
+                    wire.send(self.data, ["out", self._load(), []])
                 for msg in messages:
                     if msg[0] == "stop":
                         return 0
@@ -91,12 +92,11 @@ class EngineCore:
                 if self.engine.has_unfinished_requests():
                     self._step()
                 elif messages:  # e.g. the last request aborted: /metrics sees it freed
-                    self._send(["out", self._load(), []])
+                    wire.send(self.data, ["out", self._load(), []])
         except BaseException as e:  # noqa: BLE001 - anything from the engine is fatal
             self.fatal = e
             logger.error("engine core died: %s", e, exc_info=e)
             try:
-                self.data.setblocking(True)
                 wire.send(self.data, ["dead", wire.error_msg(e)])
             except OSError:
                 pass
@@ -108,7 +108,7 @@ class EngineCore:
         messages: list[Any] = []
         while ready:
             try:
-                chunk = self.data.recv(1 << 20)
+                chunk = self.data.recv(1 << 20, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 break
             except OSError:
@@ -117,13 +117,6 @@ class EngineCore:
                 return None
             messages += self.reader.feed(chunk)
         return messages
-
-    def _send(self, msg: Any) -> None:
-        self.data.setblocking(True)  # the API process's reader always drains its side
-        try:
-            wire.send(self.data, msg)
-        finally:
-            self.data.setblocking(False)
 
     def _apply(self, msg: list[Any]) -> None:
         kind = msg[0]
@@ -141,7 +134,7 @@ class EngineCore:
                 self.live.add(request_id)
             except Exception as e:  # a rejected request: it queued nothing
                 error = wire.error_msg(e)
-            self._send(["added", request_id, error])
+            wire.send(self.data, ["added", request_id, error])
         elif kind == "abort":
             ids = list(self.live) if msg[1] is None else [msg[1]]
             for request_id in ids:
@@ -161,7 +154,7 @@ class EngineCore:
                     raise ValueError(f"unknown call {name!r}")
             except Exception as e:  # refused (e.g. sleep with requests in flight)
                 error = wire.error_msg(e)
-            self._send(["called", call_id, error, self.engine.model_executor.is_sleeping])
+            wire.send(self.data, ["called", call_id, error, self.engine.model_executor.is_sleeping])
 
     def _step(self) -> None:
         outputs = self._busy(self.engine.step)
@@ -172,7 +165,7 @@ class EngineCore:
             deltas.append(self.deltas.encode(out))
             if out.finished:
                 self.live.discard(out.request_id)
-        self._send(["out", self._load(), deltas])
+        wire.send(self.data, ["out", self._load(), deltas])
 
     def _busy(self, fn: Any, *args: Any) -> Any:
         self.busy_since = time.monotonic()
@@ -182,13 +175,7 @@ class EngineCore:
             self.busy_since = None
 
     def _load(self) -> list[Any]:
-        sched = self.engine.scheduler
-        blocks = sched.block_manager
-        cache = blocks.prefix_cache
-        return wire.load_msg(EngineLoad(
-            len(sched.running), len(sched.waiting), len(sched.swapped), blocks.num_gpu_blocks,
-            blocks.num_free_gpu_blocks, self.engine.worker_restarts,
-            cache.queried_tokens if cache else 0, cache.hit_tokens if cache else 0))
+        return wire.load_msg(EngineLoad.of(self.engine))
 
     # ------------------------------------------------------------ the control thread
 
@@ -208,14 +195,8 @@ class EngineCore:
                 return
 
     def _check_health(self, timeout: float) -> None:
-        from fleetllm.engine.async_engine import EngineUnhealthyError
-
         if self.fatal is not None:
             raise EngineUnhealthyError(f"the engine died: {self.fatal}")
-        since = self.busy_since
-        if since is not None and time.monotonic() - since > self.step_timeout_s:
-            raise EngineUnhealthyError(
-                f"no engine step has completed for {time.monotonic() - since:.1f} s "
-                f"(limit {self.step_timeout_s:g} s)")
+        raise_if_wedged(self.busy_since, self.step_timeout_s)
         if not self.engine.model_executor.is_sleeping:
             self.engine.model_executor.check_health(timeout)

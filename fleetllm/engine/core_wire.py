@@ -1,5 +1,6 @@
 """What the API process and the engine-core process say to each other (core_client <->
-core_proc): msgpack messages (msgspec) in length-prefixed frames on AF_UNIX socket pairs.
+core_proc): msgpack messages (msgspec) in mp_transport's length-prefixed frames on AF_UNIX
+socket pairs.
 No pickle: a message is lists, strings and numbers, and an error travels as its class name
 and message, rebuilt from fleetllm's own error classes only.
 
@@ -26,7 +27,6 @@ Control socket (a thread of the core answers it, never queued behind a step):
 from __future__ import annotations
 
 import socket
-import struct
 from dataclasses import astuple, fields
 from typing import Any
 
@@ -35,40 +35,26 @@ import msgspec
 from fleetllm import errors
 from fleetllm.engine.outputs import CompletionOutput, RequestOutput
 from fleetllm.engine.stats import EngineLoad
+from fleetllm.executor import mp_transport as tr
 from fleetllm.sampling_params import SamplingParams
 from fleetllm.sequence import Logprob, RequestMetrics
 
-_LEN = struct.Struct("<I")
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
 _PARAM_FIELDS = [f.name for f in fields(SamplingParams)]
 
 
 def send(sock: socket.socket, msg: Any) -> None:
-    body = _encoder.encode(msg)
-    sock.sendall(_LEN.pack(len(body)) + body)
+    tr.send_frame(sock, _encoder.encode(msg))
 
 
 def recv(sock: socket.socket) -> Any:
     """One message, blocking; None when the peer is gone."""
-    head = _recv_exact(sock, _LEN.size)
-    if head is None:
+    try:
+        body = tr.recv_frame(sock)
+    except OSError:  # reset, or closed under a blocked reader by shutdown()
         return None
-    body = _recv_exact(sock, _LEN.unpack(head)[0])
     return None if body is None else _decoder.decode(body)
-
-
-def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < size:
-        try:
-            chunk = sock.recv(size - len(buf))
-        except (ConnectionResetError, OSError):
-            return None
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
 
 
 class FrameReader:
@@ -79,14 +65,7 @@ class FrameReader:
 
     def feed(self, data: bytes) -> list[Any]:
         self._buf += data
-        out = []
-        while len(self._buf) >= _LEN.size:
-            (size,) = _LEN.unpack_from(self._buf)
-            if len(self._buf) < _LEN.size + size:
-                break
-            out.append(_decoder.decode(bytes(self._buf[_LEN.size:_LEN.size + size])))
-            del self._buf[:_LEN.size + size]
-        return out
+        return [_decoder.decode(frame) for frame in tr.take_frames(self._buf)]
 
 
 # ------------------------------------------------------------------ errors

@@ -8,10 +8,13 @@ wall-clock (time.time()), like the engine's RequestMetrics.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from fleetllm.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,6 +53,16 @@ class EngineLoad:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
 
+    @classmethod
+    def of(cls, engine: Any) -> EngineLoad:
+        """The snapshot of an LLMEngine, taken on the thread that steps it."""
+        sched = engine.scheduler
+        blocks = sched.block_manager
+        cache = blocks.prefix_cache
+        return cls(len(sched.running), len(sched.waiting), len(sched.swapped),
+                   blocks.num_gpu_blocks, blocks.num_free_gpu_blocks, engine.worker_restarts,
+                   cache.queried_tokens if cache else 0, cache.hit_tokens if cache else 0)
+
     @property
     def kv_cache_usage(self) -> float:
         if not self.num_gpu_blocks:
@@ -64,6 +77,18 @@ class EngineLoad:
 
 class StatLogger(Protocol):
     def record(self, stats: IterationStats) -> None: ...
+
+
+def record_stats(stat_loggers: list[StatLogger], stats: IterationStats) -> None:
+    """Hand a step's stats to every logger; one that fails is logged, never raised: metrics
+    must never take the engine down."""
+    if stats.is_empty():
+        return
+    for stat_logger in tuple(stat_loggers):
+        try:
+            stat_logger.record(stats)
+        except Exception:
+            logger.exception("stat logger %r failed", stat_logger)
 
 
 @dataclass

@@ -185,16 +185,7 @@ class DriverChannel:
             buf += chunk
             if len(chunk) < _CHUNK:
                 break
-        pos = 0
-        while len(buf) - pos >= _LEN.size:
-            (size,) = _LEN.unpack_from(buf, pos)
-            end = pos + _LEN.size + size
-            if len(buf) < end:
-                break
-            self.inbox.append((rank, bytes(buf[pos + _LEN.size:end])))
-            pos = end
-        if pos:
-            del buf[:pos]
+        self.inbox += [(rank, frame) for frame in take_frames(buf)]
         if self.eof[rank]:
             self.inbox.append((rank, None))
 
@@ -204,6 +195,22 @@ class DriverChannel:
                 c.close()
             except OSError:
                 pass
+
+
+def take_frames(buf: bytearray) -> list[bytes]:
+    """The payloads of the whole frames at the front of `buf`, removed from it (a partial
+    frame stays for the next read)."""
+    frames, pos = [], 0
+    while len(buf) - pos >= _LEN.size:
+        (size,) = _LEN.unpack_from(buf, pos)
+        end = pos + _LEN.size + size
+        if len(buf) < end:
+            break
+        frames.append(bytes(buf[pos + _LEN.size:end]))
+        pos = end
+    if pos:
+        del buf[:pos]
+    return frames
 
 
 def peer_pid(conn: socket.socket) -> int:
