@@ -1,8 +1,10 @@
-"""What the engine hands back to users: RequestOutput and CompletionOutput."""
+"""What the engine hands back to users: RequestOutput and CompletionOutput for generation;
+PoolingRequestOutput (and LLM.embed/score's Embedding/ScoringRequestOutput) for pooling."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from fleetllm.sequence import Logprob, RequestMetrics, SequenceGroup
 
@@ -50,3 +52,68 @@ class RequestOutput:
                  error: str) -> RequestOutput:
         out = CompletionOutput(0, "", [], None, None, finish_reason="error")
         return cls(request_id, prompt, prompt_token_ids, None, [out], True, None, error)
+
+
+# ------------------------------------------------------------------ pooling (task="embed")
+
+
+@dataclass
+class PoolingOutput:
+    data: Any  # torch.Tensor [dim], float32 on the CPU
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One pooling request's result: `outputs.data` is its pooled (and, as configured,
+    normalized and truncated) vector. A rejected request has finished=True, data None and the
+    reason in `error`."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    error: str | None = None
+    metrics: RequestMetrics | None = None
+    prompt: str | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """LLM.embed's result: `outputs.embedding` is a list of floats (as in vLLM)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    error: str | None = None
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        data = out.outputs.data
+        return cls(out.request_id, EmbeddingOutput([] if data is None else data.tolist()),
+                   out.prompt_token_ids, out.finished, out.error)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """LLM.score's result: `outputs.score` is the cosine similarity of the two texts'
+    embeddings."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # both texts' ids, the first's then the second's
+    finished: bool = True
