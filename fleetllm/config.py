@@ -18,11 +18,16 @@ from typing import Any
 import torch
 
 from fleetllm.errors import ConfigurationError, ModelLoadError
+from fleetllm.model.pooler import PoolerConfig, checkpoint_pooler, is_sentence_transformers
 from fleetllm.utils import check_field_types
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-)
+_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
+# XForCausalLM generates; the bare XModel (an embedding checkpoint: e5-mistral, gte-Qwen2,
+# Qwen3-Embedding) has no LM head and pools (task "embed").
+SUPPORTED_ARCHITECTURES = tuple(f"{f}{kind}" for kind in ("ForCausalLM", "Model")
+                                for f in _FAMILIES)
+TASKS = ("auto", "generate", "embed", "embedding")  # "embedding": vLLM's older name
+RUNNERS = ("auto", "generate", "pooling")  # vLLM v1's name for the same choice
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16}
 GiB = 1 << 30
@@ -59,6 +64,9 @@ class ArchConfig:
     eos_token_ids: list[int]
     bos_token_id: int | None
     torch_dtype: str | None
+    # Matryoshka embeddings: the truncations the model was trained for (PoolingParams.dimensions)
+    matryoshka_dimensions: list[int] | None = None
+    is_matryoshka: bool = False
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -66,6 +74,7 @@ class ArchConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(f"architecture {arch!r} is not supported; fleetllm runs "
                                  f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        family = arch.removesuffix("ForCausalLM").removesuffix("Model")
         # transformers 5 moved rope_theta/rope_scaling into rope_parameters.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
@@ -74,7 +83,7 @@ class ArchConfig:
         eos = cfg.get("eos_token_id")
         bias = bool(cfg.get("attention_bias") or False)
         window = cfg.get("sliding_window")
-        if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
+        if family.startswith("Qwen") and not cfg.get("use_sliding_window", False):
             window = None
         return cls(
             architecture=arch,
@@ -90,15 +99,21 @@ class ArchConfig:
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bias,
-            o_bias=bias and arch != "Qwen2ForCausalLM",
+            qkv_bias=family == "Qwen2" or bias,
+            o_bias=bias and family != "Qwen2",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=family == "Qwen3",
             sliding_window=window,
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            matryoshka_dimensions=cfg.get("matryoshka_dimensions"),
+            is_matryoshka=bool(cfg.get("is_matryoshka", False)),
         )
+
+    @property
+    def has_lm_head(self) -> bool:
+        return self.architecture.endswith("ForCausalLM")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -119,7 +134,15 @@ class ModelConfig:
     dtype: str | torch.dtype = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    # "generate", or "embed" (a pooling model: one vector per prompt, model/pooler.py);
+    # "auto": embed for a bare XModel or sentence-transformers checkpoint, else generate.
+    task: str = "auto"
+    runner: str = "auto"  # vLLM v1's name: "pooling" is task "embed"
+    # {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} (or its JSON) over the
+    # checkpoint's pooler settings.
+    override_pooler_config: dict | str | PoolerConfig | None = None
     arch: ArchConfig = field(init=False, repr=False)
+    pooler_config: PoolerConfig | None = field(init=False, default=None)  # task "embed" only
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -137,14 +160,15 @@ class ModelConfig:
         except KeyError as e:
             raise ModelLoadError(f"{path / 'config.json'} lacks the field {e}") from e
         self.tokenizer = self.tokenizer or self.model
-        limit = self.arch.max_position_embeddings
+        limit = self._resolve_task(path)
         if self.arch.sliding_window and self.arch.architecture.startswith("Qwen"):
             # Qwen windows only some layers (max_window_layers), which the model does not
             # follow: stay inside the window, where windowed and full attention agree.
             # (Mistral windows every layer; the attention backend applies it.)
             limit = min(limit, self.arch.sliding_window)
         if self.max_model_len is None:
-            self.max_model_len = limit
+            self.max_model_len = limit if self.embed_limit is None else \
+                min(limit, self.embed_limit)
         _check(isinstance(self.max_model_len, int) and 0 < self.max_model_len <= limit,
                "max_model_len", f"must be in [1, {limit}] for this model, "
                f"got {self.max_model_len!r}")
@@ -152,6 +176,40 @@ class ModelConfig:
         if isinstance(self.dtype, str) and self.dtype != "auto":
             _check(self.dtype in _DTYPES, "dtype",
                    f"must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+
+    def _resolve_task(self, path: Path) -> int:
+        """Settle task ("generate" | "embed") and the pooler; returns the model's length
+        limit. Sets embed_limit: the longest input the checkpoint's embedding library takes
+        (sentence-transformers' max_seq_length), the default max_model_len when lower."""
+        _check(self.task in TASKS, "task", f"must be one of {', '.join(TASKS)}; got "
+               f"{self.task!r}")
+        _check(self.runner in RUNNERS, "runner", f"must be one of {', '.join(RUNNERS)}; "
+               f"got {self.runner!r}")
+        task = {"embedding": "embed"}.get(self.task, self.task)
+        if self.runner != "auto":
+            implied = "embed" if self.runner == "pooling" else "generate"
+            _check(task in ("auto", implied), "runner", f"runner={self.runner!r} contradicts "
+                   f"task={self.task!r}")
+            task = implied
+        if task == "auto":
+            bare = not self.arch.has_lm_head or is_sentence_transformers(path)
+            task = "embed" if bare else "generate"
+        if task == "generate" and not self.arch.has_lm_head:
+            raise ConfigurationError(f"task: {self.arch.architecture} has no LM head, so it "
+                                     "cannot generate; run it with task='embed'")
+        _check(task == "embed" or self.override_pooler_config is None,
+               "override_pooler_config", "applies to task='embed' only")
+        self.task = task
+        self.embed_limit = None
+        if task == "embed":
+            base, self.embed_limit = checkpoint_pooler(path)
+            self.pooler_config = base if self.override_pooler_config is None else \
+                PoolerConfig.from_override(self.override_pooler_config, base)
+        return self.arch.max_position_embeddings
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.task == "embed"
 
     def torch_dtype(self, device: str) -> torch.dtype:
         """"auto": the checkpoint's dtype, except on the CPU for float16 checkpoints (and
@@ -362,6 +420,8 @@ class EngineConfig:
         section_of = {f.name: section for section, f in engine_arg_fields()}
         extras = {}
         for key, value in kwargs.items():
+            if key == "pooler_config":  # vLLM's newer name
+                key = "override_pooler_config"
             if key in section_of:
                 parts[section_of[key]][key] = value
             elif key in ("lora_config", "speculative_config", "observability_config"):
@@ -370,8 +430,15 @@ class EngineConfig:
                 VLLM_ARGS[key].accept(key, value)
             else:
                 raise ConfigurationError(f"{key}: unknown engine argument")
+        model_config = ModelConfig(model=str(model), **parts[ModelConfig])
+        if model_config.is_pooling:
+            # A pooling prompt runs in one step (its vector needs every token's hidden state,
+            # which no KV cache keeps): the budget holds the longest; nothing is cached.
+            parts[SchedulerConfig].setdefault(
+                "max_num_batched_tokens", max(2048, model_config.max_model_len))
+            parts[CacheConfig].setdefault("enable_prefix_caching", False)
         return cls(
-            model_config=ModelConfig(model=str(model), **parts[ModelConfig]),
+            model_config=model_config,
             cache_config=CacheConfig(**parts[CacheConfig]),
             parallel_config=ParallelConfig(**parts[ParallelConfig]),
             scheduler_config=SchedulerConfig(**parts[SchedulerConfig]),

@@ -1,7 +1,9 @@
 """Data contracts between the layers (plain dataclasses), and the engine's request state.
 
 Engine -> executor -> worker: ExecuteModelRequest holding one SequenceGroupMetadata per
-scheduled request. Worker -> engine: list[SamplerOutput]. Keep these small and picklable: the
+scheduled request. Worker -> engine: list[SamplerOutput], whose outputs are one
+CompletionSequenceGroupOutput per group when generating, one PoolingSequenceGroupOutput per
+group that finished its prompt when pooling (task "embed"). Keep these small and picklable: the
 multiprocess and Ray executors ship them between processes.
 """
 
@@ -13,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fleetllm.pooling_params import PoolingParams
 from fleetllm.sampling_params import SamplingParams
 
 
@@ -64,6 +67,8 @@ class SequenceGroupMetadata:
     block_tables: dict[int, list[int]]
     token_chunk_size: int | None = None
     do_sample: bool = True
+    # A pooling request (task "embed"): its whole prompt runs in this step and is pooled.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -98,8 +103,14 @@ class CompletionSequenceGroupOutput:
 
 
 @dataclass
+class PoolingSequenceGroupOutput:
+    request_id: str
+    data: Any  # torch.Tensor [dim], float32: pooled, truncated and normalized as asked
+
+
+@dataclass
 class SamplerOutput:
-    outputs: list[CompletionSequenceGroupOutput]
+    outputs: list[CompletionSequenceGroupOutput] | list[PoolingSequenceGroupOutput]
     sampled_token_ids: Any = None  # tensor [num_samples] when available
     sampled_token_probs: Any = None
     spec_decode_worker_metrics: Any = None
@@ -205,10 +216,14 @@ class SequenceGroup:
     """A request: the sequences sampled from one prompt (n of them once the prompt is done)."""
 
     def __init__(self, request_id: str, seqs: list[Sequence], sampling_params: SamplingParams,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None,
+                 pooling_params: PoolingParams | None = None):
         self.request_id = request_id
         self.seqs = seqs
         self.sampling_params = sampling_params
+        # A pooling request: runs its prompt once, then finishes with pooled_data.
+        self.pooling_params = pooling_params
+        self.pooled_data: Any = None
         self.metrics = RequestMetrics(arrival_time or time.time())
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             None if sampling_params.prompt_logprobs is None else [])

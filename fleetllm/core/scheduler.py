@@ -221,7 +221,8 @@ class Scheduler:
             group = self.running.popleft()
             n = len(group.unfinished_seqs())
             if group.is_prefill():
-                chunk = min(self._uncomputed(group), (budget.tokens_left - reserved) // n)
+                chunk = self._whole(group, min(self._uncomputed(group),
+                                               (budget.tokens_left - reserved) // n))
             else:
                 reserved -= n
                 chunk = 1 if n <= budget.tokens_left else 0
@@ -249,7 +250,7 @@ class Scheduler:
         while self.swapped:
             group = self.swapped[0]
             n = len(group.unfinished_seqs())
-            chunk = min(self._uncomputed(group), budget.tokens_left // n)
+            chunk = self._whole(group, min(self._uncomputed(group), budget.tokens_left // n))
             if bm.num_required_blocks(group, max(chunk, 1)) > bm.num_gpu_blocks:
                 self._ignore(self.swapped.popleft(), out, "its KV blocks no longer fit in "
                              f"the whole pool of {bm.num_gpu_blocks} blocks")
@@ -279,11 +280,12 @@ class Scheduler:
                              f"the pool has {bm.num_gpu_blocks} blocks")
                 continue
             # Prefix caching: the cached blocks of its longest cached prefix count as computed.
-            # Not for prompt logprobs: every prompt position's logits are needed.
-            hits = [] if group.sampling_params.prompt_logprobs is not None else \
-                bm.prefix_hits(group)
+            # Not for prompt logprobs, nor pooling: every prompt position's logits (hidden
+            # states) are needed.
+            hits = [] if group.sampling_params.prompt_logprobs is not None or \
+                group.pooling_params is not None else bm.prefix_hits(group)
             uncomputed = self._uncomputed(group) - len(hits) * bm.block_size
-            chunk = min(uncomputed, budget.tokens_left // len(seqs))
+            chunk = self._whole(group, min(uncomputed, budget.tokens_left // len(seqs)))
             if chunk <= 0 or not budget.fits_seqs(width) or \
                     not bm.can_take_prefix(group, hits, chunk):
                 break  # FCFS: nothing overtakes the head of the queue
@@ -300,6 +302,14 @@ class Scheduler:
     def _uncomputed(group: SequenceGroup) -> int:
         # The seqs of a group advance together; a decode has exactly one uncomputed token.
         return max(s.data.num_uncomputed_tokens() for s in group.unfinished_seqs())
+
+    def _whole(self, group: SequenceGroup, chunk: int) -> int:
+        """A pooling prompt is never chunked (its vector needs every token's hidden state in
+        one forward; no KV cache keeps them): all of it, or 0 (it waits for a step with room;
+        the engine refuses prompts longer than the token budget)."""
+        if group.pooling_params is not None and chunk < self._uncomputed(group):
+            return 0
+        return chunk
 
     def _schedule_group(self, group: SequenceGroup, chunk: int, num_seqs: int,
                         out: SchedulerOutputs, budget: _Budget,
@@ -321,7 +331,8 @@ class Scheduler:
         metadata.append(SequenceGroupMetadata(
             request_id=group.request_id, is_prompt=group.is_prefill(),
             seq_data={s.seq_id: s.data for s in seqs}, sampling_params=group.sampling_params,
-            block_tables=tables, token_chunk_size=chunk, do_sample=do_sample))
+            block_tables=tables, token_chunk_size=chunk, do_sample=do_sample,
+            pooling_params=group.pooling_params))
         if group.metrics.first_scheduled_time is None:
             now = time.time()
             group.metrics.first_scheduled_time = now

@@ -2,6 +2,8 @@
 
 step(): Scheduler.schedule() -> ExecuteModelRequest -> executor.execute_model -> append
 sampled tokens, fork n>1 samples, detokenize, check stop conditions -> RequestOutputs.
+A pooling model (task "embed") takes PoolingParams instead: each request runs its prompt in
+one step and finishes with its vector (PoolingRequestOutput).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 from fleetllm.config import EngineConfig, read_json
 from fleetllm.core.scheduler import Scheduler, SchedulerOutputs
 from fleetllm.engine.detokenizer import Detokenizer, find_stop_string, held_back_length
-from fleetllm.engine.outputs import RequestOutput
+from fleetllm.engine.outputs import PoolingRequestOutput, RequestOutput, request_output
 from fleetllm.engine.recovery import RecoveryMixin
 from fleetllm.errors import (
     CommunicationTimeoutError,
@@ -26,9 +28,11 @@ from fleetllm.errors import (
     InvalidRequestError,
 )
 from fleetllm.executor import Executor
+from fleetllm.pooling_params import PoolingParams
 from fleetllm.sampling_params import SamplingParams
 from fleetllm.sequence import (
     ExecuteModelRequest,
+    PoolingSequenceGroupOutput,
     SamplerOutput,
     Sequence,
     SequenceGroup,
@@ -37,6 +41,7 @@ from fleetllm.sequence import (
 )
 
 PromptType = str | dict[str, Any]
+Output = RequestOutput | PoolingRequestOutput
 logger = logging.getLogger(__name__)
 
 
@@ -103,18 +108,23 @@ class LLMEngine(RecoveryMixin):
     # ----------------------------------------------------------------- requests in
 
     def add_request(self, request_id: str, prompt: PromptType,
-                    sampling_params: SamplingParams | None = None,
+                    params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        """Queue a request. Raises InvalidRequestError (and queues nothing) if it can never be
-        served."""
+        """Queue a request: SamplingParams to generate, PoolingParams for a pooling model.
+        Raises InvalidRequestError (and queues nothing) if it can never be served."""
         text, token_ids = self._tokenize(prompt)
-        # A copy: the caller's SamplingParams may serve other requests (and other models).
-        params = dataclasses.replace(sampling_params or SamplingParams(),
-                                     eos_token_ids=self.eos_token_ids)
-        self._validate(token_ids, params)
+        pooling = self._pooling_params(params)
+        if pooling is not None:
+            self._validate_pooling(token_ids, pooling)
+            params = SamplingParams(max_tokens=1)  # the scheduler's view: one sequence
+        else:
+            # A copy: the caller's SamplingParams may serve other requests (and models).
+            params = dataclasses.replace(params or SamplingParams(),
+                                         eos_token_ids=self.eos_token_ids)
+            self._validate(token_ids, params)
         seq = Sequence(next(self._seq_ids), text, token_ids)
         self.detokenizer.start(seq, params)
-        group = SequenceGroup(request_id, [seq], params, arrival_time)
+        group = SequenceGroup(request_id, [seq], params, arrival_time, pooling)
         with self._lock:
             if request_id in self.seq_groups:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -166,6 +176,43 @@ class LLMEngine(RecoveryMixin):
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none")
 
+    def _pooling_params(self, params: SamplingParams | PoolingParams | None
+                        ) -> PoolingParams | None:
+        """The request's PoolingParams on a pooling model (default ones for None), None on a
+        generating one; the other kind of params is refused, naming the task."""
+        pooling_model = self.model_config.is_pooling
+        if isinstance(params, PoolingParams) and not pooling_model:
+            raise InvalidRequestError("this model generates (task='generate'): PoolingParams "
+                                      "need a pooling model, loaded with task='embed'")
+        if pooling_model and params is not None and not isinstance(params, PoolingParams):
+            raise InvalidRequestError("this model is a pooling model (task='embed'): it "
+                                      "embeds (PoolingParams, LLM.embed, /v1/embeddings) and "
+                                      "cannot generate")
+        return (params or PoolingParams()) if pooling_model else None
+
+    def _validate_pooling(self, token_ids: list[int], params: PoolingParams) -> None:
+        n, limit = len(token_ids), self.model_config.max_model_len
+        budget = self.config.scheduler_config.max_num_batched_tokens
+        if n == 0:
+            raise InvalidRequestError("the input is empty")
+        if n > limit:
+            raise InvalidRequestError(f"the input has {n} tokens, more than max_model_len="
+                                      f"{limit}; shorten it or raise max_model_len")
+        if n > budget:
+            raise InvalidRequestError(f"the input has {n} tokens; a pooling model runs each "
+                                      f"input in one step, and max_num_batched_tokens={budget}")
+        self._check_in_vocab("prompt token ids", token_ids)
+        arch, dims = self.model_config.arch, params.dimensions
+        if dims is not None:
+            allowed = arch.matryoshka_dimensions
+            if allowed is None and not arch.is_matryoshka:
+                raise InvalidRequestError(f"dimensions={dims}: {self.model_config.model} does "
+                                          "not support Matryoshka truncation (its config.json "
+                                          "has no matryoshka_dimensions / is_matryoshka)")
+            if (allowed is not None and dims not in allowed) or dims > arch.hidden_size:
+                raise InvalidRequestError(f"dimensions={dims}: this model allows "
+                                          f"{allowed or f'at most {arch.hidden_size}'}")
+
     def _check_in_vocab(self, what: str, ids: list[int]) -> None:
         vocab = self.model_config.arch.vocab_size
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
@@ -198,7 +245,7 @@ class LLMEngine(RecoveryMixin):
 
     # ----------------------------------------------------------------- the loop
 
-    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[Output]:
         """Schedule, run and apply one step. Atomic: if the executor raises, no token is
         appended and no output or finished-request notice is lost; the next step computes the
         same chunks again (see Scheduler.requeue_after_failed_step), and the exception
@@ -222,7 +269,7 @@ class LLMEngine(RecoveryMixin):
                     self._abort(list(aborted))
         return [o for o in outputs if o.request_id not in aborted] if aborted else outputs
 
-    def _step(self, finished_only: bool) -> list[RequestOutput]:
+    def _step(self, finished_only: bool) -> list[Output]:
         self._sync_kv_epoch()
         metadata, sched = self.scheduler.schedule()
         # Requests that can never be scheduled end here; reported even if the step fails.
@@ -230,7 +277,7 @@ class LLMEngine(RecoveryMixin):
             self.seq_groups.pop(group.request_id, None)
             self._finished_since_last_step.append(group.request_id)
             self._unreported.append(group)
-        outputs: list[RequestOutput] = []
+        outputs: list[Output] = []
         if sched.is_empty and self.scheduler.has_unfinished_seqs():
             self._widen_token_budget()
         if not sched.is_empty:
@@ -251,7 +298,7 @@ class LLMEngine(RecoveryMixin):
                 self.scheduler.complete_step(sched)
                 self._regrow_token_budget()
                 outputs = self._process(sched, result, finished_only)
-        outputs += [RequestOutput.from_seq_group(g) for g in self._unreported]
+        outputs += [request_output(g) for g in self._unreported]
         self._unreported = []
         self._finished_since_last_step += self.scheduler.free_finished_seq_groups()
         self.model_executor.record_outputs(outputs)  # requests completed / failed (metrics)
@@ -271,13 +318,16 @@ class LLMEngine(RecoveryMixin):
             return self.model_executor.wait_for_timed_out_step()
 
     def _process(self, sched: SchedulerOutputs, result: SamplerOutput, finished_only: bool
-                 ) -> list[RequestOutput]:
+                 ) -> list[Output]:
         now = time.time()
-        outputs = []
+        outputs: list[Output] = []
         for scheduled, group_out in zip(sched.scheduled_seq_groups, result.outputs,
                                         strict=True):
             group = scheduled.seq_group
             if group.is_finished():  # aborted while the step ran
+                continue
+            if isinstance(group_out, PoolingSequenceGroupOutput):
+                outputs.append(self._finish_pooled(group, group_out, now))
                 continue
             seqs = group.get_seqs(SequenceStatus.RUNNING)
             chunk_start = seqs[0].data.num_computed_tokens - scheduled.token_chunk_size
@@ -298,6 +348,16 @@ class LLMEngine(RecoveryMixin):
                 continue
             outputs.append(RequestOutput.from_seq_group(group))
         return outputs
+
+    def _finish_pooled(self, group: SequenceGroup, out: PoolingSequenceGroupOutput, now: float
+                       ) -> PoolingRequestOutput:
+        group.pooled_data = out.data
+        group.metrics.first_token_time = group.metrics.finished_time = now
+        for seq in group.seqs:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            self.scheduler.free_seq(seq)
+        self.seq_groups.pop(group.request_id, None)
+        return PoolingRequestOutput.from_seq_group(group)
 
     def _append_samples(self, group: SequenceGroup, samples: list[SequenceOutput]) -> None:
         by_parent: dict[int, list[SequenceOutput]] = {}

@@ -76,6 +76,24 @@ class PoolingRequestOutput:
     metrics: RequestMetrics | None = None
     prompt: str | None = None
 
+    @classmethod
+    def from_seq_group(cls, group: SequenceGroup) -> PoolingRequestOutput:
+        return cls(group.request_id, PoolingOutput(group.pooled_data),
+                   list(group.prompt_token_ids), group.is_finished(), group.error,
+                   group.metrics, group.prompt)
+
+    @classmethod
+    def rejected(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 error: str) -> PoolingRequestOutput:
+        return cls(request_id, PoolingOutput(None), prompt_token_ids, True, error, None, prompt)
+
+
+def request_output(group: SequenceGroup) -> RequestOutput | PoolingRequestOutput:
+    """A request's output as its kind has it: pooled vector or generated sequences."""
+    if group.pooling_params is not None:
+        return PoolingRequestOutput.from_seq_group(group)
+    return RequestOutput.from_seq_group(group)
+
 
 @dataclass
 class EmbeddingOutput:

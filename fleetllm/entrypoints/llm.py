@@ -1,5 +1,6 @@
 """LLM: the offline API. `LLM(model, **engine_kwargs).generate(prompts, sampling_params)`,
-and `.chat(messages)` with the tokenizer's chat template, as in vLLM."""
+and `.chat(messages)` with the tokenizer's chat template, as in vLLM; for a pooling model
+(task="embed"), `.embed(prompts)`, `.encode(prompts)` and `.score(text_1, text_2)`."""
 
 from __future__ import annotations
 
@@ -10,8 +11,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from fleetllm.engine.llm_engine import LLMEngine, PromptType
-from fleetllm.engine.outputs import RequestOutput
+from fleetllm.engine.outputs import (
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from fleetllm.errors import ConfigurationError, EngineShutdownError, InvalidRequestError
+from fleetllm.pooling_params import PoolingParams
 from fleetllm.progress import ProgressBar
 from fleetllm.sampling_params import SamplingParams
 
@@ -49,19 +57,70 @@ class LLM:
 
         `prompt_token_ids` is vLLM's older keyword: one list of token ids, or a list of them;
         with `prompts` as well, those strings are the outputs' prompt text."""
-        self._check_not_shut_down()
+        self._check_task(pooling=False)
         prompts = _prompt_list(prompts, prompt_token_ids)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise InvalidRequestError(f"{len(params_list)} sampling_params for "
-                                          f"{len(prompts)} prompts")
+        return self._run_all(prompts, _params_list(sampling_params, SamplingParams, prompts),
+                             use_tqdm, RequestOutput)
+
+    def encode(self, prompts: PromptType | Sequence[PromptType] | None = None,
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = True, *,
+               prompt_token_ids: list[int] | list[list[int]] | None = None
+               ) -> list[PoolingRequestOutput]:
+        """Pool every prompt (a pooling model, task="embed"): `.outputs.data` is the vector, a
+        float32 tensor. Rejected prompts (too long, ...) get an output with `.error`, data
+        None; the others still complete. Outputs come back in input order."""
+        self._check_task(pooling=True)
+        prompts = _prompt_list(prompts, prompt_token_ids)
+        return self._run_all(prompts, _params_list(pooling_params, PoolingParams, prompts),
+                             use_tqdm, PoolingRequestOutput)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType] | None = None,
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True, *,
+              prompt_token_ids: list[int] | list[list[int]] | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """encode(), with each vector as a list of floats in `.outputs.embedding`."""
+        return [EmbeddingRequestOutput.from_base(out) for out in self.encode(
+            prompts, pooling_params, use_tqdm, prompt_token_ids=prompt_token_ids)]
+
+    def score(self, text_1: PromptType | Sequence[PromptType],
+              text_2: PromptType | Sequence[PromptType], use_tqdm: bool = True
+              ) -> list[ScoringRequestOutput]:
+        """Cosine similarity of embeddings: one text against each of text_2 (1:N), or pair by
+        pair (N:N). Raises InvalidRequestError when an input cannot be embedded."""
+        first, second = _prompt_list(text_1, None), _prompt_list(text_2, None)
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second) or not second:
+            raise InvalidRequestError(f"score: {len(first)} first texts for {len(second)} "
+                                      "second texts; pass one, or as many as the second")
+        outs = self.encode(first + second, use_tqdm=use_tqdm)
+        for out in outs:
+            if out.error:
+                raise InvalidRequestError(f"score: {out.error}")
+        results = []
+        for i, (a, b) in enumerate(zip(outs[:len(first)], outs[len(first):], strict=True)):
+            cosine = float(a.outputs.data.double().dot(b.outputs.data.double()) / (
+                a.outputs.data.double().norm() * b.outputs.data.double().norm()))
+            results.append(ScoringRequestOutput(str(i), ScoringOutput(cosine),
+                                                a.prompt_token_ids + b.prompt_token_ids))
+        return results
+
+    def _check_task(self, pooling: bool) -> None:
+        self._check_not_shut_down()
+        if self.llm_engine.model_config.is_pooling != pooling:
+            raise InvalidRequestError(
+                "this model is a pooling model (task='embed'): use embed(), encode() or "
+                "score()" if not pooling else "this model generates (task='generate'): "
+                "embed(), encode() and score() need a pooling model, loaded with task='embed'")
+
+    def _run_all(self, prompts: list[PromptType], params_list: list[Any], use_tqdm: bool,
+                 kind: type) -> list[Any]:
+        """Add every request (a rejected one gets kind.rejected(...)), run them to the end,
+        return the outputs in input order."""
         engine = self.llm_engine
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, Any] = {}
         order = []
         for prompt, params in zip(prompts, params_list, strict=True):
             request_id = str(next(self._request_ids))
@@ -75,7 +134,7 @@ class LLM:
                 text = prompt.get("prompt") if isinstance(prompt, dict) else (
                     prompt if isinstance(prompt, str) else None)
                 ids = prompt.get("prompt_token_ids", []) if isinstance(prompt, dict) else []
-                results[request_id] = RequestOutput.rejected(request_id, text, list(ids), str(e))
+                results[request_id] = kind.rejected(request_id, text, list(ids), str(e))
         try:
             self._run(results, len(order), use_tqdm)
         except BaseException:
@@ -117,7 +176,7 @@ class LLM:
                             tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
+    def _run(self, results: dict[str, Any], total: int, use_tqdm: bool) -> None:
         engine = self.llm_engine
         bar = ProgressBar(total=total, desc="Processed prompts", dynamic_ncols=True,
                           disable=not use_tqdm)
@@ -128,10 +187,13 @@ class LLM:
                 if output.finished and output.request_id not in results:
                     results[output.request_id] = output
                     in_tokens += len(output.prompt_token_ids)
-                    out_tokens += sum(len(o.token_ids) for o in output.outputs)
                     elapsed = time.perf_counter() - start
-                    bar.set_postfix_str(f"input: {in_tokens / elapsed:.1f} toks/s, "
-                                        f"output: {out_tokens / elapsed:.1f} toks/s")
+                    if isinstance(output, PoolingRequestOutput):
+                        bar.set_postfix_str(f"input: {in_tokens / elapsed:.1f} toks/s")
+                    else:
+                        out_tokens += sum(len(o.token_ids) for o in output.outputs)
+                        bar.set_postfix_str(f"input: {in_tokens / elapsed:.1f} toks/s, "
+                                            f"output: {out_tokens / elapsed:.1f} toks/s")
                     bar.update(1)
         bar.close()
 
@@ -166,6 +228,23 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _params_list(params: Any, kind: type, prompts: list[PromptType]) -> list[Any]:
+    """One params object per prompt: the default, one for all, or a list of as many."""
+    if params is None:
+        params = kind()
+    if isinstance(params, kind):
+        return [params] * len(prompts)
+    try:
+        params_list = list(params)
+    except TypeError:
+        raise InvalidRequestError(f"expected {kind.__name__} or a list of them, got "
+                                  f"{type(params).__name__}") from None
+    if len(params_list) != len(prompts):
+        raise InvalidRequestError(f"{len(params_list)} {kind.__name__} for {len(prompts)} "
+                                  "prompts")
+    return params_list
 
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType] | None,

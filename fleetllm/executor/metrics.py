@@ -105,7 +105,7 @@ class MetricsRecorder:
         tokens = 0
         for sampler_output in output or ():
             for group in getattr(sampler_output, "outputs", ()):
-                tokens += len(group.samples)
+                tokens += len(getattr(group, "samples", ()))  # pooling outputs: none
         groups = request.seq_group_metadata_list
         with self._lock:
             self.calls += 1
@@ -139,7 +139,9 @@ class MetricsRecorder:
                     self._live.discard(out.request_id)
                 else:  # ended without reaching the workers (e.g. could never be scheduled)
                     self.requests_total += 1
-                reasons = {c.finish_reason for c in out.outputs}
+                # A pooling output has one vector, no sequences: failed when it has an error.
+                reasons = {c.finish_reason for c in out.outputs} if isinstance(
+                    out.outputs, list) else {"error" if out.error else "stop"}
                 if "error" in reasons:
                     self.failed += 1
                 elif "abort" not in reasons:

@@ -132,7 +132,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ArchConfig, max_position: int):
+    """lm_head=False builds the pooling model (task "embed"): the same stack, no LM head; a
+    checkpoint's lm_head tensor, if any, is skipped."""
+
+    def __init__(self, cfg: ArchConfig, max_position: int, lm_head: bool = True):
         super().__init__()
         pp = get_pp_group()
         self.cfg = cfg
@@ -140,7 +143,8 @@ class LlamaForCausalLM(nn.Module):
         self.start_layer, self.end_layer = stage_layers(cfg.num_layers, pp.world_size,
                                                         pp.rank_in_group)
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-                             if self.is_first_stage or cfg.tie_word_embeddings else None)
+                             if self.is_first_stage or (cfg.tie_word_embeddings and lm_head)
+                             else None)
         rotary = self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta,
                                                cfg.rope_scaling)
         # Keyed by the global layer index so checkpoint names map directly.
@@ -148,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
                                      for i in range(self.start_layer, self.end_layer)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last_stage else None
         self.lm_head = None
-        if self.is_last_stage:
+        if self.is_last_stage and lm_head:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
             if cfg.tie_word_embeddings:
                 self.lm_head.weight = self.embed_tokens.weight
@@ -181,7 +185,8 @@ class LlamaForCausalLM(nn.Module):
         name = name.removeprefix("model.")
         if "rotary_emb.inv_freq" in name:
             return None
-        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+        if name.startswith("lm_head.") and (self.cfg.tie_word_embeddings
+                                            or self.lm_head is None):
             return None
         if name.startswith("layers."):
             index = int(name.split(".")[1])

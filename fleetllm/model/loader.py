@@ -48,7 +48,8 @@ def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(mc.arch, max_position=mc.max_model_len)
+            model = LlamaForCausalLM(mc.arch, max_position=mc.max_model_len,
+                                     lm_head=not mc.is_pooling)
     finally:
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":

@@ -36,6 +36,7 @@ class _Batch:
     sample_owner: list[tuple[int, int]] = field(default_factory=list)  # (group, parent seq id)
     # group index -> (first logits row, targets) for prompt logprobs, and whether None leads
     prompt_lp: dict[int, tuple[int, list[int], bool]] = field(default_factory=dict)
+    pool_spans: list[tuple[int, int, int]] = field(default_factory=list)  # (group, start, len)
 
 
 class ModelRunner:
@@ -68,6 +69,18 @@ class ModelRunner:
 
     def _forward(self, batch: _Batch, kv_caches: list[torch.Tensor] | None
                  ) -> torch.Tensor | None:
+        """Logits for the batch's logits rows; None on a stage that is not the last."""
+        hidden = self._run_model(batch, kv_caches)
+        if hidden is None:
+            return None
+        # Possibly no rows (a step of non-final prompt chunks): empty logits, empty samples.
+        rows = torch.tensor(batch.logits_token_idx, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+    def _run_model(self, batch: _Batch, kv_caches: list[torch.Tensor] | None
+                   ) -> torch.Tensor | None:
+        """The forward: every token's final hidden state on the last pipeline stage; an
+        earlier stage sends its activations on and returns None."""
         pp = get_pp_group()
         intermediate = None
         if not pp.is_first:
@@ -79,9 +92,7 @@ class ModelRunner:
         if not pp.is_last:
             pp.send([hidden, residual], pp.rank_in_group + 1)
             return None
-        # Possibly no rows (a step of non-final prompt chunks): empty logits, empty samples.
-        rows = torch.tensor(batch.logits_token_idx, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        return hidden
 
     def _prepare(self, request: ExecuteModelRequest) -> _Batch:
         """The flat token batch: decode tokens (one per sequence) first, then prefill spans.
@@ -99,7 +110,9 @@ class ModelRunner:
                     end = min(seq_len, start + (group.token_chunk_size or seq_len - start))
                 else:  # decode: the one token whose K/V is not cached yet
                     start, end = seq_len - 1, seq_len
-                if end - start == 1:
+                # A prompt's first token goes the prefill way even alone: a pooling model has
+                # no KV cache for the decode kernel to read.
+                if end - start == 1 and start > 0:
                     dec.append((g_index, seq_id, data, table, end))
                 else:
                     pre.append((g_index, seq_id, data, table, start, end))

@@ -1,4 +1,8 @@
-"""Worker: one rank. Owns the device, this rank's model shard and its KV cache."""
+"""Worker: one rank. Owns the device, this rank's model shard and its KV cache.
+
+The model runner follows the task: ModelRunner generates; a pooling model (task "embed") gets
+an EmbeddingModelRunner and no KV cache (its prompts run whole, one step each): the block
+counts it reports only bound how many prompts the scheduler admits at once."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from fleetllm.distributed import parallel_state
 from fleetllm.errors import ConfigurationError, EngineSleepingError, OutOfMemoryError
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
 from fleetllm.worker.cache_engine import CacheEngine
+from fleetllm.worker.embedding_model_runner import EmbeddingModelRunner
 from fleetllm.worker.model_runner import ModelRunner
 from fleetllm.worker.worker_base import WorkerBase
 
@@ -50,7 +55,8 @@ class Worker(WorkerBase):
             pc.tensor_parallel_size, pc.pipeline_parallel_size)
 
     def load_model(self) -> None:
-        self.model_runner = ModelRunner(self.config, self.device, self.is_output_rank)
+        runner = EmbeddingModelRunner if self.config.model_config.is_pooling else ModelRunner
+        self.model_runner = runner(self.config, self.device, self.is_output_rank)
         self.model_runner.load_model()
 
     def _kv_shape(self) -> tuple[int, int, int]:
@@ -63,6 +69,11 @@ class Worker(WorkerBase):
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         cc, sc = self.config.cache_config, self.config.scheduler_config
+        # More than max_num_seqs full-length sequences can never be used: don't allocate it.
+        per_seq = math.ceil(sc.max_model_len / cc.block_size)
+        usable = sc.max_num_seqs * per_seq + 1
+        if self.config.model_config.is_pooling:  # bookkeeping only: nothing is allocated
+            return usable, 0
         if self.device.type == "cuda":  # measure the profile run's peak alone
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -80,9 +91,6 @@ class Worker(WorkerBase):
             budget = cc.kv_cache_memory
         else:
             budget = cc.kv_cache_memory * _available_ram() - activation_peak
-        # More than max_num_seqs full-length sequences can never be used: don't allocate it.
-        per_seq = math.ceil(sc.max_model_len / cc.block_size)
-        usable = sc.max_num_seqs * per_seq + 1
         num_gpu = min(cc.num_gpu_blocks_override or int(max(0, budget) // block_bytes), usable)
         if cc.num_gpu_blocks_override is None and num_gpu < per_seq:
             raise OutOfMemoryError(
@@ -96,12 +104,17 @@ class Worker(WorkerBase):
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.cache_engine = None  # free the old pools first when re-initializing
+        if self.config.model_config.is_pooling:
+            return
         self.cache_engine = CacheEngine(self.config, *self._kv_shape(), self._kv_dtype(),
                                         self.device, num_gpu_blocks, num_cpu_blocks)
 
     def execute_model(self, execute_model_req: ExecuteModelRequest
                       ) -> list[SamplerOutput] | None:
         req = execute_model_req
+        if self.config.model_config.is_pooling:
+            output = self.model_runner.execute_model(req, None)
+            return None if output is None else [output]
         cache = self.cache_engine
         if cache is None:
             raise RuntimeError("execute_model before initialize_cache")

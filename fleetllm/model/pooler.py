@@ -1,0 +1,149 @@
+"""Pooling (task "embed"): which vector stands for a prompt, read from the checkpoint.
+
+A pooling model is the decoder stack without its LM head: the hidden states after the final
+norm are pooled into one vector per prompt, LAST (the last prompt token: decoder embedding
+models such as e5-mistral, gte-Qwen2, Qwen3-Embedding), MEAN (average over the prompt) or CLS
+(the first token), then optionally truncated (Matryoshka `dimensions`) and L2-normalized.
+
+Where the settings come from, first match wins: the user's `override_pooler_config`; a
+sentence-transformers checkpoint's `modules.json` (its Pooling module's config names the
+mode, a Normalize module turns normalizing on, and `sentence_bert_config.json`'s
+`max_seq_length` caps the input as sentence-transformers truncates there); else LAST with
+normalize, vLLM's default for decoder embedding models. A module fleetllm cannot apply (Dense,
+a mode such as max or weighted-mean) is a ConfigurationError naming it: silently skipping it
+would return different vectors than the library the checkpoint was made for.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fleetllm.errors import ConfigurationError, ModelLoadError
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# sentence-transformers' Pooling config key -> our pooling type
+_ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
+             "pooling_mode_cls_token": "CLS"}
+_ST_UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
+                         "pooling_mode_weightedmean_tokens")
+_ST_TRANSFORMER = "sentence_transformers.models.Transformer"
+_ST_POOLING = "sentence_transformers.models.Pooling"
+_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+
+
+@dataclass
+class PoolerConfig:
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pooling_type, str) or \
+                self.pooling_type.upper() not in POOLING_TYPES:
+            raise ConfigurationError(f"pooling_type: must be one of {', '.join(POOLING_TYPES)}, "
+                                     f"got {self.pooling_type!r}")
+        self.pooling_type = self.pooling_type.upper()
+        if not isinstance(self.normalize, bool):
+            raise ConfigurationError(f"normalize: must be True or False, got "
+                                     f"{self.normalize!r}")
+
+    @classmethod
+    def from_override(cls, value: Any, base: PoolerConfig) -> PoolerConfig:
+        """`override_pooler_config`: a PoolerConfig, a dict, or its JSON (the CLI flag); the
+        fields it leaves out keep `base`'s values."""
+        if isinstance(value, PoolerConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigurationError(f"override_pooler_config: not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ConfigurationError("override_pooler_config: must be a dict like "
+                                     "{'pooling_type': 'MEAN', 'normalize': False}, got "
+                                     f"{value!r}")
+        unknown = set(value) - {"pooling_type", "normalize"}
+        if unknown:
+            raise ConfigurationError(f"override_pooler_config: unknown fields {sorted(unknown)}"
+                                     "; fleetllm has pooling_type and normalize")
+        return cls(value.get("pooling_type", base.pooling_type),
+                   value.get("normalize", base.normalize))
+
+
+def _read(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: cannot read it as JSON: {e}") from e
+
+
+def is_sentence_transformers(model_dir: Path) -> bool:
+    return (model_dir / "modules.json").is_file()
+
+
+def checkpoint_pooler(model_dir: Path) -> tuple[PoolerConfig, int | None]:
+    """The checkpoint's pooler and the longest input its library embeds (None: no limit)."""
+    if not is_sentence_transformers(model_dir):
+        return PoolerConfig("LAST", True), None
+    modules = _read(model_dir / "modules.json")
+    if not isinstance(modules, list):
+        raise ModelLoadError(f"{model_dir / 'modules.json'}: expected a list of modules")
+    pooling: str | None = None
+    normalize = False
+    for module in modules:
+        kind, sub = module.get("type", ""), module.get("path", "")
+        if kind == _ST_TRANSFORMER:
+            if sub not in ("", "."):
+                raise ConfigurationError(f"{model_dir}: the transformer module lives in "
+                                         f"{sub!r}; fleetllm loads the checkpoint's root")
+        elif kind == _ST_POOLING:
+            pooling = _st_pooling_mode(_read(model_dir / sub / "config.json"), model_dir / sub)
+        elif kind == _ST_NORMALIZE:
+            normalize = True
+        else:
+            raise ConfigurationError(f"{model_dir}: sentence-transformers module {kind!r} "
+                                     f"({sub or 'no path'}) is not supported; fleetllm "
+                                     "applies Transformer, Pooling and Normalize modules only")
+    if pooling is None:
+        raise ConfigurationError(f"{model_dir / 'modules.json'} has no Pooling module")
+    limit = None
+    bert_cfg = model_dir / "sentence_bert_config.json"
+    if bert_cfg.is_file():
+        limit = _read(bert_cfg).get("max_seq_length")
+    return PoolerConfig(pooling, normalize), limit if isinstance(limit, int) else None
+
+
+def _st_pooling_mode(cfg: dict[str, Any], where: Path) -> str:
+    bad = [k for k in _ST_UNSUPPORTED_MODES if cfg.get(k)]
+    modes = [ours for key, ours in _ST_MODES.items() if cfg.get(key)]
+    if bad or len(modes) != 1:
+        raise ConfigurationError(
+            f"{where}: pooling modes {bad + [k for k in _ST_MODES if cfg.get(k)]} are not "
+            "supported; fleetllm pools with exactly one of lasttoken, mean_tokens, cls_token")
+    if cfg.get("include_prompt") is False:
+        raise ConfigurationError(f"{where}: include_prompt=false (pooling that skips an "
+                                 "instruction prompt) is not supported")
+    return modes[0]
+
+
+def pool(hidden: torch.Tensor, pooling_type: str) -> torch.Tensor:
+    """One prompt's [tokens, hidden] states -> [hidden], in float32."""
+    if pooling_type == "LAST":
+        return hidden[-1].float()
+    if pooling_type == "CLS":
+        return hidden[0].float()
+    return hidden.float().mean(dim=0)
+
+
+def finish(vector: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:
+    """Matryoshka truncation, then L2 normalization (the order sentence-transformers and
+    vLLM use, so a truncated vector is unit length again)."""
+    if dimensions is not None:
+        vector = vector[:dimensions]
+    if normalize:
+        vector = torch.nn.functional.normalize(vector, p=2, dim=-1)
+    return vector.contiguous()
