@@ -17,6 +17,10 @@ _EXPORTS = {
     "RequestOutput": "fleetllm.engine.outputs",
     "CompletionOutput": "fleetllm.engine.outputs",
     "SamplingParams": "fleetllm.sampling_params",
+    "PoolingParams": "fleetllm.pooling_params",
+    "PoolingRequestOutput": "fleetllm.engine.outputs",
+    "EmbeddingRequestOutput": "fleetllm.engine.outputs",
+    "ScoringRequestOutput": "fleetllm.engine.outputs",
     "EngineConfig": "fleetllm.config",
 }
 __all__ = [*_EXPORTS, "__version__"]
