@@ -12,6 +12,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -263,3 +264,83 @@ def test_killing_the_server_s_core_ends_streams_and_health_is_503_within_a_secon
         assert late.status_code == 503
     finally:
         srv.kill()
+
+
+def _ends_dead(coro_fn, within: float = 1.0) -> None:
+    """coro_fn() must raise EngineDeadError within `within` seconds (never hang)."""
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        asyncio.run(asyncio.wait_for(coro_fn(), 10))
+    assert time.monotonic() - start < within
+
+
+@pytest.mark.parametrize("moment", ["asleep", "restarting_workers", "beside_health_probe"])
+def test_a_core_killed_outside_a_step_is_reported_dead_at_once(model, moment):
+    """Failures that arrive when no step runs: the engine asleep, the core busy replacing a
+    crashed worker, a health probe waiting on the core's control thread."""
+    core = EngineCoreClient(str(model), kv_cache_memory=KV, tensor_parallel_size=2)
+    probes: list[BaseException | None] = []
+    try:
+        pid = core._proc.pid
+        streams = None
+        if moment == "asleep":
+            asyncio.run(core.sleep(1))
+        elif moment == "restarting_workers":
+            async def stream(i: int):
+                params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+                async for _ in core.generate({"prompt_token_ids": [5, 6, 7 + i]}, params,
+                                             f"s{i}"):
+                    pass
+
+            async def kill_a_worker_then_the_core():
+                tasks = [asyncio.create_task(stream(i)) for i in range(3)]
+                await asyncio.sleep(0.5)
+                os.kill(children_of(pid)[0], signal.SIGKILL)  # the core starts a restart
+                await asyncio.sleep(random.Random(0).uniform(0.05, 0.4))
+                os.kill(pid, signal.SIGKILL)
+                killed = time.monotonic()
+                results = await asyncio.wait_for(
+                    asyncio.gather(*tasks, return_exceptions=True), 10)
+                return results, time.monotonic() - killed
+
+            streams = asyncio.run(kill_a_worker_then_the_core())
+        else:
+            def probe_loop() -> None:
+                end = time.monotonic() + 10
+                while time.monotonic() < end:
+                    try:
+                        core.check_workers(timeout=2.0)
+                        probes.append(None)
+                    except Exception as e:  # noqa: BLE001 - what the test checks
+                        probes.append(e)
+                        return
+
+            prober = threading.Thread(target=probe_loop, daemon=True)
+            prober.start()
+            time.sleep(0.3)
+        if moment != "restarting_workers":
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        if moment == "beside_health_probe":
+            prober.join(5)
+            assert not prober.is_alive() and isinstance(probes[-1], EngineUnhealthyError)
+            assert time.monotonic() - killed < 1.0
+        if streams is not None:
+            results, ended = streams
+            assert ended < 1.0
+            assert all(isinstance(r, EngineDeadError) for r in results), results
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and not core.errored:
+            time.sleep(0.01)
+        with pytest.raises(EngineDeadError):
+            core.check_health()
+        _ends_dead(lambda: core.wake_up())
+        params = SamplingParams(max_tokens=2)
+
+        async def late_request():
+            async for _ in core.generate({"prompt_token_ids": [5]}, params, "late"):
+                pass
+
+        _ends_dead(late_request)
+    finally:
+        core.shutdown(timeout=10)
