@@ -128,7 +128,7 @@ class ServingCompletion(OpenAIServing):
         for i, p in enumerate(prompt):
             param = "prompt" if len(prompt) == 1 else f"prompt.{i}"
             if isinstance(p, str):
-                ids = await self.engine.encode(p)
+                ids = await self.engine.tokenize(p)
                 out.append(_Prompt(p, ids))
             else:
                 out.append(_Prompt(None, list(p)))

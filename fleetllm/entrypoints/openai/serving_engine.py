@@ -228,7 +228,7 @@ class OpenAIServing:
             raise APIError(400, f"the chat template failed on these messages: "
                            f"{truncate(str(e), 300)}", "messages") from None
         # The template writes any BOS itself: do not add special tokens again.
-        return text, await self.engine.encode(text, add_special_tokens=False)
+        return text, await self.engine.tokenize(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
