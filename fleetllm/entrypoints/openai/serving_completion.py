@@ -78,6 +78,9 @@ class _Choice:
 
 
 class ServingCompletion(OpenAIServing):
+    endpoint = "/v1/completions"
+    needs_task = "generate"
+
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         arrival = time.time()
         self.check_request(req)
