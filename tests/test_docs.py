@@ -4,7 +4,8 @@ docs/testing.md). One test per block, named FILE:LINE, so a broken example names
 python blocks run in a fresh interpreter with `path` bound to a tiny random-weight checkpoint;
 bash blocks run their fleetllm commands as `python -m fleetllm.cli ...` (and curl as it is).
 Blocks marked `server` talk to one `fleetllm serve` of the demo model on 127.0.0.1, started
-for the module when the first of them runs.
+for the module when the first of them runs; `server embed` blocks to another, of the demo model
+as an embedding model.
 """
 
 from __future__ import annotations
@@ -51,6 +52,21 @@ def server(tmp_path_factory):
     template.write_text(CHAT_TEMPLATE)
     srv = LocalServer(["--served-model-name", "demo", "smol", "--chat-template", str(template),
                        "--kv-cache-memory", str(KV)], env=server_env())
+    try:
+        yield srv
+    finally:
+        code = srv.stop(timeout=30)
+        assert code == 0, srv.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def embed_server():
+    """The server the `server embed` blocks talk to: the demo model as an embedding model,
+    served as `e5`."""
+    from fleetllm.entrypoints.openai.local_server import LocalServer
+
+    srv = LocalServer(["--task", "embed", "--served-model-name", "e5", "--kv-cache-memory",
+                       str(KV)], env=server_env())
     try:
         yield srv
     finally:
@@ -138,7 +154,10 @@ def test_snippet(block: Block, request, tmp_path):
     if "server" in block.directives:
         assert any(a in code for a in SERVER_ADDRESSES), \
             f"{block.id}: marked `server` but names no {SERVER_ADDRESSES[1:]}"
-        code = with_server(code, request.getfixturevalue("server").url)
+        which = block.directives["server"]
+        assert which in ("", "embed"), f"{block.id}: `server {which}`: only `server embed`"
+        fixture = "embed_server" if which == "embed" else "server"
+        code = with_server(code, request.getfixturevalue(fixture).url)
     model = request.getfixturevalue("model")
     if block.kind == "python":
         run_python(block, code, model, tmp_path)
