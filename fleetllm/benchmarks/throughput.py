@@ -24,6 +24,8 @@ rows; measured after every round, best kept, so it sees the machine as the engin
 plain torch matmul and for the best matmul measured (oneDNN, packed weights); the fraction of
 each that fleetllm reaches is printed.
 
+--task embed (or an embedding checkpoint) runs a pooling model instead: embed.py.
+
 --shared-prefix N starts every prompt with one common N-token prefix and also runs fleetllm
 without prefix caching: mean time to first token with and without, and whether the outputs
 are identical. Without --model or --preset: the bundled demo model.
@@ -58,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a built-in model with dummy weights instead of --model, and the "
                              "performance workload: 64 requests, 16:256 in, 16:64 out; "
                              "max_model_len 8192 unless given (default: none)")
-    workload.add_workload_args(parser, "64", "128; 16:256 with --preset",
+    workload.add_workload_args(parser, "64; 256 with --task embed",
+                               "128; 16:256 with --preset or --task embed",
                                "64; 16:64 with --preset")
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="tokens of one random prefix every prompt starts with; fleetllm "
@@ -72,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_vllm_args(parser)
     parser.add_argument("--hf-batch-size", type=int, default=None,
                         help="HF generate batch size (left-padded); 0 skips the HF peer "
-                             "(default: 8; 16 with --preset)")
+                             "(default: 8; 16 with --preset; 32 with --task embed)")
     parser.add_argument("--hf-sort", action="store_true",
                         help="also run HF generate with the requests sorted by output and "
                              "prompt length (its most favourable static batches)")
@@ -192,10 +195,14 @@ def _engines(args: argparse.Namespace, model: str, kwargs: dict, dummy_seed: int
 
 def run(args: argparse.Namespace) -> dict:
     kwargs = engine_kwargs_from(args, args.engine_actions)
+    model, dummy_seed = resolve_source(args, kwargs)
+    from fleetllm.benchmarks import embed  # it builds on this module's pieces
+
+    if embed.is_pooling(model, kwargs):  # --task embed, or an embedding checkpoint
+        return embed.run(args, model, kwargs, dummy_seed)
     for name, value in (_PRESET_DEFAULTS if args.preset else _DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    model, dummy_seed = resolve_source(args, kwargs)
     peers = compare_peers(args.compare, {"hf", "hf-cb", "vllm"}, {"hf"})
     if args.hf_batch_size == 0:
         peers.discard("hf")
