@@ -14,8 +14,9 @@ is transformers `AutoModel` on the same weights, dtype and threads: static batch
 last hidden state pooled as the engine pools (its pooler_config: LAST picked with the mask,
 MEAN, CLS) and normalized if it normalizes; --hf-sort adds it on length-sorted batches
 (sentence-transformers' order). Printed per engine: sequences/s and tokens/s (the inputs'
-real tokens, not padding), fleetllm's ratio to each, and the cosine of fleetllm's vector to
-the peer's for every input (lowest and mean).
+real tokens, not padding), fleetllm's ratio to each, and how its vectors agree with the
+peer's over every input: cosine (lowest, mean) and the largest |a - b| / |a| (the cosine
+ignores length, which matters without normalizing).
 
 Refused with a ConfigurationError: the generation-only options (--output-len,
 --shared-prefix, --compare hf-cb or vllm). No roofline is measured.
@@ -29,7 +30,7 @@ import json
 import torch
 
 from fleetllm.benchmarks import workload
-from fleetllm.benchmarks.throughput import _Fleet, _measure, compare_peers, engine_dtype
+from fleetllm.benchmarks.engines import FleetEngine, compare_peers, engine_dtype, measure
 from fleetllm.errors import ConfigurationError
 
 _DEFAULTS = dict(num_prompts=256, input_len=(16, 256), hf_batch_size=32)
@@ -45,7 +46,7 @@ def is_pooling(model: str, kwargs: dict) -> bool:
     return ModelConfig(model, **{k: kwargs[k] for k in keys if k in kwargs}).is_pooling
 
 
-class _FleetEmbed(_Fleet):
+class FleetEmbed(FleetEngine):
     """fleetllm through LLM.embed; one float32 vector per input, in input order."""
 
     def run(self, requests: list[workload.Request]) -> list[torch.Tensor]:
@@ -82,10 +83,10 @@ def run(args: argparse.Namespace, model: str, kwargs: dict, dummy_seed: int | No
     args.output_len = (0, 0)  # nothing is generated (the dataset's output lengths are unused)
     if args.hf_batch_size == 0:
         peers.discard("hf")
-    engines: list = [_FleetEmbed("fleetllm", model, kwargs)]
+    engines: list = [FleetEmbed("fleetllm", model, kwargs)]
     try:
         if args.compare_backend:
-            engines.append(_FleetEmbed(f"fleetllm ({args.compare_backend})", model,
+            engines.append(FleetEmbed(f"fleetllm ({args.compare_backend})", model,
                                        {**kwargs, "distributed_executor_backend":
                                         args.compare_backend}))
         llm = engines[0].llm
@@ -104,10 +105,10 @@ def run(args: argparse.Namespace, model: str, kwargs: dict, dummy_seed: int | No
         tokenizer = llm.get_tokenizer()
         vocab = min(arch.vocab_size, len(tokenizer) if tokenizer else arch.vocab_size)
         requests = workload.make_requests(args, vocab, tokenizer)
-        results = _measure(engines, requests, args.repeat)
+        results = measure(engines, requests, args.repeat)
     finally:
         for e in engines:
-            if isinstance(e, _Fleet):
+            if isinstance(e, FleetEngine):
                 e.llm.shutdown()
     figures = _report(args, model, engines, requests, results, pooler, dtype)
     if args.json:
@@ -143,11 +144,15 @@ def _report(args, model: str, engines, requests, results: dict, pooler, dtype) -
     ours, our_vectors, _ = results["fleetllm"]
     for e in engines[1:]:
         seconds, vectors, _ = results[e.name]
-        cos = torch.stack([torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0)
-                           for a, b in zip(our_vectors, vectors, strict=True)])
+        pairs = [(a.double(), b.double()) for a, b in zip(our_vectors, vectors, strict=True)]
+        cos = torch.stack([torch.nn.functional.cosine_similarity(a, b, dim=0)
+                           for a, b in pairs])
+        # The cosine ignores length: without normalizing, the lengths must agree too.
+        rel = max(float((a - b).norm() / a.norm()) for a, b in pairs)
         figures["ratios"][e.name] = {"speedup": seconds / ours, "cosine_min": float(cos.min()),
-                                     "cosine_mean": float(cos.mean())}
-        print(f"ratio fleetllm / {e.name}: {seconds / ours:.2f}x  (cosine of the vectors: "
-              f"min {float(cos.min()):.6f}, mean {float(cos.mean()):.6f} over {len(cos)} "
-              "inputs)")
+                                     "cosine_mean": float(cos.mean()),
+                                     "max_relative_difference": rel}
+        print(f"ratio fleetllm / {e.name}: {seconds / ours:.2f}x  (vectors over {len(cos)} "
+              f"inputs: cosine min {float(cos.min()):.6f}, mean {float(cos.mean()):.6f}; "
+              f"largest relative difference {rel:.1e})")
     return figures
