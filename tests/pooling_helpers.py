@@ -116,7 +116,11 @@ def make_st_checkpoint(base: Path, out: Path, pooling_type: str, normalize: bool
                        dense: bool = False) -> Path:
     """A sentence-transformers directory over checkpoint `base`, saved by the installed
     library (Transformer at the root, 1_Pooling, 2_Normalize or 2_Dense)."""
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+    try:  # 6.x moved the modules (the old import path warns)
+        from sentence_transformers.sentence_transformer import modules as models
+    except ImportError:
+        from sentence_transformers import models
 
     transformer = models.Transformer(str(base))
     dim = (getattr(transformer, "get_embedding_dimension", None)  # 6.x; older: word_...
