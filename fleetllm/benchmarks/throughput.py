@@ -64,8 +64,9 @@ _DEFAULTS = dict(num_prompts=64, input_len=(128, 128), output_len=(64, 64), hf_b
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="a built-in model with dummy weights instead of --model, and the "
-                             "performance workload: 64 requests, 16:256 in, 16:64 out; "
-                             "max_model_len 8192 unless given (default: none)")
+                             "performance workload: 64 requests, 16:256 in, 16:64 out "
+                             "(--task embed: 256 inputs, 16:256); max_model_len 8192 unless "
+                             "given (default: none)")
     workload.add_workload_args(parser, "64; 256 with --task embed",
                                "128; 16:256 with --preset or --task embed",
                                "64; 16:64 with --preset")
