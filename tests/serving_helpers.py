@@ -3,6 +3,7 @@ a slow worker (so requests outlive a drain timeout), and reading Prometheus text
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -19,6 +20,33 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
+def make_embed_checkpoint(path: Path, seed: int = 0, **config_json: object) -> Path:
+    """A tiny random-weight embedding checkpoint: a bare `LlamaModel` (no LM head, so task
+    "auto" is "embed"), the test tokenizer, and `config_json` merged into its config.json
+    (e.g. matryoshka_dimensions)."""
+    import torch
+    import transformers
+    from conftest import make_tokenizer
+
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, head_dim=16)
+    config.architectures = ["LlamaModel"]
+    torch.manual_seed(seed)
+    model = transformers.LlamaModel(config)
+    with torch.no_grad():  # as conftest's checkpoints: wide enough that vectors differ
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    if config_json:
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, **config_json}))
+    make_tokenizer(path, config.vocab_size)
+    return path
+
+
 def server_env(**extra: str) -> dict[str, str]:
     """This checkout first on the path (and tests/, for worker classes defined here)."""
     path = [str(REPO), str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
@@ -30,6 +58,18 @@ class SlowWorker(Worker):
 
     def execute_model(self, execute_model_req):
         time.sleep(float(os.environ.get("FLEETLLM_TEST_STEP_DELAY", "0.02")))
+        return super().execute_model(execute_model_req)
+
+
+class BatchLoggingWorker(SlowWorker):
+    """A SlowWorker that appends each step's number of requests to $FLEETLLM_TEST_BATCH_LOG,
+    so a test can see how the engine batched what a server sent it."""
+
+    def execute_model(self, execute_model_req):
+        log = os.environ.get("FLEETLLM_TEST_BATCH_LOG")
+        if log and execute_model_req is not None:
+            with open(log, "a") as f:
+                f.write(f"{len(execute_model_req.seq_group_metadata_list)}\n")
         return super().execute_model(execute_model_req)
 
 

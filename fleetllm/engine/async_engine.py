@@ -7,6 +7,11 @@ between steps, and read their outputs from a RequestStream that the loop feeds t
 thread of this object (the engine's tokenizer stays on the loop thread), so a huge prompt never
 stalls a step; detokenization stays in the engine, which does it incrementally.
 
+Pooling models (task "embed"): encode() is generate()'s twin for PoolingParams: it yields one
+PoolingRequestOutput, finished, whose `outputs.data` is the request's vector (no deltas: a
+pooling request has one output). Everything else (acceptance, abort, cancel, engine death) is
+the same path as generate's.
+
 What generate() yields: RequestOutput objects whose `outputs` are StreamingCompletionOutput:
 `text`, `token_ids` and `logprobs` are cumulative (everything released so far), and
 `delta_text`, `delta_token_ids` and `delta_logprobs` hold what is new since the previous
@@ -44,7 +49,7 @@ from fleetllm.engine.async_stream import (
     deliver_threadsafe,
 )
 from fleetllm.engine.llm_engine import LLMEngine, PromptType, load_tokenizer
-from fleetllm.engine.outputs import RequestOutput
+from fleetllm.engine.outputs import PoolingRequestOutput, RequestOutput
 from fleetllm.engine.stats import (
     EngineLoad,
     IterationStats,
@@ -53,6 +58,7 @@ from fleetllm.engine.stats import (
     record_stats,
 )
 from fleetllm.errors import EngineShutdownError, EngineSleepingError, InvalidRequestError
+from fleetllm.pooling_params import PoolingParams
 from fleetllm.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineUnhealthyError", "RequestAbortedError",
@@ -77,7 +83,7 @@ class RequestAbortedError(RuntimeError):
 class _Add:
     request_id: str
     prompt: PromptType
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     arrival_time: float
     stream: RequestStream
     accepted: concurrent.futures.Future
@@ -154,13 +160,28 @@ class AsyncLLMEngine:
         finally:
             stream.close()
 
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None,
+                     request_id: str, arrival_time: float | None = None
+                     ) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling model's vector for the prompt: yields one finished PoolingRequestOutput
+        (vLLM's AsyncLLMEngine.encode). Raises as generate() does; InvalidRequestError
+        (naming the task) on a generating model."""
+        stream = await self.add_request(request_id, prompt, pooling_params or PoolingParams(),
+                                        arrival_time)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
     async def add_request(self, request_id: str, prompt: PromptType,
-                          sampling_params: SamplingParams | None = None,
+                          params: SamplingParams | PoolingParams | None = None,
                           arrival_time: float | None = None) -> RequestStream:
-        """Queue a request and wait until the engine has accepted it (or rejected it: raises).
+        """Queue a request (SamplingParams: generate; PoolingParams: pool; None: default
+        SamplingParams) and wait until the engine has accepted it (or rejected it: raises).
         The caller must iterate the stream to its end or close() it."""
         arrival_time = arrival_time or time.time()
-        params = sampling_params or SamplingParams()
+        params = params if params is not None else SamplingParams()
         self._raise_if_unusable()
         prompt = await self._tokenized(prompt)
         stream = RequestStream(request_id, self)
@@ -238,7 +259,7 @@ class AsyncLLMEngine:
         return await loop.run_in_executor(self._tokenizer_pool,
                                           functools.partial(fn, *args, **kwargs))
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise InvalidRequestError(f"{self.model_config.model} has no tokenizer: pass "
                                       "token ids instead of text")
@@ -250,7 +271,7 @@ class AsyncLLMEngine:
         if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
             text = prompt.get("prompt")
         if isinstance(text, str) and self.tokenizer is not None:
-            return {"prompt": text, "prompt_token_ids": await self.encode(text)}
+            return {"prompt": text, "prompt_token_ids": await self.tokenize(text)}
         return prompt  # token ids, or something the engine will reject with its message
 
     def _raise_if_unusable(self) -> None:
@@ -349,7 +370,7 @@ class AsyncLLMEngine:
         outputs = self._busy(self.engine.step)
         now = time.time()
         stats = IterationStats()
-        deliveries: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+        deliveries: list[tuple[RequestStream, Any]] = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted meanwhile: its consumer is gone

@@ -1,5 +1,6 @@
 """RequestStream: one request's outputs, fed by the engine loop thread and read by one asyncio
-task, with the deltas since the previous read (see async_engine's docstring)."""
+task, with the deltas since the previous read (see async_engine's docstring). A pooling
+request's PoolingRequestOutput (its one, finished output) passes through as it is."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from fleetllm.engine.outputs import CompletionOutput, RequestOutput
+from fleetllm.engine.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from fleetllm.sequence import Logprob
 
 
@@ -35,17 +36,17 @@ class RequestStream:
         self.finished = False
         self._engine = engine
         self._loop = asyncio.get_running_loop()
-        self._pending: RequestOutput | None = None
+        self._pending: RequestOutput | PoolingRequestOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
         self._sent: dict[int, tuple[int, int]] = {}  # index -> (chars, tokens) released
         self._closed = False
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: RequestOutput | PoolingRequestOutput | BaseException) -> None:
         """Engine loop side."""
         deliver_threadsafe([(self, item)])
 
-    def _put_local(self, item: RequestOutput | BaseException) -> None:
+    def _put_local(self, item: RequestOutput | PoolingRequestOutput | BaseException) -> None:
         """On the stream's event loop: merge `item` into what is pending."""
         if isinstance(item, BaseException):
             if self._error is None:  # the first error is the cause; later ones follow it
@@ -57,7 +58,7 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> RequestOutput | PoolingRequestOutput:
         if self.finished:
             raise StopAsyncIteration
         while self._pending is None and self._error is None:
@@ -70,7 +71,10 @@ class RequestStream:
         self.finished, error, self._error = True, self._error, None
         raise error
 
-    def _with_deltas(self, out: RequestOutput) -> RequestOutput:
+    def _with_deltas(self, out: RequestOutput | PoolingRequestOutput
+                     ) -> RequestOutput | PoolingRequestOutput:
+        if isinstance(out, PoolingRequestOutput):  # one vector, nothing to take a delta of
+            return out
         completions = []
         for c in out.outputs:
             # The engine's text only grows (it holds back what could start a stop string).
@@ -95,7 +99,7 @@ class RequestStream:
             self._engine.abort(self.request_id)
 
 
-def deliver_threadsafe(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+def deliver_threadsafe(items: list[tuple[RequestStream, Any]]) -> None:
     """Hand items to their streams' event loops: one wake-up per loop per step, not one per
     request (64 streams would otherwise cost 64 self-pipe writes every step)."""
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}

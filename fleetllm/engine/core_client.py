@@ -3,8 +3,9 @@
 The API process keeps what talks to clients: streams (RequestStream), tokenization, request
 statistics for the metrics, the load snapshot for /metrics. Commands go to the core through a
 writer thread (an event loop never blocks on a socket); a reader thread turns each step's
-deltas back into cumulative RequestOutputs (core_wire.RequestState) and hands them to their
-streams, one wake-up per event loop per step, as the in-process engine does.
+deltas back into cumulative RequestOutputs (core_wire.RequestState), or a pooling request's
+PoolingRequestOutput (core_wire.PoolingState), and hands them to their streams, one wake-up
+per event loop per step, as the in-process engine does.
 
 Failures: the core recovers its own workers. If the core process dies (or reports a fatal
 error), the reader sees it at once (EOF on the data socket): every open stream and every
@@ -47,6 +48,7 @@ from fleetllm.engine.stats import (
 )
 from fleetllm.errors import EngineShutdownError, InvalidRequestError
 from fleetllm.executor.multiproc import _main_not_reimported
+from fleetllm.pooling_params import PoolingParams
 from fleetllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -70,7 +72,8 @@ class EngineCoreClient:
         self._fatal: BaseException | None = None
         self._stopped = False
         self._sleeping = False
-        self._streams: dict[str, tuple[RequestStream, wire.RequestState]] = {}
+        self._streams: dict[str, tuple[RequestStream,
+                                       wire.RequestState | wire.PoolingState]] = {}
         # request id -> [accepted, stream, state, arrival time, aborted before accepted]
         self._adds: dict[str, list[Any]] = {}
         self._calls: dict[int, concurrent.futures.Future] = {}
@@ -126,22 +129,24 @@ class EngineCoreClient:
     # ---------------------------------------------------------------- caller side
 
     generate = _Front.generate
-    run_in_tokenizer_thread = _Front.run_in_tokenizer_thread
     encode = _Front.encode
+    run_in_tokenizer_thread = _Front.run_in_tokenizer_thread
+    tokenize = _Front.tokenize
     _tokenized = _Front._tokenized
     _raise_if_unusable = _Front._raise_if_unusable
     errored = _Front.errored
 
     async def add_request(self, request_id: str, prompt: PromptType,
-                          sampling_params: SamplingParams | None = None,
+                          params: SamplingParams | PoolingParams | None = None,
                           arrival_time: float | None = None) -> RequestStream:
         arrival_time = arrival_time or time.time()
-        params = sampling_params or SamplingParams()
+        params = params if params is not None else SamplingParams()
         self._raise_if_unusable()
         prompt = await self._tokenized(prompt)
         text, token_ids = _prompt_parts(prompt)
         stream = RequestStream(request_id, self)
-        state = wire.RequestState(request_id, text, token_ids or [])
+        kind = wire.PoolingState if isinstance(params, PoolingParams) else wire.RequestState
+        state = kind(request_id, text, token_ids or [])
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._raise_if_unusable()

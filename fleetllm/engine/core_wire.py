@@ -1,12 +1,13 @@
 """What the API process and the engine-core process say to each other (core_client <->
 core_proc): msgpack messages (msgspec) in mp_transport's length-prefixed frames on AF_UNIX
 socket pairs.
-No pickle: a message is lists, strings and numbers, and an error travels as its class name
-and message, rebuilt from fleetllm's own error classes only.
+No pickle: a message is lists, maps, strings and numbers, and an error travels as its class
+name and message, rebuilt from fleetllm's own error classes only.
 
 Data socket, API -> core:
-    ["add", request_id, prompt text | None, prompt token ids, SamplingParams fields,
-     arrival_time]
+    ["add", request_id, prompt text | None, prompt token ids, params, arrival_time]
+        params: SamplingParams' fields in order (a list) to generate, or
+        {"dimensions": int | None, "normalize": bool | None} (a map: PoolingParams) to pool
     ["abort", request_id | None (every request)]
     ["call", call_id, "sleep" | "wake_up", argument]
     ["stop"]
@@ -16,10 +17,12 @@ Data socket, core -> API:
     ["called", call_id, error | None, sleeping]
     ["out", load, [delta, ...]]         one step: load is EngineLoad's fields in order
     ["dead", error]                     the core failed for good and is exiting
-A delta is one request's news since the last: [request_id, finished, error text,
-metrics (5 floats) when finished, prompt_logprobs on its first delta, [[index, text,
+A delta is one request's news since the last. Generating: [request_id, finished, error
+text, metrics (5 floats) when finished, prompt_logprobs on its first delta, [[index, text,
 token ids, logprobs, cumulative logprob, finish reason, stop reason], ...]]: new text, new
-token ids and new logprobs only, never the history.
+token ids and new logprobs only, never the history. Pooling (its one delta, finished):
+[request_id, finished, error text, metrics, vector (list of floats) | None (rejected)]; the
+API side knows which kind each request is (RequestState / PoolingState) from its add.
 Control socket (a thread of the core answers it, never queued behind a step):
     ["health", timeout] -> [error | None]
 """
@@ -31,17 +34,25 @@ from dataclasses import astuple, fields
 from typing import Any
 
 import msgspec
+import torch
 
 from fleetllm import errors
-from fleetllm.engine.outputs import CompletionOutput, RequestOutput
+from fleetllm.engine.outputs import (
+    CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
 from fleetllm.engine.stats import EngineLoad
 from fleetllm.executor import mp_transport as tr
+from fleetllm.pooling_params import PoolingParams
 from fleetllm.sampling_params import SamplingParams
 from fleetllm.sequence import Logprob, RequestMetrics
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
 _PARAM_FIELDS = [f.name for f in fields(SamplingParams)]
+_POOLING_FIELDS = [f.name for f in fields(PoolingParams)]
 
 
 def send(sock: socket.socket, msg: Any) -> None:
@@ -92,11 +103,17 @@ def load_error(msg: list[str]) -> BaseException:
 # ------------------------------------------------------------------ requests
 
 
-def params_msg(params: SamplingParams) -> list[Any]:
+def params_msg(params: SamplingParams | PoolingParams) -> list[Any] | dict[str, Any]:
+    if isinstance(params, PoolingParams):
+        return {name: getattr(params, name) for name in _POOLING_FIELDS}
     return [getattr(params, name) for name in _PARAM_FIELDS]
 
 
-def load_params(values: list[Any]) -> SamplingParams:
+def load_params(values: list[Any] | dict[str, Any]) -> SamplingParams | PoolingParams:
+    """The params of an add; PoolingParams and SamplingParams validate what they are given
+    (ConfigurationError), and a map with other keys is refused (TypeError)."""
+    if isinstance(values, dict):
+        return PoolingParams(**values)
     return SamplingParams(**dict(zip(_PARAM_FIELDS, values, strict=True)))
 
 
@@ -126,7 +143,11 @@ class DeltaEncoder:
     def __init__(self) -> None:
         self._sent: dict[str, dict[int, tuple[int, int]]] = {}  # id -> index -> (chars, tokens)
 
-    def encode(self, out: RequestOutput) -> list[Any]:
+    def encode(self, out: RequestOutput | PoolingRequestOutput) -> list[Any]:
+        if isinstance(out, PoolingRequestOutput):  # one delta, the whole result
+            data = out.outputs.data
+            return [out.request_id, out.finished, out.error, _metrics_msg(out),
+                    None if data is None else data.detach().to("cpu", torch.float32).tolist()]
         first = out.request_id not in self._sent
         sent = self._sent.setdefault(out.request_id, {})
         seqs = []
@@ -136,11 +157,9 @@ class DeltaEncoder:
             seqs.append([c.index, c.text[chars:], c.token_ids[tokens:],
                          _logprobs_msg(None if c.logprobs is None else c.logprobs[tokens:]),
                          c.cumulative_logprob, c.finish_reason, c.stop_reason])
-        metrics = None
         if out.finished:
             del self._sent[out.request_id]
-            if out.metrics is not None:
-                metrics = list(astuple(out.metrics))
+        metrics = _metrics_msg(out)
         prompt_lp = out.prompt_logprobs if first else None
         return [out.request_id, out.finished, out.error, metrics,
                 None if prompt_lp is None else [None if e is None else _logprobs_msg([e])[0]
@@ -148,6 +167,12 @@ class DeltaEncoder:
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
+
+
+def _metrics_msg(out: RequestOutput | PoolingRequestOutput) -> list[float] | None:
+    if not out.finished or out.metrics is None:
+        return None
+    return list(astuple(out.metrics))
 
 
 class RequestState:
@@ -183,3 +208,21 @@ class RequestState:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              self.prompt_logprobs, outputs, finished,
                              None if metrics is None else RequestMetrics(*metrics), error)
+
+
+class PoolingState:
+    """API side: a pooling request, rebuilt from its one delta as a PoolingRequestOutput whose
+    `outputs.data` is a float32 tensor (exactly the core's values: msgpack sends each float32
+    as a float64)."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+
+    def apply(self, delta: list[Any]) -> PoolingRequestOutput:
+        _, finished, error, metrics, vector = delta
+        data = None if vector is None else torch.tensor(vector, dtype=torch.float32)
+        return PoolingRequestOutput(
+            self.request_id, PoolingOutput(data), list(self.prompt_token_ids), finished, error,
+            None if metrics is None else RequestMetrics(*metrics), self.prompt)

@@ -3,7 +3,9 @@
 The async engine's loop thread feeds every step's outputs to a RequestStatsTracker, which
 turns them into one IterationStats per step (tokens, time to first token, inter-token gaps,
 finished requests) for the stat loggers (e.g. the server's Prometheus metrics). Timestamps are
-wall-clock (time.time()), like the engine's RequestMetrics.
+wall-clock (time.time()), like the engine's RequestMetrics. A pooling request
+(PoolingRequestOutput) counts its prompt tokens and its end-to-end and queue times; it
+generates no token, so it has no time to first token and no inter-token latency.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from fleetllm.engine.outputs import RequestOutput
+from fleetllm.engine.outputs import PoolingRequestOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +109,13 @@ class RequestStatsTracker:
     def add(self, request_id: str, arrival_time: float) -> None:
         self._requests[request_id] = _RequestTimes(arrival_time)
 
-    def observe(self, out: RequestOutput, now: float, stats: IterationStats) -> None:
+    def observe(self, out: RequestOutput | PoolingRequestOutput, now: float,
+                stats: IterationStats) -> None:
         times = self._requests.get(out.request_id)
         if times is None:
+            return
+        if isinstance(out, PoolingRequestOutput):
+            self._observe_pooled(out, times, now, stats)
             return
         num_tokens = sum(len(c.token_ids) for c in out.outputs)
         if num_tokens > times.num_tokens:
@@ -121,13 +127,25 @@ class RequestStatsTracker:
                 stats.inter_token_latencies.append(now - times.last_token_time)
             times.num_tokens, times.last_token_time = num_tokens, now
         if out.finished:
-            del self._requests[out.request_id]
             reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
-            scheduled = out.metrics.first_scheduled_time if out.metrics else None
-            stats.finished.append(FinishedRequestStats(
-                reason, e2e_latency=now - times.arrival_time,
-                queue_time=None if scheduled is None else max(0.0, scheduled
-                                                              - times.arrival_time)))
+            self._finish(out, times, reason, now, stats)
+
+    def _observe_pooled(self, out: PoolingRequestOutput, times: _RequestTimes, now: float,
+                        stats: IterationStats) -> None:
+        if not out.finished:  # a pooling request has one output, its finished one
+            return
+        if out.error is None:  # a rejected one ran no prompt
+            stats.prompt_tokens += len(out.prompt_token_ids)
+        self._finish(out, times, "stop" if out.error is None else "error", now, stats)
+
+    def _finish(self, out: RequestOutput | PoolingRequestOutput, times: _RequestTimes,
+                reason: str, now: float, stats: IterationStats) -> None:
+        del self._requests[out.request_id]
+        scheduled = out.metrics.first_scheduled_time if out.metrics else None
+        stats.finished.append(FinishedRequestStats(
+            reason, e2e_latency=now - times.arrival_time,
+            queue_time=None if scheduled is None else max(0.0, scheduled
+                                                          - times.arrival_time)))
 
     def abort(self, request_id: str, stats: IterationStats) -> None:
         if self._requests.pop(request_id, None) is not None:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible app: build_app(engine, ...) -> a FastAPI app with these routes.
 
     GET  /v1/models              POST /v1/completions      POST /v1/chat/completions
-    POST /tokenize               POST /detokenize          GET  /version
+    POST /v1/embeddings          POST /tokenize            POST /detokenize
+    GET  /version
     GET  /health   (200, or 503 when the engine is dead, wedged or the server is draining)
     GET  /metrics  (Prometheus text)
     POST /sleep?level=1|2   POST /wake_up[?tags=weights&tags=kv_cache]   GET /is_sleeping
@@ -11,7 +12,9 @@ Bodies are parsed by hand (serving_engine.parse_body) rather than by FastAPI, so
 missing content type, malformed JSON or a non-object body is a 400 in OpenAI's error shape
 like every other error. In front of the routes, outermost first: CORS (a browser's preflight
 is answered before the API key is asked for), X-Request-Id headers (when enabled), then the
-gate (API key, drain). The app runs in-process too (tests drive it through httpx's ASGI
+gate (API key, drain). A server runs one task, the model's: completions and chat need a
+generating model, embeddings a pooling one (--task embed); the other task's endpoints answer
+a 400 that names the server's task. The app runs in-process too (tests drive it through httpx's ASGI
 transport); launcher.py serves it with uvicorn and drains it on SIGTERM.
 """
 
@@ -40,12 +43,14 @@ from fleetllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
 )
 from fleetllm.entrypoints.openai.serving_chat import ServingChat
 from fleetllm.entrypoints.openai.serving_completion import ServingCompletion
+from fleetllm.entrypoints.openai.serving_embedding import ServingEmbedding
 from fleetllm.entrypoints.openai.serving_engine import json_response, parse_body
 from fleetllm.entrypoints.openai.serving_tokenization import ServingTokenization
 
@@ -74,6 +79,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     engine.stat_loggers.append(metrics)
     completion = ServingCompletion(engine, names, chat_template)
     chat = ServingChat(engine, names, chat_template)
+    embedding = ServingEmbedding(engine, names)
     tokenization = ServingTokenization(engine, names, chat_template)
 
     app = FastAPI(title="fleetllm", version=fleetllm.__version__, openapi_url=None,
@@ -114,7 +120,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     @app.get("/v1/models")
     async def models() -> Response:
         cards = [ModelCard(id=name, root=engine.model_config.model,
-                           max_model_len=engine.model_config.max_model_len) for name in names]
+                           max_model_len=engine.model_config.max_model_len,
+                           task=engine.model_config.task) for name in names]
         return json_response(ModelList(data=cards))
 
     @app.post("/v1/completions")
@@ -124,6 +131,10 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
         return await _mapped(chat.create(await parse_body(raw, ChatCompletionRequest), raw))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(raw: Request) -> Response:
+        return await _mapped(embedding.create(await parse_body(raw, EmbeddingRequest), raw))
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> dict:

@@ -35,6 +35,8 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 _UNION_HINTS = {
     "prompt": "must be a string, a list of strings, a list of token ids or a list of token-id "
               "lists (token ids are ints >= 0)",
+    "input": "must be a string, a list of strings, a list of token ids or a list of token-id "
+             "lists (token ids are ints >= 0)",
     "stop": "must be a non-empty string or a list of non-empty strings",
     "content": "must be a string or a list of {\"type\": \"text\", \"text\": ...} parts",
 }

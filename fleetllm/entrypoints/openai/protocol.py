@@ -20,6 +20,7 @@ NonNegInt = Annotated[int, Field(ge=0)]
 StopString = Annotated[str, Field(min_length=1)]
 MAX_LOGPROBS = 20
 MAX_N = 128
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one embeddings request
 
 # Fields of OpenAI's API that are accepted and ignored, wherever they appear (a request, a
 # message, stream_options): field -> why ignoring it changes nothing a client can observe.
@@ -181,6 +182,21 @@ class DetokenizeRequest(RequestModel):
     tokens: list[NonNegInt]
 
 
+class EmbeddingRequest(RequestModel):
+    """POST /v1/embeddings: OpenAI's fields (`user` is ignored, as everywhere), then vLLM's
+    extensions. One engine request per input."""
+
+    model: str | None = None
+    input: str | list[str] | list[NonNegInt] | list[list[NonNegInt]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)  # Matryoshka truncation (checked by the engine)
+    # vLLM: per request, whether to scale to unit length (None: the model's pooler config).
+    normalize: bool | None = None
+    # vLLM: keep only the last k tokens of each input (-1: the model's max_model_len).
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    add_special_tokens: bool = True  # vLLM: for text inputs
+
+
 # ------------------------------------------------------------------ responses
 
 
@@ -275,6 +291,27 @@ class ChatCompletionChunk(OmitWhenNone):
     usage: UsageInfo | None = None
 
 
+class EmbeddingData(ResponseModel):
+    index: int
+    object: str = "embedding"
+    # floats, or base64 of their little-endian float32 bytes (encoding_format "base64")
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(ResponseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(ResponseModel):
+    id: str
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
 class ModelCard(ResponseModel):
     id: str
     object: str = "model"
@@ -282,6 +319,7 @@ class ModelCard(ResponseModel):
     owned_by: str = "fleetllm"
     root: str | None = None
     max_model_len: int | None = None
+    task: str | None = None  # "generate" (completions, chat) or "embed" (embeddings)
 
 
 class ModelList(ResponseModel):

@@ -37,6 +37,9 @@ from fleetllm.entrypoints.openai.serving_engine import (
 
 
 class ServingChat(OpenAIServing):
+    endpoint = "/v1/chat/completions"
+    needs_task = "generate"
+
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.time()
         self.check_request(req)

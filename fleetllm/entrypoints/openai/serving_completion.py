@@ -78,6 +78,9 @@ class _Choice:
 
 
 class ServingCompletion(OpenAIServing):
+    endpoint = "/v1/completions"
+    needs_task = "generate"
+
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         arrival = time.time()
         self.check_request(req)
@@ -128,7 +131,7 @@ class ServingCompletion(OpenAIServing):
         for i, p in enumerate(prompt):
             param = "prompt" if len(prompt) == 1 else f"prompt.{i}"
             if isinstance(p, str):
-                ids = await self.engine.encode(p)
+                ids = await self.engine.tokenize(p)
                 out.append(_Prompt(p, ids))
             else:
                 out.append(_Prompt(None, list(p)))

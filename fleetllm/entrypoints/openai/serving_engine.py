@@ -1,7 +1,8 @@
-"""What the completion, chat and tokenization handlers share: parsing a body, checking the
-model name and the context length, building SamplingParams, starting engine requests and
-reading them back (streamed as server-sent events, or collected while watching for the client
-to go away)."""
+"""What the completion, chat, embedding and tokenization handlers share: parsing a body,
+checking the model name, the task the server runs and the context length, building
+SamplingParams, starting engine requests (all of a request's prompts at once, so that the
+engine batches them) and reading them back (streamed as server-sent events, or collected
+while watching for the client to go away)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from fleetllm.engine.async_engine import AsyncLLMEngine, RequestStream
 from fleetllm.engine.llm_engine import PromptType
-from fleetllm.engine.outputs import RequestOutput
+from fleetllm.engine.outputs import PoolingRequestOutput, RequestOutput
 from fleetllm.entrypoints.openai.errors import (
     APIError,
     api_error_from,
@@ -29,11 +30,16 @@ from fleetllm.entrypoints.openai.errors import (
 from fleetllm.entrypoints.openai.gate import MAX_REQUEST_ID_CHARS, valid_request_id
 from fleetllm.entrypoints.openai.protocol import ChatMessage, SamplingRequest
 from fleetllm.errors import ConfigurationError, RequestFailedError
+from fleetllm.pooling_params import PoolingParams
 from fleetllm.sampling_params import SamplingParams
 
 M = TypeVar("M", bound=BaseModel)
+Out = TypeVar("Out", RequestOutput, PoolingRequestOutput)
 MAX_BODY_BYTES = 16 << 20
 _END = object()
+# What each task serves, for the 400 an endpoint of the other task gets.
+TASK_ENDPOINTS = {"generate": "/v1/completions and /v1/chat/completions",
+                  "embed": "/v1/embeddings"}
 
 
 class ClientDisconnected(Exception):
@@ -89,11 +95,13 @@ def request_ids(raw: Request | None, prefix: str) -> tuple[str, str]:
     return rid, f"{rid}-{uuid.uuid4().hex[:8]}"
 
 
-def checked(out: RequestOutput) -> RequestOutput:
-    """A request the engine ended with finish_reason "error" raises RequestFailedError (a
-    500 with the reason, or an in-band error event): "error" is not an OpenAI finish reason
-    and would hide why."""
-    if out.error is not None or any(c.finish_reason == "error" for c in out.outputs):
+def checked(out: Out) -> Out:
+    """A request the engine ended with an error (finish_reason "error", or a pooling request
+    with no vector) raises RequestFailedError (a 500 with the reason, or an in-band error
+    event): "error" is not an OpenAI finish reason and would hide why."""
+    failed = out.outputs.data is None if isinstance(out, PoolingRequestOutput) else \
+        any(c.finish_reason == "error" for c in out.outputs)
+    if out.error is not None or failed:
         raise RequestFailedError(out.error or "the engine ended the request with an error")
     return out
 
@@ -133,9 +141,14 @@ def json_response(body: BaseModel, status: int = 200) -> Response:
 
 
 class OpenAIServing:
+    # The endpoint a handler serves and the task it needs the model to run (None: any).
+    endpoint = ""
+    needs_task: str | None = None
+
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
                  chat_template: str | None = None):
         self.engine = engine
+        self.task = engine.model_config.task
         self.model_names = served_model_names
         self.chat_template = chat_template
         self.tokenizer = engine.tokenizer
@@ -160,9 +173,18 @@ class OpenAIServing:
             raise APIError(400, f"{param}: token ids {bad[:5]} are outside the vocabulary "
                            f"[0, {self.vocab_size})", param)
 
+    def check_task(self) -> None:
+        """A 400 that names the server's task when this endpoint needs the other one."""
+        if self.needs_task is not None and self.task != self.needs_task:
+            raise APIError(400, f"{self.endpoint} needs a model served with --task "
+                           f"{self.needs_task}, but this server runs {self.model_name} with "
+                           f"task '{self.task}', which serves "
+                           f"{TASK_ENDPOINTS.get(self.task, 'other endpoints')}")
+
     def check_request(self, req: SamplingRequest) -> None:
         """What completions and chat check before anything else (vLLM's checks too)."""
         self.check_model(req.model)
+        self.check_task()
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options: only allowed with stream: true",
                            "stream_options")
@@ -228,7 +250,7 @@ class OpenAIServing:
             raise APIError(400, f"the chat template failed on these messages: "
                            f"{truncate(str(e), 300)}", "messages") from None
         # The template writes any BOS itself: do not add special tokens again.
-        return text, await self.engine.encode(text, add_special_tokens=False)
+        return text, await self.engine.tokenize(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
@@ -238,26 +260,41 @@ class OpenAIServing:
         except Exception:  # ids the tokenizer does not know (a padded embedding table)
             return ""
 
-    async def start(self, engine_id: str, requests: list[tuple[PromptType, SamplingParams]],
+    async def start(self, engine_id: str,
+                    requests: list[tuple[PromptType, SamplingParams | PoolingParams]],
                     arrival_time: float) -> list[RequestStream]:
-        """One engine request per prompt (`engine_id`-i); all accepted, or none (4xx/503
-        raised)."""
-        streams: list[RequestStream] = []
+        """One engine request per prompt (`engine_id`-i), all added at once: queued in
+        order before any is accepted, so the engine takes them into the same step rather than
+        one per step. All accepted, or none (the first rejection, by index, raised as a
+        4xx/503; the accepted ones are aborted)."""
+        tasks = [asyncio.ensure_future(self.engine.add_request(
+            f"{engine_id}-{i}", prompt, params, arrival_time))
+            for i, (prompt, params) in enumerate(requests)]
         try:
-            for i, (prompt, params) in enumerate(requests):
-                streams.append(await self.engine.add_request(
-                    f"{engine_id}-{i}", prompt, params, arrival_time))
-        except BaseException as e:
-            for stream in streams:
-                stream.close()
-            if isinstance(e, Exception):
-                raise api_error_from(e) from None
+            await asyncio.wait(tasks)
+        except BaseException:  # cancelled (the client went away): undo every add
+            _undo(tasks)
             raise
-        return streams
+        failures = [asyncio.CancelledError() if t.cancelled() else t.exception() for t in tasks]
+        error = next((e for e in failures if e is not None), None)
+        if error is not None:
+            _undo(tasks)
+            raise api_error_from(error) from None
+        return [t.result() for t in tasks]
+
+
+def _undo(tasks: list[asyncio.Future]) -> None:
+    """Abort the requests of these adds: close the accepted ones' streams, cancel the rest
+    (a cancelled add aborts its own request)."""
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled() and task.exception() is None:
+            task.result().close()
 
 
 async def merge_streams(streams: list[RequestStream]
-                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+                        ) -> AsyncIterator[tuple[int, Any]]:
     """(prompt index, output) from several streams as they come; closes them all at the end."""
     if len(streams) == 1:  # the common case needs no task and no queue
         try:
@@ -295,11 +332,12 @@ async def merge_streams(streams: list[RequestStream]
 
 
 async def collect_final(streams: list[RequestStream], request: Request | None
-                        ) -> list[RequestOutput]:
-    """Every stream's final output. Raises ClientDisconnected (the requests aborted) if the
-    client goes away first."""
+                        ) -> list[Any]:
+    """Every stream's final output (RequestOutput, or PoolingRequestOutput for a pooling
+    request). Raises ClientDisconnected (the requests aborted) if the client goes away
+    first."""
 
-    async def last(stream: RequestStream) -> RequestOutput:
+    async def last(stream: RequestStream) -> Any:
         final = None
         async for out in stream:
             final = checked(out)

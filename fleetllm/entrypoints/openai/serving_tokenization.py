@@ -16,7 +16,7 @@ class ServingTokenization(OpenAIServing):
         if req.messages is not None:
             _, ids = await self.render_chat(req.messages, req.add_generation_prompt)
         else:
-            ids = await self.engine.encode(req.prompt or "", req.add_special_tokens)
+            ids = await self.engine.tokenize(req.prompt or "", req.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:

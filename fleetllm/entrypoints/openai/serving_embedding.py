@@ -1,0 +1,132 @@
+"""POST /v1/embeddings: one engine request per input, all added at once (the engine batches
+them), answered in OpenAI's shape.
+
+Inputs: a string, a list of strings, token ids, or a list of token-id lists (at most
+MAX_EMBEDDING_INPUTS). Text is tokenized in one call on the tokenizer thread. Each vector is
+the engine's PoolingRequestOutput data (float32), sent as floats, or with `encoding_format:
+"base64"` as base64 of its little-endian float32 bytes (what OpenAI's client decodes with
+`np.frombuffer(..., dtype="float32")`; it asks for base64 unless told otherwise).
+
+Refused with a 400 before the engine sees anything: a server that does not run an embedding
+model (the message names its task), no input or an empty one, token ids outside the
+vocabulary, an input over max_model_len (unless `truncate_prompt_tokens` cuts it). The engine
+refuses `dimensions` on a model without Matryoshka support (400, param "dimensions") and an
+input over its token budget (400).
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Any
+
+from fastapi import Request
+from starlette.responses import Response
+
+from fleetllm.engine.outputs import PoolingRequestOutput
+from fleetllm.entrypoints.openai.errors import APIError
+from fleetllm.entrypoints.openai.protocol import (
+    MAX_EMBEDDING_INPUTS,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+)
+from fleetllm.entrypoints.openai.serving_engine import (
+    ClientDisconnected,
+    OpenAIServing,
+    collect_final,
+    json_response,
+    request_ids,
+)
+from fleetllm.errors import ConfigurationError
+from fleetllm.pooling_params import PoolingParams
+
+
+class ServingEmbedding(OpenAIServing):
+    endpoint = "/v1/embeddings"
+    needs_task = "embed"
+
+    async def create(self, req: EmbeddingRequest, raw: Request) -> Response:
+        arrival = time.time()
+        self.check_model(req.model)
+        self.check_task()
+        try:
+            params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
+        except ConfigurationError as e:  # the model already bounds these; kept for safety
+            raise APIError(400, str(e).removeprefix(f"[{e.code}] ")) from None
+        prompts = await self._prompts(req)
+        response_id, engine_id = request_ids(raw, "embd")
+        try:
+            streams = await self.start(engine_id, [(p, params) for p in prompts], arrival)
+        except APIError as e:  # the engine's rule on dimensions: point at the field
+            if req.dimensions is not None and e.message.startswith("dimensions"):
+                e.param = "dimensions"
+            raise
+        try:
+            finals: list[PoolingRequestOutput] = await collect_final(streams, raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        data = [EmbeddingData(index=i, embedding=_encoded(out.outputs.data,
+                                                          req.encoding_format))
+                for i, out in enumerate(finals)]
+        tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+        return json_response(EmbeddingResponse(
+            id=response_id, created=int(arrival), model=self.model_name, data=data,
+            usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)))
+
+    async def _prompts(self, req: EmbeddingRequest) -> list[dict[str, Any]]:
+        """Each input as an engine prompt with its token ids, checked and truncated."""
+        inputs: list = [req.input] if isinstance(req.input, str) else req.input
+        if not inputs:
+            raise APIError(400, "input: must not be empty", "input")
+        if isinstance(inputs[0], int):
+            inputs = [inputs]
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise APIError(400, f"input: at most {MAX_EMBEDDING_INPUTS} inputs per request, "
+                           f"got {len(inputs)}", "input")
+        texts = [x for x in inputs if isinstance(x, str)]
+        if texts and self.tokenizer is None:
+            raise APIError(400, "input: this model has no tokenizer: send token ids", "input")
+        encoded = iter(await self.engine.run_in_tokenizer_thread(
+            lambda: [self.tokenizer.encode(t, add_special_tokens=req.add_special_tokens)
+                     for t in texts]) if texts else [])
+        keep = self._truncation(req.truncate_prompt_tokens)
+        prompts = []
+        for i, x in enumerate(inputs):
+            param = "input" if len(inputs) == 1 else f"input.{i}"
+            text, ids = (x, next(encoded)) if isinstance(x, str) else (None, list(x))
+            if keep is not None:
+                ids = ids[-keep:]  # vLLM keeps the end of an input
+            self.check_token_ids(ids, param)
+            if len(ids) > self.max_model_len:
+                raise APIError(400, f"This model's maximum context length is "
+                               f"{self.max_model_len} tokens. However, {param} has {len(ids)} "
+                               f"tokens. Please reduce the length of the input, or set "
+                               f"truncate_prompt_tokens.", param)
+            prompts.append({"prompt": text, "prompt_token_ids": ids} if text is not None
+                           else {"prompt_token_ids": ids})
+        return prompts
+
+    def _truncation(self, value: int | None) -> int | None:
+        """How many tokens of each input to keep (None: all)."""
+        if value is None:
+            return None
+        if value == -1:
+            return self.max_model_len
+        if value == 0 or value > self.max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens: must be -1 (the model's limit) or "
+                           f"1 to max_model_len={self.max_model_len}, got {value}",
+                           "truncate_prompt_tokens")
+        return value
+
+
+def _encoded(data: Any, encoding_format: str) -> list[float] | str:
+    """A float32 vector as floats (each float32 exactly, as a JSON number), or base64 of its
+    little-endian float32 bytes."""
+    vector = data.detach().cpu().float()
+    if encoding_format == "base64":
+        raw = vector.numpy().astype("<f4", copy=False).tobytes()
+        return base64.b64encode(raw).decode("ascii")
+    return vector.tolist()
+
