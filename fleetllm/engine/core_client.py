@@ -74,7 +74,8 @@ class EngineCoreClient:
         self._sleeping = False
         self._streams: dict[str, tuple[RequestStream,
                                        wire.RequestState | wire.PoolingState]] = {}
-        # request id -> [accepted, stream, state, arrival time, aborted before accepted]
+        # request id -> [accepted, stream, state, arrival time, the error its stream ends with
+        # when it was aborted before it was accepted (else None)]
         self._adds: dict[str, list[Any]] = {}
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
@@ -152,7 +153,7 @@ class EngineCoreClient:
             self._raise_if_unusable()
             if request_id in self._adds or request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            self._adds[request_id] = [accepted, stream, state, arrival_time, False]
+            self._adds[request_id] = [accepted, stream, state, arrival_time, None]
             self._outbox.put(["add", request_id, text, token_ids, wire.params_msg(params),
                               arrival_time])
         try:
@@ -194,7 +195,8 @@ class EngineCoreClient:
             ids = list(self._streams) if request_id is None else [request_id]
             for rid in (self._adds if request_id is None else ids):
                 if rid in self._adds:  # its "added" is on its way: drop it then
-                    self._adds[rid][4] = True
+                    self._adds[rid][4] = error or RequestAbortedError(
+                        f"request {rid} was aborted")
             ended = [(self._streams.pop(r)[0], r) for r in ids if r in self._streams]
             self._outbox.put(["abort", request_id])
             stats = IterationStats()
@@ -279,10 +281,14 @@ class EngineCoreClient:
     def _added(self, request_id: str, error: list[str] | None) -> None:
         with self._lock:
             accepted, stream, state, arrival, aborted = self._adds.pop(request_id)
-            if error is None and not aborted:
+            if error is None and aborted is None:
                 self._streams[request_id] = (stream, state)
                 self._tracker.add(request_id, arrival)
         _settle(accepted, error=None if error is None else wire.load_error(error))
+        if error is None and aborted is not None:
+            # Accepted, then aborted by the abort queued behind it (the core dropped it):
+            # the stream ends with the abort's error, as the in-process engine's does.
+            stream.put(aborted)
 
     def _deliver(self, load: list[Any], deltas: list[Any]) -> None:
         now = time.time()
