@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fleetllm.benchmarks import workload
 from fleetllm.cli import build_parser
 from fleetllm.config import ArchConfig
+from fleetllm.errors import ConfigurationError
 
 KV = ["--kv-cache-memory", "33554432"]
 
@@ -68,3 +71,59 @@ def test_workload_flops_count_every_token_once():
     assert f.prefill == lin * 3 + attn * (1 + 2 + 3)
     assert f.decode == lin * 1 + attn * 4  # the first sampled token, fed at position 3
     assert f.lm_head == 2 * 10 * 4 * 2
+
+
+def test_throughput_task_embed_against_hf_automodel(tiny_models, tmp_path, capsys):
+    out = tmp_path / "figures.json"
+    figures = run(["bench", "throughput", "--model", str(tiny_models["qwen2_bias"]),
+                   "--task", "embed", "--num-prompts", "10", "--input-len", "3:40",
+                   "--hf-batch-size", "4", "--hf-sort", "--repeat", "1", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(figures))
+    assert figures["task"] == "embed" and figures["inputs"] == 10
+    assert figures["pooling_type"] == "LAST" and figures["normalize"] is True
+    assert 10 * 3 <= figures["input_tokens"] <= 10 * 40
+    for name in ("fleetllm", "HF AutoModel", "HF AutoModel (sorted)"):
+        f = figures["engines"][name]
+        assert f["sequences_per_s"] == 10 / f["seconds"]
+        assert f["tokens_per_s"] == figures["input_tokens"] / f["seconds"]
+    for name in ("HF AutoModel", "HF AutoModel (sorted)"):  # same vectors, any padding
+        ratio = figures["ratios"][name]
+        assert ratio["cosine_min"] >= 0.99999 and ratio["speedup"] > 0
+    text = capsys.readouterr().out
+    assert "sequences/s" in text and "ratio fleetllm / HF AutoModel: " in text
+    assert "inputs: cosine min 0.99999" in text or "cosine min 1.000000" in text
+
+
+def test_throughput_embed_pools_as_the_engine_does_on_dummy_weights(tiny_models, capsys):
+    # MEAN without normalizing, dummy weights handed to AutoModel: a mismatch in either the
+    # peer's pooling or its weights would show in the cosine.
+    figures = run(["bench", "throughput", "--model", str(tiny_models["llama_gqa"]),
+                   "--task", "embed", "--load-format", "dummy", "--override-pooler-config",
+                   '{"pooling_type": "MEAN", "normalize": false}', "--num-prompts", "5",
+                   "--input-len", "2:30", "--hf-batch-size", "3", "--repeat", "1"])
+    assert (figures["pooling_type"], figures["normalize"]) == ("MEAN", False)
+    ratio = figures["ratios"]["HF AutoModel"]
+    assert ratio["cosine_min"] >= 0.99999 and ratio["max_relative_difference"] < 1e-4
+    assert "MEAN pooling" in capsys.readouterr().out
+
+
+def test_throughput_runs_an_embedding_checkpoint_as_embed_without_the_flag(tiny_models,
+                                                                            tmp_path):
+    config = json.loads((tiny_models["llama_gqa"] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config,
+                                                      "architectures": ["LlamaModel"]}))
+    figures = run(["bench", "throughput", "--model", str(tmp_path), "--load-format", "dummy",
+                   "--num-prompts", "3", "--input-len", "4:9", "--hf-batch-size", "2",
+                   "--repeat", "1"])
+    assert figures["task"] == "embed"
+    assert figures["ratios"]["HF AutoModel"]["cosine_min"] >= 0.99999
+
+
+def test_throughput_embed_refuses_generation_options(tiny_models):
+    base = ["bench", "throughput", "--model", str(tiny_models["llama_gqa"]), "--task", "embed"]
+    for extra, message in ((["--compare", "hf,vllm"], "--compare vllm: generation peers"),
+                           (["--compare", "hf-cb"], "--compare hf-cb: generation peers"),
+                           (["--output-len", "8"], "--output-len applies to generation"),
+                           (["--shared-prefix", "16"], "--shared-prefix applies to generation")):
+        with pytest.raises(ConfigurationError, match=message):
+            run([*base, *extra])

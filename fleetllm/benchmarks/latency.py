@@ -26,13 +26,9 @@ import statistics
 import time
 
 from fleetllm.benchmarks import workload
+from fleetllm.benchmarks.engines import compare_peers, engine_dtype
 from fleetllm.benchmarks.presets import PRESETS
-from fleetllm.benchmarks.throughput import (
-    add_vllm_args,
-    compare_peers,
-    engine_dtype,
-    resolve_source,
-)
+from fleetllm.benchmarks.throughput import add_vllm_args, resolve_source
 from fleetllm.engine.arg_utils import HelpFormatter, add_engine_args, engine_kwargs_from
 
 

@@ -24,6 +24,8 @@ rows; measured after every round, best kept, so it sees the machine as the engin
 plain torch matmul and for the best matmul measured (oneDNN, packed weights); the fraction of
 each that fleetllm reaches is printed.
 
+--task embed (or an embedding checkpoint) runs a pooling model instead: embed.py.
+
 --shared-prefix N starts every prompt with one common N-token prefix and also runs fleetllm
 without prefix caching: mean time to first token with and without, and whether the outputs
 are identical. Without --model or --preset: the bundled demo model.
@@ -33,11 +35,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
-from fleetllm.benchmarks import workload
+from fleetllm.benchmarks import embed, workload
+from fleetllm.benchmarks.engines import (
+    FleetEngine,
+    FleetGenerate,
+    compare_peers,
+    engine_dtype,
+    measure,
+)
 from fleetllm.benchmarks.presets import PRESETS, preset_dir
 from fleetllm.engine.arg_utils import (
     HelpFormatter,
@@ -56,9 +64,11 @@ _DEFAULTS = dict(num_prompts=64, input_len=(128, 128), output_len=(64, 64), hf_b
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="a built-in model with dummy weights instead of --model, and the "
-                             "performance workload: 64 requests, 16:256 in, 16:64 out; "
-                             "max_model_len 8192 unless given (default: none)")
-    workload.add_workload_args(parser, "64", "128; 16:256 with --preset",
+                             "performance workload: 64 requests, 16:256 in, 16:64 out "
+                             "(--task embed: 256 inputs, 16:256); max_model_len 8192 unless "
+                             "given (default: none)")
+    workload.add_workload_args(parser, "64; 256 with --task embed",
+                               "128; 16:256 with --preset or --task embed",
                                "64; 16:64 with --preset")
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="tokens of one random prefix every prompt starts with; fleetllm "
@@ -72,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_vllm_args(parser)
     parser.add_argument("--hf-batch-size", type=int, default=None,
                         help="HF generate batch size (left-padded); 0 skips the HF peer "
-                             "(default: 8; 16 with --preset)")
+                             "(default: 8; 16 with --preset; 32 with --task embed)")
     parser.add_argument("--hf-sort", action="store_true",
                         help="also run HF generate with the requests sorted by output and "
                              "prompt length (its most favourable static batches)")
@@ -96,22 +106,6 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
                              "cores) or comma-separated MODE:BIND, e.g. compiled:auto,eager:cores")
     parser.add_argument("--vllm-kv-gb", type=int, default=1,
                         help="VLLM_CPU_KVCACHE_SPACE of each vLLM process, GiB")
-
-
-def engine_dtype(llm) -> torch.dtype:
-    """The dtype fleetllm runs the model in (--dtype, or the checkpoint's: "auto")."""
-    config = llm.llm_engine.config
-    return config.model_config.torch_dtype(config.device_config.device)
-
-
-def compare_peers(text: str | None, known: set[str], default: set[str]) -> set[str]:
-    peers = set(default) if text is None else \
-        {p.strip() for p in text.split(",") if p.strip() not in ("", "none")}
-    unknown = peers - known
-    if unknown:
-        raise ValueError(f"--compare: unknown peers {sorted(unknown)} ({', '.join(sorted(known))}"
-                         f", none)")
-    return peers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,28 +134,6 @@ def resolve_source(args: argparse.Namespace, kwargs: dict) -> tuple[str, int | N
     return model, kwargs.get("seed", 0) if dummy else None
 
 
-class _Fleet:
-    """fleetllm through LLM.generate; the prefix cache is emptied before every run, so no
-    round reuses the previous round's prompts."""
-
-    def __init__(self, name: str, model: str, kwargs: dict):
-        from fleetllm import LLM
-
-        self.name = name
-        self.llm = LLM(model, **kwargs)
-
-    def run(self, requests: list[workload.Request]) -> tuple[list[list[int]], list[float]]:
-        from fleetllm import SamplingParams
-
-        self.llm.llm_engine.scheduler.block_manager.reset_prefix_cache()
-        params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
-                  for r in requests]
-        outs = self.llm.generate([{"prompt_token_ids": r.prompt} for r in requests], params,
-                                 use_tqdm=False)
-        ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
-        return [o.outputs[0].token_ids for o in outs], ttft
-
-
 def _engines(args: argparse.Namespace, model: str, kwargs: dict, dummy_seed: int | None,
              peers: set[str]):
     """fleetllm's engines and the in-process peers (vLLM's come once the requests are known:
@@ -170,12 +142,12 @@ def _engines(args: argparse.Namespace, model: str, kwargs: dict, dummy_seed: int
         from fleetllm.benchmarks.vllm_peer import vllm_python
 
         vllm_python()
-    engines = [_Fleet("fleetllm", model, kwargs)]
+    engines = [FleetGenerate("fleetllm", model, kwargs)]
     if args.compare_backend:
-        engines.append(_Fleet(f"fleetllm ({args.compare_backend})", model,
+        engines.append(FleetGenerate(f"fleetllm ({args.compare_backend})", model,
                               {**kwargs, "distributed_executor_backend": args.compare_backend}))
     if args.shared_prefix:
-        engines.append(_Fleet("fleetllm (no prefix caching)", model,
+        engines.append(FleetGenerate("fleetllm (no prefix caching)", model,
                               {**kwargs, "enable_prefix_caching": False}))
     if peers & {"hf", "hf-cb"}:
         from fleetllm.benchmarks.hf_peers import HFContinuousBatching, HFGenerate, load_hf_model
@@ -192,10 +164,12 @@ def _engines(args: argparse.Namespace, model: str, kwargs: dict, dummy_seed: int
 
 def run(args: argparse.Namespace) -> dict:
     kwargs = engine_kwargs_from(args, args.engine_actions)
+    model, dummy_seed = resolve_source(args, kwargs)
+    if embed.is_pooling(model, kwargs):  # --task embed, or an embedding checkpoint
+        return embed.run(args, model, kwargs, dummy_seed)
     for name, value in (_PRESET_DEFAULTS if args.preset else _DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    model, dummy_seed = resolve_source(args, kwargs)
     peers = compare_peers(args.compare, {"hf", "hf-cb", "vllm"}, {"hf"})
     if args.hf_batch_size == 0:
         peers.discard("hf")
@@ -223,11 +197,11 @@ def run(args: argparse.Namespace) -> dict:
                 for kind, value in workload.matmul_rate(arch, r, dtype).items():
                     rates.setdefault(r, {})[kind] = max(rates.get(r, {}).get(kind, 0), value)
 
-        results = _measure(engines, requests, args.repeat,
+        results = measure(engines, requests, args.repeat,
                            None if args.no_roofline or args.shared_prefix else probe)
     finally:
         for e in engines:
-            if isinstance(e, _Fleet):
+            if isinstance(e, FleetEngine):
                 e.llm.shutdown()
         if vllm is not None:
             vllm.close()
@@ -271,29 +245,6 @@ def _span(requests: list[workload.Request]) -> str:
     ins = [len(r.prompt) for r in requests]
     outs = [r.output_len for r in requests]
     return f"prompts {min(ins)}-{max(ins)}, outputs {min(outs)}-{max(outs)}"
-
-
-def _measure(engines, requests, repeat: int, probe=None) -> dict:
-    """{name: (best seconds, outputs of the first round, TTFTs of the best round)}; probe()
-    runs after every round."""
-    warm = requests[: max(2, len(requests) // 4)]
-    for e in engines:  # warm-up: shapes, caches, first-call costs
-        e.run([workload.Request(r.prompt, min(r.output_len, 8)) for r in warm])
-    results: dict = {}
-    for _ in range(max(1, repeat)):
-        for e in engines:
-            start = time.perf_counter()
-            out = e.run(requests)
-            seconds = time.perf_counter() - start
-            if isinstance(out, workload.TimedRun):  # timed in its own process
-                out, seconds = out.outputs, out.seconds
-            outputs, ttft = out if isinstance(out, tuple) else (out, None)
-            best = results.get(e.name)
-            if best is None or seconds < best[0]:
-                results[e.name] = (seconds, best[1] if best else outputs, ttft)
-        if probe is not None:
-            probe()
-    return results
 
 
 def _ratios(engines, results: dict, figures: dict, backend: str) -> None:

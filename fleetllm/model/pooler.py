@@ -26,14 +26,14 @@ import torch
 from fleetllm.errors import ConfigurationError, ModelLoadError
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
-# sentence-transformers' Pooling config key -> our pooling type
-_ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
-             "pooling_mode_cls_token": "CLS"}
-_ST_UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
-                         "pooling_mode_weightedmean_tokens")
-_ST_TRANSFORMER = "sentence_transformers.models.Transformer"
-_ST_POOLING = "sentence_transformers.models.Pooling"
-_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+# sentence-transformers' pooling modes -> our pooling types. Its Pooling config names the
+# mode in "pooling_mode" (6.x) or with one flag per mode (older; none set means mean).
+_ST_MODES = {"lasttoken": "LAST", "mean": "MEAN", "cls": "CLS"}
+_ST_LEGACY_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+                    "pooling_mode_mean_tokens": "mean",
+                    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                    "pooling_mode_weightedmean_tokens": "weightedmean",
+                    "pooling_mode_lasttoken": "lasttoken"}
 
 
 @dataclass
@@ -96,13 +96,16 @@ def checkpoint_pooler(model_dir: Path) -> tuple[PoolerConfig, int | None]:
     normalize = False
     for module in modules:
         kind, sub = module.get("type", ""), module.get("path", "")
-        if kind == _ST_TRANSFORMER:
+        # By class name: the library moved its modules (sentence_transformers.models.Pooling
+        # before 6.0, ...sentence_transformer.modules.pooling.Pooling since).
+        name = kind.rpartition(".")[2] if kind.startswith("sentence_transformers.") else kind
+        if name == "Transformer":
             if sub not in ("", "."):
                 raise ConfigurationError(f"{model_dir}: the transformer module lives in "
                                          f"{sub!r}; fleetllm loads the checkpoint's root")
-        elif kind == _ST_POOLING:
+        elif name == "Pooling":
             pooling = _st_pooling_mode(_read(model_dir / sub / "config.json"), model_dir / sub)
-        elif kind == _ST_NORMALIZE:
+        elif name == "Normalize":
             normalize = True
         else:
             raise ConfigurationError(f"{model_dir}: sentence-transformers module {kind!r} "
@@ -118,16 +121,18 @@ def checkpoint_pooler(model_dir: Path) -> tuple[PoolerConfig, int | None]:
 
 
 def _st_pooling_mode(cfg: dict[str, Any], where: Path) -> str:
-    bad = [k for k in _ST_UNSUPPORTED_MODES if cfg.get(k)]
-    modes = [ours for key, ours in _ST_MODES.items() if cfg.get(key)]
-    if bad or len(modes) != 1:
+    mode = cfg.get("pooling_mode")
+    if mode is None:
+        mode = [m for flag, m in _ST_LEGACY_FLAGS.items() if cfg.get(flag)] or ["mean"]
+    modes = [mode] if isinstance(mode, str) else list(mode)
+    if len(modes) != 1 or modes[0] not in _ST_MODES:
         raise ConfigurationError(
-            f"{where}: pooling modes {bad + [k for k in _ST_MODES if cfg.get(k)]} are not "
-            "supported; fleetllm pools with exactly one of lasttoken, mean_tokens, cls_token")
+            f"{where}: pooling mode {modes if len(modes) > 1 else modes[0]!r} is not "
+            f"supported; fleetllm pools with one of {', '.join(_ST_MODES)}")
     if cfg.get("include_prompt") is False:
         raise ConfigurationError(f"{where}: include_prompt=false (pooling that skips an "
                                  "instruction prompt) is not supported")
-    return modes[0]
+    return _ST_MODES[modes[0]]
 
 
 def pool(hidden: torch.Tensor, pooling_type: str) -> torch.Tensor:
