@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fleetllm.errors import ConfigurationError, ModelLoadError
+from fleetllm.errors import ConfigurationError, InvalidRequestError, ModelLoadError
 from fleetllm.model.pooler import PoolerConfig, checkpoint_pooler, is_sentence_transformers
 from fleetllm.utils import check_field_types
 
@@ -210,6 +210,22 @@ class ModelConfig:
     @property
     def is_pooling(self) -> bool:
         return self.task == "embed"
+
+    def check_dimensions(self, dims: int | None) -> None:
+        """A request's Matryoshka truncation (PoolingParams.dimensions): only to a size the
+        model was trained for (config.json matryoshka_dimensions, or any with is_matryoshka).
+        The engine and the server (which points its 400 at the field) both ask here."""
+        arch = self.arch
+        if dims is None:
+            return
+        allowed = arch.matryoshka_dimensions
+        if allowed is None and not arch.is_matryoshka:
+            raise InvalidRequestError(f"dimensions={dims}: {self.model} does not support "
+                                      "Matryoshka truncation (its config.json has no "
+                                      "matryoshka_dimensions / is_matryoshka)")
+        if (allowed is not None and dims not in allowed) or dims > arch.hidden_size:
+            raise InvalidRequestError(f"dimensions={dims}: this model allows "
+                                      f"{allowed or f'at most {arch.hidden_size}'}")
 
     def torch_dtype(self, device: str) -> torch.dtype:
         """"auto": the checkpoint's dtype, except on the CPU for float16 checkpoints (and

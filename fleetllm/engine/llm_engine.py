@@ -147,7 +147,8 @@ class LLMEngine(RecoveryMixin):
                                       "{'prompt_token_ids': [...]} instead of text")
         return prompt, self.tokenizer.encode(prompt)
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        """What every request's prompt must be, generating or pooling."""
         n, limit = len(token_ids), self.model_config.max_model_len
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
@@ -155,6 +156,10 @@ class LLMEngine(RecoveryMixin):
             raise InvalidRequestError(f"the prompt has {n} tokens, more than max_model_len="
                                       f"{limit}; shorten it or raise max_model_len")
         self._check_in_vocab("prompt token ids", token_ids)
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        self._check_prompt(token_ids)
+        n, limit = len(token_ids), self.model_config.max_model_len
         cc = self.config.cache_config
         if math.ceil(n / cc.block_size) > cc.num_gpu_blocks:
             raise InvalidRequestError(f"the prompt needs {math.ceil(n / cc.block_size)} KV "
@@ -191,27 +196,12 @@ class LLMEngine(RecoveryMixin):
         return (params or PoolingParams()) if pooling_model else None
 
     def _validate_pooling(self, token_ids: list[int], params: PoolingParams) -> None:
-        n, limit = len(token_ids), self.model_config.max_model_len
-        budget = self.config.scheduler_config.max_num_batched_tokens
-        if n == 0:
-            raise InvalidRequestError("the input is empty")
-        if n > limit:
-            raise InvalidRequestError(f"the input has {n} tokens, more than max_model_len="
-                                      f"{limit}; shorten it or raise max_model_len")
+        self._check_prompt(token_ids)
+        n, budget = len(token_ids), self.config.scheduler_config.max_num_batched_tokens
         if n > budget:
-            raise InvalidRequestError(f"the input has {n} tokens; a pooling model runs each "
+            raise InvalidRequestError(f"the prompt has {n} tokens; a pooling model runs each "
                                       f"input in one step, and max_num_batched_tokens={budget}")
-        self._check_in_vocab("prompt token ids", token_ids)
-        arch, dims = self.model_config.arch, params.dimensions
-        if dims is not None:
-            allowed = arch.matryoshka_dimensions
-            if allowed is None and not arch.is_matryoshka:
-                raise InvalidRequestError(f"dimensions={dims}: {self.model_config.model} does "
-                                          "not support Matryoshka truncation (its config.json "
-                                          "has no matryoshka_dimensions / is_matryoshka)")
-            if (allowed is not None and dims not in allowed) or dims > arch.hidden_size:
-                raise InvalidRequestError(f"dimensions={dims}: this model allows "
-                                          f"{allowed or f'at most {arch.hidden_size}'}")
+        self.model_config.check_dimensions(params.dimensions)
 
     def _check_in_vocab(self, what: str, ids: list[int]) -> None:
         vocab = self.model_config.arch.vocab_size

@@ -9,9 +9,9 @@ the engine's PoolingRequestOutput data (float32), sent as floats, or with `encod
 
 Refused with a 400 before the engine sees anything: a server that does not run an embedding
 model (the message names its task), no input or an empty one, token ids outside the
-vocabulary, an input over max_model_len (unless `truncate_prompt_tokens` cuts it). The engine
-refuses `dimensions` on a model without Matryoshka support (400, param "dimensions") and an
-input over its token budget (400).
+vocabulary, an input over max_model_len (unless `truncate_prompt_tokens` cuts it), `dimensions`
+the model was not trained for (ModelConfig.check_dimensions, the engine's own rule; param
+"dimensions"). The engine refuses an input over its token budget (400).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from fleetllm.entrypoints.openai.serving_engine import (
     json_response,
     request_ids,
 )
-from fleetllm.errors import ConfigurationError
+from fleetllm.errors import ConfigurationError, InvalidRequestError
 from fleetllm.pooling_params import PoolingParams
 
 
@@ -55,14 +55,13 @@ class ServingEmbedding(OpenAIServing):
             params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
         except ConfigurationError as e:  # the model already bounds these; kept for safety
             raise APIError(400, str(e).removeprefix(f"[{e.code}] ")) from None
+        try:
+            self.engine.model_config.check_dimensions(req.dimensions)  # the engine's rule
+        except InvalidRequestError as e:
+            raise APIError(400, str(e).removeprefix(f"[{e.code}] "), "dimensions") from None
         prompts = await self._prompts(req)
         response_id, engine_id = request_ids(raw, "embd")
-        try:
-            streams = await self.start(engine_id, [(p, params) for p in prompts], arrival)
-        except APIError as e:  # the engine's rule on dimensions: point at the field
-            if req.dimensions is not None and e.message.startswith("dimensions"):
-                e.param = "dimensions"
-            raise
+        streams = await self.start(engine_id, [(p, params) for p in prompts], arrival)
         try:
             finals: list[PoolingRequestOutput] = await collect_final(streams, raw)
         except ClientDisconnected:
