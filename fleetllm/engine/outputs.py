@@ -76,6 +76,14 @@ class PoolingRequestOutput:
     metrics: RequestMetrics | None = None
     prompt: str | None = None
 
+    @property
+    def finish_reason(self) -> str | None:
+        """As a generated sequence's: "stop" once pooled, "error" when it was rejected or
+        failed (no vector), None while it runs."""
+        if not self.finished:
+            return None
+        return "error" if self.error is not None or self.outputs.data is None else "stop"
+
     @classmethod
     def from_seq_group(cls, group: SequenceGroup) -> PoolingRequestOutput:
         return cls(group.request_id, PoolingOutput(group.pooled_data),

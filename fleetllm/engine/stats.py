@@ -134,9 +134,9 @@ class RequestStatsTracker:
                         stats: IterationStats) -> None:
         if not out.finished:  # a pooling request has one output, its finished one
             return
-        if out.error is None:  # a rejected one ran no prompt
+        if out.finish_reason == "stop":  # a rejected one ran no prompt
             stats.prompt_tokens += len(out.prompt_token_ids)
-        self._finish(out, times, "stop" if out.error is None else "error", now, stats)
+        self._finish(out, times, out.finish_reason, now, stats)
 
     def _finish(self, out: RequestOutput | PoolingRequestOutput, times: _RequestTimes,
                 reason: str, now: float, stats: IterationStats) -> None:

@@ -139,9 +139,9 @@ class MetricsRecorder:
                     self._live.discard(out.request_id)
                 else:  # ended without reaching the workers (e.g. could never be scheduled)
                     self.requests_total += 1
-                # A pooling output has one vector, no sequences: failed when it has an error.
+                # A pooling output has one vector, no sequences: its own finish_reason.
                 reasons = {c.finish_reason for c in out.outputs} if isinstance(
-                    out.outputs, list) else {"error" if out.error else "stop"}
+                    out.outputs, list) else {out.finish_reason}
                 if "error" in reasons:
                     self.failed += 1
                 elif "abort" not in reasons:

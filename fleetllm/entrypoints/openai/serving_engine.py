@@ -99,7 +99,7 @@ def checked(out: Out) -> Out:
     """A request the engine ended with an error (finish_reason "error", or a pooling request
     with no vector) raises RequestFailedError (a 500 with the reason, or an in-band error
     event): "error" is not an OpenAI finish reason and would hide why."""
-    failed = out.outputs.data is None if isinstance(out, PoolingRequestOutput) else \
+    failed = out.finish_reason == "error" if isinstance(out, PoolingRequestOutput) else \
         any(c.finish_reason == "error" for c in out.outputs)
     if out.error is not None or failed:
         raise RequestFailedError(out.error or "the engine ended the request with an error")
