@@ -58,6 +58,7 @@ from fleetllm.engine.stats import (
     record_stats,
 )
 from fleetllm.errors import EngineShutdownError, EngineSleepingError, InvalidRequestError
+from fleetllm.lora.request import LoRARequest
 from fleetllm.pooling_params import PoolingParams
 from fleetllm.sampling_params import SamplingParams
 
@@ -87,6 +88,7 @@ class _Add:
     arrival_time: float
     stream: RequestStream
     accepted: concurrent.futures.Future
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -149,11 +151,13 @@ class AsyncLLMEngine:
     # ---------------------------------------------------------------- caller side
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
-                       request_id: str, arrival_time: float | None = None
-                       ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs (see the module docstring). Raises InvalidRequestError
-        for a request the engine rejects, EngineDeadError when the engine dies."""
-        stream = await self.add_request(request_id, prompt, sampling_params, arrival_time)
+                       request_id: str, lora_request: LoRARequest | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (see the module docstring), through the LoRA adapter
+        `lora_request` when given (vLLM's argument order). Raises InvalidRequestError for a
+        request the engine rejects, EngineDeadError when the engine dies."""
+        stream = await self.add_request(request_id, prompt, sampling_params, arrival_time,
+                                        lora_request)
         try:
             async for out in stream:
                 yield out
@@ -161,13 +165,13 @@ class AsyncLLMEngine:
             stream.close()
 
     async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None,
-                     request_id: str, arrival_time: float | None = None
-                     ) -> AsyncIterator[PoolingRequestOutput]:
+                     request_id: str, lora_request: LoRARequest | None = None,
+                     arrival_time: float | None = None) -> AsyncIterator[PoolingRequestOutput]:
         """A pooling model's vector for the prompt: yields one finished PoolingRequestOutput
         (vLLM's AsyncLLMEngine.encode). Raises as generate() does; InvalidRequestError
         (naming the task) on a generating model."""
         stream = await self.add_request(request_id, prompt, pooling_params or PoolingParams(),
-                                        arrival_time)
+                                        arrival_time, lora_request)
         try:
             async for out in stream:
                 yield out
@@ -176,17 +180,21 @@ class AsyncLLMEngine:
 
     async def add_request(self, request_id: str, prompt: PromptType,
                           params: SamplingParams | PoolingParams | None = None,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request (SamplingParams: generate; PoolingParams: pool; None: default
-        SamplingParams) and wait until the engine has accepted it (or rejected it: raises).
-        The caller must iterate the stream to its end or close() it."""
+        SamplingParams), through `lora_request`'s adapter when given, and wait until the
+        engine has accepted it (or rejected it: raises; a LoRA request without enable_lora
+        is an InvalidRequestError). The caller must iterate the stream to its end or
+        close() it."""
         arrival_time = arrival_time or time.time()
         params = params if params is not None else SamplingParams()
         self._raise_if_unusable()
         prompt = await self._tokenized(prompt)
         stream = RequestStream(request_id, self)
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._enqueue(_Add(request_id, prompt, params, arrival_time, stream, accepted))
+        self._enqueue(_Add(request_id, prompt, params, arrival_time, stream, accepted,
+                           lora_request))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -206,6 +214,20 @@ class AsyncLLMEngine:
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await self._call(lambda: self.engine.wake_up(tags))
+
+    # LoRA adapters (vLLM's names): run on the loop thread between steps, as sleep does.
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load the adapter now (a bad one raises here, before any request uses it)."""
+        return await self._call(lambda: self.engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._call(lambda: self.engine.remove_lora(lora_id))
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        return await self._call(lambda: self.engine.pin_lora(lora_id))
+
+    async def list_loras(self) -> set[int]:
+        return set(await self._call(self.engine.list_loras))
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -349,7 +371,8 @@ class AsyncLLMEngine:
                 "the engine is asleep: wake it up (POST /wake_up) first"))
             return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time)
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time,
+                                    **lora_kwargs(cmd.lora_request))
         except Exception as e:  # a rejected request: it queued nothing, others are unharmed
             _settle(cmd.accepted, error=e)
             return
@@ -406,6 +429,11 @@ class AsyncLLMEngine:
         for stream in self._streams.values():
             stream.put(make_error())
         self._streams.clear()
+
+
+def lora_kwargs(lora_request: LoRARequest | None) -> dict[str, Any]:
+    """LLMEngine.add_request's LoRA argument, left out for a base-model request."""
+    return {} if lora_request is None else {"lora_request": lora_request}
 
 
 def raise_if_wedged(busy_since: float | None, step_timeout_s: float) -> None:

@@ -48,6 +48,7 @@ from fleetllm.engine.stats import (
 )
 from fleetllm.errors import EngineShutdownError, InvalidRequestError
 from fleetllm.executor.multiproc import _main_not_reimported
+from fleetllm.lora.request import LoRARequest
 from fleetllm.pooling_params import PoolingParams
 from fleetllm.sampling_params import SamplingParams
 
@@ -139,7 +140,8 @@ class EngineCoreClient:
 
     async def add_request(self, request_id: str, prompt: PromptType,
                           params: SamplingParams | PoolingParams | None = None,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         arrival_time = arrival_time or time.time()
         params = params if params is not None else SamplingParams()
         self._raise_if_unusable()
@@ -155,7 +157,7 @@ class EngineCoreClient:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self._adds[request_id] = [accepted, stream, state, arrival_time, None]
             self._outbox.put(["add", request_id, text, token_ids, wire.params_msg(params),
-                              arrival_time])
+                              arrival_time, wire.lora_msg(lora_request)])
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -173,14 +175,26 @@ class EngineCoreClient:
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await self._call("wake_up", tags)
 
-    async def _call(self, name: str, arg: Any) -> None:
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        return await self._call("add_lora", wire.lora_msg(lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._call("remove_lora", lora_id)
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        return await self._call("pin_lora", lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return set(await self._call("list_loras", None))
+
+    async def _call(self, name: str, arg: Any) -> Any:
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._raise_if_unusable()
             call_id = next(self._call_ids)
             self._calls[call_id] = done
             self._outbox.put(["call", call_id, name, arg])
-        await asyncio.wrap_future(done)
+        return await asyncio.wrap_future(done)
 
     def abort(self, request_id: str, error: BaseException | None = None) -> None:
         self._abort(request_id, error)
@@ -276,7 +290,8 @@ class EngineCoreClient:
                     done = self._calls.pop(msg[1], None)
                 self._sleeping = msg[3]
                 if done is not None:
-                    _settle(done, error=None if msg[2] is None else wire.load_error(msg[2]))
+                    _settle(done, error=None if msg[2] is None else wire.load_error(msg[2]),
+                            result=msg[4])
 
     def _added(self, request_id: str, error: list[str] | None) -> None:
         with self._lock:

@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from fleetllm.engine import core_wire as wire
-from fleetllm.engine.async_engine import EngineUnhealthyError, raise_if_wedged
+from fleetllm.engine.async_engine import EngineUnhealthyError, lora_kwargs, raise_if_wedged
 from fleetllm.engine.llm_engine import LLMEngine
 from fleetllm.engine.stats import EngineLoad
 from fleetllm.errors import EngineSleepingError
@@ -121,7 +121,7 @@ class EngineCore:
     def _apply(self, msg: list[Any]) -> None:
         kind = msg[0]
         if kind == "add":
-            _, request_id, text, token_ids, params, arrival = msg
+            _, request_id, text, token_ids, params, arrival, lora = msg
             error = None
             try:
                 if self.engine.model_executor.is_sleeping:
@@ -129,8 +129,10 @@ class EngineCore:
                         "the engine is asleep: wake it up (POST /wake_up) first")
                 prompt = {k: v for k, v in (("prompt", text), ("prompt_token_ids", token_ids))
                           if v is not None}
-                self._busy(self.engine.add_request, request_id, prompt,
-                           wire.load_params(params), arrival)
+                lora_request = wire.load_lora(lora)
+                self._busy(lambda: self.engine.add_request(
+                    request_id, prompt, wire.load_params(params), arrival,
+                    **lora_kwargs(lora_request)))
                 self.live.add(request_id)
             except Exception as e:  # a rejected request: it queued nothing
                 error = wire.error_msg(e)
@@ -144,17 +146,27 @@ class EngineCore:
                     self._busy(self.engine.abort_request, request_id)
         elif kind == "call":
             _, call_id, name, arg = msg
-            error = None
+            error = result = None
             try:
-                if name == "sleep":
-                    self._busy(self.engine.sleep, arg)
-                elif name == "wake_up":
-                    self._busy(self.engine.wake_up, arg)
-                else:
-                    raise ValueError(f"unknown call {name!r}")
+                result = self._busy(self._call, name, arg)
             except Exception as e:  # refused (e.g. sleep with requests in flight)
                 error = wire.error_msg(e)
-            wire.send(self.data, ["called", call_id, error, self.engine.model_executor.is_sleeping])
+            wire.send(self.data, ["called", call_id, error,
+                                  self.engine.model_executor.is_sleeping, result])
+
+    def _call(self, name: str, arg: Any) -> Any:
+        """A call's result, as plain data for the wire."""
+        if name == "sleep":
+            return self.engine.sleep(arg)
+        if name == "wake_up":
+            return self.engine.wake_up(arg)
+        if name == "add_lora":
+            return bool(self.engine.add_lora(wire.load_lora(arg)))
+        if name in ("remove_lora", "pin_lora"):
+            return bool(getattr(self.engine, name)(int(arg)))
+        if name == "list_loras":
+            return sorted(self.engine.list_loras())
+        raise ValueError(f"unknown call {name!r}")
 
     def _step(self) -> None:
         outputs = self._busy(self.engine.step)

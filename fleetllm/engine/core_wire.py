@@ -5,16 +5,21 @@ No pickle: a message is lists, maps, strings and numbers, and an error travels a
 name and message, rebuilt from fleetllm's own error classes only.
 
 Data socket, API -> core:
-    ["add", request_id, prompt text | None, prompt token ids, params, arrival_time]
+    ["add", request_id, prompt text | None, prompt token ids, params, arrival_time, lora]
         params: SamplingParams' fields in order (a list) to generate, or
         {"dimensions": int | None, "normalize": bool | None} (a map: PoolingParams) to pool
+        lora: None (the base model), or a LoRARequest as [lora_name, lora_int_id, lora_path]
     ["abort", request_id | None (every request)]
-    ["call", call_id, "sleep" | "wake_up", argument]
+    ["call", call_id, name, argument]   name: "sleep" | "wake_up" | "add_lora" (argument: a
+        lora as above) | "remove_lora" | "pin_lora" (argument: the lora_int_id) |
+        "list_loras" (argument: None)
     ["stop"]
 Data socket, core -> API:
     ["ready"]                           the engine is built (or ["dead", error]: it is not)
     ["added", request_id, error | None] an add was accepted or rejected
-    ["called", call_id, error | None, sleeping]
+    ["called", call_id, error | None, sleeping, result]
+        result: the call's return value (add/remove/pin_lora: a bool; list_loras: a list of
+        ids; sleep, wake_up: None)
     ["out", load, [delta, ...]]         one step: load is EngineLoad's fields in order
     ["dead", error]                     the core failed for good and is exiting
 A delta is one request's news since the last. Generating: [request_id, finished, error
@@ -45,6 +50,7 @@ from fleetllm.engine.outputs import (
 )
 from fleetllm.engine.stats import EngineLoad
 from fleetllm.executor import mp_transport as tr
+from fleetllm.lora.request import LoRARequest
 from fleetllm.pooling_params import PoolingParams
 from fleetllm.sampling_params import SamplingParams
 from fleetllm.sequence import Logprob, RequestMetrics
@@ -115,6 +121,21 @@ def load_params(values: list[Any] | dict[str, Any]) -> SamplingParams | PoolingP
     if isinstance(values, dict):
         return PoolingParams(**values)
     return SamplingParams(**dict(zip(_PARAM_FIELDS, values, strict=True)))
+
+
+def lora_msg(lora_request: LoRARequest | None) -> list[Any] | None:
+    if lora_request is None:
+        return None
+    return [lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path]
+
+
+def load_lora(msg: list[Any] | None) -> LoRARequest | None:
+    """The LoRARequest of an add or an add_lora call: three plain fields, never an object
+    (LoRARequest checks them)."""
+    if msg is None:
+        return None
+    name, int_id, path = msg
+    return LoRARequest(name, int_id, path)
 
 
 def load_msg(load: EngineLoad) -> list[Any]:

@@ -11,6 +11,8 @@ generates no token, so it has no time to first token and no inter-token latency.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -54,6 +56,12 @@ class EngineLoad:
     # found cached (both since the engine started; 0 without prefix caching).
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # LoRA adapters (vLLM's lora_requests_info labels): the names of the adapters of running
+    # requests, and of waiting ones (swapped ones wait too), sorted and comma-separated.
+    running_lora_adapters: str = ""
+    waiting_lora_adapters: str = ""
+    taken_at: float = 0.0  # time.time() of the snapshot
+
 
     @classmethod
     def of(cls, engine: Any) -> EngineLoad:
@@ -63,7 +71,9 @@ class EngineLoad:
         cache = blocks.prefix_cache
         return cls(len(sched.running), len(sched.waiting), len(sched.swapped),
                    blocks.num_gpu_blocks, blocks.num_free_gpu_blocks, engine.worker_restarts,
-                   cache.queried_tokens if cache else 0, cache.hit_tokens if cache else 0)
+                   cache.queried_tokens if cache else 0, cache.hit_tokens if cache else 0,
+                   _adapter_names(sched.running),
+                   _adapter_names([*sched.waiting, *sched.swapped]), time.time())
 
     @property
     def kv_cache_usage(self) -> float:
@@ -75,6 +85,12 @@ class EngineLoad:
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries \
             if self.prefix_cache_queries else 0.0
+
+
+def _adapter_names(groups: Iterable[Any]) -> str:
+    names = {g.lora_request.lora_name for g in groups
+             if getattr(g, "lora_request", None) is not None}
+    return ",".join(sorted(names))
 
 
 class StatLogger(Protocol):

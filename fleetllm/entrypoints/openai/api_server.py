@@ -7,6 +7,14 @@
     GET  /metrics  (Prometheus text)
     POST /sleep?level=1|2   POST /wake_up[?tags=weights&tags=kv_cache]   GET /is_sleeping
                    (only with enable_sleep_mode: they free and restore the model's memory)
+    POST /v1/load_lora_adapter   POST /v1/unload_lora_adapter
+                   (only with allow_runtime_lora_updating: loading reads a path on this
+                   machine, so a client must not be able to unless the operator says so)
+
+A request's `model` is a served name (the base model) or a LoRA adapter's name (serving_models:
+--lora-modules, or loaded at run time); the app's ServingModels is app.state.models, and its
+--lora-modules adapters load with `await app.state.models.init_static_loras()` (the launcher
+does it before it listens).
 
 Bodies are parsed by hand (serving_engine.parse_body) rather than by FastAPI, so that a
 missing content type, malformed JSON or a non-object body is a 400 in OpenAI's error shape
@@ -28,10 +36,11 @@ from typing import TypeVar
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.middleware.cors import CORSMiddleware
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
 import fleetllm
 from fleetllm.engine.async_engine import AsyncLLMEngine
+from fleetllm.entrypoints.openai.cli_args import LoRAModulePath
 from fleetllm.entrypoints.openai.errors import (
     api_error_from,
     error_response,
@@ -44,14 +53,16 @@ from fleetllm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from fleetllm.entrypoints.openai.serving_chat import ServingChat
 from fleetllm.entrypoints.openai.serving_completion import ServingCompletion
 from fleetllm.entrypoints.openai.serving_embedding import ServingEmbedding
 from fleetllm.entrypoints.openai.serving_engine import json_response, parse_body
+from fleetllm.entrypoints.openai.serving_models import ServingModels
 from fleetllm.entrypoints.openai.serving_tokenization import ServingTokenization
 
 T = TypeVar("T")
@@ -71,22 +82,28 @@ class HTTPOptions:
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None,
               api_key: str | None = None, chat_template: str | None = None,
               state: ServerState | None = None, enable_sleep_mode: bool = False,
-              http: HTTPOptions | None = None) -> FastAPI:
+              http: HTTPOptions | None = None,
+              lora_modules: list[LoRAModulePath] | None = None,
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
     http = http or HTTPOptions()
     names = served_model_names or [engine.model_config.model]
     state = state or ServerState()
-    metrics = PrometheusMetrics(names[0])
+    lora_config = getattr(engine.config, "lora_config", None)  # TODO(lora-core merge)
+    metrics = PrometheusMetrics(names[0], max_loras=lora_config.max_loras
+                                if lora_config is not None else None)
     engine.stat_loggers.append(metrics)
-    completion = ServingCompletion(engine, names, chat_template)
-    chat = ServingChat(engine, names, chat_template)
-    embedding = ServingEmbedding(engine, names)
-    tokenization = ServingTokenization(engine, names, chat_template)
+    models = ServingModels(engine, names, lora_modules)
+    completion = ServingCompletion(engine, names, chat_template, models)
+    chat = ServingChat(engine, names, chat_template, models)
+    embedding = ServingEmbedding(engine, names, models=models)
+    tokenization = ServingTokenization(engine, names, chat_template, models)
 
     app = FastAPI(title="fleetllm", version=fleetllm.__version__, openapi_url=None,
                   docs_url=None, redoc_url=None)
     app.state.server = state
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.models = models
     install_error_handlers(app)
     # Each add_middleware wraps what is there: the last added runs first. The gate answers
     # 401/503 before anything below reads the request.
@@ -118,11 +135,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
         return {"version": fleetllm.__version__}
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        cards = [ModelCard(id=name, root=engine.model_config.model,
-                           max_model_len=engine.model_config.max_model_len,
-                           task=engine.model_config.task) for name in names]
-        return json_response(ModelList(data=cards))
+    async def list_models() -> Response:
+        return json_response(ModelList(data=models.cards()))
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
@@ -163,6 +177,17 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
         @app.get("/is_sleeping")
         async def is_sleeping() -> dict:
             return {"is_sleeping": engine.is_sleeping}
+
+    if allow_runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(raw: Request) -> Response:
+            body = await parse_body(raw, LoadLoRAAdapterRequest)
+            return PlainTextResponse(await _mapped(models.load_lora_adapter(body)))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(raw: Request) -> Response:
+            body = await parse_body(raw, UnloadLoRAAdapterRequest)
+            return PlainTextResponse(await _mapped(models.unload_lora_adapter(body)))
 
     return app
 

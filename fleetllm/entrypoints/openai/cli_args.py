@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass
 
 from fleetllm.engine.arg_utils import add_engine_args
 
@@ -48,6 +49,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="run the engine in the API server's process (default: an "
                            "engine-core process of its own, so HTTP never holds the GIL a "
                            "step needs)")
+    lora = parser.add_argument_group("LoRA adapters (with --enable-lora)")
+    lora.add_argument("--lora-modules", type=parse_lora_module, nargs="+", default=None,
+                      metavar="NAME=PATH",
+                      help="adapters served by name, loaded at start: name=path, or vLLM's "
+                           'JSON \'{"name": ..., "path": ..., "base_model_name": ...}\'; a '
+                           "request's model picks one")
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true",
+                      help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                           "(off: loading reads any path the server can, on a client's word)")
     http.add_argument("--access-log", action="store_true", help="log every HTTP request")
     http.add_argument("--log-level", default="info",
                       choices=["debug", "info", "warning", "error"])
@@ -66,3 +76,40 @@ def string_list(value: str) -> list[str]:
             raise argparse.ArgumentTypeError("must be a JSON list of strings")
         return items
     return [x.strip() for x in value.split(",") if x.strip()]
+
+
+@dataclass
+class LoRAModulePath:
+    """One --lora-modules entry (vLLM's)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_module(value: str) -> LoRAModulePath:
+    """`name=path`, or vLLM's JSON form '{"name": ..., "path": ..., "base_model_name": ...}'
+    (an argparse type: a bad one is a usage error naming it)."""
+    if value.lstrip().startswith("{"):
+        try:
+            obj = json.loads(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+        if not isinstance(obj, dict) or not {"name", "path"} <= set(obj) or \
+                not set(obj) <= {"name", "path", "base_model_name"} or \
+                not all(isinstance(obj[k], str) for k in ("name", "path")) or \
+                not isinstance(obj.get("base_model_name", ""), str | None):
+            raise argparse.ArgumentTypeError(
+                'the JSON form is {"name": str, "path": str, "base_model_name": str '
+                f"(optional)}}, got {value[:200]}")
+        module = LoRAModulePath(obj["name"], obj["path"], obj.get("base_model_name"))
+    else:
+        name, sep, path = value.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected name=path or JSON, got "
+                                             f"{value[:200]}")
+        module = LoRAModulePath(name.strip(), path.strip())
+    if not module.name or not module.path:
+        raise argparse.ArgumentTypeError(f"an adapter needs a name and a path: "
+                                         f"{value[:200]}")
+    return module

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
+from fastapi import FastAPI
 
 from fleetllm.engine.arg_utils import engine_kwargs_from, resolve_model
 from fleetllm.engine.async_engine import AsyncLLMEngine
@@ -96,19 +97,21 @@ def run_serve(args: argparse.Namespace) -> int:
     model = resolve_model(args.model_tag or args.model)
     chat_template = load_chat_template(args.chat_template)
     warn_if_exposed(args.host, args.api_key)
+    engine_kwargs = engine_kwargs_from(args, args.engine_actions)
+    check_lora_args(args, engine_kwargs)
     raise_open_file_limit()
     # The engine in a process of its own (core_proc), unless asked to keep it in this one.
     start = AsyncLLMEngine.from_engine_args if args.disable_frontend_multiprocessing \
         else EngineCoreClient
-    engine = start(model, step_timeout_s=args.step_timeout,
-                   **engine_kwargs_from(args, args.engine_actions))
+    engine = start(model, step_timeout_s=args.step_timeout, **engine_kwargs)
     try:
         state = ServerState()
         http = HTTPOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                            args.allow_credentials, args.enable_request_id_headers)
         app = build_app(engine, args.served_model_name or [model], args.api_key,
                         chat_template, state, enable_sleep_mode=args.enable_sleep_mode,
-                        http=http)
+                        http=http, lora_modules=args.lora_modules,
+                        allow_runtime_lora_updating=args.allow_runtime_lora_updating)
         sock = _bind(args.host, args.port)
         host, port = sock.getsockname()[:2]
         # Tests and scripts wait for this line to learn the port (--port 0).
@@ -117,11 +120,28 @@ def run_serve(args: argparse.Namespace) -> int:
                                 lifespan="off", timeout_graceful_shutdown=5,
                                 timeout_keep_alive=5)
         server = DrainingServer(config, state, engine, args.shutdown_timeout)
-        asyncio.run(server.serve(sockets=[sock]))
+        asyncio.run(_serve(server, app, sock))
     finally:
         engine.shutdown()
     logger.info("stopped")
     return 0
+
+
+async def _serve(server: DrainingServer, app: FastAPI, sock: socket.socket) -> None:
+    # The --lora-modules adapters load before the server answers (on its event loop): a bad
+    # one stops the start.
+    await app.state.models.init_static_loras()
+    await server.serve(sockets=[sock])
+
+
+def check_lora_args(args: argparse.Namespace, engine_kwargs: dict) -> None:
+    """The server's LoRA flags need the engine's (a ConfigurationError naming them)."""
+    if engine_kwargs.get("enable_lora"):
+        return
+    for flag, given in (("--lora-modules", args.lora_modules),
+                        ("--allow-runtime-lora-updating", args.allow_runtime_lora_updating)):
+        if given:
+            raise ConfigurationError(f"{flag} needs --enable-lora")
 
 
 def raise_open_file_limit() -> tuple[int, int]:

@@ -4,6 +4,7 @@ that two apps in one process (tests) never share counters."""
 from __future__ import annotations
 
 import threading
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -23,7 +24,8 @@ class PrometheusMetrics:
     """A StatLogger (see fleetllm.engine.stats): record() runs on the engine loop thread,
     render() on the server's; prometheus_client's metrics are thread-safe."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 max_loras: int | None = None):
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         label = ["model_name"]
@@ -69,6 +71,13 @@ class PrometheusMetrics:
         self._render_lock = threading.Lock()  # two scrapes at once must not count twice
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first "
                                     "scheduled.", _REQUEST_BUCKETS)
+        # Only with LoRA enabled (max_loras set), as vLLM's: no model_name label, the
+        # adapters in the labels and the time of the engine's snapshot as the value.
+        self.max_loras = max_loras
+        self.lora_info = None if max_loras is None else Gauge(
+            "fleetllm:lora_requests_info", "Running stats on LoRA requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=self.registry)
 
     def record(self, stats: IterationStats) -> None:
         if stats.prompt_tokens:
@@ -93,7 +102,17 @@ class PrometheusMetrics:
         self.kv_usage.set(load.kv_cache_usage)
         with self._render_lock:
             self._move_counters(load)
+            self._lora_info(load)
         return generate_latest(self.registry)
+
+    def _lora_info(self, load: EngineLoad) -> None:
+        """One series, the current one: vLLM leaves every label set it ever had behind
+        (a scraper picks the newest), which grows without bound as adapters come and go."""
+        if self.lora_info is None:
+            return
+        self.lora_info.clear()
+        self.lora_info.labels(str(self.max_loras), load.waiting_lora_adapters,
+                              load.running_lora_adapters).set(load.taken_at or time.time())
 
     def _move_counters(self, load: EngineLoad) -> None:
         for key, metric, total in (("restarts", self.worker_restarts, load.worker_restarts),

@@ -317,7 +317,8 @@ class ModelCard(ResponseModel):
     object: str = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "fleetllm"
-    root: str | None = None
+    root: str | None = None  # the checkpoint's path, or a LoRA adapter's
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's)
     max_model_len: int | None = None
     task: str | None = None  # "generate" (completions, chat) or "embed" (embeddings)
 
@@ -325,6 +326,16 @@ class ModelCard(ResponseModel):
 class ModelList(ResponseModel):
     object: str = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(RequestModel):  # POST /v1/load_lora_adapter (vLLM's)
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(RequestModel):  # POST /v1/unload_lora_adapter (vLLM's)
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class ErrorInfo(ResponseModel):

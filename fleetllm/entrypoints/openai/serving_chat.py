@@ -42,7 +42,8 @@ class ServingChat(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.time()
-        self.check_request(req)
+        lora_request = self.check_request(req)
+        model = self.models.model_name(lora_request)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: only allowed with logprobs: true",
                            "top_logprobs")
@@ -56,12 +57,12 @@ class ServingChat(OpenAIServing):
         params = self.sampling_params(req, max_tokens, top_n)
         request_id, engine_id = request_ids(raw, "chatcmpl")
         streams = await self.start(engine_id, [({"prompt": text, "prompt_token_ids": ids},
-                                                 params)], arrival)
+                                                 params)], arrival, lora_request)
         fmt = LogprobFormatter(self.tokenizer, req.return_tokens_as_token_ids,
                                req.skip_special_tokens)
         if req.stream:
             return SSEResponse(self._stream(req, request_id, int(arrival), len(ids), streams,
-                                            fmt))
+                                            fmt, model))
         try:
             [final] = await collect_final(streams, raw)
         except ClientDisconnected:
@@ -71,17 +72,17 @@ class ServingChat(OpenAIServing):
             logprobs=None if top_n is None else fmt.chat(c.token_ids, c.logprobs or [], top_n),
             finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
         return json_response(ChatCompletionResponse(
-            id=request_id, created=int(arrival), model=self.model_name, choices=choices,
+            id=request_id, created=int(arrival), model=model, choices=choices,
             usage=_usage(len(ids), final.outputs)))
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, created: int,
                       prompt_tokens: int, streams: list[RequestStream],
-                      fmt: LogprobFormatter) -> AsyncIterator[str]:
+                      fmt: LogprobFormatter, model: str) -> AsyncIterator[str]:
         top_n = (req.top_logprobs or 0) if req.logprobs else None
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse(ChatCompletionChunk(id=request_id, created=created,
-                                           model=self.model_name, choices=choices,
+                                           model=model, choices=choices,
                                            usage=usage))
 
         # As OpenAI does: every choice opens with the role, before any content.

@@ -83,7 +83,8 @@ class ServingCompletion(OpenAIServing):
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         arrival = time.time()
-        self.check_request(req)
+        lora_request = self.check_request(req)
+        model = self.models.model_name(lora_request)
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of is not supported (leave it out, or equal to n)",
                            "best_of")
@@ -99,12 +100,12 @@ class ServingCompletion(OpenAIServing):
             requests.append((p.engine_prompt(), self.sampling_params(
                 req, max(max_tokens, 1), req.logprobs, prompt_logprobs)))
         response_id, engine_id = request_ids(raw, "cmpl")
-        streams = await self.start(engine_id, requests, arrival)
+        streams = await self.start(engine_id, requests, arrival, lora_request)
         fmt = LogprobFormatter(self.tokenizer, req.return_tokens_as_token_ids,
                                req.skip_special_tokens)
         if req.stream:
             return SSEResponse(self._stream(req, response_id, int(arrival), prompts, streams,
-                                            fmt, score_only))
+                                            fmt, score_only, model))
         try:
             finals = await collect_final(streams, raw)
         except ClientDisconnected:
@@ -117,7 +118,7 @@ class ServingCompletion(OpenAIServing):
                 generated.append(part)
                 choices.append(self._choice(req, i * req.n + c.index, part, fmt))
         return json_response(CompletionResponse(id=response_id, created=int(arrival),
-                                                model=self.model_name, choices=choices,
+                                                model=model, choices=choices,
                                                 usage=_usage(prompts, generated)))
 
     async def _prompts(self, prompt: str | list) -> list[_Prompt]:
@@ -152,7 +153,7 @@ class ServingCompletion(OpenAIServing):
 
     async def _stream(self, req: CompletionRequest, request_id: str, created: int,
                       prompts: list[_Prompt], streams: list, fmt: LogprobFormatter,
-                      score_only: bool) -> AsyncIterator[str]:
+                      score_only: bool, model: str) -> AsyncIterator[str]:
         with_logprobs = req.logprobs is not None
         offsets: dict[int, int] = {}  # choice -> where its next logprob token starts
         finished: set[int] = set()
@@ -181,7 +182,7 @@ class ServingCompletion(OpenAIServing):
                     if c.finished():
                         finished.add(index)
                     yield sse(CompletionResponse(
-                        id=request_id, created=created, model=self.model_name,
+                        id=request_id, created=created, model=model,
                         choices=[CompletionChoice(
                             index=index, text=text,
                             logprobs=logprobs if with_logprobs else None,
@@ -189,7 +190,7 @@ class ServingCompletion(OpenAIServing):
                             stop_reason=part.stop_reason)]))
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield sse(CompletionResponse(id=request_id, created=created,
-                                             model=self.model_name, choices=[],
+                                             model=model, choices=[],
                                              usage=_usage(prompts, list(last.values()))))
         except Exception as e:  # the engine died or the server is draining: say so, in-band
             yield sse_error(e)

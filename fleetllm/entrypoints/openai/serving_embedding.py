@@ -49,7 +49,7 @@ class ServingEmbedding(OpenAIServing):
 
     async def create(self, req: EmbeddingRequest, raw: Request) -> Response:
         arrival = time.time()
-        self.check_model(req.model)
+        lora_request = self.check_model(req.model)
         self.check_task()
         try:
             params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
@@ -61,7 +61,8 @@ class ServingEmbedding(OpenAIServing):
             raise APIError(400, str(e).removeprefix(f"[{e.code}] "), "dimensions") from None
         prompts = await self._prompts(req)
         response_id, engine_id = request_ids(raw, "embd")
-        streams = await self.start(engine_id, [(p, params) for p in prompts], arrival)
+        streams = await self.start(engine_id, [(p, params) for p in prompts], arrival,
+                                   lora_request)
         try:
             finals: list[PoolingRequestOutput] = await collect_final(streams, raw)
         except ClientDisconnected:
@@ -71,7 +72,8 @@ class ServingEmbedding(OpenAIServing):
                 for i, out in enumerate(finals)]
         tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         return json_response(EmbeddingResponse(
-            id=response_id, created=int(arrival), model=self.model_name, data=data,
+            id=response_id, created=int(arrival), model=self.models.model_name(lora_request),
+            data=data,
             usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)))
 
     async def _prompts(self, req: EmbeddingRequest) -> list[dict[str, Any]]:

@@ -29,7 +29,9 @@ from fleetllm.entrypoints.openai.errors import (
 )
 from fleetllm.entrypoints.openai.gate import MAX_REQUEST_ID_CHARS, valid_request_id
 from fleetllm.entrypoints.openai.protocol import ChatMessage, SamplingRequest
+from fleetllm.entrypoints.openai.serving_models import ServingModels
 from fleetllm.errors import ConfigurationError, RequestFailedError
+from fleetllm.lora.request import LoRARequest
 from fleetllm.pooling_params import PoolingParams
 from fleetllm.sampling_params import SamplingParams
 
@@ -146,10 +148,12 @@ class OpenAIServing:
     needs_task: str | None = None
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, models: ServingModels | None = None):
         self.engine = engine
         self.task = engine.model_config.task
         self.model_names = served_model_names
+        # The base model's names and the LoRA adapters (shared by every handler of an app).
+        self.models = models or ServingModels(engine, served_model_names)
         self.chat_template = chat_template
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
@@ -160,10 +164,10 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.model_names[0]
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            raise APIError(404, f"The model `{truncate(model, 100)}` does not exist.",
-                           param="model")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); a 404 for an unknown
+        name."""
+        return self.models.lora_request(model)
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         if not ids:
@@ -181,13 +185,15 @@ class OpenAIServing:
                            f"task '{self.task}', which serves "
                            f"{TASK_ENDPOINTS.get(self.task, 'other endpoints')}")
 
-    def check_request(self, req: SamplingRequest) -> None:
-        """What completions and chat check before anything else (vLLM's checks too)."""
-        self.check_model(req.model)
+    def check_request(self, req: SamplingRequest) -> LoRARequest | None:
+        """What completions and chat check before anything else (vLLM's checks too); the
+        LoRA adapter the request's model names (None: the base model)."""
+        lora_request = self.check_model(req.model)
         self.check_task()
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options: only allowed with stream: true",
                            "stream_options")
+        return lora_request
 
     def max_tokens_for(self, requested: int | None, prompt_len: int, what: str,
                        param: str = "max_tokens") -> int:
@@ -262,13 +268,15 @@ class OpenAIServing:
 
     async def start(self, engine_id: str,
                     requests: list[tuple[PromptType, SamplingParams | PoolingParams]],
-                    arrival_time: float) -> list[RequestStream]:
+                    arrival_time: float, lora_request: LoRARequest | None = None
+                    ) -> list[RequestStream]:
         """One engine request per prompt (`engine_id`-i), all added at once: queued in
         order before any is accepted, so the engine takes them into the same step rather than
         one per step. All accepted, or none (the first rejection, by index, raised as a
-        4xx/503; the accepted ones are aborted)."""
+        4xx/503; the accepted ones are aborted). Each runs through `lora_request`'s adapter
+        when given."""
         tasks = [asyncio.ensure_future(self.engine.add_request(
-            f"{engine_id}-{i}", prompt, params, arrival_time))
+            f"{engine_id}-{i}", prompt, params, arrival_time, lora_request))
             for i, (prompt, params) in enumerate(requests)]
         try:
             await asyncio.wait(tasks)
