@@ -41,7 +41,12 @@ class FleetEngine:
 
 class FleetGenerate(FleetEngine):
     """fleetllm through LLM.generate; the prefix cache is emptied before every run, so no
-    round reuses the previous round's prompts."""
+    round reuses the previous round's prompts. With lora_requests, request i runs through
+    adapter i mod len(lora_requests) (bench throughput --lora)."""
+
+    def __init__(self, name: str, model: str, kwargs: dict, lora_requests: list | None = None):
+        super().__init__(name, model, kwargs)
+        self.lora_requests = lora_requests
 
     def run(self, requests: list[workload.Request]) -> tuple[list[list[int]], list[float]]:
         from fleetllm import SamplingParams
@@ -49,8 +54,10 @@ class FleetGenerate(FleetEngine):
         self.llm.llm_engine.scheduler.block_manager.reset_prefix_cache()
         params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
                   for r in requests]
+        loras = {} if not self.lora_requests else {"lora_request": [
+            self.lora_requests[i % len(self.lora_requests)] for i in range(len(requests))]}
         outs = self.llm.generate([{"prompt_token_ids": r.prompt} for r in requests], params,
-                                 use_tqdm=False)
+                                 use_tqdm=False, **loras)
         ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
         return [o.outputs[0].token_ids for o in outs], ttft
 

@@ -5,6 +5,8 @@ process, next to the roofline of this machine.
     fleetllm bench throughput --preset llama-1b --compare vllm [--vllm-configs all]
     fleetllm bench throughput --preset llama-125m --shared-prefix 1024 --input-len 32 \\
         --output-len 32 --compare none
+    fleetllm bench throughput --preset llama-125m --lora 8 [--lora-rank 16]
+        [--lora-targets q_proj,k_proj,v_proj,o_proj]   (lora.py: ratio to base-only)
     fleetllm bench throughput [--model DIR] [--num-prompts N] [--input-len N|LOW:HIGH]
         [--output-len N|LOW:HIGH] [--dataset F.jsonl] [--compare-backend uni] [engine flags]
     python -m fleetllm.benchmarks.throughput ...   (the same)
@@ -28,7 +30,8 @@ each that fleetllm reaches is printed.
 
 --shared-prefix N starts every prompt with one common N-token prefix and also runs fleetllm
 without prefix caching: mean time to first token with and without, and whether the outputs
-are identical. Without --model or --preset: the bundled demo model.
+are identical. --lora N also runs fleetllm with N random LoRA adapters (lora.py; no peers
+unless --compare names them). Without --model or --preset: the bundled demo model.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import json
 
 import torch
 
-from fleetllm.benchmarks import embed, workload
+from fleetllm.benchmarks import embed, lora, workload
 from fleetllm.benchmarks.engines import (
     FleetEngine,
     FleetGenerate,
@@ -96,6 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip measuring the matmul rate")
     parser.add_argument("--json", default=None,
                         help="write every figure to this file (default: none)")
+    lora.add_lora_args(parser)
     add_engine_args(parser)
 
 
@@ -135,7 +139,7 @@ def resolve_source(args: argparse.Namespace, kwargs: dict) -> tuple[str, int | N
 
 
 def _engines(args: argparse.Namespace, model: str, kwargs: dict, dummy_seed: int | None,
-             peers: set[str]):
+             peers: set[str], adapters: lora.Adapters | None = None):
     """fleetllm's engines and the in-process peers (vLLM's come once the requests are known:
     its max_model_len is theirs)."""
     if "vllm" in peers:  # before loading anything: a missing venv fails at once
@@ -143,6 +147,9 @@ def _engines(args: argparse.Namespace, model: str, kwargs: dict, dummy_seed: int
 
         vllm_python()
     engines = [FleetGenerate("fleetllm", model, kwargs)]
+    if adapters is not None:
+        engines.append(FleetGenerate(adapters.label, model, adapters.engine_kwargs(kwargs),
+                                     adapters.requests()))
     if args.compare_backend:
         engines.append(FleetGenerate(f"fleetllm ({args.compare_backend})", model,
                               {**kwargs, "distributed_executor_backend": args.compare_backend}))
@@ -170,12 +177,14 @@ def run(args: argparse.Namespace) -> dict:
     for name, value in (_PRESET_DEFAULTS if args.preset else _DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    peers = compare_peers(args.compare, {"hf", "hf-cb", "vllm"}, {"hf"})
+    peers = compare_peers(args.compare, {"hf", "hf-cb", "vllm"}, set() if args.lora else {"hf"})
     if args.hf_batch_size == 0:
         peers.discard("hf")
-    engines = _engines(args, model, kwargs, dummy_seed, peers)
+    adapters = lora.Adapters(args, model) if args.lora else None
+    engines = []
     vllm = None
     try:
+        engines = _engines(args, model, kwargs, dummy_seed, peers, adapters)
         llm = engines[0].llm
         arch = llm.llm_engine.model_config.arch
         dtype = engine_dtype(llm)
@@ -198,13 +207,16 @@ def run(args: argparse.Namespace) -> dict:
                     rates.setdefault(r, {})[kind] = max(rates.get(r, {}).get(kind, 0), value)
 
         results = measure(engines, requests, args.repeat,
-                           None if args.no_roofline or args.shared_prefix else probe)
+                           None if args.no_roofline or args.shared_prefix or args.lora
+                           else probe)
     finally:
         for e in engines:
             if isinstance(e, FleetEngine):
                 e.llm.shutdown()
         if vllm is not None:
             vllm.close()
+        if adapters is not None:
+            adapters.close()
     n_in = sum(len(r.prompt) for r in requests)
     n_out = sum(r.output_len for r in requests)
     dtype_name = str(dtype).removeprefix("torch.")
@@ -225,7 +237,10 @@ def run(args: argparse.Namespace) -> dict:
         print(f"{e.name + ':':32s} {f['requests_per_s']:7.2f} requests/s  input "
               f"{f['input_tokens_per_s']:8.1f}  output {f['output_tokens_per_s']:7.1f}  total "
               f"{f['total_tokens_per_s']:8.1f} tokens/s  ({seconds:.2f} s)")
-    _ratios(engines, results, figures, kwargs.get("distributed_executor_backend", "default"))
+    _ratios([e for e in engines if adapters is None or e.name != adapters.label], results,
+            figures, kwargs.get("distributed_executor_backend", "default"))
+    if adapters is not None:
+        lora.report(adapters, results, figures)
     if vllm is not None:
         _vllm_ratio(engines, results, figures)
     if args.shared_prefix:
@@ -233,6 +248,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.shared_prefix:  # the cache skips most of the FLOPs a roofline would count
         print("roofline: not meaningful with --shared-prefix (prefix caching skips the "
               "shared prefix's FLOPs)")
+    elif adapters is not None:  # the roofline would not count the adapters' FLOPs
+        print("roofline: not measured with --lora")
     elif not args.no_roofline:
         _roofline(arch, requests, results["fleetllm"][0], rows, rates, figures, dtype_name)
     if args.json:
