@@ -14,7 +14,6 @@ the old weights.
 from __future__ import annotations
 
 import asyncio
-import itertools
 from typing import Any
 
 from fleetllm.engine.async_engine import EngineUnhealthyError
@@ -37,7 +36,7 @@ class ServingModels:
         self.static_lora_modules = list(lora_modules or [])
         self.lora_requests: dict[str, LoRARequest] = {}  # name -> its request, in load order
         self._parents: dict[str, str] = {}
-        self._ids = itertools.count(1)
+        self._next_id = 1  # taken by a load that succeeds (under _lock)
         self._lock = asyncio.Lock()  # loads and unloads one at a time: names stay unique
         names = [m.name for m in self.static_lora_modules]
         clash = sorted({n for n in names if names.count(n) > 1 or n in base_model_names})
@@ -106,7 +105,7 @@ class ServingModels:
             if name in self.lora_requests or name in self.base_model_names:
                 raise APIError(400, f"The lora adapter '{truncate(name, 100)}' has already "
                                "been loaded.", "lora_name")
-            lora = LoRARequest(name, next(self._ids), path)
+            lora = LoRARequest(name, self._next_id, path)
             try:
                 await self.engine.add_lora(lora)
             except (EngineUnhealthyError, EngineShutdownError, EngineSleepingError):
@@ -115,5 +114,6 @@ class ServingModels:
                 raise APIError(400, f"could not load the LoRA adapter '{truncate(name, 100)}'"
                                f" from {truncate(path, 200)}: {truncate(str(e), 500)}",
                                "lora_path") from None
+            self._next_id += 1
             self.lora_requests[name] = lora
             self._parents[name] = base_model_name or self.base_model_name
