@@ -6,6 +6,8 @@ before a block, `<!-- test: DIRECTIVE[; DIRECTIVE ...] -->`, changes how it runs
   args ARGS      append ARGS to every fleetllm command ({model}: the tiny test checkpoint)
   server         talk to the module's server: its address replaces 127.0.0.1:8000 / localhost:8000
   server embed   the same with a server of the demo model as an embedding model (`e5`)
+  server lora    the same with a server of the demo model (`smol`) with LoRA adapters `sql` and
+                 `chat` and --allow-runtime-lora-updating
   parse          check fleetllm commands with fleetllm's own parser instead of running them
   skip (REASON)  do not run it; the reason is mandatory and is printed with the skip
 """

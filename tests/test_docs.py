@@ -5,7 +5,7 @@ python blocks run in a fresh interpreter with `path` bound to a tiny random-weig
 bash blocks run their fleetllm commands as `python -m fleetllm.cli ...` (and curl as it is).
 Blocks marked `server` talk to one `fleetllm serve` of the demo model on 127.0.0.1, started
 for the module when the first of them runs; `server embed` blocks to another, of the demo model
-as an embedding model.
+as an embedding model; `server lora` blocks to one with LoRA adapters.
 """
 
 from __future__ import annotations
@@ -67,6 +67,27 @@ def embed_server():
 
     srv = LocalServer(["--task", "embed", "--served-model-name", "e5", "--kv-cache-memory",
                        str(KV)], env=server_env())
+    try:
+        yield srv
+    finally:
+        code = srv.stop(timeout=30)
+        assert code == 0, srv.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory):
+    """The server the `server lora` blocks talk to: the demo model as `smol` with two random
+    adapters, `sql` and `chat`, and runtime loading on."""
+    from fleetllm.benchmarks.lora import make_adapters
+    from fleetllm.entrypoints.openai.local_server import LocalServer
+
+    root = tmp_path_factory.mktemp("docs-lora")
+    (root / "chat.jinja").write_text(CHAT_TEMPLATE)
+    sql, chat = make_adapters(REPO / "fleetllm" / "demo_model", root, 2, rank=8)
+    srv = LocalServer(["--served-model-name", "smol", "--chat-template", str(root / "chat.jinja"),
+                       "--kv-cache-memory", str(KV), "--enable-lora", "--max-loras", "2",
+                       "--lora-modules", f"sql={sql}", f"chat={chat}",
+                       "--allow-runtime-lora-updating"], env=server_env())
     try:
         yield srv
     finally:
@@ -155,8 +176,10 @@ def test_snippet(block: Block, request, tmp_path):
         assert any(a in code for a in SERVER_ADDRESSES), \
             f"{block.id}: marked `server` but names no {SERVER_ADDRESSES[1:]}"
         which = block.directives["server"]
-        assert which in ("", "embed"), f"{block.id}: `server {which}`: only `server embed`"
-        fixture = "embed_server" if which == "embed" else "server"
+        fixtures = {"": "server", "embed": "embed_server", "lora": "lora_server"}
+        assert which in fixtures, f"{block.id}: `server {which}`: only `server embed` or " \
+            "`server lora`"
+        fixture = fixtures[which]
         code = with_server(code, request.getfixturevalue(fixture).url)
     model = request.getfixturevalue("model")
     if block.kind == "python":
