@@ -25,6 +25,7 @@ from fleetllm.engine.outputs import PoolingRequestOutput, RequestOutput, request
 from fleetllm.engine.recovery import RecoveryMixin
 from fleetllm.errors import (
     CommunicationTimeoutError,
+    ConfigurationError,
     EngineSleepingError,
     InvalidRequestError,
 )
@@ -222,7 +223,10 @@ class LLMEngine(RecoveryMixin):
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter on every worker ahead of its requests (they would load it on
-        first use). A bad adapter raises LoRAAdapterError."""
+        first use). A bad adapter raises LoRAAdapterError; without enable_lora,
+        ConfigurationError."""
+        if self.config.lora_config is None:
+            raise ConfigurationError("enable_lora: LoRA adapters need enable_lora=True")
         self.lora_requests.check(lora_request)
         return self.model_executor.add_lora(lora_request)
 
