@@ -372,7 +372,7 @@ class AsyncLLMEngine:
             return
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time,
-                                    **lora_kwargs(cmd.lora_request))
+                                    cmd.lora_request)
         except Exception as e:  # a rejected request: it queued nothing, others are unharmed
             _settle(cmd.accepted, error=e)
             return
@@ -429,11 +429,6 @@ class AsyncLLMEngine:
         for stream in self._streams.values():
             stream.put(make_error())
         self._streams.clear()
-
-
-def lora_kwargs(lora_request: LoRARequest | None) -> dict[str, Any]:
-    """LLMEngine.add_request's LoRA argument, left out for a base-model request."""
-    return {} if lora_request is None else {"lora_request": lora_request}
 
 
 def raise_if_wedged(busy_since: float | None, step_timeout_s: float) -> None:

@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from fleetllm.engine import core_wire as wire
-from fleetllm.engine.async_engine import EngineUnhealthyError, lora_kwargs, raise_if_wedged
+from fleetllm.engine.async_engine import EngineUnhealthyError, raise_if_wedged
 from fleetllm.engine.llm_engine import LLMEngine
 from fleetllm.engine.stats import EngineLoad
 from fleetllm.errors import EngineSleepingError
@@ -129,10 +129,8 @@ class EngineCore:
                         "the engine is asleep: wake it up (POST /wake_up) first")
                 prompt = {k: v for k, v in (("prompt", text), ("prompt_token_ids", token_ids))
                           if v is not None}
-                lora_request = wire.load_lora(lora)
-                self._busy(lambda: self.engine.add_request(
-                    request_id, prompt, wire.load_params(params), arrival,
-                    **lora_kwargs(lora_request)))
+                self._busy(self.engine.add_request, request_id, prompt,
+                           wire.load_params(params), arrival, wire.load_lora(lora))
                 self.live.add(request_id)
             except Exception as e:  # a rejected request: it queued nothing
                 error = wire.error_msg(e)

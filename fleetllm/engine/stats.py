@@ -88,8 +88,7 @@ class EngineLoad:
 
 
 def _adapter_names(groups: Iterable[Any]) -> str:
-    names = {g.lora_request.lora_name for g in groups
-             if getattr(g, "lora_request", None) is not None}
+    names = {g.lora_request.lora_name for g in groups if g.lora_request is not None}
     return ",".join(sorted(names))
 
 

@@ -88,7 +88,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     http = http or HTTPOptions()
     names = served_model_names or [engine.model_config.model]
     state = state or ServerState()
-    lora_config = getattr(engine.config, "lora_config", None)  # TODO(lora-core merge)
+    lora_config = engine.config.lora_config
     metrics = PrometheusMetrics(names[0], max_loras=lora_config.max_loras
                                 if lora_config is not None else None)
     engine.stat_loggers.append(metrics)
