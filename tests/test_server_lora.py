@@ -7,6 +7,7 @@ lora_requests_info gauge; in-process (AsyncLLMEngine) and over the engine-core p
 from __future__ import annotations
 
 import json
+import random
 import time
 import urllib.request
 
@@ -215,6 +216,59 @@ def test_runtime_load_and_unload(app, adapters, offline):
 
 def models_of(app: AppClient):
     return app.client._transport.app.state.models
+
+
+def test_random_loads_unloads_and_requests_match_a_model(model, adapters, offline):
+    """A randomized differential test of the server's adapter table: after any sequence of
+    loads, unloads and requests, /v1/models, the status codes, the ids and every request's
+    tokens are what a plain dict of name -> adapter predicts. (An engine of its own: ids
+    are the server's to give, one table per engine.)"""
+    engine = AsyncLLMEngine.from_engine_args(str(model), **LORA)
+    fastapi_app = build_app(engine, ["tiny"], allow_runtime_lora_updating=True)
+    client = AppClient(fastapi_app)
+    rng = random.Random(22)
+    table: dict[str, str] = {}  # name -> adapter (a, b, c), in load order
+    ids: dict[str, int] = {}
+    loads = 0
+    try:
+        for _ in range(40):
+            op = rng.choice(["load", "load", "unload", "request", "request"])
+            name = rng.choice(["x", "y", "z", "tiny"])
+            if op == "load":
+                key = rng.choice("abc")
+                r = client.request("POST", "/v1/load_lora_adapter",
+                                   json={"lora_name": name, "lora_path": adapters[key]})
+                if name in table or name == "tiny":
+                    assert_error(r, 400, "lora_name")
+                else:
+                    assert r.status_code == 200, r.text
+                    table[name] = key
+                    loads += 1
+                    ids[name] = fastapi_app.state.models.lora_requests[name].lora_int_id
+                    assert ids[name] == loads  # 1, 2, ...: never an id used before
+            elif op == "unload":
+                r = client.request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+                if name in table:
+                    assert r.status_code == 200, r.text
+                    del table[name]
+                else:
+                    assert_error(r, 404, "lora_name")  # a served name is no adapter
+            else:
+                r = client.request("POST", "/v1/completions", json={
+                    "model": name, "prompt": PROMPTS[0], **GREEDY, **IDS})
+                if name == "tiny" or name in table:
+                    assert r.status_code == 200, r.text
+                    want = offline["tiny" if name == "tiny" else table[name]][0][0]
+                    assert token_ids(r.json()["choices"]) == [want]
+                else:
+                    assert_error(r, 404, "model")
+            cards = client.request("GET", "/v1/models").json()["data"]
+            assert [c["id"] for c in cards] == ["tiny", *table]
+            assert [c["root"] for c in cards[1:]] == [adapters[k] for k in table.values()]
+        assert loads >= 3 and 0 < len(table)  # the sequence did exercise the table
+    finally:
+        client.close()
+        engine.shutdown()
 
 
 def test_runtime_updating_is_off_by_default(engine, adapters):

@@ -8,7 +8,8 @@ start) and, with `--allow-runtime-lora-updating`, from POST /v1/load_lora_adapte
 such directory, a rank over max_lora_rank, modules the model lacks) is refused before any
 request uses it. Each load gets a new lora_int_id (1, 2, ...), never reused: the engine
 caches adapters by id, so a name unloaded and loaded again from another path must not find
-the old weights.
+the old weights. The ids are this table's to give: one ServingModels per engine (an engine
+refuses an id it knows for another path).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ class ServingModels:
         self.base_model_names = base_model_names
         self.static_lora_modules = list(lora_modules or [])
         self.lora_requests: dict[str, LoRARequest] = {}  # name -> its request, in load order
-        self._parents: dict[str, str] = {}
         self._next_id = 1  # taken by a load that succeeds (under _lock)
         self._lock = asyncio.Lock()  # loads and unloads one at a time: names stay unique
         names = [m.name for m in self.static_lora_modules]
@@ -77,7 +77,7 @@ class ServingModels:
         config = self.engine.model_config
         base = [ModelCard(id=name, root=config.model, max_model_len=config.max_model_len,
                           task=config.task) for name in self.base_model_names]
-        return base + [ModelCard(id=name, root=lora.lora_path, parent=self._parents[name])
+        return base + [ModelCard(id=name, root=lora.lora_path, parent=lora.base_model_name)
                        for name, lora in self.lora_requests.items()]
 
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> str:
@@ -96,7 +96,6 @@ class ServingModels:
                                "cannot be found.", "lora_name")
             # Gone from the names first: no new request picks it while the engine drops it.
             del self.lora_requests[body.lora_name]
-            del self._parents[body.lora_name]
             await self.engine.remove_lora(lora.lora_int_id)
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
@@ -105,7 +104,8 @@ class ServingModels:
             if name in self.lora_requests or name in self.base_model_names:
                 raise APIError(400, f"The lora adapter '{truncate(name, 100)}' has already "
                                "been loaded.", "lora_name")
-            lora = LoRARequest(name, self._next_id, path)
+            lora = LoRARequest(name, self._next_id, path,
+                               base_model_name=base_model_name or self.base_model_name)
             try:
                 await self.engine.add_lora(lora)
             except (EngineUnhealthyError, EngineShutdownError, EngineSleepingError):
@@ -116,4 +116,3 @@ class ServingModels:
                                "lora_path") from None
             self._next_id += 1
             self.lora_requests[name] = lora
-            self._parents[name] = base_model_name or self.base_model_name
