@@ -12,7 +12,7 @@ model runs them) against the base plus each way to add the deltas:
 - gather: each token's own A and B gathered ([T, in, R] and [T, R, out]) and two bmm calls:
   the BGMV shape, the weights copied per token.
 
-    python -m fleetllm.benchmarks.lora_layer [--tokens 1 8 64 256 1024] [--adapters 8]
+    python -m fleetllm.benchmarks.lora_layer [--tokens 1 8 64 256 1024] [--adapters 8] [--threads 1]
 
 prints milliseconds per layer's q/k/v/o projections and each method's overhead on the base.
 """
@@ -40,15 +40,19 @@ def _packed(out: int, inp: int, gen: torch.Generator) -> SimpleNamespace:
     return layer
 
 
-def _timed(fn, repeat: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        best = min(best, (time.perf_counter() - start) / repeat)
-    return best * 1e3
+def _timed(fns: dict, repeat: int, rounds: int = 7) -> dict[str, float]:
+    """Best milliseconds per call of each function, the functions interleaved round by round
+    (so a burst of load elsewhere on the machine hits them alike)."""
+    best = dict.fromkeys(fns, float("inf"))
+    for fn in fns.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(repeat):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / repeat * 1e3)
+    return best
 
 
 def run(tokens: list[int], adapters: int, repeat: int) -> list[dict]:
@@ -61,10 +65,19 @@ def run(tokens: list[int], adapters: int, repeat: int) -> list[dict]:
         for sl in slots.values():
             sl.set(s, [(torch.randn(sl.in_size, RANK, generator=gen) * 0.05,
                         torch.randn(RANK, n, generator=gen) * 0.05) for n in sl.part_sizes])
-    flat = {k: (sl.a.permute(1, 0, 2).reshape(sl.in_size, -1), sl.b.reshape(-1, sl.b.shape[-1]))
+    flat = {k: (sl.a.permute(1, 0, 2).reshape(sl.in_size, -1), _block_diagonal(sl))
             for k, sl in slots.items()}
     pairs = ((qkv, "qkv"), (o, "o"))
     return [_case(t, gen, slots, flat, pairs, adapters, repeat) for t in tokens]
+
+
+def _block_diagonal(sl: lora_layers.LoRASlots) -> torch.Tensor:
+    """Every slot's parts' B as one [slots * parts * R, out] matrix (for masked and gather)."""
+    n, r = len(sl.b), sl.rank
+    out = torch.zeros(sl.a.shape[0], n * r, sum(sl.part_sizes))
+    for p, (b, off, size) in enumerate(zip(sl.b, sl.offsets, sl.part_sizes, strict=True)):
+        out[:, p * r:(p + 1) * r, off:off + size] = b
+    return out
 
 
 def _case(t: int, gen: torch.Generator, slots: dict, flat: dict, pairs: tuple, adapters: int,
@@ -91,6 +104,7 @@ def _case(t: int, gen: torch.Generator, slots: dict, flat: dict, pairs: tuple, a
         out = []
         for layer, k in pairs:
             a, b = flat[k]
+            b = b.view(-1, b.shape[-1])
             width = a.shape[1] // adapters * m
             xa = (x @ a[:, :width]).view(t, m, -1).mul_(onehot[:, :, None])
             out.append(linear(layer, x).addmm_(xa.view(t, width), b[:width]))
@@ -106,7 +120,8 @@ def _case(t: int, gen: torch.Generator, slots: dict, flat: dict, pairs: tuple, a
                 if n:
                     rows_s = order[start:start + n]
                     start += n
-                    y.index_add_(0, rows_s, x.index_select(0, rows_s) @ sl.a[s] @ sl.b[s])
+                    y.index_add_(0, rows_s,
+                                 x.index_select(0, rows_s) @ sl.a[s] @ flat[k][1][s])
             out.append(y)
         return out
 
@@ -115,7 +130,7 @@ def _case(t: int, gen: torch.Generator, slots: dict, flat: dict, pairs: tuple, a
         for layer, k in pairs:
             sl = slots[k]
             xa = torch.bmm(x.unsqueeze(1), sl.a[index])
-            out.append(linear(layer, x) + torch.bmm(xa, sl.b[index]).squeeze(1))
+            out.append(linear(layer, x) + torch.bmm(xa, flat[k][1][index]).squeeze(1))
         return out
 
     ref = grouped()
@@ -123,18 +138,20 @@ def _case(t: int, gen: torch.Generator, slots: dict, flat: dict, pairs: tuple, a
         for got, want in zip(fn(), ref, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     n = max(3, repeat * 64 // max(t, 64))
-    row = {"tokens": t, "base": _timed(base, n)}
-    for fn in (grouped, masked, loop, gather):
-        row[fn.__name__] = _timed(fn, n)
-    return row
+    fns = {fn.__name__: fn for fn in (base, grouped, masked, loop, gather)}
+    return {"tokens": t, **_timed(fns, n)}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 1024])
     parser.add_argument("--adapters", type=int, default=8)
-    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}; {args.adapters} adapters, rank {RANK}, "
           "ms per layer's q/k/v/o projections (overhead on base)")
     print(f"{'tokens':>7} {'base':>8} " + " ".join(f"{k:>16}" for k in METHODS))
