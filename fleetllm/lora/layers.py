@@ -2,23 +2,23 @@
 
 Each adapted projection (the merged q/k/v and gate/up column-parallel ones, o and down
 row-parallel) carries a `LoRASlots`: stacked weights for `max_loras` device slots,
-A [in, slots, parts, R] and per part B [slots, R, out_part] (R = max_lora_rank, zero-padded;
-an empty slot or an untargeted part is zeros; B holds the adapter's scaling). A step whose
-batch has adapter rows sets `LoRAStep` (per token: a one-hot of its slot over the first m
-slots, all zeros for a base-model row); then after the base projection, computed once for
-the batch,
+A [slots, in, parts * R] and per merged part B [slots, R, out_part] (R = max_lora_rank,
+zero-padded; B holds the adapter's scaling; an empty slot or an untargeted part is zeros).
+A step whose batch has adapter rows sets `LoRAStep`: its adapter tokens grouped by slot
+into m groups padded to the longest, L (computed once per step). After
+the base projection, computed once for the whole batch, each layer runs
 
-    xa = x @ A[:, :m]          one GEMM for every slot in use: [T, m * parts * R]
-    xa *= onehot               each row keeps its own adapter's block; base rows become 0
-    y[:, part] += xa[:, :, part] @ B_part[:m]    one GEMM per part
+    xs = x[gather] * pad            [m, L, in]: each group's rows (pads zeroed)
+    xa = bmm(xs, A[slots])          [m, L, parts * R]: every part's A in one product
+    y.index_add_(gather, cat(bmm(xa[part], B_part[slots]) for each part))
 
-so the Python work per layer is a few tensor calls whatever the mix of requests (no loop
-over requests or adapters). The wasted work is the other slots' products, at most
-(m - 1) * R * (parts * in + out) multiply-adds per token; the measured alternatives (a
-gather of each token's weights, a loop over adapter groups with index_add) are in
-docs/lora.md. Tensor parallel: a column-parallel projection keeps all of A and its rows of B;
-a row-parallel one its input columns of A and all of B, and its delta is added to the partial
-sum before the all-reduce (sum over ranks of x_r A_r B = x A B).
+a grouped (SGMV-shaped) product with a fixed handful of tensor calls whatever the mix of
+requests: no Python loop over requests or adapters, and base-model rows are not computed at
+all. docs/lora.md has the measured alternatives (a one-hot mask over every slot, a loop over
+adapter groups, a per-token gather of the weights). Tensor parallel: a column-parallel
+projection keeps all of A and its output columns of B; a row-parallel one its input rows of
+A and all of B, and its delta joins the partial sum before the all-reduce (the sum over
+ranks of x_r A_r B is x A B).
 """
 
 from __future__ import annotations
@@ -30,11 +30,35 @@ import torch
 
 @dataclass
 class LoRAStep:
-    """This step's adapter rows: onehot [tokens, m] in the adapters' dtype (m: slots in use,
-    the highest slot + 1)."""
+    """This step's adapter rows, grouped by slot: `gather` [m * L] the token of each group
+    position (pads repeat a row of the group), `pad` [m * L, 1] zeros at the pads (None: no
+    pads), `slots` [m] the groups' slots (None: slots 0..m-1, a view, no copy)."""
 
-    onehot: torch.Tensor
+    gather: torch.Tensor
+    pad: torch.Tensor | None
+    slots: torch.Tensor | None
     m: int
+    length: int
+
+    @classmethod
+    def build(cls, token_slots: list[int], dtype: torch.dtype, device: torch.device
+              ) -> LoRAStep:
+        groups: dict[int, list[int]] = {}
+        for token, slot in enumerate(token_slots):
+            if slot >= 0:
+                groups.setdefault(slot, []).append(token)
+        order = sorted(groups)
+        length = max(len(g) for g in groups.values())
+        gather, pad = [], []
+        for slot in order:
+            rows = groups[slot]
+            gather += rows + [rows[0]] * (length - len(rows))
+            pad += [1.0] * len(rows) + [0.0] * (length - len(rows))
+        padded = len(pad) != sum(len(g) for g in groups.values())
+        prefix = order == list(range(len(order)))
+        return cls(torch.tensor(gather, device=device),
+                   torch.tensor(pad, dtype=dtype, device=device)[:, None] if padded else None,
+                   None if prefix else torch.tensor(order, device=device), len(order), length)
 
 
 _STEP: LoRAStep | None = None
@@ -59,8 +83,9 @@ class LoRASlots:
         self.in_size, self.rank, self.dtype = in_size, rank, dtype
         self.part_sizes = part_sizes
         self.offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
-        n = len(part_sizes)
-        self.a = torch.zeros(in_size, slots, n, rank, dtype=dtype, device=device)
+        self.a = torch.zeros(slots, in_size, len(part_sizes) * rank, dtype=dtype,
+                             device=device)
+        # One B per part, not one block-diagonal B: a third of the products for q/k/v.
         self.b = [torch.zeros(slots, rank, size, dtype=dtype, device=device)
                   for size in part_sizes]
 
@@ -70,32 +95,38 @@ class LoRASlots:
         for p, ab in enumerate(parts):
             if ab is not None:
                 a, b = ab
-                r = a.shape[1]
-                self.a[:, slot, p, :r].copy_(a)
+                r, lo = a.shape[1], p * self.rank
+                self.a[slot, :, lo:lo + r].copy_(a)
                 self.b[p][slot, :r].copy_(b)
 
     def clear(self, slot: int) -> None:
-        self.a[:, slot].zero_()
+        self.a[slot].zero_()
         for b in self.b:
             b[slot].zero_()
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y (the base projection of x, [T, out]) plus each row's adapter delta, in place."""
+        """y (the base projection of x, [T, out]) plus each adapter row's delta, in place."""
         step = _STEP
-        t, m, n, r = x.shape[0], step.m, len(self.b), self.rank
-        xl = x if x.dtype == self.dtype else x.to(self.dtype)
-        xa = xl @ self.a.view(self.in_size, -1)[:, :m * n * r]
-        xa = xa.view(t, m, n, r).mul_(step.onehot.view(t, m, 1, 1))
-        same = y.dtype == self.dtype
-        for p, (b, off, size) in enumerate(zip(self.b, self.offsets, self.part_sizes,
-                                               strict=True)):
-            xp = xa.view(t, m * r) if n == 1 else xa[:, :, p].reshape(t, m * r)
-            bp = b.view(-1, size)[:m * r]
-            out = y if n == 1 else y[:, off:off + size]
-            if same:
-                out.addmm_(xp, bp)
-            else:
-                out.add_((xp @ bp).to(y.dtype))
+        m, length = step.m, step.length
+        xs = x.index_select(0, step.gather)
+        if xs.dtype != self.dtype:
+            xs = xs.to(self.dtype)
+        if step.pad is not None:
+            xs.mul_(step.pad)
+        if step.slots is None:
+            a, bs = self.a[:m], [b[:m] for b in self.b]
+        else:
+            a = self.a.index_select(0, step.slots)
+            bs = [b.index_select(0, step.slots) for b in self.b]
+        xa = torch.bmm(xs.view(m, length, self.in_size), a)
+        r = self.rank
+        if len(bs) == 1:
+            delta = torch.bmm(xa, bs[0])
+        else:  # measured faster than index_add_ into each part's columns
+            delta = torch.cat([torch.bmm(xa[:, :, p * r:(p + 1) * r], b)
+                               for p, b in enumerate(bs)], dim=-1)
+        delta = delta.view(m * length, -1)
+        y.index_add_(0, step.gather, delta if delta.dtype == y.dtype else delta.to(y.dtype))
         return y
 
 
