@@ -62,7 +62,6 @@ class EngineLoad:
     waiting_lora_adapters: str = ""
     taken_at: float = 0.0  # time.time() of the snapshot
 
-
     @classmethod
     def of(cls, engine: Any) -> EngineLoad:
         """The snapshot of an LLMEngine, taken on the thread that steps it."""
