@@ -53,6 +53,8 @@ from fleetllm.entrypoints.openai.serving_completion import ServingCompletion
 from fleetllm.entrypoints.openai.serving_embedding import ServingEmbedding
 from fleetllm.entrypoints.openai.serving_engine import json_response, parse_body
 from fleetllm.entrypoints.openai.serving_tokenization import ServingTokenization
+from fleetllm.entrypoints.openai.tool_parsers import get_tool_parser
+from fleetllm.errors import ConfigurationError
 
 T = TypeVar("T")
 
@@ -71,14 +73,22 @@ class HTTPOptions:
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None,
               api_key: str | None = None, chat_template: str | None = None,
               state: ServerState | None = None, enable_sleep_mode: bool = False,
-              http: HTTPOptions | None = None) -> FastAPI:
+              http: HTTPOptions | None = None, enable_auto_tool_choice: bool = False,
+              tool_call_parser: str | None = None) -> FastAPI:
+    """`enable_auto_tool_choice` + `tool_call_parser` (a TOOL_PARSERS name): chat requests
+    with tools may leave the choice to the model (tool_choice "auto"), and the parser reads
+    its calls; vLLM's flags and rule (one without the other is a ConfigurationError)."""
     http = http or HTTPOptions()
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise ConfigurationError("--enable-auto-tool-choice needs --tool-call-parser")
+    parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     names = served_model_names or [engine.model_config.model]
     state = state or ServerState()
     metrics = PrometheusMetrics(names[0])
     engine.stat_loggers.append(metrics)
     completion = ServingCompletion(engine, names, chat_template)
-    chat = ServingChat(engine, names, chat_template)
+    chat = ServingChat(engine, names, chat_template,
+                       parser if enable_auto_tool_choice else None)
     embedding = ServingEmbedding(engine, names)
     tokenization = ServingTokenization(engine, names, chat_template)
 
