@@ -9,7 +9,8 @@ Each step picks which requests run and how many tokens each computes, within a t
    preempted (recompute or swap) until the current one fits.
 2. if nothing was preempted: swapped groups come back in, oldest first, while they fit.
 3. if nothing was preempted and none is left swapped: waiting groups, FCFS, each with a chunk of
-   its prompt; admission stops at the first that does not fit.
+   its prompt; admission stops at the first that does not fit. A group whose structured-output
+   grammar is still compiling is passed over (it keeps its place) until it is ready.
 
 Who updates what: the scheduler moves groups between queues, sets sequence statuses, owns the
 block tables and each group's stage (`in_prefill`). `schedule()` only plans: once the workers
@@ -268,8 +269,17 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutputs, budget: _Budget,
                           metadata: list[SequenceGroupMetadata]) -> None:
         bm = self.block_manager
+        compiling: list[SequenceGroup] = []  # grammars not ready: the others go first
         while self.waiting:
             group = self.waiting[0]
+            if group.grammar is not None:
+                if not group.grammar.ready:
+                    compiling.append(self.waiting.popleft())
+                    continue
+                if group.grammar.error() is not None:
+                    self._ignore(self.waiting.popleft(), out, "its structured output "
+                                 f"constraint does not compile: {group.grammar.error()}")
+                    continue
             seqs = group.unfinished_seqs()
             width = group.max_num_running_seqs()
             need = len(seqs) * bm.num_blocks_for(seqs[0].get_len())
@@ -295,6 +305,10 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             self._schedule_group(group, chunk, width, out, budget, metadata)
             self.running.append(group)
+        self.waiting.extendleft(reversed(compiling))
+
+    def waiting_for_grammars(self) -> list[SequenceGroup]:
+        return [g for g in self.waiting if g.grammar is not None and not g.grammar.ready]
 
     # ------------------------------------------------------------------ helpers
 

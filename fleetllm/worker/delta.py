@@ -33,7 +33,7 @@ class EncodedRequest:
     """An ExecuteModelRequest with token histories replaced by deltas where possible."""
 
     # per group: (request_id, is_prompt, seqs, sampling_params or None, block_tables,
-    #             token_chunk_size, do_sample, pooling_params);
+    #             token_chunk_size, do_sample, pooling_params, grammar_bitmask);
     #   seqs: [(seq_id, kind, a, b, num_computed, sample_index)]
     #   kind _FULL: a = prompt ids, b = output ids; _DELTA: a = None, b = new output ids
     groups: list[tuple]
@@ -110,7 +110,7 @@ class DeltaEncoder:
                 st[3] = len(out)
                 st[4] = out[-1] if out else None
             groups.append((rid, g.is_prompt, seqs, params, g.block_tables, g.token_chunk_size,
-                           g.do_sample, g.pooling_params))
+                           g.do_sample, g.pooling_params, g.grammar_bitmask))
         return EncodedRequest(groups, req.blocks_to_swap_in, req.blocks_to_swap_out,
                               req.blocks_to_copy, req.num_lookahead_slots,
                               req.running_queue_size, list(req.finished_requests_ids), reset)
@@ -145,7 +145,8 @@ class DeltaDecoder:
                 if kind == _DELTA and (sid not in self.seqs or self.seqs[sid][0] != rid):
                     raise DeltaDesync(f"sequence {sid} of request {rid!r} is not cached")
         groups = []
-        for rid, is_prompt, seqs, params, tables, chunk, do_sample, pooling in enc.groups:
+        for rid, is_prompt, seqs, params, tables, chunk, do_sample, pooling, bitmask in \
+                enc.groups:
             if params is None:
                 params = self.params[rid]
             else:
@@ -164,7 +165,7 @@ class DeltaDecoder:
                     self.req_seqs.setdefault(rid, set()).add(sid)
                 seq_data[sid] = SequenceData(prompt, out, computed, sample_index)
             groups.append(SequenceGroupMetadata(rid, is_prompt, seq_data, params, tables, chunk,
-                                                do_sample, pooling))
+                                                do_sample, pooling, bitmask))
         return ExecuteModelRequest(groups, enc.blocks_to_swap_in, enc.blocks_to_swap_out,
                                    enc.blocks_to_copy, enc.num_lookahead_slots,
                                    enc.running_queue_size, enc.finished_requests_ids)
