@@ -159,8 +159,8 @@ class OpenAIServing:
         self.max_model_len = engine.model_config.max_model_len
         self.vocab_size = engine.model_config.arch.vocab_size
         self.max_num_seqs = engine.config.scheduler_config.max_num_seqs
-        so_config = getattr(engine.config, "structured_outputs_config", None)
-        self.structured_outputs_backend: str | None = getattr(so_config, "backend", None)
+        self.structured_outputs_backend = \
+            engine.config.decoding_config.structured_outputs_backend
 
     @property
     def model_name(self) -> str:

@@ -1,5 +1,5 @@
 """Hermes-style tool calls (Hermes 2/3, Qwen2.5/3): `<tool_call>{"name": ..., "arguments":
-{...}}</tool_call>` blocks; the text outside them is the message's content."""
+{...}}</tool_call>` blocks; the text before the first one is the message's content."""
 
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ class HermesToolParser(ToolParser):
                 calls.append(ToolCallText(name, arguments_json(args)))
         except (ValueError, TypeError, KeyError):  # not a call after all: all of it is text
             return ExtractedToolCalls(False, content=text)
-        content = _BLOCK.sub("", text)
-        return ExtractedToolCalls(True, calls, content if content.strip() else None)
+        # vLLM's rule, which a stream can follow too: the content is what precedes the calls.
+        content = text[:text.find(START)]
+        return ExtractedToolCalls(True, calls, content or None)
 
     def split_stream(self, text: str, final: bool) -> tuple[str, list[ToolCallText]]:
         start = text.find(START)
