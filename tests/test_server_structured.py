@@ -325,3 +325,15 @@ def test_auto_tool_choice_needs_the_flags(tmp_path):
         r = httpx.post(f"{srv.url}/v1/chat/completions", json={
             "messages": MESSAGES, "tools": TOOLS, "tool_choice": "none", "max_tokens": 3})
         assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]
+
+
+def test_bench_serve_with_a_share_of_grammar_requests(server):
+    """--structured-fraction 0.5: half the requests follow the schema; TPOT per class."""
+    from fleetllm.benchmarks.serve import main
+
+    result = main(["--base-url", server.url, "--num-prompts", "8", "--input-len", "16",
+                   "--output-len", "24", "--structured-fraction", "0.5", "--quiet"])
+    assert result["failed"] == 0, result["errors"]
+    assert result["plain_completed"] == result["structured_completed"] == 4
+    assert result["plain_mean_tpot_ms"] > 0 and result["structured_mean_tpot_ms"] > 0
+    assert result["plain_output_tokens"] == 4 * 24  # ignore_eos: all of output_len
