@@ -125,6 +125,38 @@ class GuidanceMatcher(Matcher):
         return self._m.is_stopped()
 
 
+# Two holes in xgrammar 0.2's character classes, closed by rewriting the grammar's EBNF:
+# - a string with a length bound takes any character but " \ CR LF, control characters
+#   included, which JSON forbids unescaped (json.loads refuses them); its unbounded strings
+#   exclude \0-\x1f, as the bounded ones now do;
+# - a negated class ([^...], and "." as [\0-\U0010ffff]) matches UTF-8-encoded surrogates
+#   (U+D800-U+DFFF: bytes ED A0-BF ..), which no UTF-8 decoder accepts: a byte-level
+#   tokenizer's single-byte tokens can spell them, and the text shows U+FFFD.
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+_ANY_CHAR = r"[\0-\U0010ffff]"
+_SURROGATES = r"\ud800-\udfff"
+# a quoted literal (kept as it is) | a negated class
+_EBNF_PIECE = re.compile(r'"(?:\\.|[^"\\])*"|\[\^((?:\\.|[^\]\\])*)\]')
+
+
+def _valid_utf8_classes(grammar: Any, json_strings: bool = False) -> Any:
+    import xgrammar as xgr
+
+    text = str(grammar)
+    if json_strings:
+        text = text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+    text = text.replace(_ANY_CHAR, f"[^{_SURROGATES}]")
+
+    def close(m: re.Match) -> str:
+        body = m.group(1)
+        if body is None or body.endswith(_SURROGATES):
+            return m.group(0)
+        return f"[^{body}{_SURROGATES}]"
+
+    return xgr.Grammar.from_ebnf(_EBNF_PIECE.sub(close, text))
+
+
 class XgrammarBackend:
     name = "xgrammar"
 
@@ -139,18 +171,19 @@ class XgrammarBackend:
         kind = params.kind
         try:
             if kind == "json":
-                return xgr.Grammar.from_json_schema(_schema_text(params), **self._spacing(params))
+                return _valid_utf8_classes(xgr.Grammar.from_json_schema(
+                    _schema_text(params), **self._spacing(params)), json_strings=True)
             if kind == "json_object":
-                return xgr.Grammar.from_json_schema('{"type": "object"}',
-                                                    **self._spacing(params))
-            if kind == "regex":
-                return xgr.Grammar.from_regex(params.regex)
+                return _valid_utf8_classes(xgr.Grammar.from_json_schema(
+                    '{"type": "object"}', **self._spacing(params)), json_strings=True)
             if kind == "choice":
                 return xgr.Grammar.from_ebnf(
                     "root ::= " + " | ".join(_literal(c) for c in params.choice))
+            if kind == "regex":
+                return _valid_utf8_classes(xgr.Grammar.from_regex(params.regex))
             if _is_lark(params.grammar):
-                return xgr.Grammar.from_lark(params.grammar)
-            return xgr.Grammar.from_ebnf(params.grammar)
+                return _valid_utf8_classes(xgr.Grammar.from_lark(params.grammar))
+            return _valid_utf8_classes(xgr.Grammar.from_ebnf(params.grammar))
         except InvalidRequestError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with its message
@@ -209,10 +242,10 @@ class GuidanceBackend:
             elif kind == "choice":
                 grammar = m.grammar_from_lark(
                     "start: " + " | ".join(_literal(c) for c in params.choice))
-            elif _is_lark(params.grammar):
-                grammar = m.grammar_from_lark(params.grammar)
-            else:
-                grammar = m.grammar_from_lark(llguidance.gbnf_to_lark(params.grammar))
+            else:  # Lark as it is; EBNF (GBNF) converted
+                from llguidance.gbnf_to_lark import any_to_lark
+
+                grammar = m.grammar_from_lark(any_to_lark(params.grammar))
         except InvalidRequestError:
             raise
         except Exception as e:

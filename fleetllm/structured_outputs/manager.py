@@ -73,6 +73,23 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self.words = (vocab_size + 31) // 32
+        self._special: torch.Tensor | None = None
+
+    def _no_special_tokens(self) -> torch.Tensor:
+        """Packed mask without the tokenizer's special tokens (but its EOS): a grammar is
+        text, and xgrammar reads a special token as its literal text ("<s>" matching "."),
+        which the output then drops (skip_special_tokens) and no longer matches."""
+        if self._special is None:
+            tokenizer, vocab, eos = self._args
+            special = {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                       if getattr(t, "special", False)}
+            special |= set(getattr(tokenizer, "all_special_ids", []))
+            allowed = torch.ones(self.words * 32, dtype=torch.bool)
+            allowed[[i for i in special if i not in eos and 0 <= i < vocab]] = False
+            shifts = torch.arange(32, dtype=torch.int64)
+            packed = (allowed.view(self.words, 32).long() << shifts).sum(dim=1)
+            self._special = packed.to(torch.int32)  # wraps: bit 31 is the sign bit
+        return self._special
 
     def _backend(self, name: str) -> Any:
         if name not in self._backends:
@@ -146,7 +163,7 @@ class StructuredOutputManager:
                 matcher = self._synced(seqs_by_id[seq_id], grammar)
                 if matcher is not None:  # else: left open; accept() ends the sequence
                     matcher.fill(bitmask, row)
-            md.grammar_bitmask = bitmask
+            md.grammar_bitmask = bitmask & self._no_special_tokens()
 
     def accept(self, seq: Sequence, grammar: Grammar) -> str | None:
         """After a token was appended: "end" if the grammar is complete, "refused" if the
