@@ -221,6 +221,24 @@ def test_named_tool_call(client, stream):
         [(name, _)] = check_calls(calls, {"get_weather"})
 
 
+class GetWeather(BaseModel):
+    city: Literal["Paris", "Rome"]
+    days: int
+
+
+def test_parse_with_a_pydantic_function_tool(client):
+    """The client's strict function tools: the named call's arguments come back parsed."""
+    tool = openai.pydantic_function_tool(GetWeather)
+    out = client.chat.completions.parse(
+        model=NAME, messages=MESSAGES, tools=[tool], **SAMPLING,
+        tool_choice={"type": "function", "function": {"name": "GetWeather"}})
+    [choice] = out.choices
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.function.name == "GetWeather"
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+
+
 HERMES_CALL = (r'<tool_call>\{"name": "get_time", "arguments": \{"utc": (true|false)\}\}'
                r'</tool_call>')
 

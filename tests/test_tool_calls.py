@@ -290,3 +290,18 @@ def test_an_answer_cut_short_stays_content():
     assert read_answer(plan, text, "length") == (text, None, "length")
     named = ToolPlan("named", function="get_time")
     assert read_answer(named, "{}", "length") == ("{}", None, "length")
+
+
+def test_serve_refuses_auto_tool_choice_without_a_parser():
+    import argparse
+
+    from fleetllm.entrypoints.openai.cli_args import add_serve_args
+    from fleetllm.entrypoints.openai.launcher import run_serve
+
+    parser = add_serve_args(argparse.ArgumentParser())
+    with pytest.raises(ConfigurationError, match="--tool-call-parser"):
+        run_serve(parser.parse_args(["--enable-auto-tool-choice"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tool-call-parser", "mistral"])
+    args = parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "llama3_json"
