@@ -32,8 +32,8 @@ from fleetllm.entrypoints.openai.structured_outputs import (
 )
 from fleetllm.entrypoints.openai.tool_parsers import ToolCallText, ToolParser
 from fleetllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    CallScanner,
     arguments_json,
-    calls_in,
     tool_call_id,
 )
 
@@ -110,6 +110,9 @@ class ToolCallStreamer:
     text: str = ""
     content_sent: int = 0
     sent: list[int] = field(default_factory=list)  # per call: argument characters sent
+    _scanner: CallScanner | None = None
+    _scanned: int = 0  # how much of the text the scanner has read
+    _done: int = 0  # calls before this one are complete and sent
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[DeltaToolCall]]:
         self.text += delta
@@ -117,7 +120,7 @@ class ToolCallStreamer:
         new_content = content[self.content_sent:]
         self.content_sent = len(content)
         deltas = []
-        for index, call in enumerate(calls):
+        for index, call in enumerate(calls, self._done):
             if call.name is None:
                 break  # calls come in order: wait for this one's name
             if index == len(self.sent):
@@ -129,17 +132,31 @@ class ToolCallStreamer:
                 deltas.append(DeltaToolCall(index=index, function=DeltaFunctionCall(
                     arguments=call.arguments[self.sent[index]:])))
                 self.sent[index] = len(call.arguments)
+            if call.done and index == self._done:
+                self._done += 1  # all of it sent: never read again
         return new_content, deltas
 
     def _split(self, final: bool) -> tuple[str, list[ToolCallText]]:
         if self.plan.mode == "named":
             return "", [ToolCallText(self.plan.function, self.text)] if self.text else []
         if self.plan.mode == "required":
-            return "", calls_in(self.text, 2, ("parameters",))
+            return "", self._calls(0, 2, ("parameters",))
         if self.plan.mode == "auto":
-            assert self.plan.parser is not None
-            return self.plan.parser.split_stream(self.text, final)
+            parser = self.plan.parser
+            assert parser is not None
+            content, start = parser.split_stream(self.text, final)
+            calls = [] if start is None else self._calls(start, parser.calls_depth,
+                                                         parser.args_keys)
+            return content, calls
         return self.text, []
+
+    def _calls(self, start: int, depth: int, args_keys: tuple[str, ...]
+               ) -> list[ToolCallText]:
+        """The calls in the text from `start` on, read incrementally."""
+        if self._scanner is None:
+            self._scanner, self._scanned = CallScanner(depth, args_keys), start
+        chunk, self._scanned = self.text[self._scanned:], len(self.text)
+        return self._scanner.feed(chunk, self._done)
 
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if self.sent and reason == "stop" else reason

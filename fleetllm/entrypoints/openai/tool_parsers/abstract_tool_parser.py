@@ -8,11 +8,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from fleetllm.entrypoints.openai.tool_parsers.json_scan import (
-    complete_string,
-    member_text,
-    object_members,
-)
+from fleetllm.entrypoints.openai.tool_parsers.json_scan import MemberScanner
 
 
 @dataclass
@@ -21,6 +17,7 @@ class ToolCallText:
 
     name: str | None
     arguments: str = ""
+    done: bool = False  # the arguments are complete
 
 
 @dataclass
@@ -39,15 +36,26 @@ def arguments_json(value: object) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def calls_in(text: str, depth: int, args_keys: tuple[str, ...]) -> list[ToolCallText]:
-    """The calls in JSON text that may still be growing: objects at `depth` with a "name"
-    and their arguments under the first of `args_keys` that is present."""
-    calls = []
-    for members in object_members(text, depth):
-        args = next((a for k in args_keys if (a := member_text(text, members, k)) is not None),
-                    "")
-        calls.append(ToolCallText(complete_string(text, members, "name"), args))
-    return calls
+class CallScanner:
+    """The calls in JSON text that grows: objects at `depth` with a "name" and their
+    arguments under the first of `args_keys` present."""
+
+    def __init__(self, depth: int, args_keys: tuple[str, ...]):
+        self.scanner = MemberScanner(depth)
+        self.args_keys = args_keys
+
+    def feed(self, chunk: str, first: int = 0) -> list[ToolCallText]:
+        """The calls from index `first` on (the earlier ones are done and sent: reading
+        them again would make a long stream quadratic)."""
+        s = self.scanner
+        s.feed(chunk)
+        calls = []
+        for members in s.objects[first:]:
+            key = next((k for k in self.args_keys if k in members), None)
+            args = "" if key is None else s.member_text(members, key) or ""
+            done = key is not None and members[key][1] is not None
+            calls.append(ToolCallText(s.complete_string(members, "name"), args, done))
+        return calls
 
 
 class ToolParser:
@@ -58,9 +66,15 @@ class ToolParser:
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
         raise NotImplementedError
 
-    def split_stream(self, text: str, final: bool) -> tuple[str, list[ToolCallText]]:
-        """(the content so far, never taken back later; the calls so far). Until `final`,
-        text that may still turn out to start a call is held back from the content."""
+    # Where the calls are, for a stream: objects at this depth of the JSON after
+    # split_stream's offset, their arguments under the first of these keys present.
+    calls_depth = 1
+    args_keys: tuple[str, ...] = ("arguments",)
+
+    def split_stream(self, text: str, final: bool) -> tuple[str, int | None]:
+        """(the content so far, never taken back later; where the calls' JSON starts, or
+        None while there are no calls). Until `final`, text that may still turn out to start
+        a call is held back from the content. Once given, the offset never changes."""
         raise NotImplementedError
 
 

@@ -11,7 +11,6 @@ from fleetllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ToolCallText,
     ToolParser,
     arguments_json,
-    calls_in,
     held_back,
 )
 
@@ -41,9 +40,9 @@ class HermesToolParser(ToolParser):
         content = text[:text.find(START)]
         return ExtractedToolCalls(True, calls, content or None)
 
-    def split_stream(self, text: str, final: bool) -> tuple[str, list[ToolCallText]]:
+    def split_stream(self, text: str, final: bool) -> tuple[str, int | None]:
         start = text.find(START)
         if start < 0:
-            return (text if final else held_back(text, START)), []
+            return (text if final else held_back(text, START)), None
         # The tags hold no JSON characters, so the blocks read as a row of objects.
-        return text[:start], calls_in(text[start:], 1, ("arguments",))
+        return text[:start], start

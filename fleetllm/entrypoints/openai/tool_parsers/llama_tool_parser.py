@@ -11,19 +11,18 @@ from fleetllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ToolCallText,
     ToolParser,
     arguments_json,
-    calls_in,
 )
 
 PYTHON_TAG = "<|python_tag|>"
 _ARGS = ("parameters", "arguments")
 
 
-def _json_part(text: str) -> str | None:
-    """The text after the tag, or all of it when it starts with '{'; None: content."""
-    stripped = text.lstrip()
-    if stripped.startswith(PYTHON_TAG):
-        return stripped[len(PYTHON_TAG):]
-    return stripped if stripped.startswith("{") else None
+def _json_start(text: str) -> int | None:
+    """Where the calls start: after the tag, or at a first '{'; None: the text is content."""
+    start = len(text) - len(text.lstrip())
+    if text.startswith(PYTHON_TAG, start):
+        return start + len(PYTHON_TAG)
+    return start if text.startswith("{", start) else None
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -31,9 +30,10 @@ class Llama3JsonToolParser(ToolParser):
     special_tokens = (PYTHON_TAG,)
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
-        part = _json_part(text)
-        if part is None:
+        start = _json_start(text)
+        if start is None:
             return ExtractedToolCalls(False, content=text)
+        part = text[start:]
         decoder = json.JSONDecoder()
         calls, i = [], 0
         try:
@@ -51,11 +51,11 @@ class Llama3JsonToolParser(ToolParser):
             return ExtractedToolCalls(False, content=text)
         return ExtractedToolCalls(bool(calls), calls, None if calls else text)
 
-    def split_stream(self, text: str, final: bool) -> tuple[str, list[ToolCallText]]:
+    args_keys = _ARGS
+
+    def split_stream(self, text: str, final: bool) -> tuple[str, int | None]:
         stripped = text.lstrip()
         if not final and (not stripped or PYTHON_TAG.startswith(stripped)):
-            return "", []  # not decided yet
-        part = _json_part(text)
-        if part is None:
-            return text, []
-        return "", calls_in(part, 1, _ARGS)
+            return "", None  # not decided yet
+        start = _json_start(text)
+        return (text, None) if start is None else ("", start)
