@@ -19,6 +19,7 @@ from typing import Any
 from fleetllm.entrypoints.openai.errors import APIError
 from fleetllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,
@@ -69,6 +70,29 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: ToolParser | None) -> To
     return ToolPlan("auto", parser=auto_parser)
 
 
+def template_message(m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it. A replayed call's arguments go in as a dict, as
+    transformers' templates expect (vLLM does the same); text that is not a JSON object
+    stays a string."""
+    message: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name:
+        message["name"] = m.name
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            try:
+                args: Any = json.loads(call.function.arguments)
+            except ValueError:
+                args = call.function.arguments
+            calls.append({"id": call.id, "type": call.type, "function": {
+                "name": call.function.name,
+                "arguments": args if isinstance(args, dict) else call.function.arguments}})
+        message["tool_calls"] = calls
+    return message
+
+
 def _tool_call(call: ToolCallText) -> ToolCall:
     return ToolCall(id=tool_call_id(), function=FunctionCall(name=call.name or "",
                                                              arguments=call.arguments))
@@ -113,6 +137,8 @@ class ToolCallStreamer:
     _scanner: CallScanner | None = None
     _scanned: int = 0  # how much of the text the scanner has read
     _done: int = 0  # calls before this one are complete and sent
+    _split_at: int | None = None  # "auto": where the calls start, once they do
+    _content: str = ""  # "auto": the content before them
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[DeltaToolCall]]:
         self.text += delta
@@ -144,10 +170,13 @@ class ToolCallStreamer:
         if self.plan.mode == "auto":
             parser = self.plan.parser
             assert parser is not None
-            content, start = parser.split_stream(self.text, final)
-            calls = [] if start is None else self._calls(start, parser.calls_depth,
-                                                         parser.args_keys)
-            return content, calls
+            if self._split_at is None:  # once the calls start, the content is settled
+                content, self._split_at = parser.split_stream(self.text, final)
+                if self._split_at is None:
+                    return content, []
+                self._content = content
+            return self._content, self._calls(self._split_at, parser.calls_depth,
+                                              parser.args_keys)
         return self.text, []
 
     def _calls(self, start: int, depth: int, args_keys: tuple[str, ...]

@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from fleetllm.engine.async_engine import AsyncLLMEngine, RequestStream
 from fleetllm.engine.llm_engine import PromptType
 from fleetllm.engine.outputs import PoolingRequestOutput, RequestOutput
+from fleetllm.entrypoints.openai.chat_tools import template_message
 from fleetllm.entrypoints.openai.errors import (
     APIError,
     api_error_from,
@@ -252,7 +253,7 @@ class OpenAIServing:
         if not template:
             raise APIError(400, "this model has no chat template: start the server with "
                            "--chat-template FILE, or use /v1/completions", "messages")
-        conversation = [_template_message(m) for m in messages]
+        conversation = [template_message(m) for m in messages]
         tool_dicts = None if not tools else [t.model_dump(exclude_none=True) for t in tools]
         try:
             text = await self.engine.run_in_tokenizer_thread(
@@ -293,29 +294,6 @@ class OpenAIServing:
             _undo(tasks)
             raise api_error_from(error) from None
         return [t.result() for t in tasks]
-
-
-def _template_message(m: ChatMessage) -> dict[str, Any]:
-    """A message as chat templates read it. A replayed call's arguments go in as a dict, as
-    transformers' templates expect (vLLM does the same); text that is not a JSON object
-    stays a string."""
-    message: dict[str, Any] = {"role": m.role, "content": m.text()}
-    if m.name:
-        message["name"] = m.name
-    if m.tool_call_id is not None:
-        message["tool_call_id"] = m.tool_call_id
-    if m.tool_calls:
-        calls = []
-        for call in m.tool_calls:
-            try:
-                args: Any = json.loads(call.function.arguments)
-            except ValueError:
-                args = call.function.arguments
-            calls.append({"id": call.id, "type": call.type, "function": {
-                "name": call.function.name,
-                "arguments": args if isinstance(args, dict) else call.function.arguments}})
-        message["tool_calls"] = calls
-    return message
 
 
 def _undo(tasks: list[asyncio.Future]) -> None:
