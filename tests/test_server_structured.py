@@ -317,6 +317,8 @@ def test_malformed_constraints_are_400s_naming_the_problem(server, body, param, 
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"},
      "guided_regex, tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "nonsense"}}}], "tool_choice": "required"}, "nonsense"),
 ])
 def test_tool_errors_are_400s(server, body, words):
     r = httpx.post(f"{server.url}/v1/chat/completions",
