@@ -24,6 +24,7 @@ _EXPORTS = {
     "EmbeddingRequestOutput": "fleetllm.engine.outputs",
     "ScoringRequestOutput": "fleetllm.engine.outputs",
     "EngineConfig": "fleetllm.config",
+    "LoRARequest": "fleetllm.lora.request",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

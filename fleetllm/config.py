@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from fleetllm.errors import ConfigurationError, InvalidRequestError, ModelLoadError
+from fleetllm.lora.config import LoRAConfig
 from fleetllm.model.pooler import PoolerConfig, checkpoint_pooler, is_sentence_transformers
 from fleetllm.utils import check_field_types
 
@@ -423,7 +424,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
     load_config: LoadConfig
-    lora_config: Any = None
+    lora_config: LoRAConfig | None = None  # set when enable_lora (fleetllm/lora/)
     speculative_config: Any = None
     observability_config: Any = None
     decoding_config: DecodingConfig = field(default_factory=DecodingConfig)
@@ -441,6 +442,8 @@ class EngineConfig:
                f"intermediate_size {a.intermediate_size} is not divisible by {tp}")
         _check(pp <= a.num_layers, "pipeline_parallel_size",
                f"{pp} stages for a model of {a.num_layers} layers: use at most {a.num_layers}")
+        _check(self.lora_config is None or not m.is_pooling, "enable_lora",
+               "LoRA adapters apply to generating models only (task='generate')")
 
     @classmethod
     def from_kwargs(cls, model: str | os.PathLike, **kwargs: Any) -> EngineConfig:
@@ -476,8 +479,21 @@ class EngineConfig:
             parts[SchedulerConfig].setdefault(
                 "max_num_batched_tokens", max(2048, model_config.max_model_len))
             parts[CacheConfig].setdefault("enable_prefix_caching", False)
+        if "lora_config" in kwargs:  # a LoRAConfig itself (or None), not the flat fields
+            if parts[LoRAConfig]:
+                raise ConfigurationError("lora_config: pass it or the flat LoRA arguments "
+                                         f"({', '.join(parts[LoRAConfig])}), not both")
+            lora = kwargs["lora_config"]
+            if lora is not None and not isinstance(lora, LoRAConfig):
+                raise ConfigurationError(f"lora_config: must be a LoRAConfig, got {lora!r}")
+        else:
+            lora = LoRAConfig(**parts[LoRAConfig])
+            if not lora.enable_lora:  # the other LoRA settings are ignored, as in vLLM
+                lora = None
+        extras.pop("lora_config", None)
         return cls(
             model_config=model_config,
+            lora_config=lora,
             cache_config=CacheConfig(**parts[CacheConfig]),
             parallel_config=ParallelConfig(**parts[ParallelConfig]),
             scheduler_config=SchedulerConfig(**parts[SchedulerConfig]),
@@ -530,7 +546,7 @@ VLLM_ARGS: dict[str, VllmArg] = {
     "quantization": VllmArg(None, "fleetllm runs unquantized checkpoints only", True),
     "speculative_model": VllmArg(None, "no speculative decoding in fleetllm", True),
     "num_speculative_tokens": VllmArg(None, "no speculative decoding in fleetllm", True),
-    "enable_lora": VllmArg(False, "no LoRA adapters in fleetllm", True),
+    "fully_sharded_loras": VllmArg(False, "adapters are sharded as their base layers are"),
     "enable_prompt_adapter": VllmArg(False, "no prompt adapters in fleetllm", True),
     "rope_scaling": VllmArg(None, "rope scaling comes from the checkpoint's config.json",
                             True),
@@ -544,7 +560,7 @@ VLLM_ARGS: dict[str, VllmArg] = {
 
 
 _SECTIONS = (ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, DeviceConfig, LoadConfig,
-             DecodingConfig)
+             DecodingConfig, LoRAConfig)
 
 
 def engine_arg_fields() -> list[tuple[type, dataclasses.Field]]:

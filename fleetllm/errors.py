@@ -121,6 +121,12 @@ class InvalidRequestError(FleetLLMError, ValueError):
     code = "E007"
 
 
+class LoRAAdapterError(InvalidRequestError, ConfigurationError):
+    """A LoRA adapter that cannot be served (unsupported modules, DoRA, rank above
+    max_lora_rank, no safetensors file, ...): the request or add_lora naming it is refused.
+    Both an InvalidRequestError (that request only; HTTP 400) and a ConfigurationError."""
+
+
 class EngineSleepingError(FleetLLMError, RuntimeError):
     """The engine is asleep (sleep() freed its KV cache, and maybe its weights): wake_up()
     first. Raised by a step with work to run (the requests stay queued and run after

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fleetllm.lora.request import LoRARequest
 from fleetllm.pooling_params import PoolingParams
 from fleetllm.sampling_params import SamplingParams
 
@@ -72,6 +73,7 @@ class SequenceGroupMetadata:
     # Structured outputs: per sequence (in seq_data's order) the tokens its grammar allows
     # next, packed int32 [num_seqs, ceil(vocab / 32)]; None for a request without one.
     grammar_bitmask: Any = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base)
 
 
 @dataclass
@@ -152,9 +154,13 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One generated continuation of a prompt: its tokens, text and logprobs so far."""
 
-    def __init__(self, seq_id: int, prompt: str | None, prompt_token_ids: list[int]):
+    def __init__(self, seq_id: int, prompt: str | None, prompt_token_ids: list[int],
+                 cache_salt: bytes | None = None):
         self.seq_id = seq_id
         self.prompt = prompt
+        # Seeds its prefix-cache hashes: KV computed under one LoRA adapter is never found
+        # by a request under another, or under the base model (None).
+        self.cache_salt = cache_salt
         self.data = SequenceData(list(prompt_token_ids))
         self.status = SequenceStatus.WAITING
         self.output_text = ""
@@ -224,10 +230,12 @@ class SequenceGroup:
 
     def __init__(self, request_id: str, seqs: list[Sequence], sampling_params: SamplingParams,
                  arrival_time: float | None = None,
-                 pooling_params: PoolingParams | None = None):
+                 pooling_params: PoolingParams | None = None,
+                 lora_request: LoRARequest | None = None):
         self.request_id = request_id
         self.seqs = seqs
         self.sampling_params = sampling_params
+        self.lora_request = lora_request
         # A pooling request: runs its prompt once, then finishes with pooled_data.
         self.pooling_params = pooling_params
         self.pooled_data: Any = None

@@ -114,7 +114,7 @@ def test_vllm_engine_args_that_mean_nothing_warn_once_each(tiny_models, caplog):
     (dict(quantization="awq"), "quantization"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
     (dict(speculative_model="/some/draft"), "speculative_model"),
-    (dict(enable_lora=True), "enable_lora"),
+    (dict(enable_prompt_adapter=True), "enable_prompt_adapter"),
 ])
 def test_vllm_engine_args_that_would_change_results_are_refused(tiny_models, kwargs, name):
     with pytest.raises(ConfigurationError, match=f"^\\[E005\\] {name}: .*not supported"):

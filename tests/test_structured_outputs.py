@@ -288,3 +288,16 @@ def test_a_grammar_that_only_allows_eos_wins_over_min_tokens():
     params = SamplingParams(temperature=0, min_tokens=5, eos_token_ids=[eos])
     out = sample(torch.randn(1, vocab), [SampleRow(0, params, [1], [], None, allowed=allowed)])
     assert out.token_ids == [eos]
+
+
+def test_bench_grammar_reports_both_backends(capsys):
+    import argparse
+
+    from fleetllm.benchmarks import grammar
+
+    result = grammar.run(argparse.Namespace(model=None, vocab_size=None, tokens=5,
+                                            backends="xgrammar,guidance"))
+    assert set(result) == {"xgrammar", "guidance"}
+    for figures in result.values():
+        assert len(figures) == 4 and all(f["mask_us"] > 0 for f in figures.values())
+    assert "mask us/token" in capsys.readouterr().out

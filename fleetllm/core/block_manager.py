@@ -250,7 +250,8 @@ class BlockManager:
             n_prompt = len(data.prompt_token_ids)
             tokens = data.prompt_token_ids[i * bs:(i + 1) * bs] if (i + 1) * bs <= n_prompt \
                 else data.all_token_ids[i * bs:(i + 1) * bs]
-            hashes.append(block_hash(hashes[-1] if hashes else None, tokens))
+            # The first block's parent is the sequence's salt: its LoRA adapter, if any.
+            hashes.append(block_hash(hashes[-1] if hashes else seq.cache_salt, tokens))
         return hashes
 
     def prefix_hits(self, seq_group: SequenceGroup) -> list[int]:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from fleetllm.config import CacheConfig, SchedulerConfig
 from fleetllm.core.block_manager import BlockManager
+from fleetllm.lora.config import LoRAConfig
 from fleetllm.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
 
 
@@ -72,6 +73,8 @@ class _Budget:
     max_seqs: int
     tokens: int = 0
     seqs: int = 0
+    max_loras: int = 0  # distinct LoRA adapters a step may use (0: LoRA is off)
+    loras: set[int] = field(default_factory=set)
 
     @property
     def tokens_left(self) -> int:
@@ -80,17 +83,26 @@ class _Budget:
     def fits_seqs(self, n: int) -> bool:
         return self.seqs + n <= self.max_seqs
 
+    def fits_lora(self, group: SequenceGroup) -> bool:
+        """The group's adapter is one of the step's already, or there is room for one more
+        (the workers have max_loras device slots)."""
+        lora = group.lora_request
+        return lora is None or lora.lora_int_id in self.loras or \
+            len(self.loras) < self.max_loras
+
 
 def _by_arrival(queue: Iterable[SequenceGroup]) -> deque[SequenceGroup]:
     return deque(sorted(queue, key=lambda g: g.arrival_time))  # stable: ties keep order
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 lora_config: LoRAConfig | None = None):
         if cache_config.num_gpu_blocks is None:
             raise ValueError("cache_config.num_gpu_blocks must be measured before the "
                              "scheduler is built")
         self.config = scheduler_config
+        self.max_loras = 0 if lora_config is None else lora_config.max_loras
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.block_manager = BlockManager(cache_config.block_size, cache_config.num_gpu_blocks,
                                           cache_config.num_cpu_blocks or 0,
@@ -201,7 +213,8 @@ class Scheduler:
     def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
         self._reap_finished()
         out = SchedulerOutputs()
-        budget = _Budget(self.max_num_batched_tokens, self.config.max_num_seqs)
+        budget = _Budget(self.max_num_batched_tokens, self.config.max_num_seqs,
+                         max_loras=self.max_loras)
         metadata: list[SequenceGroupMetadata] = []
         self._schedule_running(out, budget, metadata)
         if not out.preempted:
@@ -227,7 +240,7 @@ class Scheduler:
             else:
                 reserved -= n
                 chunk = 1 if n <= budget.tokens_left else 0
-            if chunk <= 0 or not budget.fits_seqs(n):
+            if chunk <= 0 or not budget.fits_seqs(n) or not budget.fits_lora(group):
                 kept.append(group)  # keeps its blocks; runs in a later step
                 continue
             # Make room by preempting from the back; the else branch runs when it fits.
@@ -256,7 +269,8 @@ class Scheduler:
                 self._ignore(self.swapped.popleft(), out, "its KV blocks no longer fit in "
                              f"the whole pool of {bm.num_gpu_blocks} blocks")
                 continue
-            if chunk <= 0 or not budget.fits_seqs(n) or not bm.can_swap_in(group, chunk):
+            if chunk <= 0 or not budget.fits_seqs(n) or not budget.fits_lora(group) or \
+                    not bm.can_swap_in(group, chunk):
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.update(bm.swap_in(group))
@@ -269,17 +283,22 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutputs, budget: _Budget,
                           metadata: list[SequenceGroupMetadata]) -> None:
         bm = self.block_manager
-        compiling: list[SequenceGroup] = []  # grammars not ready: the others go first
+        # Passed over, keeping their place at the head of the queue: groups whose grammar
+        # is still compiling, and groups whose adapter would exceed the step's max_loras.
+        passed: list[SequenceGroup] = []
         while self.waiting:
             group = self.waiting[0]
             if group.grammar is not None:
                 if not group.grammar.ready:
-                    compiling.append(self.waiting.popleft())
+                    passed.append(self.waiting.popleft())
                     continue
                 if group.grammar.error() is not None:
                     self._ignore(self.waiting.popleft(), out, "its structured output "
                                  f"constraint does not compile: {group.grammar.error()}")
                     continue
+            if not budget.fits_lora(group):
+                passed.append(self.waiting.popleft())
+                continue
             seqs = group.unfinished_seqs()
             width = group.max_num_running_seqs()
             need = len(seqs) * bm.num_blocks_for(seqs[0].get_len())
@@ -305,7 +324,7 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             self._schedule_group(group, chunk, width, out, budget, metadata)
             self.running.append(group)
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(passed))
 
     def waiting_for_grammars(self) -> list[SequenceGroup]:
         return [g for g in self.waiting if g.grammar is not None and not g.grammar.ready]
@@ -342,11 +361,13 @@ class Scheduler:
         out.scheduled_seq_groups.append(ScheduledSequenceGroup(group, chunk, do_sample))
         budget.tokens += chunk * len(seqs)
         budget.seqs += num_seqs
+        if group.lora_request is not None:
+            budget.loras.add(group.lora_request.lora_int_id)
         metadata.append(SequenceGroupMetadata(
             request_id=group.request_id, is_prompt=group.is_prefill(),
             seq_data={s.seq_id: s.data for s in seqs}, sampling_params=group.sampling_params,
             block_tables=tables, token_chunk_size=chunk, do_sample=do_sample,
-            pooling_params=group.pooling_params))
+            pooling_params=group.pooling_params, lora_request=group.lora_request))
         if group.metrics.first_scheduled_time is None:
             now = time.time()
             group.metrics.first_scheduled_time = now

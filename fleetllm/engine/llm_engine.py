@@ -22,14 +22,17 @@ from typing import Any
 from fleetllm.config import EngineConfig, read_json
 from fleetllm.core.scheduler import Scheduler, SchedulerOutputs
 from fleetllm.engine.detokenizer import Detokenizer, find_stop_string, held_back_length
+from fleetllm.engine.lora_requests import LoRARequests
 from fleetllm.engine.outputs import PoolingRequestOutput, RequestOutput, request_output
 from fleetllm.engine.recovery import RecoveryMixin
 from fleetllm.errors import (
     CommunicationTimeoutError,
+    ConfigurationError,
     EngineSleepingError,
     InvalidRequestError,
 )
 from fleetllm.executor import Executor
+from fleetllm.lora.request import LoRARequest
 from fleetllm.pooling_params import PoolingParams
 from fleetllm.sampling_params import SamplingParams
 from fleetllm.sequence import (
@@ -76,7 +79,9 @@ class LLMEngine(RecoveryMixin):
         except BaseException:
             self.model_executor.shutdown()
             raise
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
+                                   config.lora_config)
+        self.lora_requests = LoRARequests(config)
         self.seq_groups: dict[str, SequenceGroup] = {}
         self._seq_ids = itertools.count()
         # Ended since the workers last heard: they drop per-request state for these ids.
@@ -116,9 +121,13 @@ class LLMEngine(RecoveryMixin):
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | PoolingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request: SamplingParams to generate, PoolingParams for a pooling model.
-        Raises InvalidRequestError (and queues nothing) if it can never be served."""
+                    arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Queue a request: SamplingParams to generate, PoolingParams for a pooling model;
+        `lora_request` runs it with that LoRA adapter (enable_lora). Raises
+        InvalidRequestError (and queues nothing) if it can never be served; a bad adapter is
+        a LoRAAdapterError, an InvalidRequestError."""
+        salt = self.lora_requests.check(lora_request)
         text, token_ids = self._tokenize(prompt)
         pooling = self._pooling_params(params)
         if pooling is not None:
@@ -132,9 +141,9 @@ class LLMEngine(RecoveryMixin):
         # Parsed now (a malformed schema is refused here), compiled off the step path.
         grammar = None if params.structured_outputs is None else \
             self.structured_outputs.prepare(params.structured_outputs)
-        seq = Sequence(next(self._seq_ids), text, token_ids)
+        seq = Sequence(next(self._seq_ids), text, token_ids, salt)
         self.detokenizer.start(seq, params)
-        group = SequenceGroup(request_id, [seq], params, arrival_time, pooling)
+        group = SequenceGroup(request_id, [seq], params, arrival_time, pooling, lora_request)
         group.grammar = grammar
         with self._lock:
             if request_id in self.seq_groups:
@@ -220,6 +229,31 @@ class LLMEngine(RecoveryMixin):
         if bad:
             raise InvalidRequestError(f"{what} {bad[:5]} are outside the vocabulary "
                                       f"[0, {vocab})")
+
+    # ----------------------------------------------------------------- LoRA adapters
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter on every worker ahead of its requests (they would load it on
+        first use). A bad adapter raises LoRAAdapterError; without enable_lora,
+        ConfigurationError."""
+        if self.config.lora_config is None:
+            raise ConfigurationError("enable_lora: LoRA adapters need enable_lora=True")
+        self.lora_requests.check(lora_request)
+        return self.model_executor.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter from the workers (a request naming it again loads it again);
+        its id may then name another adapter."""
+        self.lora_requests.forget(lora_id)
+        return self.model_executor.remove_lora(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep a loaded adapter from eviction (False: it is not loaded)."""
+        return self.model_executor.pin_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters the workers hold loaded."""
+        return self.model_executor.list_loras()
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests and free their blocks. No output for them is returned after this

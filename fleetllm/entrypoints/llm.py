@@ -19,6 +19,7 @@ from fleetllm.engine.outputs import (
     ScoringRequestOutput,
 )
 from fleetllm.errors import ConfigurationError, EngineShutdownError, InvalidRequestError
+from fleetllm.lora.request import LoRARequest
 from fleetllm.pooling_params import PoolingParams
 from fleetllm.progress import ProgressBar
 from fleetllm.sampling_params import SamplingParams
@@ -48,7 +49,8 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, *,
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
                  prompt_token_ids: list[int] | list[list[int]] | None = None
                  ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. A prompt the
@@ -56,11 +58,21 @@ class LLM:
         "error" and the reason in `.error`; the others still complete.
 
         `prompt_token_ids` is vLLM's older keyword: one list of token ids, or a list of them;
-        with `prompts` as well, those strings are the outputs' prompt text."""
+        with `prompts` as well, those strings are the outputs' prompt text.
+
+        `lora_request` (enable_lora): one LoRARequest for every prompt, or one per prompt
+        (None: the base model)."""
         self._check_task(pooling=False)
         prompts = _prompt_list(prompts, prompt_token_ids)
+        if isinstance(lora_request, list | tuple):
+            if len(lora_request) != len(prompts):
+                raise InvalidRequestError(f"{len(lora_request)} lora_requests for "
+                                          f"{len(prompts)} prompts; pass one, or one each")
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(prompts)
         return self._run_all(prompts, _params_list(sampling_params, SamplingParams, prompts),
-                             use_tqdm, RequestOutput)
+                             use_tqdm, RequestOutput, loras)
 
     def encode(self, prompts: PromptType | Sequence[PromptType] | None = None,
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
@@ -116,17 +128,18 @@ class LLM:
                 "embed(), encode() and score() need a pooling model, loaded with task='embed'")
 
     def _run_all(self, prompts: list[PromptType], params_list: list[Any], use_tqdm: bool,
-                 kind: type) -> list[Any]:
+                 kind: type, loras: list[LoRARequest | None] | None = None) -> list[Any]:
         """Add every request (a rejected one gets kind.rejected(...)), run them to the end,
         return the outputs in input order."""
         engine = self.llm_engine
         results: dict[str, Any] = {}
         order = []
-        for prompt, params in zip(prompts, params_list, strict=True):
+        loras = loras or [None] * len(prompts)
+        for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
             request_id = str(next(self._request_ids))
             order.append(request_id)
             try:
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(request_id, prompt, params, lora_request=lora)
             except InvalidRequestError as e:
                 # Reported in the output's .error (the CLI prints it): logging it as well
                 # would show the same error twice.
@@ -196,6 +209,19 @@ class LLM:
                                             f"output: {out_tokens / elapsed:.1f} toks/s")
                     bar.update(1)
         bar.close()
+
+    # vLLM's LoRA management on LLM (its llm_engine's)
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.llm_engine.remove_lora(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.llm_engine.pin_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.llm_engine.list_loras()
 
     def shutdown(self) -> None:
         """Stop the workers now. Dropping the last reference to the LLM does the same (the

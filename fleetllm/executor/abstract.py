@@ -31,8 +31,10 @@ from fleetllm.errors import (
     WorkerCrashedError,
 )
 from fleetllm.executor.health import WorkerAccess
+from fleetllm.executor.loras import ResidentLoRAs
 from fleetllm.executor.metrics import MetricsRecorder, performance_metrics
 from fleetllm.executor.sleep import SleepState
+from fleetllm.lora.request import LoRARequest
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
 from fleetllm.utils import resolve_qualname
 
@@ -83,6 +85,9 @@ class Executor(ABC):
         self.access = WorkerAccess(lambda: pc.execute_model_timeout)
         self.sleep_state = SleepState()
         self.metrics = MetricsRecorder()
+        lora = config.lora_config
+        # The adapters the workers hold, restored on new workers after a restart.
+        self.loras = None if lora is None else ResidentLoRAs(lora.max_cpu_loras)
         self._is_shutdown = False
         # Set when restart_failed_workers could not start new workers: calls raise it (the
         # executor is not shut down: another restart may work once the cause is gone).
@@ -127,6 +132,8 @@ class Executor(ABC):
         (EngineSleepingError), timed and counted (metrics). Backends change how a step
         travels in _execute_model."""
         self.sleep_state.raise_if_asleep()
+        if self.loras is not None:
+            self.loras.step(execute_model_req)
         with self.access.step():
             start = time.perf_counter()
             try:
@@ -216,6 +223,8 @@ class Executor(ABC):
                 if num_gpu is not None:
                     self.initialize_cache(num_gpu, num_cpu or 0)
                 self.sleep_state.restore(self.collective_rpc)
+                if self.loras is not None:
+                    self.loras.restore(self.collective_rpc)
             except BaseException as e:
                 self._restart_failure = WorkerCrashedError(
                     f"restarting the workers failed: {type(e).__name__}: {e}; calling "
@@ -224,6 +233,40 @@ class Executor(ABC):
             finally:
                 self.access.restarting = False
             self.metrics.record_restart()
+
+    # ------------------------------------------------------- LoRA adapters (vLLM's names)
+
+    def _lora_state(self) -> ResidentLoRAs:
+        if self.loras is None:
+            raise ConfigurationError("enable_lora: LoRA adapters need enable_lora=True")
+        return self.loras
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load the adapter on every worker (each its shards; kept in their host-memory LRU
+        of max_cpu_loras). True once every worker holds it."""
+        state = self._lora_state()
+        ok = all(self.collective_rpc("add_lora", args=(lora_request,)))
+        state.touch(lora_request)
+        return ok
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload the adapter everywhere; False if no worker held it."""
+        state = self._lora_state()
+        state.remove(lora_id)
+        return any(self.collective_rpc("remove_lora", args=(lora_id,)))
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep a loaded adapter from LRU eviction; False if it is not loaded."""
+        state = self._lora_state()
+        ok = all(self.collective_rpc("pin_lora", args=(lora_id,)))
+        if ok:
+            state.pinned.add(lora_id)
+        return ok
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters every worker holds."""
+        self._lora_state()
+        return set.intersection(*self.collective_rpc("list_loras"))
 
     @property
     def is_shut_down(self) -> bool:

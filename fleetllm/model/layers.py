@@ -29,6 +29,7 @@ from torch import nn
 
 from fleetllm.attention import cpu_kernels
 from fleetllm.distributed.parallel_state import get_tp_group
+from fleetllm.lora.layers import lora_delta
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, parts: list[tuple[int, int, int]], bias: bool):
         super().__init__()
         self.parts = parts
+        self.input_size = input_size
         self.part_offsets = [sum(p[1] for p in parts[:i]) for i in range(len(parts))]
         out = sum(p[1] for p in parts)
         self.weight = nn.Parameter(torch.empty(out, input_size))
@@ -112,7 +114,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, self.part_offsets[part], shard).copy_(rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self, x, self.bias)
+        return lora_delta(self, x, linear(self, x, self.bias))  # LoRA: fleetllm/lora/layers.py
 
 
 class RowParallelLinear(nn.Module):
@@ -123,6 +125,7 @@ class RowParallelLinear(nn.Module):
         tp = get_tp_group()
         self.shard = input_size // tp.world_size
         self.start = tp.rank_in_group * self.shard
+        self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, self.shard))
         self.weight.weight_loader = self.weight_loader
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
@@ -131,7 +134,8 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(load_full(narrow(loaded, 1, self.start, self.shard)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = get_tp_group().all_reduce(linear(self, x))
+        # A LoRA delta joins this rank's partial sum: the all-reduce adds the ranks' parts.
+        y = get_tp_group().all_reduce(lora_delta(self, x, linear(self, x)))
         return y if self.bias is None else y + self.bias
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from fleetllm.attention import AttentionMetadata, TorchAttentionBackend, cpu_kernels
 from fleetllm.config import ArchConfig
 from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
+from fleetllm.lora import layers as lora_layers
 from fleetllm.model import fused
 from fleetllm.model.layers import (
     ColumnParallelLinear,
@@ -168,7 +169,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden, residual = intermediate
         rope = self.rotary.cos_sin(positions, hidden.dtype)
-        fuse = kv_caches is not None and fused.applies(hidden, kv_caches[0], meta)
+        # The fused layer has no LoRA deltas: a step with adapter rows runs module by module.
+        fuse = kv_caches is not None and not lora_layers.active() and \
+            fused.applies(hidden, kv_caches[0], meta)
         for i, layer in enumerate(self.layers.values()):
             hidden, residual = layer(rope, hidden, residual,
                                      None if kv_caches is None else kv_caches[i], meta, fuse)

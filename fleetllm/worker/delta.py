@@ -4,9 +4,10 @@ that sends each step to worker processes (mp over its AF_UNIX channel, ray over 
 A decode step must not resend whole token histories. The driver's DeltaEncoder remembers, per
 seq_id, how many prompt/output tokens the workers already hold and sends only the new output
 tokens (num_computed_tokens and block tables always go in full); SamplingParams are sent once
-per request. Each worker keeps the same state in a DeltaDecoder (WorkerWrapperBase owns one)
-and rebuilds full SequenceData objects before calling Worker.execute_model. Entries are dropped
-for finished_requests_ids (request_id -> seq_ids is tracked from the metadata).
+per request, with the request's LoRARequest. Each worker keeps the same state in a
+DeltaDecoder (WorkerWrapperBase owns one) and rebuilds full SequenceData objects before
+calling Worker.execute_model. Entries are dropped for finished_requests_ids (request_id ->
+seq_ids is tracked from the metadata).
 
 Every worker sees the same message stream in the same order, so all ranks' caches are
 identical: if decoding fails on one rank it fails on all, before anything has run, and they
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fleetllm.lora.request import LoRARequest
 from fleetllm.sampling_params import SamplingParams
 from fleetllm.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMetadata
 
@@ -33,7 +35,9 @@ class EncodedRequest:
     """An ExecuteModelRequest with token histories replaced by deltas where possible."""
 
     # per group: (request_id, is_prompt, seqs, sampling_params or None, block_tables,
-    #             token_chunk_size, do_sample, pooling_params, grammar_bitmask);
+    #             token_chunk_size, do_sample, pooling_params, grammar_bitmask,
+    #             lora_request);
+    #   lora_request travels with sampling_params (None when those are not sent);
     #   seqs: [(seq_id, kind, a, b, num_computed, sample_index)]
     #   kind _FULL: a = prompt ids, b = output ids; _DELTA: a = None, b = new output ids
     groups: list[tuple]
@@ -110,7 +114,8 @@ class DeltaEncoder:
                 st[3] = len(out)
                 st[4] = out[-1] if out else None
             groups.append((rid, g.is_prompt, seqs, params, g.block_tables, g.token_chunk_size,
-                           g.do_sample, g.pooling_params, g.grammar_bitmask))
+                           g.do_sample, g.pooling_params, g.grammar_bitmask,
+                           None if params is None else g.lora_request))
         return EncodedRequest(groups, req.blocks_to_swap_in, req.blocks_to_swap_out,
                               req.blocks_to_copy, req.num_lookahead_slots,
                               req.running_queue_size, list(req.finished_requests_ids), reset)
@@ -123,8 +128,10 @@ class DeltaDecoder:
         self.seqs: dict[int, tuple[str, list[int], list[int]]] = {}  # id -> (rid, prompt, out)
         self.req_seqs: dict[str, set[int]] = {}
         self.params: dict[str, SamplingParams] = {}
+        self.loras: dict[str, LoRARequest] = {}
 
     def clear(self) -> None:
+        self.loras.clear()
         self.seqs.clear()
         self.req_seqs.clear()
         self.params.clear()
@@ -136,6 +143,7 @@ class DeltaDecoder:
             for sid in self.req_seqs.pop(rid, ()):
                 self.seqs.pop(sid, None)
             self.params.pop(rid, None)
+            self.loras.pop(rid, None)
         # Validate everything before changing anything: a desync leaves the cache untouched
         # on every rank alike, and nothing has run.
         for rid, _, seqs, params, *_ in enc.groups:
@@ -145,12 +153,16 @@ class DeltaDecoder:
                 if kind == _DELTA and (sid not in self.seqs or self.seqs[sid][0] != rid):
                     raise DeltaDesync(f"sequence {sid} of request {rid!r} is not cached")
         groups = []
-        for rid, is_prompt, seqs, params, tables, chunk, do_sample, pooling, bitmask in \
+        for rid, is_prompt, seqs, params, tables, chunk, do_sample, pooling, bitmask, lora in \
                 enc.groups:
             if params is None:
-                params = self.params[rid]
+                params, lora = self.params[rid], self.loras.get(rid)
             else:
                 self.params[rid] = params
+                if lora is None:
+                    self.loras.pop(rid, None)
+                else:
+                    self.loras[rid] = lora
             seq_data = {}
             for sid, kind, a, b, computed, sample_index in seqs:
                 if kind == _DELTA:
@@ -165,7 +177,8 @@ class DeltaDecoder:
                     self.req_seqs.setdefault(rid, set()).add(sid)
                 seq_data[sid] = SequenceData(prompt, out, computed, sample_index)
             groups.append(SequenceGroupMetadata(rid, is_prompt, seq_data, params, tables, chunk,
-                                                do_sample, pooling, bitmask))
+                                                do_sample, pooling, grammar_bitmask=bitmask,
+                                                lora_request=lora))
         return ExecuteModelRequest(groups, enc.blocks_to_swap_in, enc.blocks_to_swap_out,
                                    enc.blocks_to_copy, enc.num_lookahead_slots,
                                    enc.running_queue_size, enc.finished_requests_ids)

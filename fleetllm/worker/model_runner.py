@@ -12,6 +12,8 @@ import torch
 from fleetllm.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from fleetllm.config import EngineConfig
 from fleetllm.distributed.parallel_state import get_pp_group
+from fleetllm.lora import layers as lora_layers
+from fleetllm.lora.manager import LoRAManager, lora_torch_dtype
 from fleetllm.model.loader import build_model
 from fleetllm.sequence import (
     CompletionSequenceGroupOutput,
@@ -37,6 +39,7 @@ class _Batch:
     # group index -> (first logits row, targets) for prompt logprobs, and whether None leads
     prompt_lp: dict[int, tuple[int, list[int], bool]] = field(default_factory=dict)
     pool_spans: list[tuple[int, int, int]] = field(default_factory=list)  # (group, start, len)
+    lora: lora_layers.LoRAStep | None = None  # the step's adapter rows, if any
 
 
 class ModelRunner:
@@ -47,6 +50,7 @@ class ModelRunner:
         self.is_output_rank = is_output_rank
         self.model = None
         self.penalties = sampler.PenaltyState()  # per-sequence counts, kept across steps
+        self.lora_manager: LoRAManager | None = None  # with enable_lora (fleetllm/lora/)
 
     def load_model(self) -> None:
         if self.device.type == "cpu":
@@ -54,6 +58,12 @@ class ModelRunner:
             _set_intra_op_threads(self.config.parallel_config.world_size)
         self.model = build_model(self.config, self.device)
         self.dtype = next(self.model.parameters()).dtype
+        lora = self.config.lora_config
+        if lora is not None:  # the loaded adapters survive a reload (sleep level 2)
+            if self.lora_manager is None:
+                self.lora_manager = LoRAManager(lora, self.device,
+                                                lora_torch_dtype(lora, self.dtype))
+            self.lora_manager.attach(self.model)
 
     @torch.inference_mode()
     def execute_model(self, request: ExecuteModelRequest,
@@ -70,7 +80,11 @@ class ModelRunner:
     def _forward(self, batch: _Batch, kv_caches: list[torch.Tensor] | None
                  ) -> torch.Tensor | None:
         """Logits for the batch's logits rows; None on a stage that is not the last."""
-        hidden = self._run_model(batch, kv_caches)
+        lora_layers.set_step(batch.lora)
+        try:
+            hidden = self._run_model(batch, kv_caches)
+        finally:
+            lora_layers.set_step(None)
         if hidden is None:
             return None
         # Possibly no rows (a step of non-final prompt chunks): empty logits, empty samples.
@@ -99,6 +113,8 @@ class ModelRunner:
         Per sequence the Python work is O(1) for a decode (its block table is copied at C
         speed) and O(chunk) for a prefill: nothing walks a sequence's history."""
         bs = self.block_size
+        group_slots = None if self.lora_manager is None else self.lora_manager.prepare(
+            [g.lora_request for g in request.seq_group_metadata_list])
         dec: list[tuple[int, int, SequenceData, list[int], int]] = []
         pre: list[tuple[int, int, SequenceData, list[int], int, int]] = []
         for g_index, group in enumerate(request.seq_group_metadata_list):
@@ -147,6 +163,11 @@ class ModelRunner:
             spans.append(PrefillSpan(q_start, end - start, end, ctx))
             self._add_rows(batch, g_index, groups[g_index], seq_id, data, q_start, start, end)
         dev = self.device
+        if group_slots is not None:  # each token's adapter slot, in flat-batch order
+            token_slots = [group_slots[d[0]] for d in dec]
+            for g_index, _, _, _, start, end in pre:
+                token_slots += [group_slots[g_index]] * (end - start)
+            batch.lora = _lora_step(token_slots, self.lora_manager.dtype, dev)
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), spans)
         if dec:
             i32 = torch.int32
@@ -289,6 +310,15 @@ def _keep_freed_memory() -> None:
     m_trim_threshold, m_mmap_threshold = -1, -3
     mallopt(m_mmap_threshold, ctypes.c_int(1 << 30))
     mallopt(m_trim_threshold, ctypes.c_int(2**31 - 1))
+
+
+def _lora_step(token_slots: list[int], dtype: torch.dtype, device: torch.device
+               ) -> lora_layers.LoRAStep:
+    """Per token, a one-hot of its adapter slot over the slots in use (zeros: the base)."""
+    m = max(token_slots) + 1
+    index = torch.tensor(token_slots, device=device)
+    onehot = (index[:, None] == torch.arange(m, device=device)[None, :]).to(dtype)
+    return lora_layers.LoRAStep(onehot, m)
 
 
 def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:

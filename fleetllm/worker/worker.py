@@ -19,6 +19,7 @@ import torch
 from fleetllm.config import EngineConfig, GiB
 from fleetllm.distributed import parallel_state
 from fleetllm.errors import ConfigurationError, EngineSleepingError, OutOfMemoryError
+from fleetllm.lora.request import LoRARequest
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
 from fleetllm.worker.cache_engine import CacheEngine
 from fleetllm.worker.embedding_model_runner import EmbeddingModelRunner
@@ -123,6 +124,27 @@ class Worker(WorkerBase):
         cache.copy(req.blocks_to_copy)
         output = self.model_runner.execute_model(req, cache.gpu_cache)
         return None if output is None else [output]
+
+    # ------------------------------------------------------------ LoRA adapters (vLLM's names)
+
+    def _loras(self):
+        manager = self.model_runner.lora_manager if self.model_runner else None
+        if manager is None:
+            raise ConfigurationError("enable_lora: LoRA adapters need enable_lora=True")
+        return manager
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load the adapter (this rank's shards) into the host-memory LRU."""
+        return self._loras().add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._loras().remove(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self._loras().pin(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._loras().list()
 
     def check_health(self) -> None:
         if self.model_runner is None or self.model_runner.model is None:

@@ -1,0 +1,48 @@
+"""The engine's side of LoRA: a request's LoRARequest is checked when it is added (the
+adapter's files read and validated, fleetllm/lora/peft.py), so a bad adapter refuses that
+request (LoRAAdapterError: an InvalidRequestError and a ConfigurationError) instead of
+failing a step on the workers. One lora_int_id is one adapter for the engine's lifetime
+(until remove_lora): workers cache adapters by id."""
+
+from __future__ import annotations
+
+from fleetllm.config import EngineConfig
+from fleetllm.errors import ConfigurationError, InvalidRequestError, LoRAAdapterError
+from fleetllm.lora.peft import read_adapter
+from fleetllm.lora.request import LoRARequest
+
+
+class LoRARequests:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.known: dict[int, LoRARequest] = {}  # checked adapters, by id
+
+    def check(self, request: LoRARequest | None) -> bytes | None:
+        """Validate a request's adapter (None: the base model); returns the prefix-cache salt
+        that keeps its KV apart from every other adapter's."""
+        if request is None:
+            return None
+        lora = self.config.lora_config
+        if lora is None:
+            raise InvalidRequestError("lora_request: this engine serves no LoRA adapters; "
+                                      "start it with enable_lora=True")
+        if not isinstance(request, LoRARequest):
+            raise InvalidRequestError(f"lora_request must be a LoRARequest, got "
+                                      f"{type(request).__name__}")
+        known = self.known.get(request.lora_int_id)
+        if known is None:
+            try:
+                read_adapter(request.lora_path, lora.max_lora_rank,
+                             self.config.model_config.arch)
+            except ConfigurationError as e:
+                raise LoRAAdapterError(f"lora_request {request.lora_name!r}: {e.args[0]}") from e
+            self.known[request.lora_int_id] = request
+        elif known.lora_path != request.lora_path:
+            raise InvalidRequestError(
+                f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} at "
+                f"{known.lora_path}, not {request.lora_path}: one id is one adapter (remove_lora "
+                "it first to reuse the id)")
+        return f"lora:{request.lora_int_id}:{request.lora_path}".encode()
+
+    def forget(self, lora_id: int) -> None:
+        self.known.pop(lora_id, None)
