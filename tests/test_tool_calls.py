@@ -321,3 +321,22 @@ def test_a_long_streamed_answer_is_read_once_not_once_per_delta():
     sent = [streamer.feed(text[i:i + 4], final=False) for i in range(0, len(text), 4)]
     assert time.perf_counter() - start < 2  # 0.2 s here; rescanning per delta took 4 s
     assert sum(len(d) for _, d in sent) >= 250
+
+
+def test_auto_keeps_the_special_tokens_its_parser_reads():
+    """Llama 3's <|python_tag|> is a special token: "auto" answers must keep it in the text
+    for llama3_json to see; hermes' tags are plain text there, so nothing changes."""
+    from types import SimpleNamespace
+
+    from fleetllm.entrypoints.openai.serving_chat import ServingChat
+
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8),
+                             decoding_config=SimpleNamespace(structured_outputs_backend="auto"))
+    engine = SimpleNamespace(
+        model_config=SimpleNamespace(task="generate", max_model_len=64,
+                                     arch=SimpleNamespace(vocab_size=100)),
+        config=config,
+        tokenizer=SimpleNamespace(all_special_tokens=["<|python_tag|>", "<|eot_id|>"]))
+    assert ServingChat(engine, ["m"], None, get_tool_parser("llama3_json")).keep_special_tokens
+    assert not ServingChat(engine, ["m"], None, get_tool_parser("hermes")).keep_special_tokens
+    assert not ServingChat(engine, ["m"], None, None).keep_special_tokens

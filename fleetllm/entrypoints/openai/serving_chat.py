@@ -55,6 +55,11 @@ class ServingChat(OpenAIServing):
         --tool-call-parser); None refuses "auto"."""
         super().__init__(engine, served_model_names, chat_template)
         self.tool_parser = tool_parser
+        # The parser reads tokens the tokenizer counts as special (Llama's <|python_tag|>):
+        # "auto" answers keep them (vLLM's parsers turn skip_special_tokens off the same way).
+        special = set(getattr(self.tokenizer, "all_special_tokens", None) or ())
+        self.keep_special_tokens = tool_parser is not None and bool(
+            special & set(tool_parser.special_tokens))
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.time()
@@ -72,7 +77,8 @@ class ServingChat(OpenAIServing):
         max_tokens = self.max_tokens_for(getattr(req, param), len(ids), "messages", param)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, top_n, structured=structured,
-                                      skip_special_tokens=self._skip_special(req, plan))
+                                      skip_special_tokens=False if plan.mode == "auto"
+                                      and self.keep_special_tokens else None)
         request_id, engine_id = request_ids(raw, "chatcmpl")
         streams = await self.start(engine_id, [({"prompt": text, "prompt_token_ids": ids},
                                                  params)], arrival)
@@ -143,16 +149,6 @@ class ServingChat(OpenAIServing):
         except Exception as e:  # the engine died or the server is draining: say so, in-band
             yield sse_error(e)
         yield "data: [DONE]\n\n"
-
-
-    def _skip_special(self, req: ChatCompletionRequest, plan: ToolPlan) -> bool | None:
-        """False when the tool parser reads tokens the tokenizer counts as special (vLLM's
-        parsers turn skip_special_tokens off the same way)."""
-        special = set(getattr(self.tokenizer, "all_special_tokens", ()) or ())
-        if plan.parser is not None and special & set(plan.parser.special_tokens):
-            return False
-        return None
-
 
 def _usage(prompt_tokens: int, completions: list[CompletionOutput]) -> UsageInfo:
     completion_tokens = sum(len(c.token_ids) for c in completions)
