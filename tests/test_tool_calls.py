@@ -284,6 +284,21 @@ def test_none_and_no_tools_mean_plain_text():
     assert plan_tools(request(tools=[WEATHER]), get_tool_parser("hermes")).mode == "auto"
 
 
+@pytest.mark.parametrize("mode", ["hermes", "required"])
+def test_parallel_tool_calls_false_keeps_the_first_call(mode):
+    text = {"hermes": HERMES_TEXT,
+            "required": '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+                        '{"name": "get_time", "parameters": {}}]'}[mode]
+    fields = {"tools": [WEATHER, TIME], "parallel_tool_calls": False,
+              "tool_choice": "required" if mode == "required" else "auto"}
+    plan = plan_tools(request(**fields), get_tool_parser("hermes"))
+    _, calls, reason = read_answer(plan, text, "stop")
+    assert [c.function.name for c in calls] == ["get_weather"] and reason == "tool_calls"
+    _, streamed = stream(plan, text, list(range(1, len(text), 5)))
+    assert [c["name"] for c in streamed] == ["get_weather"]
+    assert json.loads(streamed[0]["arguments"]) == json.loads(calls[0].function.arguments)
+
+
 def test_an_answer_cut_short_stays_content():
     plan = ToolPlan("required")
     text = '[{"name": "get_time", "parameters": {'

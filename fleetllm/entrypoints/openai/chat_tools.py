@@ -48,6 +48,7 @@ class ToolPlan:
     schema: dict[str, Any] | None = None  # the constraint for "required" / "named"
     function: str | None = None  # the named function
     parser: ToolParser | None = None  # for "auto"
+    parallel: bool = True  # False (parallel_tool_calls): only the first call is returned
 
 
 def plan_tools(req: ChatCompletionRequest, auto_parser: ToolParser | None) -> ToolPlan:
@@ -55,6 +56,7 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: ToolParser | None) -> To
     choice = req.tool_choice
     if choice is None:
         choice = "auto" if req.tools else "none"
+    parallel = req.parallel_tool_calls is not False
     if choice == "none":
         return ToolPlan("none")
     if not req.tools:
@@ -64,10 +66,10 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: ToolParser | None) -> To
         tool = named_tool(req.tools, choice)
         return ToolPlan("named", parameters_schema(tool), tool.function.name)
     if choice == "required":
-        return ToolPlan("required", required_tools_schema(req.tools))
+        return ToolPlan("required", required_tools_schema(req.tools), parallel=parallel)
     if auto_parser is None:
         raise APIError(400, AUTO_NEEDS_FLAGS, "tool_choice")
-    return ToolPlan("auto", parser=auto_parser)
+    return ToolPlan("auto", parser=auto_parser, parallel=parallel)
 
 
 def template_message(m: ChatMessage) -> dict[str, Any]:
@@ -120,6 +122,8 @@ def read_answer(plan: ToolPlan, text: str, finish_reason: str | None
             calls, content = found.tool_calls, found.content
     if not calls or (plan.mode != "auto" and finish_reason != "stop"):
         return text, None, finish_reason
+    if not plan.parallel:
+        calls = calls[:1]
     return content, [_tool_call(c) for c in calls], \
         "tool_calls" if finish_reason == "stop" else finish_reason
 
@@ -147,6 +151,8 @@ class ToolCallStreamer:
         self.content_sent = len(content)
         deltas = []
         for index, call in enumerate(calls, self._done):
+            if index > 0 and not self.plan.parallel:
+                break
             if call.name is None:
                 break  # calls come in order: wait for this one's name
             if index == len(self.sent):

@@ -29,7 +29,6 @@ IGNORED_FIELDS: dict[str, str] = {
     "metadata": "tags for stored completions; nothing is stored here",
     "store": "asks the provider to keep the completion; nothing is kept here",
     "service_tier": "a provider's processing tier; there is one here",
-    "parallel_tool_calls": "every call the model writes is returned (as vLLM)",
     "include_obfuscation": "stream_options: pads chunks against side channels",
     "refusal": "an assistant message's refusal text (replayed history)",
     "annotations": "an assistant message's citations (replayed history)",
@@ -229,6 +228,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True  # False: only the first call (as vLLM)
 
 
 class TokenizeRequest(RequestModel):
