@@ -301,3 +301,57 @@ def test_bench_grammar_reports_both_backends(capsys):
     for figures in result.values():
         assert len(figures) == 4 and all(f["mask_us"] > 0 for f in figures.values())
     assert "mask us/token" in capsys.readouterr().out
+
+
+# ------------------------------------------------- faults while a grammar is compiling
+
+
+def _step_until_done(engine, limit: int = 300) -> dict:
+    done = {}
+    for _ in range(limit):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            assert out.request_id not in done, "a second terminal output"
+            if out.finished:
+                done[out.request_id] = out
+    assert not engine.has_unfinished_requests()
+    return done
+
+
+def test_abort_and_worker_crash_while_a_grammar_compiles(tiny, monkeypatch):
+    """Faults that arrive while a request waits for its grammar: it is aborted (no output,
+    the compile finishing later touches nothing), or the workers crash and are replaced (it
+    still runs, once, when its grammar is ready)."""
+    from fleetllm.errors import WorkerCrashedError
+
+    release = threading.Event()
+    real = backends.XgrammarBackend.compile
+    monkeypatch.setattr(backends.XgrammarBackend, "compile",
+                        lambda self, g: (release.wait(30), real(self, g))[1])
+    engine = tiny.llm_engine
+    greedy = dict(temperature=0, max_tokens=30)
+    engine.add_request("aborted", "x", SamplingParams(**greedy, structured_outputs=(
+        StructuredOutputsParams(regex="[a-d]{3}-aborted"))))
+    engine.add_request("waits", "x", SamplingParams(**greedy, structured_outputs=(
+        StructuredOutputsParams(regex="[a-d]{3}-waits"))))
+    engine.add_request("plain", "y", SamplingParams(**greedy))
+    engine.step()  # plain runs; both grammar requests wait
+    engine.abort_request("aborted")
+    crash = engine.model_executor.execute_model
+    calls = {"n": 0}
+
+    def crash_once(request):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise WorkerCrashedError("injected worker crash", rank=0)
+        return crash(request)
+
+    monkeypatch.setattr(engine.model_executor, "execute_model", crash_once)
+    engine.step()  # the crash: the workers are replaced, plain is recomputed
+    release.set()
+    done = _step_until_done(engine)
+    assert set(done) == {"waits", "plain"}
+    assert re.fullmatch("[a-d]{3}-waits", done["waits"].outputs[0].text)
+    assert engine.scheduler.block_manager.num_free_gpu_blocks == \
+        engine.scheduler.block_manager.num_gpu_blocks
