@@ -51,7 +51,8 @@ def server(tmp_path_factory):
     template = tmp_path_factory.mktemp("docs-server") / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     srv = LocalServer(["--served-model-name", "demo", "smol", "--chat-template", str(template),
-                       "--kv-cache-memory", str(KV)], env=server_env())
+                       "--kv-cache-memory", str(KV), "--enable-auto-tool-choice",
+                       "--tool-call-parser", "hermes"], env=server_env())
     try:
         yield srv
     finally:

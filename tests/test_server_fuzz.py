@@ -48,7 +48,21 @@ sampling = {
     "stream": maybe(st.booleans()),
     "stream_options": maybe(st.fixed_dictionaries({"include_usage": st.booleans()})),
     "logit_bias": junk,
+    # structured outputs: malformed constraints are 400s, from the server or the engine
+    "response_format": maybe(st.sampled_from([
+        {"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}])
+        | st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema":
+                                 st.fixed_dictionaries({"name": st.just("x"),
+                                                        "schema": junk})})),
+    "guided_regex": maybe(st.text(max_size=6)),
+    "guided_choice": maybe(st.lists(st.text(max_size=4), max_size=3)),
+    "guided_json": junk,
+    "structured_outputs": maybe(st.dictionaries(st.sampled_from(
+        ["json", "regex", "choice", "grammar", "json_object"]), junk, max_size=2)),
 }
+tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g", "bad name"])}, optional={"parameters": junk})})
 completion = st.fixed_dictionaries({}, optional={
     **sampling,
     "prompt": maybe(st.text(max_size=40) | token_ids | st.lists(st.text(max_size=6),
@@ -72,6 +86,9 @@ chat = st.fixed_dictionaries({}, optional={
     "max_completion_tokens": maybe(st.integers(-2, 40)),
     "logprobs": maybe(st.booleans()),
     "top_logprobs": maybe(st.integers(-2, 25)),
+    "tools": maybe(st.lists(tool, max_size=2)),
+    "tool_choice": maybe(st.sampled_from(["none", "auto", "required", {
+        "type": "function", "function": {"name": "f"}}])),
 })
 tokenize = st.fixed_dictionaries({}, optional={
     "prompt": maybe(st.text(max_size=20)), "messages": maybe(st.lists(message, max_size=2)),

@@ -146,14 +146,8 @@ def test_a_request_that_fails_in_the_engine_is_an_error_never_a_finish_reason(sm
 
 
 @pytest.mark.parametrize("path, extra, param", [
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {"tool_choice": "auto"}, "tool_choice"),
     (CHAT, {"functions": [{"name": "f"}]}, "functions"),
     (CHAT, {"function_call": "auto"}, "function_call"),
-    (CHAT, {"messages": [{"role": "assistant", "content": None,
-                          "tool_calls": [{"id": "c", "type": "function"}]}]},
-     "messages.0.tool_calls"),
     (COMPLETIONS, {"suffix": "end"}, "suffix"),
     (COMPLETIONS, {"logit_bias": {"5": 1.0}}, "logit_bias"),
 ])

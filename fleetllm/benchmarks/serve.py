@@ -4,7 +4,7 @@ server at a Poisson request rate, then throughput and TTFT / ITL / E2E latency.
     fleetllm bench serve --base-url http://127.0.0.1:8000 [--num-prompts 200]
         [--input-len 128 --output-len 64 | --dataset prompts.jsonl]
         [--request-rate 8 | inf] [--max-concurrency N] [--json result.json]
-        [--endpoint /v1/completions | /v1/chat/completions]
+        [--endpoint /v1/completions | /v1/chat/completions] [--structured-fraction 0.5]
     fleetllm bench serve [--num-prompts ...] [serve flags: --model DIR, engine flags ...]
 
 Without --base-url it starts `fleetllm serve` itself (every flag this benchmark does not know
@@ -18,6 +18,11 @@ text by the server's /detokenize first; its chat template then adds its own toke
 TTFT is the time to the first streamed token, ITL the gaps between streamed chunks (the
 server may merge tokens into one chunk when the client reads slower than it generates), E2E
 the whole request. A request counts as completed only if its stream carried text.
+--structured-fraction F makes that share of the requests (chosen by --data-seed) grammar
+requests: their output is constrained to STRUCTURED_SCHEMA (vLLM's `structured_outputs`
+field); TPOT is then also reported per class (`plain_*`, `structured_*`), which shows whether
+requests without a grammar keep their speed beside grammar ones. A grammar request may end
+before its output length, when the model closes the JSON.
 main() returns the figures as a dict (also written by --json).
 """
 
@@ -39,6 +44,16 @@ _WORDS = ("the of and to in is was for on that with as by at from his her which 
           "model server request stream batch cache block layer python function return value "
           "import class def print range list dict error tensor worker process").split()
 CHAT_ENDPOINT = "/v1/chat/completions"
+# Open-ended (a list of any length), so that a grammar request runs about as long as a plain
+# one, with objects, strings and numbers for the grammar to follow.
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {"title": {"type": "string"},
+                   "items": {"type": "array", "items": {
+                       "type": "object",
+                       "properties": {"name": {"type": "string"}, "count": {"type": "integer"}},
+                       "required": ["name", "count"]}}},
+    "required": ["title", "items"]}
 
 
 @dataclass
@@ -49,6 +64,7 @@ class RequestResult:
     ttft: float = 0.0
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
+    structured: bool = False  # a grammar request (--structured-fraction)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sent with every request (default 0: greedy)")
+    parser.add_argument("--structured-fraction", type=float, default=0.0, metavar="F",
+                        help="share of the requests constrained to a fixed JSON schema "
+                             "(0 to 1; default 0); TPOT is reported per class")
     parser.add_argument("--compare", choices=["vllm"], default=None,
                         help="also start `vllm serve` (the peer venv, `make peers`) on the same "
                              "checkpoint and run the same requests against it, then print "
@@ -86,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int | dict:
     parser = build_parser()
     args, server_args = parser.parse_known_args(argv)
+    if not 0 <= args.structured_fraction <= 1:
+        parser.error("--structured-fraction: must be in [0, 1]")
     try:
         import httpx  # noqa: F401 - fail before starting anything
     except ImportError:
@@ -140,16 +161,19 @@ async def _run(args: argparse.Namespace, prompts: list | None = None) -> dict[st
         if _is_chat(args.endpoint):
             prompts = [(await _as_text(client, p), n) for p, n in prompts]
         rng = random.Random(args.data_seed)
+        structured = set(rng.sample(range(len(prompts)),
+                                    round(args.structured_fraction * len(prompts))))
         gate = asyncio.Semaphore(args.max_concurrency or len(prompts) or 1)
 
-        async def limited(prompt: Any, output_len: int) -> RequestResult:
+        async def limited(prompt: Any, output_len: int, grammar: bool) -> RequestResult:
             async with gate:
-                return await _one(client, args.endpoint, prompt, output_len, args.temperature)
+                return await _one(client, args.endpoint, prompt, output_len, args.temperature,
+                                  grammar)
 
         tasks = []
         start = time.perf_counter()
-        for prompt, output_len in prompts:
-            tasks.append(asyncio.create_task(limited(prompt, output_len)))
+        for i, (prompt, output_len) in enumerate(prompts):
+            tasks.append(asyncio.create_task(limited(prompt, output_len, i in structured)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
@@ -192,9 +216,12 @@ async def _as_text(client: Any, prompt: Any) -> str:
     return r.json()["prompt"]
 
 
-def _body(endpoint: str, prompt: Any, output_len: int, temperature: float) -> dict[str, Any]:
-    common = {"ignore_eos": True, "stream": True, "temperature": temperature,
-              "stream_options": {"include_usage": True}}
+def _body(endpoint: str, prompt: Any, output_len: int, temperature: float,
+          structured: bool = False) -> dict[str, Any]:
+    common: dict[str, Any] = {"ignore_eos": True, "stream": True, "temperature": temperature,
+                              "stream_options": {"include_usage": True}}
+    if structured:
+        common["structured_outputs"] = {"json": STRUCTURED_SCHEMA}
     if _is_chat(endpoint):
         return {"messages": [{"role": "user", "content": prompt}],
                 "max_completion_tokens": output_len, **common}
@@ -208,9 +235,9 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
 
 
 async def _one(client: Any, endpoint: str, prompt: Any, output_len: int,
-               temperature: float = 0.0) -> RequestResult:
-    body = _body(endpoint, prompt, output_len, temperature)
-    result = RequestResult()
+               temperature: float = 0.0, structured: bool = False) -> RequestResult:
+    body = _body(endpoint, prompt, output_len, temperature, structured)
+    result = RequestResult(structured=structured)
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", endpoint, json=body) as r:
@@ -252,10 +279,23 @@ def _stats(values: list[float], name: str) -> dict[str, float]:
             f"median_{name}_ms": statistics.median(ordered) * 1000, f"p99_{name}_ms": p99 * 1000}
 
 
+def _tpots(results: list[RequestResult]) -> list[float]:
+    # vLLM's TPOT: a request's time after its first token over its other tokens.
+    return [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
+
+
 def _summarize(results: list[RequestResult], duration: float, args: argparse.Namespace
                ) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in ok)
+    by_class = {}
+    if getattr(args, "structured_fraction", 0.0) > 0:
+        for name, grammar in (("plain", False), ("structured", True)):
+            done = [r for r in ok if r.structured is grammar]
+            by_class[f"{name}_completed"] = len(done)
+            by_class[f"{name}_output_tokens"] = sum(r.output_tokens for r in done)
+            by_class.update({f"{name}_{k}": v for k, v in _stats(_tpots(done),
+                                                                  "tpot").items()})
     return {
         "base_url": args.base_url, "num_prompts": len(results), "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -266,11 +306,11 @@ def _summarize(results: list[RequestResult], duration: float, args: argparse.Nam
         "request_throughput": len(ok) / duration if duration else 0.0,
         "output_throughput": output_tokens / duration if duration else 0.0,
         **_stats([r.ttft for r in ok], "ttft"),
-        # vLLM's TPOT: a request's time after its first token over its other tokens.
-        **_stats([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
-                 "tpot"),
+        **_stats(_tpots(ok), "tpot"),
         **_stats([x for r in ok for x in r.itls], "itl"),
         **_stats([r.e2e for r in ok], "e2e"),
+        "structured_fraction": getattr(args, "structured_fraction", 0.0),
+        **by_class,
     }
 
 
@@ -289,6 +329,12 @@ def _print(result: dict[str, Any], title: str = "Serving Benchmark Result") -> N
         rows.append((f"--- {label}", ""))
         rows += [(f"{kind.capitalize()} {name.upper()} (ms)", f"{result[f'{kind}_{name}_ms']:.2f}")
                  for kind in ("mean", "median", "p99")]
+    if "structured_completed" in result:
+        rows.append(("--- TPOT by class (--structured-fraction)", ""))
+        for name, label in (("plain", "Plain"), ("structured", "Grammar")):
+            rows.append((f"{label} requests", result[f"{name}_completed"]))
+            rows += [(f"{label} {kind} TPOT (ms)", f"{result[f'{name}_{kind}_tpot_ms']:.2f}")
+                     for kind in ("mean", "median", "p99")]
     for label, value in rows:
         print(f"{label:<40}{value:>20}" if value != "" else f"{label:-<60}")
     for error in result["errors"]:

@@ -64,6 +64,8 @@ from fleetllm.entrypoints.openai.serving_embedding import ServingEmbedding
 from fleetllm.entrypoints.openai.serving_engine import json_response, parse_body
 from fleetllm.entrypoints.openai.serving_models import ServingModels
 from fleetllm.entrypoints.openai.serving_tokenization import ServingTokenization
+from fleetllm.entrypoints.openai.tool_parsers import get_tool_parser
+from fleetllm.errors import ConfigurationError
 
 T = TypeVar("T")
 
@@ -82,10 +84,20 @@ class HTTPOptions:
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None,
               api_key: str | None = None, chat_template: str | None = None,
               state: ServerState | None = None, enable_sleep_mode: bool = False,
-              http: HTTPOptions | None = None,
+              http: HTTPOptions | None = None, enable_auto_tool_choice: bool = False,
+              tool_call_parser: str | None = None,
               lora_modules: list[LoRAModulePath] | None = None,
               allow_runtime_lora_updating: bool = False) -> FastAPI:
+    """`enable_auto_tool_choice` + `tool_call_parser` (a TOOL_PARSERS name): chat requests
+    with tools may leave the choice to the model (tool_choice "auto"), and the parser reads
+    its calls; vLLM's flags and rule (one without the other is a ConfigurationError).
+    `lora_modules`: the adapters served by name (with enable_lora; loaded by
+    `await app.state.models.init_static_loras()`); `allow_runtime_lora_updating` adds
+    /v1/load_lora_adapter and /v1/unload_lora_adapter."""
     http = http or HTTPOptions()
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise ConfigurationError("--enable-auto-tool-choice needs --tool-call-parser")
+    parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     names = served_model_names or [engine.model_config.model]
     state = state or ServerState()
     lora_config = engine.config.lora_config
@@ -94,7 +106,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     engine.stat_loggers.append(metrics)
     models = ServingModels(engine, names, lora_modules)
     completion = ServingCompletion(engine, names, chat_template, models)
-    chat = ServingChat(engine, names, chat_template, models)
+    chat = ServingChat(engine, names, chat_template,
+                       parser if enable_auto_tool_choice else None, models)
     embedding = ServingEmbedding(engine, names, models=models)
     tokenization = ServingTokenization(engine, names, chat_template, models)
 

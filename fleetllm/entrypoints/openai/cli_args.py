@@ -49,6 +49,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="run the engine in the API server's process (default: an "
                            "engine-core process of its own, so HTTP never holds the GIL a "
                            "step needs)")
+    http.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help='chat requests with tools may let the model choose (tool_choice '
+                           '"auto", the default with tools); needs --tool-call-parser')
+    http.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
+                      help="how tool calls are read out of a model's text for "
+                           'tool_choice "auto" (vLLM\'s names)')
     lora = parser.add_argument_group("LoRA adapters (with --enable-lora)")
     lora.add_argument("--lora-modules", type=parse_lora_module, nargs="+", default=None,
                       metavar="NAME=PATH",

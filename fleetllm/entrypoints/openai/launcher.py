@@ -94,6 +94,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # otherwise hide --log-level info (the drain's and the open-file limit's lines).
     logging.basicConfig(level=args.log_level.upper(), force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ConfigurationError("--enable-auto-tool-choice needs --tool-call-parser")
     model = resolve_model(args.model_tag or args.model)
     chat_template = load_chat_template(args.chat_template)
     warn_if_exposed(args.host, args.api_key)
@@ -110,7 +112,8 @@ def run_serve(args: argparse.Namespace) -> int:
                            args.allow_credentials, args.enable_request_id_headers)
         app = build_app(engine, args.served_model_name or [model], args.api_key,
                         chat_template, state, enable_sleep_mode=args.enable_sleep_mode,
-                        http=http, lora_modules=args.lora_modules,
+                        http=http, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                        tool_call_parser=args.tool_call_parser, lora_modules=args.lora_modules,
                         allow_runtime_lora_updating=args.allow_runtime_lora_updating)
         sock = _bind(args.host, args.port)
         host, port = sock.getsockname()[:2]

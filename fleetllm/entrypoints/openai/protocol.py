@@ -29,21 +29,15 @@ IGNORED_FIELDS: dict[str, str] = {
     "metadata": "tags for stored completions; nothing is stored here",
     "store": "asks the provider to keep the completion; nothing is kept here",
     "service_tier": "a provider's processing tier; there is one here",
-    "parallel_tool_calls": "only means something with tools, which are refused",
     "include_obfuscation": "stream_options: pads chunks against side channels",
     "refusal": "an assistant message's refusal text (replayed history)",
     "annotations": "an assistant message's citations (replayed history)",
-    "tool_call_id": "links a tool message to a call; the content is still used",
 }
 
 # Fields of OpenAI's API that this server does not implement: a 400 naming the field, unless
 # its value asks for nothing (null, [], {} or one of the listed values):
 # field -> (what the 400 says, the values that ask for nothing).
 UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "response_format": ("structured outputs are not supported yet", ({"type": "text"},)),
-    "tools": ("tool calling is not supported yet", ()),
-    "tool_choice": ("tool calling is not supported yet", ("none",)),
-    "tool_calls": ("tool calling is not supported yet", ()),
     "functions": ("function calling is not supported yet", ()),
     "function_call": ("function calling is not supported yet", ("none",)),
     "logit_bias": ("logit_bias is not supported", ()),
@@ -108,6 +102,63 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(RequestModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # "schema" is a BaseModel attribute: the field takes OpenAI's name as its alias.
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's `structured_outputs` field: StructuredOutputsParams' fields."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(RequestModel):  # in a replayed assistant message, and in responses
+    name: str
+    arguments: str
+
+
+class ToolCallParam(RequestModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class SamplingRequest(RequestModel):
     """What completions and chat completions share."""
 
@@ -131,6 +182,14 @@ class SamplingRequest(RequestModel):
     include_stop_str_in_output: bool = False
     # vLLM: logprob tokens as "token_id:123", for clients that need the ids exactly.
     return_tokens_as_token_ids: bool = False
+    # Structured outputs (structured_outputs.py): at most one of these constrains a request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -151,6 +210,8 @@ class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's calls (replayed history)
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -165,6 +226,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True  # False: only the first call (as vLLM)
 
 
 class TokenizeRequest(RequestModel):
@@ -173,6 +237,7 @@ class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatCompletionTool] | None = None  # passed to the chat template
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -245,9 +310,33 @@ class ChatLogprobs(ResponseModel):
     content: list[TokenLogprob] | None = None
 
 
-class AssistantMessage(ResponseModel):
+class ToolCall(ResponseModel):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class AssistantMessage(OmitWhenNone):
+    omit_when_none = ("tool_calls",)
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class DeltaFunctionCall(OmitWhenNone):
+    omit_when_none = ("name", "arguments")
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OmitWhenNone):
+    """A streamed call: the first delta has its id, type and name; the rest argument text."""
+
+    omit_when_none = ("id", "type")
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall
 
 
 class ChatChoice(ResponseModel):
@@ -268,9 +357,10 @@ class ChatCompletionResponse(ResponseModel):
 
 
 class DeltaMessage(OmitWhenNone):
-    omit_when_none = ("role", "content")
+    omit_when_none = ("role", "content", "tool_calls")
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(ResponseModel):

@@ -35,6 +35,7 @@ from fleetllm.entrypoints.openai.serving_engine import (
     sse,
     sse_error,
 )
+from fleetllm.entrypoints.openai.structured_outputs import structured_outputs_for
 from fleetllm.sampling_params import SamplingParams
 
 
@@ -92,13 +93,14 @@ class ServingCompletion(OpenAIServing):
         if score_only and not req.echo:
             raise APIError(400, "max_tokens: must be at least 1 (0 only with echo: true, "
                            "which scores the prompt)", "max_tokens")
+        structured = structured_outputs_for(req, self.structured_outputs_backend)
         prompts = await self._prompts(req.prompt)
         requests: list[tuple[PromptType, SamplingParams]] = []
         for p in prompts:
             max_tokens = self.max_tokens_for(req.max_tokens, len(p.token_ids), "prompt")
             prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
             requests.append((p.engine_prompt(), self.sampling_params(
-                req, max(max_tokens, 1), req.logprobs, prompt_logprobs)))
+                req, max(max_tokens, 1), req.logprobs, prompt_logprobs, structured)))
         response_id, engine_id = request_ids(raw, "cmpl")
         streams = await self.start(engine_id, requests, arrival, lora_request)
         fmt = LogprobFormatter(self.tokenizer, req.return_tokens_as_token_ids,

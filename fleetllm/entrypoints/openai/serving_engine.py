@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from fleetllm.engine.async_engine import AsyncLLMEngine, RequestStream
 from fleetllm.engine.llm_engine import PromptType
 from fleetllm.engine.outputs import PoolingRequestOutput, RequestOutput
+from fleetllm.entrypoints.openai.chat_tools import template_message
 from fleetllm.entrypoints.openai.errors import (
     APIError,
     api_error_from,
@@ -28,12 +29,16 @@ from fleetllm.entrypoints.openai.errors import (
     validation_error,
 )
 from fleetllm.entrypoints.openai.gate import MAX_REQUEST_ID_CHARS, valid_request_id
-from fleetllm.entrypoints.openai.protocol import ChatMessage, SamplingRequest
+from fleetllm.entrypoints.openai.protocol import (
+    ChatCompletionTool,
+    ChatMessage,
+    SamplingRequest,
+)
 from fleetllm.entrypoints.openai.serving_models import ServingModels
 from fleetllm.errors import ConfigurationError, RequestFailedError
 from fleetllm.lora.request import LoRARequest
 from fleetllm.pooling_params import PoolingParams
-from fleetllm.sampling_params import SamplingParams
+from fleetllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 M = TypeVar("M", bound=BaseModel)
 Out = TypeVar("Out", RequestOutput, PoolingRequestOutput)
@@ -159,6 +164,8 @@ class OpenAIServing:
         self.max_model_len = engine.model_config.max_model_len
         self.vocab_size = engine.model_config.arch.vocab_size
         self.max_num_seqs = engine.config.scheduler_config.max_num_seqs
+        self.structured_outputs_backend = \
+            engine.config.decoding_config.structured_outputs_backend
 
     @property
     def model_name(self) -> str:
@@ -216,7 +223,9 @@ class OpenAIServing:
         return requested
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured: StructuredOutputsParams | None = None,
+                        skip_special_tokens: bool | None = None) -> SamplingParams:
         if req.n > self.max_num_seqs:
             raise APIError(400, f"n: {req.n} is more than the server's max_num_seqs="
                            f"{self.max_num_seqs}", "n")
@@ -230,28 +239,32 @@ class OpenAIServing:
                 n=req.n, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=req.skip_special_tokens,
+                skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None
+                else skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                structured_outputs=structured,
                 **{k: v for k, v in given.items() if v is not None})
         except ConfigurationError as e:
             message = str(e).removeprefix(f"[{e.code}] ")
             raise APIError(400, message, message.split(":")[0]) from None
 
-    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                          tools: list[ChatCompletionTool] | None = None
                           ) -> tuple[str, list[int]]:
-        """The chat template applied to the messages, and its token ids."""
+        """The chat template applied to the messages (and the tools, as transformers'
+        apply_chat_template(tools=...) passes them), and its token ids."""
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot serve chat")
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise APIError(400, "this model has no chat template: start the server with "
                            "--chat-template FILE, or use /v1/completions", "messages")
-        conversation = [{"role": m.role, "content": m.text(),
-                         **({"name": m.name} if m.name else {})} for m in messages]
+        conversation = [template_message(m) for m in messages]
+        tool_dicts = None if not tools else [t.model_dump(exclude_none=True) for t in tools]
         try:
             text = await self.engine.run_in_tokenizer_thread(
                 self.tokenizer.apply_chat_template, conversation, chat_template=template,
-                add_generation_prompt=add_generation_prompt, tokenize=False)
+                add_generation_prompt=add_generation_prompt, tokenize=False, tools=tool_dicts)
         except Exception as e:  # jinja2 errors, raise_exception() in templates
             raise APIError(400, f"the chat template failed on these messages: "
                            f"{truncate(str(e), 300)}", "messages") from None

@@ -14,7 +14,8 @@ class ServingTokenization(OpenAIServing):
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send exactly one of `prompt` and `messages`", "prompt")
         if req.messages is not None:
-            _, ids = await self.render_chat(req.messages, req.add_generation_prompt)
+            _, ids = await self.render_chat(req.messages, req.add_generation_prompt,
+                                            req.tools)
         else:
             ids = await self.engine.tokenize(req.prompt or "", req.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
