@@ -297,3 +297,16 @@ def test_slot_deltas_equal_a_per_row_loop():
             want[row, off:off + b.shape[1]] += x[row] @ a @ b
     torch.testing.assert_close(got, want)
     assert torch.equal(got[1], y[1]) and torch.equal(got[5], y[5])
+
+
+def test_adapters_survive_sleep_level_2(setups, llm):
+    """Level 2 discards the weights and reloads the model on wake_up: the projections get
+    their slots again and the loaded adapters are still there."""
+    _, adapters, refs = setups["llama_gqa"]
+    llm.add_lora(lora_request(adapters[2], 3))
+    llm.llm_engine.sleep(level=2)
+    llm.llm_engine.wake_up()
+    assert 3 in llm.list_loras()
+    [out] = llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY, use_tqdm=False,
+                         lora_request=lora_request(adapters[2], 3))
+    assert out.outputs[0].token_ids == refs[3][1]
