@@ -17,6 +17,8 @@ _EXPORTS = {
     "RequestOutput": "fleetllm.engine.outputs",
     "CompletionOutput": "fleetllm.engine.outputs",
     "SamplingParams": "fleetllm.sampling_params",
+    "StructuredOutputsParams": "fleetllm.sampling_params",
+    "GuidedDecodingParams": "fleetllm.sampling_params",
     "PoolingParams": "fleetllm.pooling_params",
     "PoolingRequestOutput": "fleetllm.engine.outputs",
     "EmbeddingRequestOutput": "fleetllm.engine.outputs",

@@ -1,4 +1,5 @@
-"""The `fleetllm` command: generate, serve, bench throughput | latency | rpc | serve | recovery.
+"""The `fleetllm` command: generate, serve, bench throughput | latency | rpc | serve | recovery |
+grammar.
 
 The console-script entry point, on top of everything: no fleetllm module imports it. The
 engine flags it shares with the server and the benchmarks are fleetllm.engine.arg_utils'.
@@ -93,13 +94,14 @@ def _run_bench_serve(args: argparse.Namespace) -> int | dict:
 
 
 def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
-    from fleetllm.benchmarks import latency, recovery, rpc, throughput
+    from fleetllm.benchmarks import grammar, latency, recovery, rpc, throughput
 
-    bench = sub.add_parser("bench", help="throughput | latency | rpc | serve | recovery",
+    bench = sub.add_parser("bench", help="throughput | latency | rpc | serve | recovery | "
+                           "grammar",
                            description="Benchmarks; `fleetllm bench NAME --help` for each.")
     which = bench.add_subparsers(dest="benchmark", required=True, metavar="NAME")
     for name, module in (("throughput", throughput), ("latency", latency), ("rpc", rpc),
-                         ("recovery", recovery)):
+                         ("recovery", recovery), ("grammar", grammar)):
         summary = (module.__doc__ or name).split("\n\n")[0]
         parser = which.add_parser(name, parents=[common], formatter_class=HelpFormatter,
                                   help=summary.split(":")[0], description=summary)

@@ -404,6 +404,19 @@ class LoadConfig:
 
 
 @dataclass
+class DecodingConfig:
+    # Grammar library for structured outputs (fleetllm/structured_outputs/backends.py):
+    # auto (xgrammar, guidance for what xgrammar refuses), xgrammar or guidance.
+    structured_outputs_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        _check(self.structured_outputs_backend in ("auto", "xgrammar", "guidance"),
+               "structured_outputs_backend", "must be auto, xgrammar or guidance; got "
+               f"{self.structured_outputs_backend!r}")
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -414,6 +427,7 @@ class EngineConfig:
     lora_config: LoRAConfig | None = None  # set when enable_lora (fleetllm/lora/)
     speculative_config: Any = None
     observability_config: Any = None
+    decoding_config: DecodingConfig = field(default_factory=DecodingConfig)
 
     def __post_init__(self) -> None:
         m, s, p = self.model_config, self.scheduler_config, self.parallel_config
@@ -441,6 +455,15 @@ class EngineConfig:
         for key, value in kwargs.items():
             if key == "pooler_config":  # vLLM's newer name
                 key = "override_pooler_config"
+            if key == "guided_decoding_backend":  # vLLM's older name
+                key = "structured_outputs_backend"
+            if key == "structured_outputs_config":  # vLLM's: {"backend": ...}
+                value = dict(value or {})
+                backend = value.pop("backend", "auto")
+                if value:
+                    raise ConfigurationError(f"structured_outputs_config: {sorted(value)} "
+                                             "are not supported; only 'backend' is")
+                key, value = "structured_outputs_backend", backend
             if key in section_of:
                 parts[section_of[key]][key] = value
             elif key in ("lora_config", "speculative_config", "observability_config"):
@@ -476,6 +499,7 @@ class EngineConfig:
             scheduler_config=SchedulerConfig(**parts[SchedulerConfig]),
             device_config=DeviceConfig(**parts[DeviceConfig]),
             load_config=LoadConfig(**parts[LoadConfig]),
+            decoding_config=DecodingConfig(**parts[DecodingConfig]),
             **extras,
         )
 
@@ -536,7 +560,7 @@ VLLM_ARGS: dict[str, VllmArg] = {
 
 
 _SECTIONS = (ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, DeviceConfig, LoadConfig,
-             LoRAConfig)
+             DecodingConfig, LoRAConfig)
 
 
 def engine_arg_fields() -> list[tuple[type, dataclasses.Field]]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from fleetllm.errors import ConfigurationError
 
@@ -22,6 +24,66 @@ def _is_int(value: object) -> bool:
 def _is_number(value: object) -> bool:
     """An int or a float, as vLLM accepts for its float fields (temperature=1 is fine)."""
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's names): exactly one of a JSON schema (a dict or its
+    JSON text), any JSON object, a regular expression, one of N strings, or an EBNF (GBNF) /
+    Lark grammar. The output follows it token by token (fleetllm/structured_outputs); the
+    request finishes with "stop" when the constraint is complete."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON without optional whitespace
+    disable_additional_properties: bool = False  # objects get additionalProperties: false
+
+    def __post_init__(self) -> None:
+        given = [k for k in _CONSTRAINTS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ConfigurationError(
+                "structured outputs take exactly one of json, regex, choice, grammar, "
+                f"json_object; got {', '.join(given) or 'none'}")
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "choice":
+            if not (isinstance(value, list | tuple) and value
+                    and all(isinstance(c, str) for c in value)):
+                raise ConfigurationError(f"choice: must be a non-empty list of strings, got "
+                                         f"{value!r}")
+            object.__setattr__(self, "choice", list(value))
+        elif kind == "json":
+            if not isinstance(value, str | dict):
+                raise ConfigurationError(f"json: must be a JSON schema (a dict or its JSON "
+                                         f"text), got {type(value).__name__}")
+        elif kind in ("regex", "grammar") and not (isinstance(value, str) and value):
+            raise ConfigurationError(f"{kind}: must be a non-empty string, got {value!r}")
+        elif kind == "json_object" and value is not True:
+            raise ConfigurationError(f"json_object: must be True, got {value!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _CONSTRAINTS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple:
+        """Hashable identity (the grammar cache's key): equal constraints compile once."""
+        value: Any = getattr(self, self.kind)
+        if isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True)
+        elif isinstance(value, list):
+            value = tuple(value)
+        return (self.kind, value, self.disable_any_whitespace,
+                self.disable_additional_properties)
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
 
 @dataclass
@@ -44,6 +106,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name, folded in
     # Set by the engine from the tokenizer/generation config; enforced with min_tokens.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
 
@@ -94,6 +158,18 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(value is None or 0 <= value <= 20, name, "must be None or in [0, 20]")
+        if self.guided_decoding is not None:
+            check(self.structured_outputs is None, "guided_decoding",
+                  "is the old name of structured_outputs: give one of them")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if isinstance(self.structured_outputs, dict):  # as JSON or a CLI would give it
+            fields = self.structured_outputs
+            unknown = sorted(set(fields) - set(StructuredOutputsParams.__dataclass_fields__))
+            check(not unknown, "structured_outputs", f"has unknown fields {unknown}")
+            self.structured_outputs = StructuredOutputsParams(**fields)
+        check(self.structured_outputs is None or isinstance(self.structured_outputs,
+                                                            StructuredOutputsParams),
+              "structured_outputs", "must be StructuredOutputsParams or None")
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.eos_token_ids = list(self.eos_token_ids)

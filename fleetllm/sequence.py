@@ -70,6 +70,9 @@ class SequenceGroupMetadata:
     do_sample: bool = True
     # A pooling request (task "embed"): its whole prompt runs in this step and is pooled.
     pooling_params: PoolingParams | None = None
+    # Structured outputs: per sequence (in seq_data's order) the tokens its grammar allows
+    # next, packed int32 [num_seqs, ceil(vocab / 32)]; None for a request without one.
+    grammar_bitmask: Any = None
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base)
 
 
@@ -171,6 +174,9 @@ class Sequence:
         self.tokens: list[str] | None = None
         self.prefix_offset = 0
         self.read_offset = 0
+        # Structured outputs: [matcher, tokens it has accepted] (StructuredOutputManager),
+        # rebuilt from the output tokens whenever missing.
+        self.grammar_state: list | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -206,6 +212,7 @@ class Sequence:
                                   self.data.num_computed_tokens, sample_index)
         child.output_logprobs = list(self.output_logprobs)
         child.tokens = None if self.tokens is None else list(self.tokens)
+        child.grammar_state = None  # a matcher is not shared: the child replays its tokens
         return child
 
 
@@ -239,6 +246,9 @@ class SequenceGroup:
         # preemption) until a step that sampled from it has been applied.
         self.in_prefill = True
         self.error: str | None = None  # why it ended with finish_reason "error"
+        # Structured outputs: the compiled constraint (structured_outputs.manager.Grammar);
+        # the group waits in the scheduler until it is ready.
+        self.grammar: Any = None
 
     @property
     def prompt(self) -> str | None:

@@ -9,7 +9,8 @@ Each step picks which requests run and how many tokens each computes, within a t
    preempted (recompute or swap) until the current one fits.
 2. if nothing was preempted: swapped groups come back in, oldest first, while they fit.
 3. if nothing was preempted and none is left swapped: waiting groups, FCFS, each with a chunk of
-   its prompt; admission stops at the first that does not fit.
+   its prompt; admission stops at the first that does not fit. A group whose structured-output
+   grammar is still compiling is passed over (it keeps its place) until it is ready.
 
 Who updates what: the scheduler moves groups between queues, sets sequence statuses, owns the
 block tables and each group's stage (`in_prefill`). `schedule()` only plans: once the workers
@@ -282,13 +283,21 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutputs, budget: _Budget,
                           metadata: list[SequenceGroupMetadata]) -> None:
         bm = self.block_manager
-        # Groups passed over because the step has max_loras adapters already; they keep
-        # their place at the head of the queue.
-        skipped: list[SequenceGroup] = []
+        # Passed over, keeping their place at the head of the queue: groups whose grammar
+        # is still compiling, and groups whose adapter would exceed the step's max_loras.
+        passed: list[SequenceGroup] = []
         while self.waiting:
             group = self.waiting[0]
+            if group.grammar is not None:
+                if not group.grammar.ready:
+                    passed.append(self.waiting.popleft())
+                    continue
+                if group.grammar.error() is not None:
+                    self._ignore(self.waiting.popleft(), out, "its structured output "
+                                 f"constraint does not compile: {group.grammar.error()}")
+                    continue
             if not budget.fits_lora(group):
-                skipped.append(self.waiting.popleft())
+                passed.append(self.waiting.popleft())
                 continue
             seqs = group.unfinished_seqs()
             width = group.max_num_running_seqs()
@@ -315,7 +324,10 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             self._schedule_group(group, chunk, width, out, budget, metadata)
             self.running.append(group)
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting.extendleft(reversed(passed))
+
+    def waiting_for_grammars(self) -> list[SequenceGroup]:
+        return [g for g in self.waiting if g.grammar is not None and not g.grammar.ready]
 
     # ------------------------------------------------------------------ helpers
 

@@ -14,6 +14,8 @@ import logging
 import math
 import threading
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +41,11 @@ from fleetllm.sequence import (
     SamplerOutput,
     Sequence,
     SequenceGroup,
+    SequenceGroupMetadata,
     SequenceOutput,
     SequenceStatus,
 )
+from fleetllm.structured_outputs.manager import Grammar, StructuredOutputManager
 
 PromptType = str | dict[str, Any]
 Output = RequestOutput | PoolingRequestOutput
@@ -65,6 +69,9 @@ class LLMEngine(RecoveryMixin):
         self.tokenizer = load_tokenizer(config.model_config.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = self._eos_token_ids()
+        self.structured_outputs = StructuredOutputManager(
+            self.tokenizer, self.model_config.arch.vocab_size, self.eos_token_ids,
+            config.decoding_config.structured_outputs_backend)
         self.model_executor: Executor = Executor.get_class(config)(config)
         try:
             num_gpu, num_cpu = self.model_executor.determine_num_available_blocks()
@@ -131,9 +138,13 @@ class LLMEngine(RecoveryMixin):
             params = dataclasses.replace(params or SamplingParams(),
                                          eos_token_ids=self.eos_token_ids)
             self._validate(token_ids, params)
+        # Parsed now (a malformed schema is refused here), compiled off the step path.
+        grammar = None if params.structured_outputs is None else \
+            self.structured_outputs.prepare(params.structured_outputs)
         seq = Sequence(next(self._seq_ids), text, token_ids, salt)
         self.detokenizer.start(seq, params)
         group = SequenceGroup(request_id, [seq], params, arrival_time, pooling, lora_request)
+        group.grammar = grammar
         with self._lock:
             if request_id in self.seq_groups:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -303,8 +314,14 @@ class LLMEngine(RecoveryMixin):
             self._unreported.append(group)
         outputs: list[Output] = []
         if sched.is_empty and self.scheduler.has_unfinished_seqs():
-            self._widen_token_budget()
+            compiling = self.scheduler.waiting_for_grammars()
+            if compiling:  # nothing else to run: wait (briefly) for a grammar, not spin
+                wait_futures([g.grammar.future for g in compiling], timeout=0.05,
+                             return_when=FIRST_COMPLETED)
+            else:
+                self._widen_token_budget()
         if not sched.is_empty:
+            self._fill_grammar_bitmasks(metadata, sched)
             finished_ids = list(self._finished_since_last_step)
             request = ExecuteModelRequest(
                 metadata, blocks_to_swap_in=sched.blocks_to_swap_in,
@@ -327,6 +344,18 @@ class LLMEngine(RecoveryMixin):
         self._finished_since_last_step += self.scheduler.free_finished_seq_groups()
         self.model_executor.record_outputs(outputs)  # requests completed / failed (metrics)
         return outputs
+
+    def _fill_grammar_bitmasks(self, metadata: list[SequenceGroupMetadata],
+                               sched: SchedulerOutputs) -> None:
+        grammars: dict[str, Grammar] = {}
+        seqs = {}
+        for scheduled in sched.scheduled_seq_groups:
+            group = scheduled.seq_group
+            if group.grammar is not None and scheduled.do_sample:
+                grammars[group.request_id] = group.grammar
+                seqs.update((s.seq_id, s) for s in group.seqs)
+        if grammars:
+            self.structured_outputs.fill_bitmasks(metadata, seqs, grammars)
 
     # ----------------------------------------------------------------- recovery
 
@@ -399,13 +428,18 @@ class LLMEngine(RecoveryMixin):
                 seqs.append(child)
             for seq, sample in zip(seqs, parent_samples, strict=True):
                 seq.append_token(sample.output_token, sample.logprobs)
-                self._check_stop(seq, group.sampling_params)
+                self._check_stop(seq, group.sampling_params, group.grammar)
                 if seq.is_finished():
                     seq.held_back = 0  # the whole text is final now
                     self.scheduler.free_seq(seq)
 
-    def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
+    def _check_stop(self, seq: Sequence, params: SamplingParams,
+                    grammar: Grammar | None = None) -> None:
         token = seq.output_token_ids[-1]
+        verdict = None if grammar is None else self.structured_outputs.accept(seq, grammar)
+        if verdict == "refused":
+            seq.status = SequenceStatus.FINISHED_ABORTED
+            return
         n_out = len(seq.output_token_ids)
         eos = not params.ignore_eos and token in params.eos_token_ids
         stop_token = n_out >= params.min_tokens and (eos or token in params.stop_token_ids)
@@ -426,6 +460,9 @@ class LLMEngine(RecoveryMixin):
             if stop is not None:
                 seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
                 return
+        if verdict == "end":  # the grammar is complete: nothing more may follow
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            return
         if (params.max_tokens is not None and n_out >= params.max_tokens) or \
                 seq.get_len() >= self.model_config.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
@@ -433,6 +470,7 @@ class LLMEngine(RecoveryMixin):
         seq.held_back = held_back_length(seq.output_text, params.stop)
 
     def shutdown(self) -> None:
+        self.structured_outputs.shutdown()
         self.model_executor.shutdown()
 
     def sleep(self, level: int = 1) -> None:

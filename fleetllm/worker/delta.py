@@ -35,7 +35,8 @@ class EncodedRequest:
     """An ExecuteModelRequest with token histories replaced by deltas where possible."""
 
     # per group: (request_id, is_prompt, seqs, sampling_params or None, block_tables,
-    #             token_chunk_size, do_sample, pooling_params, lora_request);
+    #             token_chunk_size, do_sample, pooling_params, grammar_bitmask,
+    #             lora_request);
     #   lora_request travels with sampling_params (None when those are not sent);
     #   seqs: [(seq_id, kind, a, b, num_computed, sample_index)]
     #   kind _FULL: a = prompt ids, b = output ids; _DELTA: a = None, b = new output ids
@@ -113,7 +114,7 @@ class DeltaEncoder:
                 st[3] = len(out)
                 st[4] = out[-1] if out else None
             groups.append((rid, g.is_prompt, seqs, params, g.block_tables, g.token_chunk_size,
-                           g.do_sample, g.pooling_params,
+                           g.do_sample, g.pooling_params, g.grammar_bitmask,
                            None if params is None else g.lora_request))
         return EncodedRequest(groups, req.blocks_to_swap_in, req.blocks_to_swap_out,
                               req.blocks_to_copy, req.num_lookahead_slots,
@@ -152,7 +153,8 @@ class DeltaDecoder:
                 if kind == _DELTA and (sid not in self.seqs or self.seqs[sid][0] != rid):
                     raise DeltaDesync(f"sequence {sid} of request {rid!r} is not cached")
         groups = []
-        for rid, is_prompt, seqs, params, tables, chunk, do_sample, pooling, lora in enc.groups:
+        for rid, is_prompt, seqs, params, tables, chunk, do_sample, pooling, bitmask, lora in \
+                enc.groups:
             if params is None:
                 params, lora = self.params[rid], self.loras.get(rid)
             else:
@@ -175,7 +177,8 @@ class DeltaDecoder:
                     self.req_seqs.setdefault(rid, set()).add(sid)
                 seq_data[sid] = SequenceData(prompt, out, computed, sample_index)
             groups.append(SequenceGroupMetadata(rid, is_prompt, seq_data, params, tables, chunk,
-                                                do_sample, pooling, lora))
+                                                do_sample, pooling, grammar_bitmask=bitmask,
+                                                lora_request=lora))
         return ExecuteModelRequest(groups, enc.blocks_to_swap_in, enc.blocks_to_swap_out,
                                    enc.blocks_to_copy, enc.num_lookahead_slots,
                                    enc.running_queue_size, enc.finished_requests_ids)

@@ -198,12 +198,15 @@ class ModelRunner:
             # each sequence draws its own (a recompute too).
             fresh = group.is_prompt and len(group.seq_data) == 1 and not data.output_token_ids
             seq_len = data.get_len()
+            allowed = None if group.grammar_bitmask is None else \
+                group.grammar_bitmask[list(group.seq_data).index(seq_id)]
             for index in (range(params.n) if fresh else (data.sample_index,)):
                 seed = None if params.seed is None else \
                     sampler.draw_seed(params.seed, index, seq_len)
                 batch.sample_rows.append(SampleRow(len(logits_idx), params,
                                                    data.prompt_token_ids,
-                                                   data.output_token_ids, seed, seq_id))
+                                                   data.output_token_ids, seed, seq_id,
+                                                   allowed))
                 batch.sample_owner.append((g_index, seq_id))
             logits_idx.append(q_start + end - start - 1)
 

@@ -1,8 +1,9 @@
 """The sampler: logits -> next tokens and their logprobs, vectorized over the batch.
 
-Order per row: penalties (repetition, frequency, presence), min_tokens masking, then greedy
-argmax, or temperature -> top-k -> top-p -> min-p -> a draw. Returned logprobs are those of
-the raw model distribution (before penalties and temperature), as vLLM reports them, and only
+Order per row: penalties (repetition, frequency, presence), min_tokens masking, the grammar's
+allowed tokens (structured outputs: only rows that have a bitmask), then greedy argmax, or
+temperature -> top-k -> top-p -> min-p -> a draw. Returned logprobs are those of the raw
+model distribution (before penalties and temperature), as vLLM reports them, and only
 for rows that ask for them (`logprobs` not None): a greedy row without logprobs costs one
 argmax. Top-k/top-p work on a candidate set (torch.topk), not a sorted vocabulary; penalties
 come from per-sequence count tensors updated incrementally (PenaltyState).
@@ -32,6 +33,9 @@ class SampleRow:
     output_token_ids: list[int]
     seed: int | None  # this draw's own seed (see draw_seed); None: the global generator
     seq_id: int | None = None  # keys the incremental penalty state; None: from the history
+    # Structured outputs: the tokens allowed next, packed int32 [ceil(vocab / 32)]
+    # (bit j of word i: token 32 * i + j); None: no constraint.
+    allowed: torch.Tensor | None = None
 
 
 @dataclass
@@ -109,7 +113,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], state: PenaltyState | No
     if penalized:
         logits = _apply_penalties(logits, rows, penalized, state or PenaltyState(),
                                   request_ids)
-    logits = _mask_min_tokens(logits, rows, raw)
+    before_min_tokens = logits
+    logits = _mask_grammar(_mask_min_tokens(logits, rows, raw), rows, before_min_tokens)
     tokens = logits.argmax(dim=-1)  # greedy rows need nothing else
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
@@ -152,6 +157,35 @@ def _mask_min_tokens(logits: torch.Tensor, rows: list[SampleRow], raw: torch.Ten
                 logits = logits.clone()
             logits[i, r.params.min_tokens_stop_ids] = float("-inf")
     return logits
+
+
+def unpack_bitmask(packed: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Packed int32 [..., words] -> bool [..., vocab] (tokens past the words: not allowed)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=packed.device)
+    bits = ((packed.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2)
+    if bits.shape[-1] >= vocab:
+        return bits[..., :vocab]
+    return torch.nn.functional.pad(bits, (0, vocab - bits.shape[-1]))
+
+
+def _mask_grammar(logits: torch.Tensor, rows: list[SampleRow], before_min_tokens: torch.Tensor
+                  ) -> torch.Tensor:
+    """-inf for the tokens a row's grammar does not allow. A row left with nothing (its
+    grammar allows only an EOS that min_tokens forbids) keeps the grammar's mask alone: the
+    grammar wins, as the output must parse."""
+    which = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if not which:
+        return logits
+    dev = logits.device
+    sel = torch.tensor(which, device=dev)
+    allowed = unpack_bitmask(torch.stack([rows[i].allowed for i in which]).to(dev),
+                             logits.shape[1])
+    sub = logits.index_select(0, sel).masked_fill(~allowed, float("-inf"))
+    dead = torch.isneginf(sub).all(dim=-1)
+    if bool(dead.any()):
+        fallback = before_min_tokens.index_select(0, sel).masked_fill(~allowed, float("-inf"))
+        sub = torch.where(dead.unsqueeze(1), fallback, sub)
+    return logits.index_copy(0, sel, sub)
 
 
 def exponential_noise(shape: tuple[int, ...] | int, dev: torch.device,
