@@ -13,12 +13,16 @@ the base projection, computed once for the whole batch, each layer runs
     y.index_add_(gather, cat(bmm(xa[part], B_part[slots]) for each part))
 
 a grouped (SGMV-shaped) product with a fixed handful of tensor calls whatever the mix of
-requests: no Python loop over requests or adapters, and base-model rows are not computed at
-all. docs/lora.md has the measured alternatives (a one-hot mask over every slot, a loop over
-adapter groups, a per-token gather of the weights). Tensor parallel: a column-parallel
-projection keeps all of A and its output columns of B; a row-parallel one its input rows of
-A and all of B, and its delta joins the partial sum before the all-reduce (the sum over
-ranks of x_r A_r B is x A B).
+requests: no Python loop over requests, and base-model rows are not computed at all. When
+the groups are uneven (prefill chunks: padding would waste more than MAX_PADDING of the
+products) each group's rows run through their own A and B instead (a few GEMMs per adapter
+in the step, written in place; their Python cost is small beside such a step's products).
+docs/lora.md has the measured alternatives (a one-hot mask over every slot, a loop over
+adapter groups, a per-token gather of the weights).
+
+Tensor parallel: a column-parallel projection keeps all of A and its output columns of B; a
+row-parallel one its input rows of A and all of B, and its delta joins the partial sum before
+the all-reduce (the sum over ranks of x_r A_r B is x A B).
 """
 
 from __future__ import annotations
@@ -27,18 +31,26 @@ from dataclasses import dataclass
 
 import torch
 
+# Padding the groups to the longest costs its waste in products; past this share the
+# per-group GEMMs (a loop over the step's adapters, not its requests) are faster.
+MAX_PADDING = 0.25
+
 
 @dataclass
 class LoRAStep:
-    """This step's adapter rows, grouped by slot: `gather` [m * L] the token of each group
-    position (pads repeat a row of the group), `pad` [m * L, 1] zeros at the pads (None: no
-    pads), `slots` [m] the groups' slots (None: slots 0..m-1, a view, no copy)."""
+    """This step's adapter rows, grouped by slot. Padded (groups of about one size, as a
+    decode step of an even mix): `gather` [m * L] the token of each group position (pads
+    repeat a row of the group), `pad` [m * L, 1] zeros at the pads (None: no pads), `slots`
+    [m] the groups' slots (None: slots 0..m-1, a view, no copy). Segments (uneven groups, as
+    prefill chunks): `gather` the adapter tokens sorted by slot and `segments` each group's
+    (slot, start, end) in it."""
 
     gather: torch.Tensor
     pad: torch.Tensor | None
     slots: torch.Tensor | None
     m: int
     length: int
+    segments: list[tuple[int, int, int]] | None = None
 
     @classmethod
     def build(cls, token_slots: list[int], dtype: torch.dtype, device: torch.device
@@ -49,15 +61,23 @@ class LoRAStep:
                 groups.setdefault(slot, []).append(token)
         order = sorted(groups)
         length = max(len(g) for g in groups.values())
+        rows = sum(len(g) for g in groups.values())
+        if len(order) * length > (1 + MAX_PADDING) * rows:
+            gather, segments = [], []
+            for slot in order:
+                segments.append((slot, len(gather), len(gather) + len(groups[slot])))
+                gather += groups[slot]
+            return cls(torch.tensor(gather, device=device), None, None, len(order), 0,
+                       segments)
         gather, pad = [], []
         for slot in order:
-            rows = groups[slot]
-            gather += rows + [rows[0]] * (length - len(rows))
-            pad += [1.0] * len(rows) + [0.0] * (length - len(rows))
-        padded = len(pad) != sum(len(g) for g in groups.values())
+            group = groups[slot]
+            gather += group + [group[0]] * (length - len(group))
+            pad += [1.0] * len(group) + [0.0] * (length - len(group))
         prefix = order == list(range(len(order)))
         return cls(torch.tensor(gather, device=device),
-                   torch.tensor(pad, dtype=dtype, device=device)[:, None] if padded else None,
+                   torch.tensor(pad, dtype=dtype, device=device)[:, None]
+                   if len(pad) != rows else None,
                    None if prefix else torch.tensor(order, device=device), len(order), length)
 
 
@@ -107,10 +127,18 @@ class LoRASlots:
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base projection of x, [T, out]) plus each adapter row's delta, in place."""
         step = _STEP
-        m, length = step.m, step.length
         xs = x.index_select(0, step.gather)
         if xs.dtype != self.dtype:
             xs = xs.to(self.dtype)
+        if step.segments is not None:
+            delta = self._segments(xs, step.segments)
+        else:
+            delta = self._padded(xs, step)
+        y.index_add_(0, step.gather, delta if delta.dtype == y.dtype else delta.to(y.dtype))
+        return y
+
+    def _padded(self, xs: torch.Tensor, step: LoRAStep) -> torch.Tensor:
+        m, length = step.m, step.length
         if step.pad is not None:
             xs.mul_(step.pad)
         if step.slots is None:
@@ -125,9 +153,24 @@ class LoRASlots:
         else:  # measured faster than index_add_ into each part's columns
             delta = torch.cat([torch.bmm(xa[:, :, p * r:(p + 1) * r], b)
                                for p, b in enumerate(bs)], dim=-1)
-        delta = delta.view(m * length, -1)
-        y.index_add_(0, step.gather, delta if delta.dtype == y.dtype else delta.to(y.dtype))
-        return y
+        return delta.view(m * length, -1)
+
+    def _segments(self, xs: torch.Tensor, segments: list[tuple[int, int, int]]
+                  ) -> torch.Tensor:
+        """Uneven groups: each group's rows (contiguous in xs) through its own A and B, the
+        products written in place: no padding, a few GEMMs per adapter in the step."""
+        r = self.rank
+        xa = xs.new_empty(xs.shape[0], self.a.shape[-1])
+        for slot, lo, hi in segments:
+            torch.mm(xs[lo:hi], self.a[slot], out=xa[lo:hi])
+        parts = []
+        for p, b in enumerate(self.b):
+            d = xs.new_empty(xs.shape[0], b.shape[-1])
+            xp = xa[:, p * r:(p + 1) * r]
+            for slot, lo, hi in segments:
+                torch.mm(xp[lo:hi], b[slot], out=d[lo:hi])
+            parts.append(d)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 def lora_delta(layer: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
