@@ -78,6 +78,15 @@ def test_generate_and_manage_adapters(setup, kind):
         with pytest.raises(InvalidRequestError):
             await tokens(engine, bad, "bad")
         assert await tokens(engine, l1, "again") == expected[l1]  # loaded again
+        # Removed while a request runs with it: the request finishes with the adapter.
+        long = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        stream = engine.generate({"prompt_token_ids": PROMPTS[0]}, long, f"{kind}-rm",
+                                 lora_request=l0)
+        first = await anext(stream)
+        assert await engine.remove_lora(1) is True
+        final = [first, *[out async for out in stream]][-1]
+        assert not first.finished and final.outputs[0].token_ids[:6] == expected[l0][0]
+        assert len(final.outputs[0].token_ids) == 24
 
     try:
         asyncio.run(scenario())
