@@ -268,6 +268,7 @@ def test_prefix_cache_never_shares_kv_across_adapters(setups, llm):
     [2, -1, 0, 1, 1, -1, 2],  # even groups: padded bmm
     [-1, 2, 1, 2, -1],  # slots 1 and 2 only: their weights gathered
     [0, 0, 0, 0, 1, -1, 2, 0, 0],  # uneven groups: per-group GEMMs
+    [1, 1, 1],  # one adapter, no base rows: straight GEMMs
 ])
 def test_slot_deltas_equal_a_per_row_loop(index):
     """LoRASlots.apply on a batch mixing slots and base rows equals x @ A_s @ B_s row by row;

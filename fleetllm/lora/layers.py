@@ -52,6 +52,8 @@ class LoRAStep:
     m: int
     length: int
     segments: list[tuple[int, int, int]] | None = None
+    # Every token runs one adapter (in this slot): no gather, no index_add, GEMMs into y.
+    only_slot: int | None = None
 
     @classmethod
     def build(cls, token_slots: list[int], dtype: torch.dtype, device: torch.device
@@ -63,6 +65,9 @@ class LoRAStep:
         order = sorted(groups)
         length = max(len(g) for g in groups.values())
         rows = sum(len(g) for g in groups.values())
+        if len(order) == 1 and rows == len(token_slots):
+            return cls(torch.empty(0, dtype=torch.long), None, None, 1, rows,
+                       only_slot=order[0])
         if len(order) * length > (1 + MAX_PADDING) * rows:
             gather, segments = [], []
             for slot in order:
@@ -137,6 +142,8 @@ class LoRASlots:
         if _ONE_THREAD and threads > 1:
             torch.set_num_threads(1)
         try:
+            if step.only_slot is not None:
+                return self._one_adapter(x, y, step.only_slot)
             xs = x.index_select(0, step.gather)
             if xs.dtype != self.dtype:
                 xs = xs.to(self.dtype)
@@ -148,6 +155,17 @@ class LoRASlots:
         finally:
             if _ONE_THREAD and threads > 1:
                 torch.set_num_threads(threads)
+        return y
+
+    def _one_adapter(self, x: torch.Tensor, y: torch.Tensor, slot: int) -> torch.Tensor:
+        """A batch of one adapter's rows only: y += (x @ A) @ B per part, in place."""
+        xl = x if x.dtype == self.dtype else x.to(self.dtype)
+        xa = xl @ self.a[slot]
+        r = self.rank
+        for p, (b, off, size) in enumerate(zip(self.b, self.offsets, self.part_sizes,
+                                               strict=True)):
+            delta = xa[:, p * r:(p + 1) * r] @ b[slot]
+            y[:, off:off + size] += delta if delta.dtype == y.dtype else delta.to(y.dtype)
         return y
 
     def _padded(self, xs: torch.Tensor, step: LoRAStep) -> torch.Tensor:
