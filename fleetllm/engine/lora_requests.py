@@ -7,6 +7,9 @@ failing a step on the workers. One lora_int_id is one adapter for the engine's l
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from fleetllm.config import EngineConfig
 from fleetllm.errors import ConfigurationError, InvalidRequestError, LoRAAdapterError
 from fleetllm.lora.peft import read_adapter
@@ -60,18 +63,25 @@ class LoRAMixin:
         if self.config.lora_config is None:
             raise ConfigurationError("enable_lora: LoRA adapters need enable_lora=True")
         self.lora_requests.check(lora_request)
-        return self.model_executor.add_lora(lora_request)
+        return self._on_workers(lambda: self.model_executor.add_lora(lora_request))
 
     def remove_lora(self, lora_id: int) -> bool:
         """Unload an adapter from the workers (a request naming it again loads it again);
         its id may then name another adapter."""
         self.lora_requests.forget(lora_id)
-        return self.model_executor.remove_lora(lora_id)
+        return self._on_workers(lambda: self.model_executor.remove_lora(lora_id))
 
     def pin_lora(self, lora_id: int) -> bool:
         """Keep a loaded adapter from eviction (False: it is not loaded)."""
-        return self.model_executor.pin_lora(lora_id)
+        return self._on_workers(lambda: self.model_executor.pin_lora(lora_id))
 
     def list_loras(self) -> set[int]:
         """Ids of the adapters the workers hold loaded."""
-        return self.model_executor.list_loras()
+        return self._on_workers(self.model_executor.list_loras)
+
+    def _on_workers(self, call: Callable[[], Any]) -> Any:
+        """The call, after replacing workers found dead or hung (as a failed step would:
+        RecoveryMixin._recovering) and calling again."""
+        result: list[Any] = []
+        self._recovering(lambda: result.append(call()))
+        return result[-1]
