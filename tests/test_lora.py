@@ -268,6 +268,7 @@ def test_prefix_cache_never_shares_kv_across_adapters(setups, llm):
     [2, -1, 0, 1, 1, -1, 2],  # even groups: padded bmm
     [-1, 2, 1, 2, -1],  # slots 1 and 2 only: their weights gathered
     [0, 0, 0, 0, 1, -1, 2, 0, 0],  # uneven groups: per-group GEMMs
+    [1, 1, 1],  # one adapter, no base rows: straight GEMMs
 ])
 def test_slot_deltas_equal_a_per_row_loop(index):
     """LoRASlots.apply on a batch mixing slots and base rows equals x @ A_s @ B_s row by row;
@@ -315,3 +316,23 @@ def test_adapters_survive_sleep_level_2(setups, llm):
     [out] = llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY, use_tqdm=False,
                          lora_request=lora_request(adapters[2], 3))
     assert out.outputs[0].token_ids == refs[3][1]
+
+
+def test_base_only_steps_keep_the_fused_layer(setups, llm, monkeypatch):
+    """With enable_lora, a small decode batch of base-model requests still runs the fused
+    decoder layer (its speed is kept); one with an adapter row runs module by module."""
+    from fleetllm.model import fused
+
+    _, adapters, refs = setups["llama_gqa"]
+    calls = []
+    original = fused.run_layer
+    monkeypatch.setattr(fused, "run_layer", lambda *a: calls.append(1) or original(*a))
+    [out] = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == refs[None][0]
+    if not fused.cpu_kernels.available():
+        pytest.skip("no CPU kernels: no fused layer to keep")
+    assert calls  # decode steps of the base-only request
+    calls.clear()
+    [out] = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False,
+                         lora_request=lora_request(adapters[0], 1))
+    assert out.outputs[0].token_ids == refs[1][0] and not calls

@@ -12,7 +12,8 @@ model runs them) against the base plus each way to add the deltas:
 - gather: each token's own A and B gathered ([T, in, R] and [T, R, out]) and two bmm calls:
   the BGMV shape, the weights copied per token.
 
-    python -m fleetllm.benchmarks.lora_layer [--tokens 1 8 64 256 1024] [--adapters 8] [--threads 1]
+    python -m fleetllm.benchmarks.lora_layer [--tokens 1 8 64 256 1024] [--adapters 8]
+        [--threads 1] [--prefill]
 
 prints milliseconds per layer's q/k/v/o projections and each method's overhead on the base.
 """
@@ -55,7 +56,7 @@ def _timed(fns: dict, repeat: int, rounds: int = 7) -> dict[str, float]:
     return best
 
 
-def run(tokens: list[int], adapters: int, repeat: int) -> list[dict]:
+def run(tokens: list[int], adapters: int, repeat: int, prefill: bool = False) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     qkv, o = _packed(sum(QKV_PARTS), HIDDEN, gen), _packed(HIDDEN, HIDDEN, gen)
     cpu = torch.device("cpu")
@@ -68,7 +69,7 @@ def run(tokens: list[int], adapters: int, repeat: int) -> list[dict]:
     flat = {k: (sl.a.permute(1, 0, 2).reshape(sl.in_size, -1), _block_diagonal(sl))
             for k, sl in slots.items()}
     pairs = ((qkv, "qkv"), (o, "o"))
-    return [_case(t, gen, slots, flat, pairs, adapters, repeat) for t in tokens]
+    return [_case(t, gen, slots, flat, pairs, adapters, repeat, prefill) for t in tokens]
 
 
 def _block_diagonal(sl: lora_layers.LoRASlots) -> torch.Tensor:
@@ -81,11 +82,18 @@ def _block_diagonal(sl: lora_layers.LoRASlots) -> torch.Tensor:
 
 
 def _case(t: int, gen: torch.Generator, slots: dict, flat: dict, pairs: tuple, adapters: int,
-          repeat: int) -> dict:
+          repeat: int, prefill: bool) -> dict:
     """One batch size: every method checked against ours, then timed."""
     cpu = torch.device("cpu")
     x = torch.randn(t, HIDDEN, generator=gen)
-    index = torch.arange(t) % adapters
+    if prefill:  # prompts of 18-255 tokens, adapters round-robin: uneven groups
+        spans, total = [], 0
+        while total < t:
+            spans.append(min(t - total, int(torch.randint(18, 256, (1,), generator=gen))))
+            total += spans[-1]
+        index = torch.cat([torch.full((n,), i % adapters) for i, n in enumerate(spans)])
+    else:  # one token per sequence, adapters round-robin: even groups
+        index = torch.arange(t) % adapters
     step = lora_layers.LoRAStep.build(index.tolist(), torch.float32, cpu)
     m = int(index.max()) + 1
     onehot = (index[:, None] == torch.arange(m)[None, :]).float()
@@ -147,6 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 1024])
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--prefill", action="store_true",
+                        help="tokens in prompts of 18-255 (uneven groups) instead of one per "
+                             "sequence")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
@@ -155,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch threads: {torch.get_num_threads()}; {args.adapters} adapters, rank {RANK}, "
           "ms per layer's q/k/v/o projections (overhead on base)")
     print(f"{'tokens':>7} {'base':>8} " + " ".join(f"{k:>16}" for k in METHODS))
-    for row in run(args.tokens, args.adapters, args.repeat):
+    for row in run(args.tokens, args.adapters, args.repeat, args.prefill):
         cells = [f"{row[k]:8.3f} ({row[k] / row['base'] - 1:+5.0%})"
                  for k in METHODS]
         print(f"{row['tokens']:>7} {row['base']:8.3f} " + " ".join(cells))
