@@ -264,7 +264,13 @@ def test_prefix_cache_never_shares_kv_across_adapters(setups, llm):
     assert hits == [0, 0, 0, 32]  # only the same adapter finds its blocks
 
 
-def test_slot_deltas_equal_a_per_row_loop():
+@pytest.mark.parametrize("index", [
+    [2, -1, 0, 1, 1, -1, 2],  # even groups: padded bmm
+    [-1, 2, 1, 2, -1],  # slots 1 and 2 only: their weights gathered
+    [0, 0, 0, 0, 1, -1, 2, 0, 0],  # uneven groups: per-group GEMMs
+    [1, 1, 1],  # one adapter, no base rows: straight GEMMs
+])
+def test_slot_deltas_equal_a_per_row_loop(index):
     """LoRASlots.apply on a batch mixing slots and base rows equals x @ A_s @ B_s row by row;
     base rows get exactly nothing added."""
     gen = torch.Generator().manual_seed(0)
@@ -278,12 +284,9 @@ def test_slot_deltas_equal_a_per_row_loop():
         parts[s % 2] = None if s == 1 else parts[s % 2]
         slots.set(s, parts)
         weights[s] = parts
-    index = [2, -1, 0, 1, 1, -1, 2]
     x = torch.randn(len(index), 24, generator=gen)
     y = torch.randn(len(index), 24, generator=gen)
-    m = max(index) + 1
-    onehot = (torch.tensor(index)[:, None] == torch.arange(m)[None, :]).float()
-    lora_layers.set_step(lora_layers.LoRAStep(onehot, m))
+    lora_layers.set_step(lora_layers.LoRAStep.build(index, torch.float32, torch.device("cpu")))
     try:
         got = slots.apply(x, y.clone())
     finally:
@@ -298,4 +301,38 @@ def test_slot_deltas_equal_a_per_row_loop():
             a, b = part
             want[row, off:off + b.shape[1]] += x[row] @ a @ b
     torch.testing.assert_close(got, want)
-    assert torch.equal(got[1], y[1]) and torch.equal(got[5], y[5])
+    base_rows = [i for i, s in enumerate(index) if s < 0]
+    assert torch.equal(got[base_rows], y[base_rows])
+
+
+def test_adapters_survive_sleep_level_2(setups, llm):
+    """Level 2 discards the weights and reloads the model on wake_up: the projections get
+    their slots again and the loaded adapters are still there."""
+    _, adapters, refs = setups["llama_gqa"]
+    llm.add_lora(lora_request(adapters[2], 3))
+    llm.llm_engine.sleep(level=2)
+    llm.llm_engine.wake_up()
+    assert 3 in llm.list_loras()
+    [out] = llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY, use_tqdm=False,
+                         lora_request=lora_request(adapters[2], 3))
+    assert out.outputs[0].token_ids == refs[3][1]
+
+
+def test_base_only_steps_keep_the_fused_layer(setups, llm, monkeypatch):
+    """With enable_lora, a small decode batch of base-model requests still runs the fused
+    decoder layer (its speed is kept); one with an adapter row runs module by module."""
+    from fleetllm.model import fused
+
+    _, adapters, refs = setups["llama_gqa"]
+    calls = []
+    original = fused.run_layer
+    monkeypatch.setattr(fused, "run_layer", lambda *a: calls.append(1) or original(*a))
+    [out] = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == refs[None][0]
+    if not fused.cpu_kernels.available():
+        pytest.skip("no CPU kernels: no fused layer to keep")
+    assert calls  # decode steps of the base-only request
+    calls.clear()
+    [out] = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False,
+                         lora_request=lora_request(adapters[0], 1))
+    assert out.outputs[0].token_ids == refs[1][0] and not calls

@@ -57,6 +57,12 @@ _HELP = {
     "placement_group": "ray: the name of an existing placement group to run in",
     "ray_cpus_per_worker": "ray: CPUs each CPU worker reserves (and its torch threads)",
     "max_num_seqs": "most sequences in one batch",
+    "enable_lora": "serve LoRA adapters (requests name one; docs/lora.md)",
+    "max_loras": "distinct LoRA adapters one step may use (device slots)",
+    "max_lora_rank": "largest LoRA adapter rank accepted",
+    "max_cpu_loras": "LoRA adapters kept loaded per worker, LRU (default: max_loras)",
+    "lora_dtype": "auto (the model's dtype), float32, bfloat16, float16: the adapters' "
+                  "weights",
     "max_num_batched_tokens": "token budget of one step; longer prompts are prefilled in "
                               "chunks",
     "preemption_mode": "recompute or swap, when KV blocks run out",

@@ -21,13 +21,12 @@ from typing import Any
 from fleetllm.config import EngineConfig, read_json
 from fleetllm.core.scheduler import Scheduler, SchedulerOutputs
 from fleetllm.engine.detokenizer import Detokenizer, find_stop_string, held_back_length
-from fleetllm.engine.lora_requests import LoRARequests
+from fleetllm.engine.lora_requests import LoRAMixin, LoRARequests
 from fleetllm.engine.outputs import PoolingRequestOutput, RequestOutput, request_output
 from fleetllm.engine.recovery import RecoveryMixin
 from fleetllm.engine.request_checks import PromptType, RequestChecksMixin
 from fleetllm.errors import (
     CommunicationTimeoutError,
-    ConfigurationError,
     EngineSleepingError,
     InvalidRequestError,
 )
@@ -61,7 +60,7 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-class LLMEngine(RequestChecksMixin, RecoveryMixin):
+class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin):
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = config.model_config
@@ -152,31 +151,6 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin):
                 self._deferred_adds.append(group)
             else:
                 self.scheduler.add_seq_group(group)
-
-    # ----------------------------------------------------------------- LoRA adapters
-
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load an adapter on every worker ahead of its requests (they would load it on
-        first use). A bad adapter raises LoRAAdapterError; without enable_lora,
-        ConfigurationError."""
-        if self.config.lora_config is None:
-            raise ConfigurationError("enable_lora: LoRA adapters need enable_lora=True")
-        self.lora_requests.check(lora_request)
-        return self.model_executor.add_lora(lora_request)
-
-    def remove_lora(self, lora_id: int) -> bool:
-        """Unload an adapter from the workers (a request naming it again loads it again);
-        its id may then name another adapter."""
-        self.lora_requests.forget(lora_id)
-        return self.model_executor.remove_lora(lora_id)
-
-    def pin_lora(self, lora_id: int) -> bool:
-        """Keep a loaded adapter from eviction (False: it is not loaded)."""
-        return self.model_executor.pin_lora(lora_id)
-
-    def list_loras(self) -> set[int]:
-        """Ids of the adapters the workers hold loaded."""
-        return self.model_executor.list_loras()
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests and free their blocks. No output for them is returned after this

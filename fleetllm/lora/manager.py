@@ -120,7 +120,7 @@ class LoRAManager:
                 a = a.narrow(1, module.start, module.shard)
             a_t = a.t().to(self.dtype).contiguous()
             b_t = (b.float() * scale).t().to(self.dtype).contiguous()
-            parts = loaded.setdefault((layer, ours), [None] * len(module.lora.b))
+            parts = loaded.setdefault((layer, ours), [None] * len(module.lora.part_sizes))
             parts[part] = (a_t, b_t)
         return loaded
 

@@ -167,7 +167,9 @@ class ModelRunner:
             token_slots = [group_slots[d[0]] for d in dec]
             for g_index, _, _, _, start, end in pre:
                 token_slots += [group_slots[g_index]] * (end - start)
-            batch.lora = _lora_step(token_slots, self.lora_manager.dtype, dev)
+            if max(token_slots) >= 0:
+                batch.lora = lora_layers.LoRAStep.build(token_slots, self.lora_manager.dtype,
+                                                        dev)
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), spans)
         if dec:
             i32 = torch.int32
@@ -310,15 +312,6 @@ def _keep_freed_memory() -> None:
     m_trim_threshold, m_mmap_threshold = -1, -3
     mallopt(m_mmap_threshold, ctypes.c_int(1 << 30))
     mallopt(m_trim_threshold, ctypes.c_int(2**31 - 1))
-
-
-def _lora_step(token_slots: list[int], dtype: torch.dtype, device: torch.device
-               ) -> lora_layers.LoRAStep:
-    """Per token, a one-hot of its adapter slot over the slots in use (zeros: the base)."""
-    m = max(token_slots) + 1
-    index = torch.tensor(token_slots, device=device)
-    onehot = (index[:, None] == torch.arange(m, device=device)[None, :]).to(dtype)
-    return lora_layers.LoRAStep(onehot, m)
 
 
 def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
