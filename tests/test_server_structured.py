@@ -357,3 +357,37 @@ def test_bench_serve_with_a_share_of_grammar_requests(server):
     assert result["plain_completed"] == result["structured_completed"] == 4
     assert result["plain_mean_tpot_ms"] > 0 and result["structured_mean_tpot_ms"] > 0
     assert result["plain_output_tokens"] == 4 * 24  # ignore_eos: all of output_len
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_random_constraints_streamed_and_whole(client, stream):
+    """Random JSON schemas, regexes and choices (tests/structured_helpers.py) through the
+    server, sampled with n=2: every choice finishes by its grammar and validates, streamed
+    (the deltas reassembled) or whole."""
+    import random
+
+    from structured_helpers import check_output, random_constraint
+
+    from fleetllm import StructuredOutputsParams
+
+    rng = random.Random(7 + stream)
+    for i in range(16):
+        so = random_constraint(rng)
+        field = ({"json": so.json, "disable_any_whitespace": True} if so.json is not None
+                 else {"regex": so.regex} if so.regex is not None else {"choice": so.choice})
+        kwargs = {"model": NAME, "prompt": "def parse(text):\n    return ", "n": 2,
+                  "temperature": 1.0, "seed": i, "max_tokens": 400,
+                  "extra_body": {"structured_outputs": field}}
+        if stream:
+            texts, reasons = {}, {}
+            for chunk in client.completions.create(stream=True, **kwargs):
+                for c in chunk.choices:
+                    texts[c.index] = texts.get(c.index, "") + c.text
+                    reasons[c.index] = c.finish_reason or reasons.get(c.index)
+            choices = [(texts[j], reasons[j]) for j in range(2)]
+        else:
+            out = client.completions.create(**kwargs)
+            choices = [(c.text, c.finish_reason) for c in out.choices]
+        for text, reason in choices:
+            assert reason == "stop", (field, text)
+            check_output(StructuredOutputsParams(**field), text)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED
@@ -25,6 +24,7 @@ from fleetllm.engine.detokenizer import Detokenizer, find_stop_string, held_back
 from fleetllm.engine.lora_requests import LoRAMixin, LoRARequests
 from fleetllm.engine.outputs import PoolingRequestOutput, RequestOutput, request_output
 from fleetllm.engine.recovery import RecoveryMixin
+from fleetllm.engine.request_checks import PromptType, RequestChecksMixin
 from fleetllm.errors import (
     CommunicationTimeoutError,
     EngineSleepingError,
@@ -46,7 +46,6 @@ from fleetllm.sequence import (
 )
 from fleetllm.structured_outputs.manager import Grammar, StructuredOutputManager
 
-PromptType = str | dict[str, Any]
 Output = RequestOutput | PoolingRequestOutput
 logger = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-class LLMEngine(RecoveryMixin, LoRAMixin):
+class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin):
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = config.model_config
@@ -152,82 +151,6 @@ class LLMEngine(RecoveryMixin, LoRAMixin):
                 self._deferred_adds.append(group)
             else:
                 self.scheduler.add_seq_group(group)
-
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt.get("prompt")
-        if not isinstance(prompt, str):
-            raise InvalidRequestError("a prompt is a string or {'prompt_token_ids': [...]}, "
-                                      f"got {type(prompt).__name__}")
-        if self.tokenizer is None:
-            raise InvalidRequestError(f"{self.model_config.model} has no tokenizer: pass "
-                                      "{'prompt_token_ids': [...]} instead of text")
-        return prompt, self.tokenizer.encode(prompt)
-
-    def _check_prompt(self, token_ids: list[int]) -> None:
-        """What every request's prompt must be, generating or pooling."""
-        n, limit = len(token_ids), self.model_config.max_model_len
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty")
-        if n > limit:
-            raise InvalidRequestError(f"the prompt has {n} tokens, more than max_model_len="
-                                      f"{limit}; shorten it or raise max_model_len")
-        self._check_in_vocab("prompt token ids", token_ids)
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        self._check_prompt(token_ids)
-        n, limit = len(token_ids), self.model_config.max_model_len
-        cc = self.config.cache_config
-        if math.ceil(n / cc.block_size) > cc.num_gpu_blocks:
-            raise InvalidRequestError(f"the prompt needs {math.ceil(n / cc.block_size)} KV "
-                                      f"blocks but the whole pool has {cc.num_gpu_blocks}")
-        if params.n > self.scheduler.config.max_num_seqs:
-            raise InvalidRequestError(f"n={params.n} samples can never run together with "
-                                      f"max_num_seqs={self.scheduler.config.max_num_seqs}")
-        # Each sample, at the length it is certain to reach, holding its own blocks (as a
-        # preempted group is recomputed): past the pool the scheduler would end it with
-        # finish_reason "error" after it ran. Refused now instead, saying why.
-        length = n + params.certain_tokens(limit - n)
-        need = params.n * math.ceil(length / cc.block_size)
-        if need > cc.num_gpu_blocks:
-            raise InvalidRequestError(f"n={params.n} samples of {length} tokens each need "
-                                      f"{need} KV blocks of {cc.block_size} tokens, but the "
-                                      f"whole pool has {cc.num_gpu_blocks}: lower n or "
-                                      f"max_tokens")
-        self._check_in_vocab("stop_token_ids", params.stop_token_ids)
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; this model has none")
-
-    def _pooling_params(self, params: SamplingParams | PoolingParams | None
-                        ) -> PoolingParams | None:
-        """The request's PoolingParams on a pooling model (default ones for None), None on a
-        generating one; the other kind of params is refused, naming the task."""
-        pooling_model = self.model_config.is_pooling
-        if isinstance(params, PoolingParams) and not pooling_model:
-            raise InvalidRequestError("this model generates (task='generate'): PoolingParams "
-                                      "need a pooling model, loaded with task='embed'")
-        if pooling_model and params is not None and not isinstance(params, PoolingParams):
-            raise InvalidRequestError("this model is a pooling model (task='embed'): it "
-                                      "embeds (PoolingParams, LLM.embed, /v1/embeddings) and "
-                                      "cannot generate")
-        return (params or PoolingParams()) if pooling_model else None
-
-    def _validate_pooling(self, token_ids: list[int], params: PoolingParams) -> None:
-        self._check_prompt(token_ids)
-        n, budget = len(token_ids), self.config.scheduler_config.max_num_batched_tokens
-        if n > budget:
-            raise InvalidRequestError(f"the prompt has {n} tokens; a pooling model runs each "
-                                      f"input in one step, and max_num_batched_tokens={budget}")
-        self.model_config.check_dimensions(params.dimensions)
-
-    def _check_in_vocab(self, what: str, ids: list[int]) -> None:
-        vocab = self.model_config.arch.vocab_size
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise InvalidRequestError(f"{what} {bad[:5]} are outside the vocabulary "
-                                      f"[0, {vocab})")
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests and free their blocks. No output for them is returned after this
