@@ -107,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     if args.vocab_size:
         tokenizer = trained_tokenizer(args.vocab_size)
-        where = f"a byte-level BPE of {args.vocab_size} tokens"
+        where = f"a byte-level BPE trained for {args.vocab_size} tokens"
     else:
         from transformers import AutoTokenizer
 
