@@ -86,9 +86,9 @@ def test_text_prompts_reach_the_engine_as_token_ids(engine, monkeypatch):
     seen = []
     real = engine.engine.add_request
 
-    def spy(request_id, prompt, params=None, arrival_time=None):
+    def spy(request_id, prompt, params=None, arrival_time=None, lora_request=None):
         seen.append(prompt)
-        return real(request_id, prompt, params, arrival_time)
+        return real(request_id, prompt, params, arrival_time, lora_request)
 
     monkeypatch.setattr(engine.engine, "add_request", spy)
     asyncio.run(consume(engine, "hello world", SamplingParams(max_tokens=2), "tok"))
