@@ -336,3 +336,21 @@ def test_base_only_steps_keep_the_fused_layer(setups, llm, monkeypatch):
     [out] = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False,
                          lora_request=lora_request(adapters[0], 1))
     assert out.outputs[0].token_ids == refs[1][0] and not calls
+
+
+def test_a_grammar_and_an_adapter_on_the_same_request(base, llm, tmp_path):
+    """Structured outputs and LoRA compose: the adapter changes what the model prefers, the
+    grammar what it may say; a request with both follows its grammar, beside one without."""
+    import re
+
+    from fleetllm import StructuredOutputsParams
+
+    adapter = lora_request(make_adapter(base, tmp_path / "a", targets=ATTN + MLP), 41)
+    so = StructuredOutputsParams(regex="[a-f]{2,5}-(left|right)")
+    params = [SamplingParams(temperature=0, max_tokens=30, structured_outputs=so),
+              SamplingParams(temperature=0, max_tokens=8)]
+    outs = llm.generate(["x = ", "x = "], params, lora_request=[adapter, adapter],
+                        use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "stop"
+    assert re.fullmatch(so.regex, outs[0].outputs[0].text)
+    assert len(outs[1].outputs[0].token_ids) == 8
