@@ -141,6 +141,20 @@ def test_json_schema_and_json_object_with_n_2(client, stream):
                 check(json.loads(text))
 
 
+def completion_choices(client, kwargs: dict, stream: bool) -> list[tuple[str, str | None]]:
+    """(text, finish_reason) per choice, in index order: whole, or its deltas reassembled."""
+    if not stream:
+        out = client.completions.create(**kwargs)
+        return [(c.text, c.finish_reason) for c in sorted(out.choices, key=lambda c: c.index)]
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    return [(texts[i], reasons[i]) for i in sorted(texts)]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("fields, valid", [
     ({"guided_regex": REGEX}, lambda t: re.fullmatch(REGEX, t)),
@@ -158,17 +172,7 @@ def test_completions_follow_the_constraint(client, fields, valid, stream):
     """Two prompts x n=2: four choices, each valid and finished by its grammar."""
     kwargs = {"model": NAME, "prompt": ["def f(x):", "import os\n"], "n": 2,
               "extra_body": fields, **SAMPLING}
-    if stream:
-        texts, reasons = {}, {}
-        for chunk in client.completions.create(stream=True, **kwargs):
-            for c in chunk.choices:
-                texts[c.index] = texts.get(c.index, "") + c.text
-                reasons[c.index] = c.finish_reason or reasons.get(c.index)
-        choices = [(texts[i], reasons[i]) for i in range(4)]
-    else:
-        out = client.completions.create(**kwargs)
-        choices = [(c.text, c.finish_reason) for c in sorted(out.choices,
-                                                            key=lambda c: c.index)]
+    choices = completion_choices(client, kwargs, stream)
     assert len(choices) == 4
     for text, reason in choices:
         assert reason == "stop" and valid(text), (text, reason)
@@ -378,16 +382,8 @@ def test_random_constraints_streamed_and_whole(client, stream):
         kwargs = {"model": NAME, "prompt": "def parse(text):\n    return ", "n": 2,
                   "temperature": 1.0, "seed": i, "max_tokens": 400,
                   "extra_body": {"structured_outputs": field}}
-        if stream:
-            texts, reasons = {}, {}
-            for chunk in client.completions.create(stream=True, **kwargs):
-                for c in chunk.choices:
-                    texts[c.index] = texts.get(c.index, "") + c.text
-                    reasons[c.index] = c.finish_reason or reasons.get(c.index)
-            choices = [(texts[j], reasons[j]) for j in range(2)]
-        else:
-            out = client.completions.create(**kwargs)
-            choices = [(c.text, c.finish_reason) for c in out.choices]
+        choices = completion_choices(client, kwargs, stream)
+        assert len(choices) == 2
         for text, reason in choices:
             assert reason == "stop", (field, text)
             check_output(StructuredOutputsParams(**field), text)
