@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from fleetllm.worker.worker import Worker
 
@@ -45,6 +48,21 @@ def make_embed_checkpoint(path: Path, seed: int = 0, **config_json: object) -> P
         (path / "config.json").write_text(json.dumps({**cfg, **config_json}))
     make_tokenizer(path, config.vocab_size)
     return path
+
+
+def stop_cleanly(srv: Any) -> None:
+    """Stop a LocalServer; it must exit 0 (else its log's tail says why)."""
+    code = srv.stop(timeout=30)
+    assert code == 0, srv.log()[-3000:]
+
+
+@contextmanager
+def serving(srv: Any) -> Iterator[Any]:
+    """A started LocalServer for the block's duration, stopped cleanly at its end."""
+    try:
+        yield srv
+    finally:
+        stop_cleanly(srv)
 
 
 def server_env(**extra: str) -> dict[str, str]:

@@ -30,7 +30,7 @@ from doc_snippets import (
     shell_commands,
     with_server,
 )
-from serving_helpers import CHAT_TEMPLATE, KV, server_env
+from serving_helpers import CHAT_TEMPLATE, KV, server_env, serving
 
 BLOCKS = all_blocks()
 TIMEOUT = 240  # one snippet; the first Ray start on a busy 2-core machine is the slowest
@@ -53,11 +53,8 @@ def server(tmp_path_factory):
     srv = LocalServer(["--served-model-name", "demo", "smol", "--chat-template", str(template),
                        "--kv-cache-memory", str(KV), "--enable-auto-tool-choice",
                        "--tool-call-parser", "hermes"], env=server_env())
-    try:
+    with serving(srv):
         yield srv
-    finally:
-        code = srv.stop(timeout=30)
-        assert code == 0, srv.log()[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +65,8 @@ def embed_server():
 
     srv = LocalServer(["--task", "embed", "--served-model-name", "e5", "--kv-cache-memory",
                        str(KV)], env=server_env())
-    try:
+    with serving(srv):
         yield srv
-    finally:
-        code = srv.stop(timeout=30)
-        assert code == 0, srv.log()[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +83,8 @@ def lora_server(tmp_path_factory):
                        "--kv-cache-memory", str(KV), "--enable-lora", "--max-loras", "2",
                        "--lora-modules", f"sql={sql}", f"chat={chat}",
                        "--allow-runtime-lora-updating"], env=server_env())
-    try:
+    with serving(srv):
         yield srv
-    finally:
-        code = srv.stop(timeout=30)
-        assert code == 0, srv.log()[-3000:]
 
 
 def _run(cmd: list[str], cwd: Path, what: str) -> subprocess.CompletedProcess:

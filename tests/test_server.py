@@ -14,7 +14,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serving_helpers import CHAT_TEMPLATE, KV, metric, metric_values, server_env
+from serving_helpers import (
+    CHAT_TEMPLATE,
+    KV,
+    metric,
+    metric_values,
+    server_env,
+    serving,
+)
 
 from fleetllm import LLM, SamplingParams
 from fleetllm.entrypoints.openai.local_server import LocalServer
@@ -49,11 +56,8 @@ def server(model, tmp_path_factory):
                            MODEL, "--chat-template", str(template),
                            "--worker-cls", "serving_helpers.SlowWorker"],
                           env=server_env(FLEETLLM_TEST_STEP_DELAY="0.003"))
-    try:
+    with serving(srv):
         yield srv
-    finally:
-        code = srv.stop(timeout=30)
-        assert code == 0, srv.log()[-3000:]
 
 
 @pytest.fixture(scope="module")

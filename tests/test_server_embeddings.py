@@ -21,6 +21,7 @@ from serving_helpers import (
     metric,
     metric_values,
     server_env,
+    stop_cleanly,
 )
 from transformers import AutoTokenizer
 
@@ -70,11 +71,6 @@ def start(args: list[str], tmp_path_factory, **env: str) -> LocalServer:
     return srv
 
 
-def stop(srv: LocalServer) -> None:
-    code = srv.stop(timeout=30)
-    assert code == 0, srv.log()[-3000:]
-
-
 @pytest.fixture(scope="module", params=["core-process", "in-process"])
 def server(embed_model, tmp_path_factory, request):
     # The core process finds the task by itself (a bare LlamaModel); the other is told.
@@ -84,7 +80,7 @@ def server(embed_model, tmp_path_factory, request):
     try:
         yield srv
     finally:
-        stop(srv)
+        stop_cleanly(srv)
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +236,7 @@ def test_matryoshka_dimensions_and_the_api_key(tmp_path_factory):
         assert "[16, 32]" in err["message"]
         assert_error(httpx.post(f"{srv.url}/v1/embeddings", json={"input": "hi"}), 401)
     finally:
-        stop(srv)
+        stop_cleanly(srv)
 
 
 def test_an_embeddings_request_to_a_generate_server_is_a_400(tiny_models, tmp_path_factory):
@@ -257,4 +253,4 @@ def test_an_embeddings_request_to_a_generate_server_is_a_400(tiny_models, tmp_pa
         assert card.task == "generate"
         assert client.completions.create(model="gen", prompt="hi", max_tokens=2).choices
     finally:
-        stop(srv)
+        stop_cleanly(srv)

@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
-from serving_helpers import server_env
+from serving_helpers import server_env, serving
 
 from fleetllm.engine.arg_utils import DEMO_MODEL
 from fleetllm.entrypoints.openai.local_server import LocalServer
@@ -62,11 +62,8 @@ def server(request, tmp_path_factory):
                        str(template), "--kv-cache-memory", str(64 << 20),
                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", *extra],
                       env=server_env())
-    try:
+    with serving(srv):
         yield srv
-    finally:
-        code = srv.stop(timeout=30)
-        assert code == 0, srv.log()[-3000:]
 
 
 @pytest.fixture(scope="module")
