@@ -20,6 +20,7 @@ import torch
 from fleetllm.errors import ConfigurationError, InvalidRequestError, ModelLoadError
 from fleetllm.lora.config import LoRAConfig
 from fleetllm.model.pooler import PoolerConfig, checkpoint_pooler, is_sentence_transformers
+from fleetllm.structured_outputs.backends import BACKENDS
 from fleetllm.utils import check_field_types
 
 _FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
@@ -411,8 +412,8 @@ class DecodingConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        _check(self.structured_outputs_backend in ("auto", "xgrammar", "guidance"),
-               "structured_outputs_backend", "must be auto, xgrammar or guidance; got "
+        _check(self.structured_outputs_backend in BACKENDS, "structured_outputs_backend",
+               f"must be one of {', '.join(BACKENDS)}; got "
                f"{self.structured_outputs_backend!r}")
 
 

@@ -32,7 +32,7 @@ import torch
 from fleetllm.errors import InvalidRequestError
 from fleetllm.sampling_params import StructuredOutputsParams
 from fleetllm.sequence import Sequence, SequenceGroupMetadata
-from fleetllm.structured_outputs.backends import BACKENDS, Matcher, make_backend
+from fleetllm.structured_outputs.backends import Matcher, make_backend
 
 logger = logging.getLogger(__name__)
 _CACHE_SIZE = 256  # compiled grammars kept (a JSON schema's is tens of KB)
@@ -60,11 +60,6 @@ class Grammar:
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
                  backend: str = "auto") -> None:
-        if backend not in BACKENDS:
-            from fleetllm.errors import ConfigurationError
-
-            raise ConfigurationError(f"structured_outputs backend: {backend!r}; use one of "
-                                     f"{', '.join(BACKENDS)}")
         self.backend_name = backend
         self.vocab_size = vocab_size
         self._args = (tokenizer, vocab_size, list(eos_token_ids))

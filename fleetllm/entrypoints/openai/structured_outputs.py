@@ -16,8 +16,8 @@ from fleetllm.entrypoints.openai.protocol import (
 )
 from fleetllm.errors import ConfigurationError
 from fleetllm.sampling_params import StructuredOutputsParams
+from fleetllm.structured_outputs.backends import BACKENDS
 
-BACKENDS = ("auto", "xgrammar", "guidance")
 _GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
            ("guided_grammar", "grammar"))
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
