@@ -20,6 +20,7 @@ import torch
 from fleetllm.errors import ConfigurationError, InvalidRequestError, ModelLoadError
 from fleetllm.lora.config import LoRAConfig
 from fleetllm.model.pooler import PoolerConfig, checkpoint_pooler, is_sentence_transformers
+from fleetllm.spec_decode.config import SpeculativeConfig
 from fleetllm.structured_outputs.backends import BACKENDS
 from fleetllm.utils import check_field_types
 
@@ -367,6 +368,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0  # copied from ModelConfig
     preemption_mode: str = "recompute"  # or "swap"
+    # Speculative decoding: KV slots each decoding sequence holds past its last token for the
+    # step's draft tokens (num_speculative_tokens; 0: off). Set from the speculative config.
+    num_lookahead_slots: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -426,8 +430,8 @@ class EngineConfig:
     device_config: DeviceConfig
     load_config: LoadConfig
     lora_config: LoRAConfig | None = None  # set when enable_lora (fleetllm/lora/)
-    speculative_config: Any = None
-    observability_config: Any = None
+    # Speculative decoding (fleetllm/spec_decode): a dict with vLLM's keys becomes this.
+    speculative_config: SpeculativeConfig | None = None
     decoding_config: DecodingConfig = field(default_factory=DecodingConfig)
 
     def __post_init__(self) -> None:
@@ -445,6 +449,11 @@ class EngineConfig:
                f"{pp} stages for a model of {a.num_layers} layers: use at most {a.num_layers}")
         _check(self.lora_config is None or not m.is_pooling, "enable_lora",
                "LoRA adapters apply to generating models only (task='generate')")
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        spec = self.speculative_config
+        _check(spec is None or not m.is_pooling, "speculative_config",
+               "speculative decoding applies to generating models only (task='generate')")
+        s.num_lookahead_slots = 0 if spec is None else spec.num_speculative_tokens
 
     @classmethod
     def from_kwargs(cls, model: str | os.PathLike, **kwargs: Any) -> EngineConfig:
@@ -452,7 +461,8 @@ class EngineConfig:
         has no field for are in VLLM_ARGS: ignored with a warning, or refused."""
         parts: dict[type, dict[str, Any]] = {c: {} for c in _SECTIONS}
         section_of = {f.name: section for section, f in engine_arg_fields()}
-        extras = {}
+        extras: dict[str, Any] = {}
+        spec_flat: dict[str, Any] = {}  # vLLM's older flat speculative arguments
         for key, value in kwargs.items():
             if key == "pooler_config":  # vLLM's newer name
                 key = "override_pooler_config"
@@ -467,8 +477,10 @@ class EngineConfig:
                 key, value = "structured_outputs_backend", backend
             if key in section_of:
                 parts[section_of[key]][key] = value
-            elif key in ("lora_config", "speculative_config", "observability_config"):
+            elif key in ("lora_config", "speculative_config"):
                 extras[key] = value
+            elif key in SPEC_FLAT_ARGS:
+                spec_flat[SPEC_FLAT_ARGS[key]] = value
             elif key in VLLM_ARGS:
                 VLLM_ARGS[key].accept(key, value)
             else:
@@ -492,6 +504,15 @@ class EngineConfig:
             if not lora.enable_lora:  # the other LoRA settings are ignored, as in vLLM
                 lora = None
         extras.pop("lora_config", None)
+        spec_flat = {k: v for k, v in spec_flat.items() if v is not None}
+        if spec_flat:
+            if extras.get("speculative_config") is not None:
+                raise ConfigurationError(
+                    f"speculative_config: pass it or {', '.join(SPEC_FLAT_ARGS)}, not both")
+            if "model" not in spec_flat:
+                raise ConfigurationError("num_speculative_tokens: needs speculative_model "
+                                         "(or speculative_config={...})")
+            extras["speculative_config"] = spec_flat
         return cls(
             model_config=model_config,
             lora_config=lora,
@@ -522,6 +543,11 @@ class VllmArg:
             raise ConfigurationError(f"{name}: {value!r} is not supported: {self.note}")
 
 
+# vLLM's older flat speculative arguments -> speculative_config keys.
+SPEC_FLAT_ARGS = {"speculative_model": "model", "num_speculative_tokens": "num_speculative_tokens",
+              "ngram_prompt_lookup_max": "prompt_lookup_max",
+              "ngram_prompt_lookup_min": "prompt_lookup_min"}
+
 VLLM_ARGS: dict[str, VllmArg] = {
     # Tuning of machinery fleetllm does not have: the results are the same without it.
     "enforce_eager": VllmArg(False, "fleetllm has no CUDA graphs, it always runs eagerly"),
@@ -545,8 +571,8 @@ VLLM_ARGS: dict[str, VllmArg] = {
     # Features that change the results, which fleetllm does not implement: refused unless
     # they hold vLLM's default, which means what fleetllm does anyway.
     "quantization": VllmArg(None, "fleetllm runs unquantized checkpoints only", True),
-    "speculative_model": VllmArg(None, "no speculative decoding in fleetllm", True),
-    "num_speculative_tokens": VllmArg(None, "no speculative decoding in fleetllm", True),
+    "observability_config": VllmArg(None, "fleetllm exports no traces (OpenTelemetry)",
+                                    True),
     "fully_sharded_loras": VllmArg(False, "adapters are sharded as their base layers are"),
     "enable_prompt_adapter": VllmArg(False, "no prompt adapters in fleetllm", True),
     "rope_scaling": VllmArg(None, "rope scaling comes from the checkpoint's config.json",

@@ -113,7 +113,7 @@ def test_vllm_engine_args_that_mean_nothing_warn_once_each(tiny_models, caplog):
 @pytest.mark.parametrize("kwargs, name", [
     (dict(quantization="awq"), "quantization"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
-    (dict(speculative_model="/some/draft"), "speculative_model"),
+    (dict(observability_config={"otlp_traces_endpoint": "x"}), "observability_config"),
     (dict(enable_prompt_adapter=True), "enable_prompt_adapter"),
 ])
 def test_vllm_engine_args_that_would_change_results_are_refused(tiny_models, kwargs, name):

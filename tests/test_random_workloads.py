@@ -21,7 +21,9 @@ request run alone in a large pool with no faults:
   (its reference count = the tables holding it), and afterwards none is owned: every block
   counts as free (device and CPU pools) and no request is left;
 - with prefix caching, shared prefixes are found in the cache (over the series);
-- no exception escapes except the injected faults.
+- no exception escapes except the injected faults;
+- speculative decoding (a third of the workloads; the reference runs without it): the same
+  tokens, and a sequence never holds more blocks than its tokens and lookahead slots need.
 
 FLEETLLM_RANDOM_WORKLOADS=N runs more (the default keeps `make test` near a minute);
 FLEETLLM_RANDOM_SEED picks another series; each workload has its own generator, so a failure
@@ -52,6 +54,8 @@ NUM_WORKLOADS = int(os.environ.get("FLEETLLM_RANDOM_WORKLOADS", "60"))
 ONLY = os.environ.get("FLEETLLM_RANDOM_ONLY")
 SERIES = int(os.environ.get("FLEETLLM_RANDOM_SEED", "20261123"))
 TIE = 1e-5
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3}
 STOP_POOL = ["e", "s ", "(", "in", "ar", ":\n", "the", "xyz", "lo w", ")\n    "]
 
 
@@ -93,6 +97,8 @@ def draw_requests(rng: random.Random, index: int) -> list[Req]:
         elif shape < 0.55 and reqs:  # repeats an earlier prompt, perhaps cut short
             earlier = reqs[rng.randrange(len(reqs))].prompt["prompt_token_ids"]
             tokens = earlier[:rng.randint(1, len(earlier))]
+        elif shape < 0.7:  # repeats itself: n-gram drafts find matches
+            tokens = (tokens[:rng.randint(2, 12)] * 40)[:max(length, 24)]
         prompt = {"prompt_token_ids": tokens}
         abort_at = rng.randrange(30) if rng.random() < 0.15 else None
         reqs.append(Req(f"w{index}-r{i}", prompt, params, abort_at))
@@ -121,6 +127,16 @@ def check_blocks(bm) -> None:
         cache = bm.prefix_cache
         assert {cache.cached[h] for h in cache.hash_of.values()} == set(cache.hash_of)
         assert evictable <= set(cache.hash_of)
+
+
+def check_lookahead(scheduler: Scheduler, lookahead: int) -> None:
+    """A sequence holds blocks for its tokens and `lookahead` slots past them, no more: the
+    slots of rejected drafts are reused, never piled up."""
+    bm = scheduler.block_manager
+    for group in scheduler.running:
+        for seq in group.unfinished_seqs():
+            table = bm.block_tables.get(seq.seq_id, [])
+            assert len(table) <= bm.num_blocks_for(seq.get_len() + lookahead), seq.seq_id
 
 
 class Faults:
@@ -155,9 +171,13 @@ class Faults:
 
 @pytest.fixture(scope="module")
 def engines(tiny_models):
-    """One LLM per block size, each with a large pool; workloads install small schedulers."""
+    """One LLM per block size, each with a large pool; workloads install small schedulers.
+    "spec": speculative decoding (n-gram drafts) on, block size 4; its workloads are compared
+    with requests run alone on the block-size-4 engine without it."""
     llms = {bs: LLM(tiny_models["llama_gqa"], kv_cache_memory=64 << 20, block_size=bs,
                     swap_space=16 << 20, max_num_seqs=256) for bs in (4, 16)}
+    llms["spec"] = LLM(tiny_models["llama_gqa"], kv_cache_memory=64 << 20, block_size=4,
+                       swap_space=16 << 20, max_num_seqs=256, speculative_config=SPEC)
     yield llms
     for llm in llms.values():
         llm.shutdown()
@@ -193,15 +213,19 @@ def run_workload(llm: LLM, reqs: list[Req], rng: random.Random) -> tuple[Schedul
     bs = cc.block_size
     need = max(r.params.n * -(-(len(r.prompt["prompt_token_ids"]) + r.params.max_tokens) // bs)
                for r in reqs)
-    num_blocks = min(cc.num_gpu_blocks, need + rng.choice([0, 1, rng.randint(0, 3 * need)]))
     swap_blocks = rng.choice([0, rng.randint(1, need), min(cc.num_cpu_blocks, 4 * need)])
+    lookahead = engine.config.scheduler_config.num_lookahead_slots
+    # Speculative decoding: a decoding sequence also holds its lookahead slots.
+    need += -(-lookahead // bs) * max(r.params.n for r in reqs)
+    num_blocks = min(cc.num_gpu_blocks, need + rng.choice([0, 1, rng.randint(0, 3 * need)]))
+    sc = SchedulerConfig(max_num_seqs=rng.randint(1, 16),
+                         max_num_batched_tokens=rng.choice([8, 16, 32, 64, 128, 256]),
+                         max_model_len=engine.model_config.max_model_len,
+                         preemption_mode=rng.choice(["recompute", "swap"]))
+    sc.num_lookahead_slots = lookahead
     scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=rng.randint(1, 16),
-                        max_num_batched_tokens=rng.choice([8, 16, 32, 64, 128, 256]),
-                        max_model_len=engine.model_config.max_model_len,
-                        preemption_mode=rng.choice(["recompute", "swap"])),
-        CacheConfig(block_size=bs, num_gpu_blocks=num_blocks, num_cpu_blocks=swap_blocks,
-                    enable_prefix_caching=rng.random() < 0.6))
+        sc, CacheConfig(block_size=bs, num_gpu_blocks=num_blocks, num_cpu_blocks=swap_blocks,
+                        enable_prefix_caching=rng.random() < 0.6))
     saved_scheduler, saved_execute = engine.scheduler, engine.model_executor.execute_model
     engine.scheduler = scheduler
     faults = Faults(engine.model_executor, rng, rng.choice([0.0, 0.0, 0.05, 0.2]))
@@ -234,6 +258,7 @@ def run_workload(llm: LLM, reqs: list[Req], rng: random.Random) -> tuple[Schedul
             for out in outs:
                 by_id[out.request_id].outputs.append((step, out))
             check_blocks(scheduler.block_manager)
+            check_lookahead(scheduler, lookahead)
         assert not engine.seq_groups
     finally:
         engine.scheduler = saved_scheduler
@@ -293,9 +318,10 @@ def test_random_workloads_match_requests_run_alone(engines):
     indices = [int(ONLY)] if ONLY else range(NUM_WORKLOADS)
     for index in indices:
         rng = random.Random(f"{SERIES}-{index}")
-        llm = engines[rng.choice([4, 16])]
+        kind = rng.choice([4, 16, "spec"])
+        llm = engines[kind]
         reqs = draw_requests(rng, index)
-        refs = {r.rid: reference(llm, r) for r in reqs}
+        refs = {r.rid: reference(engines[4] if kind == "spec" else llm, r) for r in reqs}
         scheduler, faults = run_workload(llm, reqs, rng)
         for req in reqs:
             check(req, refs[req.rid], scheduler)
@@ -311,6 +337,8 @@ def test_random_workloads_match_requests_run_alone(engines):
         totals["faults"] += faults
         totals["restarts"] += llm.llm_engine.worker_restarts
         totals["aborted"] += sum(r.aborted_at is not None for r in reqs)
+    spec = engines["spec"].llm_engine.spec_decode_metrics
+    totals["spec_accepted_tokens"] = spec.accepted_tokens if spec else 0
     print(f"{len(indices)} workloads: {totals}")
     if not ONLY:  # the series must exercise what it claims to
         assert all(totals.values()), totals

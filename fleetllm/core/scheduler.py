@@ -148,6 +148,12 @@ class Scheduler:
         ids, self._finished_ids = self._finished_ids, []
         return ids
 
+    def advance_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """Speculative decoding: the step also cached the K/V of `num_tokens` accepted draft
+        tokens of `seq` (besides its scheduled chunk); full blocks become findable."""
+        seq.data.num_computed_tokens += num_tokens
+        self.block_manager.mark_computed(seq)
+
     def complete_step(self, out: SchedulerOutputs) -> None:
         """The workers ran `out`: its chunks are cached now; a group that sampled has left the
         prefill stage. (Call before appending the sampled tokens.)"""
@@ -244,7 +250,7 @@ class Scheduler:
                 kept.append(group)  # keeps its blocks; runs in a later step
                 continue
             # Make room by preempting from the back; the else branch runs when it fits.
-            while not self.block_manager.can_ensure(group, chunk):
+            while not self.block_manager.can_ensure(group, chunk + self._lookahead(group)):
                 if not self.running:  # it is the lowest priority itself
                     self._preempt(group, out)
                     break
@@ -270,7 +276,7 @@ class Scheduler:
                              f"the whole pool of {bm.num_gpu_blocks} blocks")
                 continue
             if chunk <= 0 or not budget.fits_seqs(n) or not budget.fits_lora(group) or \
-                    not bm.can_swap_in(group, chunk):
+                    not bm.can_swap_in(group, chunk + self._lookahead(group)):
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.update(bm.swap_in(group))
@@ -336,6 +342,13 @@ class Scheduler:
         # The seqs of a group advance together; a decode has exactly one uncomputed token.
         return max(s.data.num_uncomputed_tokens() for s in group.unfinished_seqs())
 
+    def _lookahead(self, group: SequenceGroup) -> int:
+        """Slots a decoding group's sequences hold past their next token for the draft tokens
+        of speculative decoding (num_lookahead_slots; a prefill has none). Slots of rejected
+        drafts stay in the table and are written again by the next step's drafts; the
+        sequence's blocks are freed with it."""
+        return 0 if group.is_prefill() else self.config.num_lookahead_slots
+
     def _whole(self, group: SequenceGroup, chunk: int) -> int:
         """A pooling prompt is never chunked (its vector needs every token's hidden state in
         one forward; no KV cache keeps them): all of it, or 0 (it waits for a step with room;
@@ -349,8 +362,10 @@ class Scheduler:
                         metadata: list[SequenceGroupMetadata]) -> None:
         seqs = group.unfinished_seqs()
         tables = {}
+        lookahead = self._lookahead(group)
         for seq in seqs:
-            cows = self.block_manager.ensure_slots(seq, seq.data.num_computed_tokens + chunk)
+            cows = self.block_manager.ensure_slots(
+                seq, seq.data.num_computed_tokens + chunk + lookahead)
             for src, dst in cows:
                 out.blocks_to_copy.setdefault(src, []).append(dst)
             if cows and group not in out.kv_moved:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fleetllm.config import VLLM_ARGS, engine_arg_fields
+from fleetllm.config import SPEC_FLAT_ARGS, VLLM_ARGS, engine_arg_fields
 
 # Package data (pyproject's package-data), so a wheel install has it too.
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
@@ -142,8 +142,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         "vLLM compatibility", "vLLM's other engine flags (--enforce-eager, "
         "--trust-remote-code, --quantization, ...) are accepted: those that change nothing "
         "here with a warning; unsupported ones that would change results are refused.")
+    actions.append(_add_flag(
+        group, "speculative_config", str,
+        "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4}' (prompt_lookup_max / _min: the n-gram lengths "
+        "matched; default: off)"))
     for name, arg in VLLM_ARGS.items():
         actions.append(_add_flag(compat, name, _arg_type(Any, arg.default), argparse.SUPPRESS))
+    for name in SPEC_FLAT_ARGS:  # vLLM's older spelling of --speculative-config
+        parse = str if name == "speculative_model" else _parse_int
+        actions.append(_add_flag(compat, name, parse, argparse.SUPPRESS))
     parser.set_defaults(engine_actions=actions)
     return actions
 

@@ -44,6 +44,7 @@ from fleetllm.sequence import (
     SequenceOutput,
     SequenceStatus,
 )
+from fleetllm.spec_decode.metrics import SpecDecodeWorkerMetrics
 from fleetllm.structured_outputs.manager import Grammar, StructuredOutputManager
 
 Output = RequestOutput | PoolingRequestOutput
@@ -224,9 +225,10 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin):
                 metadata, blocks_to_swap_in=sched.blocks_to_swap_in,
                 blocks_to_swap_out=sched.blocks_to_swap_out,
                 blocks_to_copy=sched.blocks_to_copy, running_queue_size=sched.running_queue_size,
-                finished_requests_ids=finished_ids)
+                finished_requests_ids=finished_ids,
+                num_lookahead_slots=self.config.scheduler_config.num_lookahead_slots)
             try:
-                [result] = self._execute(request)
+                results = self._execute(request)
             except BaseException as error:
                 self.scheduler.requeue_after_failed_step(sched)
                 if not self._recover(sched, error):
@@ -235,7 +237,7 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin):
                 del self._finished_since_last_step[:len(finished_ids)]  # the workers have them
                 self.scheduler.complete_step(sched)
                 self._regrow_token_budget()
-                outputs = self._process(sched, result, finished_only)
+                outputs = self._process(sched, results, finished_only)
         outputs += [request_output(g) for g in self._unreported]
         self._unreported = []
         self._finished_since_last_step += self.scheduler.free_finished_seq_groups()
@@ -267,12 +269,20 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin):
             logger.warning("%s; waiting once more", str(error).splitlines()[0])
             return self.model_executor.wait_for_timed_out_step()
 
-    def _process(self, sched: SchedulerOutputs, result: SamplerOutput, finished_only: bool
-                 ) -> list[Output]:
+    @property
+    def spec_decode_metrics(self) -> SpecDecodeWorkerMetrics | None:
+        """Speculative decoding's counts since the start (the executor sums every step's);
+        None while no step has speculated."""
+        return self.model_executor.metrics.spec_decode
+
+    def _process(self, sched: SchedulerOutputs, results: list[SamplerOutput],
+                 finished_only: bool) -> list[Output]:
+        """Apply a step's outputs: results[0] has every group's first token, results[1:]
+        (speculative decoding) the further tokens of sequences whose drafts were accepted."""
         now = time.time()
         outputs: list[Output] = []
-        for scheduled, group_out in zip(sched.scheduled_seq_groups, result.outputs,
-                                        strict=True):
+        for index, (scheduled, group_out) in enumerate(zip(
+                sched.scheduled_seq_groups, results[0].outputs, strict=True)):
             group = scheduled.seq_group
             if group.is_finished():  # aborted while the step ran
                 continue
@@ -291,6 +301,8 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin):
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
             self._append_samples(group, group_out.samples)
+            for later in results[1:]:
+                self._append_accepted(group, later.outputs[index].samples)
             if group.is_finished():
                 group.metrics.finished_time = now
                 self.seq_groups.pop(group.request_id, None)
@@ -329,6 +341,22 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin):
                 if seq.is_finished():
                     seq.held_back = 0  # the whole text is final now
                     self.scheduler.free_seq(seq)
+
+    def _append_accepted(self, group: SequenceGroup, samples: list[SequenceOutput]) -> None:
+        """Tokens after a sequence's first of the step (speculative decoding): each one means
+        the token before it was an accepted draft, whose K/V the step cached. A sequence that
+        stopped earlier in the step discards them."""
+        by_id = {seq.seq_id: seq for seq in group.seqs}
+        for sample in samples:
+            seq = by_id[sample.parent_seq_id]
+            if seq.is_finished():
+                continue
+            self.scheduler.advance_computed(seq, 1)
+            seq.append_token(sample.output_token, sample.logprobs)
+            self._check_stop(seq, group.sampling_params, group.grammar)
+            if seq.is_finished():
+                seq.held_back = 0
+                self.scheduler.free_seq(seq)
 
     def _check_stop(self, seq: Sequence, params: SamplingParams,
                     grammar: Grammar | None = None) -> None:

@@ -60,6 +60,10 @@ class EngineLoad:
     # requests, and of waiting ones (swapped ones wait too), sorted and comma-separated.
     running_lora_adapters: str = ""
     waiting_lora_adapters: str = ""
+    # Speculative decoding's running totals (SpecDecodeWorkerMetrics; 0 without it).
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_emitted_tokens: int = 0
     taken_at: float = 0.0  # time.time() of the snapshot
 
     @classmethod
@@ -68,11 +72,14 @@ class EngineLoad:
         sched = engine.scheduler
         blocks = sched.block_manager
         cache = blocks.prefix_cache
+        spec = engine.spec_decode_metrics
         return cls(len(sched.running), len(sched.waiting), len(sched.swapped),
                    blocks.num_gpu_blocks, blocks.num_free_gpu_blocks, engine.worker_restarts,
                    cache.queried_tokens if cache else 0, cache.hit_tokens if cache else 0,
                    _adapter_names(sched.running),
-                   _adapter_names([*sched.waiting, *sched.swapped]), time.time())
+                   _adapter_names([*sched.waiting, *sched.swapped]),
+                   spec.accepted_tokens if spec else 0, spec.draft_tokens if spec else 0,
+                   spec.emitted_tokens if spec else 0, time.time())
 
     @property
     def kv_cache_usage(self) -> float:

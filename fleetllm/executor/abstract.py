@@ -302,7 +302,8 @@ class Executor(ABC):
     def get_performance_metrics(self) -> dict[str, Any]:
         """ExecutorMetrics.to_dict(): request counts, execute_model latency (avg, p50/p95/p99
         in ms over the last 1000 calls), requests/s and tokens/s over those calls, per-worker
-        RSS, CPU and KV pool size, KV blocks in use, workers active/failed, restarts."""
+        RSS, CPU and KV pool size, KV blocks in use, workers active/failed, restarts, and
+        speculative decoding's counts (None without it)."""
         return performance_metrics(self)
 
     @property

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fleetllm.spec_decode.metrics import SpecDecodeWorkerMetrics
+
 WINDOW = 1000  # execute_model calls the latency percentiles and rates cover
 
 
@@ -56,6 +58,9 @@ class ExecutorMetrics:
     restarts: int = 0
     is_sleeping: bool = False
     sleeping_tags: list[str] = field(default_factory=list)
+    # Speculative decoding's counts since the start (SpecDecodeWorkerMetrics.to_dict); None:
+    # no step has speculated.
+    spec_decode: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         rss = [w.rss_bytes for w in self.workers if w.rss_bytes is not None]
@@ -79,6 +84,7 @@ class ExecutorMetrics:
             "workers": {"world_size": self.world_size, "active": self.workers_active,
                         "failed": self.workers_failed, "restarts": self.restarts},
             "sleep": {"is_sleeping": self.is_sleeping, "tags": list(self.sleeping_tags)},
+            "spec_decode": self.spec_decode,
         }
 
 
@@ -100,6 +106,7 @@ class MetricsRecorder:
         self._live: set[str] = set()  # requests seen by the workers and not finished yet
         self._last_tables: list[dict[int, list[int]]] = []  # block tables of the last step
         self._cpu_prev: dict[int, tuple[int, float, float]] = {}  # rank: (pid, cpu s, age s)
+        self.spec_decode: SpecDecodeWorkerMetrics | None = None  # summed over the steps
 
     def record_step(self, start: float, latency_s: float, request: Any, output: Any) -> None:
         tokens = 0
@@ -107,7 +114,12 @@ class MetricsRecorder:
             for group in getattr(sampler_output, "outputs", ()):
                 tokens += len(getattr(group, "samples", ()))  # pooling outputs: none
         groups = request.seq_group_metadata_list
+        spec = output[0].spec_decode_worker_metrics if output else None
         with self._lock:
+            if spec is not None:
+                if self.spec_decode is None:
+                    self.spec_decode = SpecDecodeWorkerMetrics(spec.num_spec_tokens)
+                self.spec_decode.add(spec)
             self.calls += 1
             self.tokens_total += tokens
             self._steps.append((start, start + latency_s, latency_s, tokens))
@@ -159,7 +171,8 @@ class MetricsRecorder:
                 requests_total=self.requests_total, requests_completed=self.completed,
                 requests_failed=self.failed, execute_model_calls=self.calls,
                 execute_model_errors=self.errors, tokens_total=self.tokens_total,
-                restarts=self.restarts, kv_blocks_used=len(used))
+                restarts=self.restarts, kv_blocks_used=len(used),
+                spec_decode=None if self.spec_decode is None else self.spec_decode.to_dict())
         if steps:
             latencies = sorted(s[2] * 1000 for s in steps)
             m.latency_window = len(latencies)

@@ -1,3 +1,4 @@
-"""Speculative decoding building blocks (#19, in progress): the n-gram (prompt lookup) proposer
-and the rejection sampler. Not wired into the engine yet: `speculative_config` is still
-refused (fleetllm/config.py)."""
+"""Speculative decoding (vLLM's speculative_config): SpeculativeConfig (config.py), the n-gram
+proposer, SpecDecodeWorker (the worker the configuration picks: proposes, has the scorer
+score and accept), its metrics, and a general rejection sampler (rejection_sampler.py, for
+proposers with a draft distribution)."""

@@ -33,3 +33,33 @@ class NgramProposer:
                 if token_ids[start:start + n] == tail:
                     return token_ids[start + n: start + n + k]
         return []
+
+
+class NgramIndex:
+    """NgramProposer.propose for one growing sequence in O(new tokens) per call, not a scan of
+    its history: for each n-gram length, the most recent start of every n-gram whose next
+    token is known, updated with the tokens added since the last call."""
+
+    def __init__(self, proposer: NgramProposer) -> None:
+        self.proposer = proposer
+        self.sizes = range(proposer.prompt_lookup_min, proposer.prompt_lookup_max + 1)
+        self.latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self.indexed = 0  # tokens seen
+
+    def propose(self, token_ids: list[int]) -> list[int]:
+        size = len(token_ids)
+        if size < self.indexed:  # not the sequence this index has seen grow: start over
+            self.__init__(self.proposer)
+        for n in self.sizes:  # n-grams whose continuation became known: ends in [old, size-1)
+            table = self.latest[n]
+            for start in range(max(0, self.indexed - n), size - n):
+                table[tuple(token_ids[start:start + n])] = start
+        self.indexed = size
+        k = self.proposer.num_speculative_tokens
+        for n in reversed(self.sizes):
+            if n >= size:
+                continue
+            start = self.latest[n].get(tuple(token_ids[size - n:]))
+            if start is not None:
+                return token_ids[start + n: start + n + k]
+        return []

@@ -39,6 +39,8 @@ class _Batch:
     # group index -> (first logits row, targets) for prompt logprobs, and whether None leads
     prompt_lp: dict[int, tuple[int, list[int], bool]] = field(default_factory=dict)
     pool_spans: list[tuple[int, int, int]] = field(default_factory=list)  # (group, start, len)
+    # speculative decoding: first sample row of a decode with drafts -> its draft tokens
+    draft_runs: dict[int, list[int]] = field(default_factory=dict)
     lora: lora_layers.LoRAStep | None = None  # the step's adapter rows, if any
 
 
@@ -66,12 +68,15 @@ class ModelRunner:
             self.lora_manager.attach(self.model)
 
     @torch.inference_mode()
-    def execute_model(self, request: ExecuteModelRequest,
-                      kv_caches: list[torch.Tensor] | None) -> SamplerOutput | None:
+    def execute_model(self, request: ExecuteModelRequest, kv_caches: list[torch.Tensor] | None,
+                      drafts: dict[int, list[int]] | None = None) -> list[SamplerOutput] | None:
+        """One step; None on a rank that does not sample. drafts (speculative decoding):
+        seq id -> draft tokens to score after a decoding sequence's last token; the result
+        then has one SamplerOutput per emitted position (see _accept_drafts)."""
         self.penalties.drop(request.finished_requests_ids)
         if not request.seq_group_metadata_list:
-            return SamplerOutput([]) if self.is_output_rank else None
-        batch = self._prepare(request)
+            return [SamplerOutput([])] if self.is_output_rank else None
+        batch = self._prepare(request, drafts or {})
         logits = self._forward(batch, kv_caches)
         if logits is None or not self.is_output_rank:
             return None
@@ -108,10 +113,12 @@ class ModelRunner:
             return None
         return hidden
 
-    def _prepare(self, request: ExecuteModelRequest) -> _Batch:
+    def _prepare(self, request: ExecuteModelRequest, drafts: dict[int, list[int]]) -> _Batch:
         """The flat token batch: decode tokens (one per sequence) first, then prefill spans.
         Per sequence the Python work is O(1) for a decode (its block table is copied at C
-        speed) and O(chunk) for a prefill: nothing walks a sequence's history."""
+        speed) and O(chunk) for a prefill: nothing walks a sequence's history. A decode with
+        draft tokens is a span of its last token and the drafts over its cached context (the
+        prefill path attends several query tokens per sequence), one logits row each."""
         bs = self.block_size
         group_slots = None if self.lora_manager is None else self.lora_manager.prepare(
             [g.lora_request for g in request.seq_group_metadata_list])
@@ -124,8 +131,8 @@ class ModelRunner:
                 if group.is_prompt:  # (a chunk of) the prompt, from the cached prefix on
                     start = data.num_computed_tokens
                     end = min(seq_len, start + (group.token_chunk_size or seq_len - start))
-                else:  # decode: the one token whose K/V is not cached yet
-                    start, end = seq_len - 1, seq_len
+                else:  # decode: the one token whose K/V is not cached yet (+ any drafts)
+                    start, end = seq_len - 1, seq_len + len(drafts.get(seq_id, ()))
                 # A prompt's first token goes the prefill way even alone: a pooling model has
                 # no KV cache for the decode kernel to read.
                 if end - start == 1 and start > 0:
@@ -153,15 +160,24 @@ class ModelRunner:
         for g_index, seq_id, data, table, start, end in pre:
             q_start = len(ids)
             n_prompt = len(data.prompt_token_ids)
-            ids += (data.prompt_token_ids[start:end] if end <= n_prompt
-                    else data.all_token_ids[start:end])
+            draft = drafts.get(seq_id) if not groups[g_index].is_prompt else None
+            if draft:
+                ids += [data.token_at(start), *draft]
+            else:
+                ids += (data.prompt_token_ids[start:end] if end <= n_prompt
+                        else data.all_token_ids[start:end])
             positions += range(start, end)
             new_slots = _slots(table, start, end, bs)
             slots += new_slots
             ctx = None if start == 0 else torch.tensor(_slots(table, 0, start, bs) + new_slots,
                                                        device=self.device)
             spans.append(PrefillSpan(q_start, end - start, end, ctx))
-            self._add_rows(batch, g_index, groups[g_index], seq_id, data, q_start, start, end)
+            if draft:
+                self._add_draft_rows(batch, g_index, groups[g_index], seq_id, data, q_start,
+                                     draft)
+            else:
+                self._add_rows(batch, g_index, groups[g_index], seq_id, data, q_start, start,
+                               end)
         dev = self.device
         if group_slots is not None:  # each token's adapter slot, in flat-batch order
             token_slots = [group_slots[d[0]] for d in dec]
@@ -210,23 +226,61 @@ class ModelRunner:
                 batch.sample_owner.append((g_index, seq_id))
             logits_idx.append(q_start + end - start - 1)
 
+    @staticmethod
+    def _add_draft_rows(batch: _Batch, g_index: int, group: SequenceGroupMetadata, seq_id: int,
+                        data: SequenceData, q_start: int, draft: list[int]) -> None:
+        """A draw at each of the len(draft) + 1 positions of a decode with drafts, each as
+        the sequence would draw there had the drafts before it been its tokens (penalties,
+        min_tokens and the seed of that position see them)."""
+        params, seq_len = group.sampling_params, data.get_len()
+        batch.draft_runs[len(batch.sample_rows)] = draft
+        for j in range(len(draft) + 1):
+            seed = None if params.seed is None else \
+                sampler.draw_seed(params.seed, data.sample_index, seq_len + j)
+            # Rows past the first count penalties from their history (seq_id None): the
+            # incremental state follows the sequence's real tokens only.
+            batch.sample_rows.append(SampleRow(
+                len(batch.logits_token_idx), params, data.prompt_token_ids,
+                data.output_token_ids + draft[:j], seed, seq_id if j == 0 else None))
+            batch.sample_owner.append((g_index, seq_id))
+            batch.logits_token_idx.append(q_start + j)
+
     def _sample(self, request: ExecuteModelRequest, batch: _Batch, logits: torch.Tensor
-                ) -> SamplerOutput:
+                ) -> list[SamplerOutput]:
         groups = request.seq_group_metadata_list
         result = sampler.sample(logits, batch.sample_rows, self.penalties,
                                 [groups[g].request_id for g, _ in batch.sample_owner])
         outputs = [CompletionSequenceGroupOutput(g.request_id, []) for g in groups]
-        for (g_index, seq_id), token, lps in zip(batch.sample_owner, result.token_ids,
-                                                 result.logprobs, strict=True):
-            outputs[g_index].samples.append(SequenceOutput(seq_id, token, lps))
+        later: list[list[CompletionSequenceGroupOutput]] = []  # positions 2, 3, ... (drafts)
+        row = 0
+        while row < len(batch.sample_rows):
+            g_index, seq_id = batch.sample_owner[row]
+            draft = batch.draft_runs.get(row)
+            if draft is None:
+                outputs[g_index].samples.append(SequenceOutput(
+                    seq_id, result.token_ids[row], result.logprobs[row]))
+                row += 1
+                continue
+            emitted = _accept_drafts(draft, result.token_ids[row: row + len(draft) + 1])
+            for j, token in enumerate(emitted):
+                if j == 0:
+                    out = outputs[g_index]
+                else:
+                    if len(later) < j:
+                        later.append([CompletionSequenceGroupOutput(g.request_id, [])
+                                      for g in groups])
+                    out = later[j - 1][g_index]
+                out.samples.append(SequenceOutput(seq_id, token, result.logprobs[row + j]))
+            row += len(draft) + 1
         for g_index, (first, targets, leading_none) in batch.prompt_lp.items():
             n = groups[g_index].sampling_params.prompt_logprobs
             chunk: list[dict[int, Logprob] | None] = [None] if leading_none else []
             if targets:
                 chunk += sampler.prompt_logprobs(logits[first: first + len(targets)], targets, n)
             outputs[g_index].prompt_logprobs = chunk
-        sampled = torch.tensor(result.token_ids, dtype=torch.long)
-        return SamplerOutput(outputs, sampled_token_ids=sampled)
+        return [SamplerOutput(outs, sampled_token_ids=torch.tensor(
+                    [x.output_token for o in outs for x in o.samples], dtype=torch.long))
+                for outs in (outputs, *later)]
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -312,6 +366,23 @@ def _keep_freed_memory() -> None:
     m_trim_threshold, m_mmap_threshold = -1, -3
     mallopt(m_mmap_threshold, ctypes.c_int(1 << 30))
     mallopt(m_trim_threshold, ctypes.c_int(2**31 - 1))
+
+
+def _accept_drafts(draft: list[int], drawn: list[int]) -> list[int]:
+    """The tokens a decode with drafts emits: drawn[j] is the token the target model drew at
+    draft position j (drawn[-1] after the whole draft). Emits drawn[0], and drawn[j + 1] as
+    long as drawn[j] equalled draft[j], i.e. the longest accepted prefix and then the
+    target's own token. Each drawn token is exactly the target's draw given the tokens before
+    it, so this is rejection sampling (Leviathan et al. 2023) for a one-hot draft (an n-gram
+    proposal): draft token x is kept with probability p(x), and otherwise the token is drawn
+    from p with x removed, renormalized. Greedy and seeded requests emit what they would emit
+    without speculation."""
+    emitted = [drawn[0]]
+    for j, token in enumerate(draft):
+        if drawn[j] != token:
+            break
+        emitted.append(drawn[j + 1])
+    return emitted
 
 
 def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:

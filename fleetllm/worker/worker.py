@@ -110,8 +110,10 @@ class Worker(WorkerBase):
         self.cache_engine = CacheEngine(self.config, *self._kv_shape(), self._kv_dtype(),
                                         self.device, num_gpu_blocks, num_cpu_blocks)
 
-    def execute_model(self, execute_model_req: ExecuteModelRequest
-                      ) -> list[SamplerOutput] | None:
+    def execute_model(self, execute_model_req: ExecuteModelRequest,
+                      drafts: dict[int, list[int]] | None = None) -> list[SamplerOutput] | None:
+        """One step. drafts: speculative decoding's draft tokens per decoding sequence (the
+        SpecDecodeWorker that wraps this worker passes them), scored in the same forward."""
         req = execute_model_req
         if self.config.model_config.is_pooling:
             output = self.model_runner.execute_model(req, None)
@@ -122,8 +124,7 @@ class Worker(WorkerBase):
         cache.swap_out(req.blocks_to_swap_out)
         cache.swap_in(req.blocks_to_swap_in)
         cache.copy(req.blocks_to_copy)
-        output = self.model_runner.execute_model(req, cache.gpu_cache)
-        return None if output is None else [output]
+        return self.model_runner.execute_model(req, cache.gpu_cache, drafts)
 
     # ------------------------------------------------------------ LoRA adapters (vLLM's names)
 

@@ -12,6 +12,10 @@ from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
 from fleetllm.utils import resolve_qualname
 from fleetllm.worker.delta import DeltaDecoder, EncodedRequest
 
+# Wraps the configured worker when speculative decoding is on. Named, not imported: the spec
+# worker is a WorkerBase, so importing it here would be an import circle.
+SPEC_WORKER = "fleetllm.spec_decode.spec_decode_worker.create_spec_worker"
+
 
 class WorkerBase(ABC):
     """One rank: owns a device, a model shard and its KV cache."""
@@ -49,7 +53,8 @@ def run_method(obj: Any, method: str | Callable[..., Any], args: tuple,
 
 class WorkerWrapperBase:
     """Creates the worker class named by parallel_config.worker_cls, so users can plug in their
-    own, and forwards calls to it. Its execute_model is the worker end of the delta encoding
+    own (wrapped in a SpecDecodeWorker when speculative decoding is configured), and forwards
+    calls to it. Its execute_model is the worker end of the delta encoding
     (fleetllm.worker.delta), shared by every backend that sends steps to worker processes."""
 
     def __init__(self, config: EngineConfig, rpc_rank: int = 0) -> None:
@@ -62,9 +67,12 @@ class WorkerWrapperBase:
                     is_driver_worker: bool) -> None:
         self.rpc_rank = rank  # a backend may assign ranks only once it knows where workers run
         cls = resolve_qualname(self.config.parallel_config.worker_cls)
-        self.worker = cls(self.config, local_rank=local_rank, rank=rank,
-                          distributed_init_method=distributed_init_method,
-                          is_driver_worker=is_driver_worker)
+        worker = cls(self.config, local_rank=local_rank, rank=rank,
+                     distributed_init_method=distributed_init_method,
+                     is_driver_worker=is_driver_worker)
+        if self.config.speculative_config is not None:  # the configured worker scores
+            worker = resolve_qualname(SPEC_WORKER)(worker, self.config)
+        self.worker = worker
 
     def execute_method(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return run_method(self.worker, method, args, kwargs)

@@ -66,8 +66,15 @@ class PrometheusMetrics:
                                    "cache (not computed again).")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "prefix_cache_hits / "
                                      "prefix_cache_queries since the start.")
+        # Speculative decoding (vLLM's spec_decode_* names), 0 without it.
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens the "
+                                     "target model accepted.")
+        self.spec_draft = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_emitted = counter("spec_decode_num_emitted_tokens", "Tokens emitted by "
+                                    "sequences that had drafts (accepted + one each).")
         # The engine's counts are running totals; the Prometheus counters move by the change.
-        self._seen = {"restarts": 0, "queries": 0, "hits": 0}
+        self._seen = {"restarts": 0, "queries": 0, "hits": 0, "accepted": 0, "draft": 0,
+                      "emitted": 0}
         self._render_lock = threading.Lock()  # two scrapes at once must not count twice
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first "
                                     "scheduled.", _REQUEST_BUCKETS)
@@ -117,7 +124,12 @@ class PrometheusMetrics:
     def _move_counters(self, load: EngineLoad) -> None:
         for key, metric, total in (("restarts", self.worker_restarts, load.worker_restarts),
                                    ("queries", self.prefix_queries, load.prefix_cache_queries),
-                                   ("hits", self.prefix_hits, load.prefix_cache_hits)):
+                                   ("hits", self.prefix_hits, load.prefix_cache_hits),
+                                   ("accepted", self.spec_accepted,
+                                    load.spec_decode_num_accepted_tokens),
+                                   ("draft", self.spec_draft, load.spec_decode_num_draft_tokens),
+                                   ("emitted", self.spec_emitted,
+                                    load.spec_decode_num_emitted_tokens)):
             if total > self._seen[key]:
                 metric.inc(total - self._seen[key])
                 self._seen[key] = total

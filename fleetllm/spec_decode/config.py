@@ -1,0 +1,83 @@
+"""SpeculativeConfig: vLLM's `speculative_config` dict, checked.
+
+    LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                   "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    fleetllm serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+
+Only the n-gram (prompt lookup) proposer is built; "draft_model" (and a `model` path) is
+refused with a ConfigurationError until it is, never accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+from fleetllm.errors import ConfigurationError
+
+METHODS = ("ngram",)
+_NOT_YET = {"draft_model": "a draft model proposer is not built yet; use method 'ngram'",
+            "eagle": "EAGLE heads are not supported", "eagle3": "EAGLE heads are not supported",
+            "medusa": "Medusa heads are not supported", "mlp_speculator": "not supported",
+            "mtp": "multi-token-prediction heads are not supported"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int
+    method: str = "ngram"
+    # n-gram: the longest and shortest tail matched against the earlier tokens (vLLM's
+    # defaults: both 5 when neither is set; one set: the other takes its value).
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+
+    @classmethod
+    def from_value(cls, value: Any) -> SpeculativeConfig | None:
+        """A SpeculativeConfig, a dict with vLLM's keys, or its JSON text; None: off."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigurationError(f"speculative_config: not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigurationError("speculative_config: must be a dict such as "
+                                     "{'method': 'ngram', 'num_speculative_tokens': 4}, got "
+                                     f"{value!r}")
+        value = dict(value)
+        method = value.pop("method", None)
+        model = value.pop("model", None)
+        if method is None and model in ("ngram", "[ngram]"):  # vLLM's older spelling
+            method, model = "ngram", None
+        if method in _NOT_YET or model is not None:
+            why = _NOT_YET.get(method, "a draft model proposer is not built yet")
+            raise ConfigurationError(f"speculative_config: method {method or 'draft_model'!r}"
+                                     f" (model {model!r}): {why}")
+        if method not in METHODS:
+            raise ConfigurationError(f"speculative_config: method must be one of "
+                                     f"{', '.join(METHODS)}, got {method!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigurationError(f"speculative_config: {unknown} are not supported; "
+                                     f"known keys: method, model, {', '.join(sorted(known))}")
+        if "num_speculative_tokens" not in value:
+            raise ConfigurationError("speculative_config: num_speculative_tokens is required")
+        lo, hi = value.pop("prompt_lookup_min", None), value.pop("prompt_lookup_max", None)
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        return cls(method=method, prompt_lookup_min=lo, prompt_lookup_max=hi, **value)
+
+    def __post_init__(self) -> None:
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigurationError(f"speculative_config: {name} must be an int >= 1, "
+                                         f"got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigurationError(
+                f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must not "
+                f"exceed prompt_lookup_max ({self.prompt_lookup_max})")
