@@ -5,9 +5,13 @@ where a decode step's time goes.
 
     fleetllm bench latency --preset llama-125m --batch-size 1 [--input-len 128]
         [--output-len 128] [--repeat 3] [--compare hf,vllm|none] [--json F] [engine flags]
+    fleetllm bench latency --workload copy --compare none \\
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
     python -m fleetllm.benchmarks.latency ...   (the same)
 
-fleetllm runs through LLMEngine.step() (streaming outputs, as a server does), all requests
+With --speculative-config, the same engine without it runs too (taking turns), and the
+speed-up and draft acceptance are printed. fleetllm runs through LLMEngine.step()
+(streaming outputs, as a server does), all requests
 arriving together; vLLM steps its own engine the same way (vllm_peer.py; each configuration
 printed, fleetllm's ratio to the best). The bound: a decode step reads every weight once, in
 the engine's dtype (the embedding table only at the batch's rows, so a tied LM head counts
@@ -46,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(vLLM's CPU build from .venv-vllm, `make peers`), both "
                              "comma-separated, or none")
     add_vllm_args(parser)
+    parser.add_argument("--workload", choices=["random", "copy"], default="random",
+                        help="random: prompts of --input-len random tokens; copy: code "
+                             "editing, each prompt a function to repeat under a new name "
+                             "(copy-heavy, what n-gram speculative decoding drafts; needs the "
+                             "model's tokenizer; --input-len ignored)")
     parser.add_argument("--data-seed", dest="bench_seed", type=int, default=0,
                         help="seed for the random prompts")
     parser.add_argument("--json", default=None,
@@ -84,11 +93,10 @@ def _forward_times(worker) -> list[float]:
 
 
 class _FleetLatency:
-    name = "fleetllm"
-
-    def __init__(self, model: str, kwargs: dict):
+    def __init__(self, model: str, kwargs: dict, name: str = "fleetllm"):
         from fleetllm import LLM
 
+        self.name = name
         self.llm = LLM(model, **kwargs)
         self.engine = self.llm.llm_engine
 
@@ -115,6 +123,7 @@ class _FleetLatency:
             if first_decode is None and all(token_times.values()):
                 first_decode = len(step_times)  # the steps after this one are decodes
         forwards = engine.model_executor.collective_rpc(_forward_times)[-1]
+        spec = engine.model_executor.metrics.spec_decode
         split = None
         if len(forwards) == len(step_times) and first_decode < len(step_times):
             steps, model = step_times[first_decode:], forwards[first_decode:]
@@ -122,7 +131,15 @@ class _FleetLatency:
             split = {"steps": len(steps), "step_s": total / len(steps),
                      "forward_s": fwd / len(steps), "other_s": (total - fwd) / len(steps),
                      "other_fraction": (total - fwd) / total}
-        return _summary(start, token_times, split)
+        result = _summary(start, token_times, split)
+        if spec is not None:  # this run's counts: the difference from the last run's
+            last = getattr(self, "_spec_seen", (0, 0))
+            self._spec_seen = (spec.accepted_tokens, spec.draft_tokens)
+            accepted, drafted = (a - b for a, b in zip(self._spec_seen, last, strict=True))
+            result["spec_decode"] = {"accepted_tokens": accepted, "draft_tokens": drafted,
+                                     "draft_acceptance_rate": accepted / drafted
+                                     if drafted else 0.0}
+        return result
 
 
 def _summary(start: float, token_times: dict[str, list[float]], split: dict | None) -> dict:
@@ -197,15 +214,29 @@ def run(args: argparse.Namespace) -> dict:
 
         vllm_python()
     engines = [_FleetLatency(model, kwargs)]
+    spec = kwargs.get("speculative_config") is not None
     vllm = None
     try:
+        if spec:  # the same engine without speculation, measured in the same run
+            off = {k: v for k, v in kwargs.items() if k != "speculative_config"}
+            engines.append(_FleetLatency(model, off, "fleetllm (spec off)"))
         arch = engines[0].engine.model_config.arch
         dtype = engine_dtype(engines[0].llm)
         cache_config = engines[0].engine.config.cache_config
         kv_dtype = cache_config.torch_kv_dtype(dtype)
         rng = random.Random(args.bench_seed)
-        prompts = [[rng.randrange(3, arch.vocab_size) for _ in range(args.input_len)]
-                   for _ in range(args.batch_size)]
+        if args.workload == "copy":
+            tokenizer = engines[0].engine.get_tokenizer()
+            if tokenizer is None:
+                raise SystemExit("--workload copy needs the model's tokenizer; this "
+                                 "checkpoint (or preset) has none")
+            room = engines[0].engine.model_config.max_model_len - args.output_len
+            prompts = workload.copy_edit_prompts(tokenizer, args.batch_size, room,
+                                                 args.bench_seed)
+            args.input_len = round(sum(map(len, prompts)) / len(prompts))
+        else:
+            prompts = [[rng.randrange(3, arch.vocab_size) for _ in range(args.input_len)]
+                       for _ in range(args.batch_size)]
         if "hf" in peers:
             from fleetllm.benchmarks.hf_peers import load_hf_model
 
@@ -230,7 +261,9 @@ def run(args: argparse.Namespace) -> dict:
             # after every round, best kept: the machine as the engines found it
             bandwidth = max(bandwidth, workload.read_bandwidth())
     finally:
-        engines[0].llm.shutdown()
+        for e in engines:
+            if isinstance(e, _FleetLatency):
+                e.llm.shutdown()
         if vllm is not None:
             vllm.close()
     ctx = args.input_len + args.output_len / 2  # mean context over the decode steps
@@ -257,6 +290,13 @@ def run(args: argparse.Namespace) -> dict:
               f"end-to-end {r['e2e_s']:6.2f} s  decode {r['decode_tokens_per_s']:7.1f} "
               "tokens/s")
     ours = best["fleetllm"]["decode_tokens_per_s"]
+    if "fleetllm (spec off)" in best:
+        ratio = ours / best["fleetllm (spec off)"]["decode_tokens_per_s"]
+        sd = best["fleetllm"]["spec_decode"]
+        figures["ratio_decode_spec_on_vs_off"] = ratio
+        print(f"speculative decoding: {ratio:.2f}x the decode tokens/s without it; drafts "
+              f"accepted {sd['accepted_tokens']} of {sd['draft_tokens']} "
+              f"({sd['draft_acceptance_rate']:.1%})")
     if "HF generate" in best:
         ratio = ours / best["HF generate"]["decode_tokens_per_s"]
         figures["ratio_decode_vs_hf"] = ratio

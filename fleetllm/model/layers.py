@@ -278,6 +278,8 @@ def pack_linear_weights(model: nn.Module) -> int:
               and not isinstance(m, ParallelLMHead)}
     linears = [m for m in model.modules()
                if isinstance(m, ColumnParallelLinear | RowParallelLinear | ParallelLMHead)]
+    if not any(m.weight is not None and _can_pack(m.weight) for m in linears):
+        return 0  # CUDA weights (or FLEETLLM_LINEAR=dense): don't build the CPU kernels below
     # What keeping the dense weights costs: a tied LM head's is the embedding's, kept anyway.
     dense_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears
                       if id(m.weight) not in shared)

@@ -76,7 +76,7 @@ class ModelRunner:
         self.penalties.drop(request.finished_requests_ids)
         if not request.seq_group_metadata_list:
             return [SamplerOutput([])] if self.is_output_rank else None
-        batch = self._prepare(request, drafts or {})
+        batch = self._prepare(request, drafts)
         logits = self._forward(batch, kv_caches)
         if logits is None or not self.is_output_rank:
             return None
@@ -113,16 +113,20 @@ class ModelRunner:
             return None
         return hidden
 
-    def _prepare(self, request: ExecuteModelRequest, drafts: dict[int, list[int]]) -> _Batch:
+    def _prepare(self, request: ExecuteModelRequest,
+                 drafts: dict[int, list[int]] | None = None) -> _Batch:
         """The flat token batch: decode tokens (one per sequence) first, then prefill spans.
         Per sequence the Python work is O(1) for a decode (its block table is copied at C
         speed) and O(chunk) for a prefill: nothing walks a sequence's history. A decode with
-        draft tokens is a span of its last token and the drafts over its cached context (the
-        prefill path attends several query tokens per sequence), one logits row each."""
-        bs = self.block_size
+        m draft tokens is m + 1 decode rows: its last token and each draft at the next
+        positions, each attending to the context up to itself (the step writes every new
+        token's K/V before any row attends, so the drafts' rows see the drafts before them);
+        the decode kernel and the fused layer read the context in place."""
+        bs, drafts = self.block_size, drafts or {}
         group_slots = None if self.lora_manager is None else self.lora_manager.prepare(
             [g.lora_request for g in request.seq_group_metadata_list])
-        dec: list[tuple[int, int, SequenceData, list[int], int]] = []
+        # (group, seq id, data, table, end: the row's position + 1, draft or None)
+        dec: list[tuple[int, int, SequenceData, list[int], int, list[int] | None]] = []
         pre: list[tuple[int, int, SequenceData, list[int], int, int]] = []
         for g_index, group in enumerate(request.seq_group_metadata_list):
             for seq_id, data in group.seq_data.items():
@@ -131,12 +135,13 @@ class ModelRunner:
                 if group.is_prompt:  # (a chunk of) the prompt, from the cached prefix on
                     start = data.num_computed_tokens
                     end = min(seq_len, start + (group.token_chunk_size or seq_len - start))
-                else:  # decode: the one token whose K/V is not cached yet (+ any drafts)
-                    start, end = seq_len - 1, seq_len + len(drafts.get(seq_id, ()))
+                else:  # decode: the one token whose K/V is not cached yet
+                    start, end = seq_len - 1, seq_len
                 # A prompt's first token goes the prefill way even alone: a pooling model has
                 # no KV cache for the decode kernel to read.
                 if end - start == 1 and start > 0:
-                    dec.append((g_index, seq_id, data, table, end))
+                    dec.append((g_index, seq_id, data, table, end,
+                                None if group.is_prompt else drafts.get(seq_id)))
                 else:
                     pre.append((g_index, seq_id, data, table, start, end))
         ids: list[int] = []
@@ -147,40 +152,40 @@ class ModelRunner:
         ctx_lens: list[int] = []
         batch = _Batch(ids, positions, None)  # tensors replace the lists below
         groups = request.seq_group_metadata_list
-        for g_index, seq_id, data, table, end in dec:
-            p = end - 1
-            ids.append(data.token_at(p))
-            positions.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            table_start.append(len(tables))
-            tables += table[: (end + bs - 1) // bs]
-            ctx_lens.append(end)
-            self._add_rows(batch, g_index, groups[g_index], seq_id, data, len(ids) - 1, p, end)
+        token_groups: list[int] = []  # each decode row's group (LoRA slots)
+        for g_index, seq_id, data, table, end, draft in dec:
+            first = len(ids)
+            for j, token in enumerate([data.token_at(end - 1), *(draft or ())]):
+                p = end - 1 + j
+                ids.append(token)
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+                table_start.append(len(tables))
+                tables += table[: (p + bs) // bs]
+                ctx_lens.append(p + 1)
+                token_groups.append(g_index)
+            if draft:
+                self._add_draft_rows(batch, g_index, groups[g_index], seq_id, data, first,
+                                     draft)
+            else:
+                self._add_rows(batch, g_index, groups[g_index], seq_id, data, first, end - 1,
+                               end)
         spans: list[PrefillSpan] = []
         for g_index, seq_id, data, table, start, end in pre:
             q_start = len(ids)
             n_prompt = len(data.prompt_token_ids)
-            draft = drafts.get(seq_id) if not groups[g_index].is_prompt else None
-            if draft:
-                ids += [data.token_at(start), *draft]
-            else:
-                ids += (data.prompt_token_ids[start:end] if end <= n_prompt
-                        else data.all_token_ids[start:end])
+            ids += (data.prompt_token_ids[start:end] if end <= n_prompt
+                    else data.all_token_ids[start:end])
             positions += range(start, end)
             new_slots = _slots(table, start, end, bs)
             slots += new_slots
             ctx = None if start == 0 else torch.tensor(_slots(table, 0, start, bs) + new_slots,
                                                        device=self.device)
             spans.append(PrefillSpan(q_start, end - start, end, ctx))
-            if draft:
-                self._add_draft_rows(batch, g_index, groups[g_index], seq_id, data, q_start,
-                                     draft)
-            else:
-                self._add_rows(batch, g_index, groups[g_index], seq_id, data, q_start, start,
-                               end)
+            self._add_rows(batch, g_index, groups[g_index], seq_id, data, q_start, start, end)
         dev = self.device
         if group_slots is not None:  # each token's adapter slot, in flat-batch order
-            token_slots = [group_slots[d[0]] for d in dec]
+            token_slots = [group_slots[g] for g in token_groups]
             for g_index, _, _, _, start, end in pre:
                 token_slots += [group_slots[g_index]] * (end - start)
             if max(token_slots) >= 0:
