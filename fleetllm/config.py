@@ -368,8 +368,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0  # copied from ModelConfig
     preemption_mode: str = "recompute"  # or "swap"
-    # Speculative decoding: KV slots each decoding sequence holds past its last token for the
-    # step's draft tokens (num_speculative_tokens; 0: off). Set from the speculative config.
+    # Multi-step decoding: a decode-only step (nothing waiting) runs this many forward passes
+    # in one call to the workers, which sample and feed the tokens back themselves.
+    num_scheduler_steps: int = 1
+    # KV slots each decoding sequence holds past its next token: speculative decoding's
+    # drafts or multi-step's later tokens (0: neither). Set by EngineConfig.
     num_lookahead_slots: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -381,6 +384,8 @@ class SchedulerConfig:
         _check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
                "max_num_batched_tokens", f"must be an int >= 1, got "
                f"{self.max_num_batched_tokens!r}")
+        _check(isinstance(self.num_scheduler_steps, int) and self.num_scheduler_steps >= 1,
+               "num_scheduler_steps", f"must be an int >= 1, got {self.num_scheduler_steps!r}")
 
 
 @dataclass
@@ -453,7 +458,14 @@ class EngineConfig:
         spec = self.speculative_config
         _check(spec is None or not m.is_pooling, "speculative_config",
                "speculative decoding applies to generating models only (task='generate')")
-        s.num_lookahead_slots = 0 if spec is None else spec.num_speculative_tokens
+        _check(spec is None or s.num_scheduler_steps == 1, "num_scheduler_steps",
+               "multi-step decoding and speculative decoding cannot be combined")
+        _check(s.num_scheduler_steps == 1 or not m.is_pooling, "num_scheduler_steps",
+               "multi-step decoding applies to generating models only")
+        # KV slots a decoding sequence holds past its next token: the step's drafts, or the
+        # tokens of a multi-step call's later steps.
+        s.num_lookahead_slots = spec.num_speculative_tokens if spec is not None else \
+            s.num_scheduler_steps - 1
 
     @classmethod
     def from_kwargs(cls, model: str | os.PathLike, **kwargs: Any) -> EngineConfig:
@@ -563,7 +575,6 @@ VLLM_ARGS: dict[str, VllmArg] = {
     "enable_chunked_prefill": VllmArg(None, "fleetllm always prefills in chunks of "
                                             "max_num_batched_tokens"),
     "use_v2_block_manager": VllmArg(True, "fleetllm has one block manager"),
-    "num_scheduler_steps": VllmArg(1, "fleetllm schedules every step"),
     "disable_async_output_proc": VllmArg(False, "fleetllm processes outputs in step"),
     "download_dir": VllmArg(None, "fleetllm loads local directories and never downloads"),
     "disable_sliding_window": VllmArg(False, "max_model_len is capped at the sliding "

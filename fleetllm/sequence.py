@@ -86,6 +86,9 @@ class ExecuteModelRequest:
     running_queue_size: int | None = None
     # Requests that ended since the last step: workers drop any per-request state they keep.
     finished_requests_ids: list[str] = field(default_factory=list)
+    # Multi-step decoding: forward passes the workers run in this call (a decode-only batch),
+    # returning one SamplerOutput per pass.
+    num_steps: int = 1
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -22,8 +22,9 @@ request run alone in a large pool with no faults:
   counts as free (device and CPU pools) and no request is left;
 - with prefix caching, shared prefixes are found in the cache (over the series);
 - no exception escapes except the injected faults;
-- speculative decoding (a third of the workloads; the reference runs without it): the same
-  tokens, and a sequence never holds more blocks than its tokens and lookahead slots need.
+- speculative decoding and multi-step decoding (a quarter of the workloads each; the
+  reference runs without them): the same tokens, and a sequence never holds more blocks
+  than its tokens and lookahead slots need.
 
 FLEETLLM_RANDOM_WORKLOADS=N runs more (the default keeps `make test` near a minute);
 FLEETLLM_RANDOM_SEED picks another series; each workload has its own generator, so a failure
@@ -147,6 +148,7 @@ class Faults:
     def __init__(self, executor, rng: random.Random, rate: float):
         self.inner, self.rng, self.rate = executor.execute_model, rng, rate
         self.count = self.crashes = 0
+        self.multi_step = 0  # calls that ran several passes (num_scheduler_steps)
 
     def _error(self, request) -> Exception:
         groups = request.seq_group_metadata_list
@@ -160,6 +162,7 @@ class Faults:
         return RemoteWorkerError("injected fault")
 
     def __call__(self, request):
+        self.multi_step += request.num_steps > 1
         if self.rng.random() >= self.rate:
             return self.inner(request)
         self.count += 1
@@ -178,6 +181,8 @@ def engines(tiny_models):
                     swap_space=16 << 20, max_num_seqs=256) for bs in (4, 16)}
     llms["spec"] = LLM(tiny_models["llama_gqa"], kv_cache_memory=64 << 20, block_size=4,
                        swap_space=16 << 20, max_num_seqs=256, speculative_config=SPEC)
+    llms["multi-step"] = LLM(tiny_models["llama_gqa"], kv_cache_memory=64 << 20, block_size=4,
+                             swap_space=16 << 20, max_num_seqs=256, num_scheduler_steps=4)
     yield llms
     for llm in llms.values():
         llm.shutdown()
@@ -207,7 +212,8 @@ def _tied(ref: Reference, index: int, position: int, ours: int) -> bool:
     return ours in row and abs(row[ours] - row[want]) <= TIE
 
 
-def run_workload(llm: LLM, reqs: list[Req], rng: random.Random) -> tuple[Scheduler, int]:
+def run_workload(llm: LLM, reqs: list[Req], rng: random.Random
+                 ) -> tuple[Scheduler, int, int]:
     engine = llm.llm_engine
     cc = engine.config.cache_config
     bs = cc.block_size
@@ -266,7 +272,7 @@ def run_workload(llm: LLM, reqs: list[Req], rng: random.Random) -> tuple[Schedul
         assert engine.model_executor.execute_model == saved_execute
         # This workload wrote into blocks the engine's own scheduler may have cached.
         saved_scheduler.block_manager.reset_prefix_cache()
-    return scheduler, faults.count
+    return scheduler, faults.count, faults.multi_step
 
 
 def check(req: Req, ref: Reference, scheduler: Scheduler) -> None:
@@ -316,13 +322,15 @@ def test_random_workloads_match_requests_run_alone(engines):
     totals = {"requests": 0, "preemptions": 0, "faults": 0, "restarts": 0, "aborted": 0,
               "prefix_hit_tokens": 0}
     indices = [int(ONLY)] if ONLY else range(NUM_WORKLOADS)
+    multi_step_calls = 0
     for index in indices:
         rng = random.Random(f"{SERIES}-{index}")
-        kind = rng.choice([4, 16, "spec"])
+        kind = rng.choice([4, 16, "spec", "multi-step"])
         llm = engines[kind]
         reqs = draw_requests(rng, index)
-        refs = {r.rid: reference(engines[4] if kind == "spec" else llm, r) for r in reqs}
-        scheduler, faults = run_workload(llm, reqs, rng)
+        refs = {r.rid: reference(engines[4] if isinstance(kind, str) else llm, r)
+                for r in reqs}
+        scheduler, faults, multi = run_workload(llm, reqs, rng)
         for req in reqs:
             check(req, refs[req.rid], scheduler)
         bm = scheduler.block_manager
@@ -337,8 +345,10 @@ def test_random_workloads_match_requests_run_alone(engines):
         totals["faults"] += faults
         totals["restarts"] += llm.llm_engine.worker_restarts
         totals["aborted"] += sum(r.aborted_at is not None for r in reqs)
+        multi_step_calls += multi
     spec = engines["spec"].llm_engine.spec_decode_metrics
     totals["spec_accepted_tokens"] = spec.accepted_tokens if spec else 0
+    totals["multi_step_calls"] = multi_step_calls
     print(f"{len(indices)} workloads: {totals}")
     if not ONLY:  # the series must exercise what it claims to
         assert all(totals.values()), totals

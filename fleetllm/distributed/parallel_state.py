@@ -110,6 +110,8 @@ def output_rank(tp_size: int, pp_size: int) -> int:
 
 _TP = GroupCoordinator([0], 0)
 _PP = GroupCoordinator([0], 0)
+_WORLD = GroupCoordinator([0], 0)  # every rank; group None: the default group
+_OUTPUT_RANK = 0
 
 
 def get_tp_group() -> GroupCoordinator:
@@ -123,7 +125,9 @@ def get_pp_group() -> GroupCoordinator:
 def init_distributed(world_size: int, rank: int, init_method: str | None, tp_size: int,
                      pp_size: int, device: str, timeout_s: float = 600.0) -> None:
     """Join the global group and build this rank's TP and PP groups. One worker: nothing."""
-    global _TP, _PP
+    global _TP, _PP, _WORLD, _OUTPUT_RANK
+    _OUTPUT_RANK = output_rank(tp_size, pp_size)
+    _WORLD = GroupCoordinator(list(range(world_size)), rank)
     if world_size == 1:
         _TP, _PP = GroupCoordinator([0], 0), GroupCoordinator([0], 0)
         return
@@ -145,9 +149,16 @@ def init_distributed(world_size: int, rank: int, init_method: str | None, tp_siz
             _PP = GroupCoordinator(ranks, pp_rank, group)
 
 
+def broadcast_from_output_rank(x: torch.Tensor) -> torch.Tensor:
+    """The output rank's x on every rank (multi-step decoding: each rank feeds the sampled
+    tokens back itself). x must have the same shape and dtype on every rank."""
+    return _WORLD.broadcast(x, _OUTPUT_RANK)
+
+
 def destroy_distributed() -> None:
-    global _TP, _PP
-    _TP, _PP = GroupCoordinator([0], 0), GroupCoordinator([0], 0)
+    global _TP, _PP, _WORLD
+    _TP, _PP, _WORLD = (GroupCoordinator([0], 0), GroupCoordinator([0], 0),
+                        GroupCoordinator([0], 0))
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -226,7 +226,8 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin):
                 blocks_to_swap_out=sched.blocks_to_swap_out,
                 blocks_to_copy=sched.blocks_to_copy, running_queue_size=sched.running_queue_size,
                 finished_requests_ids=finished_ids,
-                num_lookahead_slots=self.config.scheduler_config.num_lookahead_slots)
+                num_lookahead_slots=self.config.scheduler_config.num_lookahead_slots,
+                num_steps=self._num_steps(metadata, sched))
             try:
                 results = self._execute(request)
             except BaseException as error:
@@ -243,6 +244,18 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin):
         self._finished_since_last_step += self.scheduler.free_finished_seq_groups()
         self.model_executor.record_outputs(outputs)  # requests completed / failed (metrics)
         return outputs
+
+    def _num_steps(self, metadata: list[SequenceGroupMetadata], sched: SchedulerOutputs
+                   ) -> int:
+        """Multi-step decoding (num_scheduler_steps): the workers run several passes only for
+        a batch of decodes with nothing waiting or swapped (new requests are admitted at the
+        next step, not k passes later) and no grammar (its allowed tokens come from here)."""
+        k = self.config.scheduler_config.num_scheduler_steps
+        if k == 1 or self.scheduler.waiting or self.scheduler.swapped or \
+                any(m.is_prompt for m in metadata) or \
+                any(s.seq_group.grammar is not None for s in sched.scheduled_seq_groups):
+            return 1
+        return k
 
     def _fill_grammar_bitmasks(self, metadata: list[SequenceGroupMetadata],
                                sched: SchedulerOutputs) -> None:
@@ -277,8 +290,9 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin):
 
     def _process(self, sched: SchedulerOutputs, results: list[SamplerOutput],
                  finished_only: bool) -> list[Output]:
-        """Apply a step's outputs: results[0] has every group's first token, results[1:]
-        (speculative decoding) the further tokens of sequences whose drafts were accepted."""
+        """Apply a step's outputs: results[0] has every group's first token, results[1:] the
+        further tokens of sequences whose drafts were accepted (speculative decoding) or of
+        the later passes (multi-step decoding), in order."""
         now = time.time()
         outputs: list[Output] = []
         for index, (scheduled, group_out) in enumerate(zip(
@@ -343,9 +357,9 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin):
                     self.scheduler.free_seq(seq)
 
     def _append_accepted(self, group: SequenceGroup, samples: list[SequenceOutput]) -> None:
-        """Tokens after a sequence's first of the step (speculative decoding): each one means
-        the token before it was an accepted draft, whose K/V the step cached. A sequence that
-        stopped earlier in the step discards them."""
+        """Tokens after a sequence's first of the step (an accepted draft's successor, or a
+        later pass of multi-step decoding): each one means the step cached the K/V of the
+        token before it. A sequence that stopped earlier in the step discards them."""
         by_id = {seq.seq_id: seq for seq in group.seqs}
         for sample in samples:
             seq = by_id[sample.parent_seq_id]

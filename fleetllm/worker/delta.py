@@ -48,12 +48,13 @@ class EncodedRequest:
     running_queue_size: int | None = None
     finished_requests_ids: list[str] = field(default_factory=list)
     reset: bool = False  # workers clear their whole cache before decoding
+    num_steps: int = 1
 
     def __reduce__(self):  # positional: no field names on the wire
         return (EncodedRequest, (self.groups, self.blocks_to_swap_in, self.blocks_to_swap_out,
                                  self.blocks_to_copy, self.num_lookahead_slots,
                                  self.running_queue_size, self.finished_requests_ids,
-                                 self.reset))
+                                 self.reset, self.num_steps))
 
 
 class DeltaDesync(Exception):
@@ -118,7 +119,8 @@ class DeltaEncoder:
                            None if params is None else g.lora_request))
         return EncodedRequest(groups, req.blocks_to_swap_in, req.blocks_to_swap_out,
                               req.blocks_to_copy, req.num_lookahead_slots,
-                              req.running_queue_size, list(req.finished_requests_ids), reset)
+                              req.running_queue_size, list(req.finished_requests_ids), reset,
+                              req.num_steps)
 
 
 class DeltaDecoder:
@@ -181,5 +183,6 @@ class DeltaDecoder:
                                                 lora_request=lora))
         return ExecuteModelRequest(groups, enc.blocks_to_swap_in, enc.blocks_to_swap_out,
                                    enc.blocks_to_copy, enc.num_lookahead_slots,
-                                   enc.running_queue_size, enc.finished_requests_ids)
+                                   enc.running_queue_size, enc.finished_requests_ids,
+                                   enc.num_steps)
 

@@ -15,6 +15,7 @@ from fleetllm.worker.delta import DeltaDecoder, EncodedRequest
 # Wraps the configured worker when speculative decoding is on. Named, not imported: the spec
 # worker is a WorkerBase, so importing it here would be an import circle.
 SPEC_WORKER = "fleetllm.spec_decode.spec_decode_worker.create_spec_worker"
+MULTI_STEP_WORKER = "fleetllm.worker.multi_step_worker.MultiStepWorker"  # likewise
 
 
 class WorkerBase(ABC):
@@ -53,9 +54,10 @@ def run_method(obj: Any, method: str | Callable[..., Any], args: tuple,
 
 class WorkerWrapperBase:
     """Creates the worker class named by parallel_config.worker_cls, so users can plug in their
-    own (wrapped in a SpecDecodeWorker when speculative decoding is configured), and forwards
-    calls to it. Its execute_model is the worker end of the delta encoding
-    (fleetllm.worker.delta), shared by every backend that sends steps to worker processes."""
+    own (wrapped in a SpecDecodeWorker with speculative decoding, a MultiStepWorker with
+    num_scheduler_steps > 1), and forwards calls to it. Its execute_model is the worker end
+    of the delta encoding (fleetllm.worker.delta), shared by every backend that sends steps
+    to worker processes."""
 
     def __init__(self, config: EngineConfig, rpc_rank: int = 0) -> None:
         self.config = config
@@ -72,6 +74,8 @@ class WorkerWrapperBase:
                      is_driver_worker=is_driver_worker)
         if self.config.speculative_config is not None:  # the configured worker scores
             worker = resolve_qualname(SPEC_WORKER)(worker, self.config)
+        elif self.config.scheduler_config.num_scheduler_steps > 1:
+            worker = resolve_qualname(MULTI_STEP_WORKER)(worker, self.config)
         self.worker = worker
 
     def execute_method(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,124 @@
+"""MultiStepWorker: multi-step decoding (vLLM's num_scheduler_steps) around a worker.
+
+With num_scheduler_steps=k the engine sends a decode-only batch (no prompt chunk, nothing
+waiting or swapped, no structured-output grammar) as one request with num_steps=k; this
+worker runs the k forward passes itself: after each, the output rank's sampled tokens are
+broadcast to every rank (TP/PP: each rank feeds them back into its own copy of the sequences;
+the engine's copies are not touched), and the next pass decodes them. A sequence stops
+taking passes at its max_tokens or max_model_len (its later outputs are simply absent); one
+that stops on EOS or a stop string keeps decoding here, and the engine discards what it
+produced after its end. The KV slots of the later passes are the scheduler's lookahead
+slots (k - 1 per decoding sequence). Returns one SamplerOutput per pass on the output rank
+(None elsewhere), as a speculative step does; the engine applies them in order.
+
+Any other request (num_steps 1) goes to the wrapped worker unchanged. A failure in pass i
+fails the whole call: the engine has applied nothing and recomputes the step, as for any
+failed step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from fleetllm.config import EngineConfig
+from fleetllm.distributed.parallel_state import broadcast_from_output_rank
+from fleetllm.sequence import (
+    CompletionSequenceGroupOutput,
+    ExecuteModelRequest,
+    SamplerOutput,
+    SequenceData,
+    SequenceGroupMetadata,
+)
+from fleetllm.worker.worker_base import WorkerBase
+
+
+class MultiStepWorker(WorkerBase):
+    def __init__(self, worker: WorkerBase, config: EngineConfig) -> None:
+        self.worker = worker
+        self.max_model_len = config.model_config.max_model_len
+
+    def init_device(self) -> None:
+        self.worker.init_device()
+
+    def load_model(self) -> None:
+        self.worker.load_model()
+
+    def determine_num_available_blocks(self) -> tuple[int, int]:
+        return self.worker.determine_num_available_blocks()
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)
+
+    def check_health(self) -> None:
+        self.worker.check_health()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+    def __getattr__(self, name: str) -> Any:  # sleep, wake_up, LoRA calls, model_runner, ...
+        if name == "worker":  # not set yet (copying, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.worker, name)
+
+    def execute_model(self, execute_model_req: ExecuteModelRequest
+                      ) -> list[SamplerOutput] | None:
+        req = execute_model_req
+        if req.num_steps <= 1:
+            return self.worker.execute_model(req)
+        groups = [_own_copy(g) for g in req.seq_group_metadata_list]
+        passes = [self._passes(g, req.num_steps) for g in groups]
+        results: list[SamplerOutput] = []
+        for step in range(max(passes)):
+            active = [i for i, n in enumerate(passes) if n > step]
+            first = step == 0  # block moves and finished ids go with the first pass only
+            sub = dataclasses.replace(
+                req, seq_group_metadata_list=[groups[i] for i in active], num_steps=1,
+                blocks_to_swap_in=req.blocks_to_swap_in if first else {},
+                blocks_to_swap_out=req.blocks_to_swap_out if first else {},
+                blocks_to_copy=req.blocks_to_copy if first else {},
+                finished_requests_ids=req.finished_requests_ids if first else [])
+            out = self.worker.execute_model(sub)
+            seqs = [(groups[i], sid) for i in active for sid in groups[i].seq_data]
+            tokens = torch.zeros(len(seqs), dtype=torch.long, device=self._device())
+            if out is not None:  # the output rank: its samples, in the same order
+                drawn = {(s.parent_seq_id): s.output_token for g in out[0].outputs
+                         for s in g.samples}
+                tokens = torch.tensor([drawn[sid] for _, sid in seqs], device=tokens.device)
+                results.append(_widen(out[0], active, groups))
+            tokens = broadcast_from_output_rank(tokens).tolist()
+            for (group, sid), token in zip(seqs, tokens, strict=True):
+                data = group.seq_data[sid]
+                data.output_token_ids.append(token)
+                data.num_computed_tokens += 1
+        return results or None
+
+    def _device(self) -> torch.device:
+        return getattr(self.worker, "device", torch.device("cpu"))
+
+    def _passes(self, group: SequenceGroupMetadata, most: int) -> int:
+        """Passes the group takes: it stops at max_tokens and at max_model_len."""
+        data = next(iter(group.seq_data.values()))  # a group's sequences advance together
+        left = self.max_model_len - data.get_len() + 1
+        if group.sampling_params.max_tokens is not None:
+            left = min(left, group.sampling_params.max_tokens - len(data.output_token_ids))
+        return max(1, min(most, left))
+
+
+def _own_copy(group: SequenceGroupMetadata) -> SequenceGroupMetadata:
+    """The group with its own output lists to append to (the prompt is shared, unchanged)."""
+    seq_data = {sid: SequenceData(d.prompt_token_ids, list(d.output_token_ids),
+                                  d.num_computed_tokens, d.sample_index)
+                for sid, d in group.seq_data.items()}
+    return dataclasses.replace(group, seq_data=seq_data)
+
+
+def _widen(out: SamplerOutput, active: list[int], groups: list[SequenceGroupMetadata]
+           ) -> SamplerOutput:
+    """One pass's output over every group of the request (those that stopped: no samples)."""
+    outputs = [CompletionSequenceGroupOutput(g.request_id, []) for g in groups]
+    for i, group_out in zip(active, out.outputs, strict=True):
+        outputs[i] = group_out
+    return dataclasses.replace(out, outputs=outputs)
