@@ -12,6 +12,11 @@ Each step picks which requests run and how many tokens each computes, within a t
    its prompt; admission stops at the first that does not fit. A group whose structured-output
    grammar is still compiling is passed over (it keeps its place) until it is ready.
 
+Speculative and multi-step decoding: a decoding sequence's blocks also cover
+num_lookahead_slots positions past its next token (the step's draft tokens, or the tokens of
+a multi-step call's later passes); tokens the engine appends beyond the first of a step
+advance num_computed_tokens (`advance_computed`).
+
 Who updates what: the scheduler moves groups between queues, sets sequence statuses, owns the
 block tables and each group's stage (`in_prefill`). `schedule()` only plans: once the workers
 have run the step, the engine calls `complete_step()` (the chunks are now cached; a sampled
@@ -149,8 +154,9 @@ class Scheduler:
         return ids
 
     def advance_computed(self, seq: Sequence, num_tokens: int) -> None:
-        """Speculative decoding: the step also cached the K/V of `num_tokens` accepted draft
-        tokens of `seq` (besides its scheduled chunk); full blocks become findable."""
+        """The step also cached the K/V of `num_tokens` more tokens of `seq` than its chunk
+        (accepted drafts of speculative decoding, later passes of multi-step decoding); full
+        blocks become findable."""
         seq.data.num_computed_tokens += num_tokens
         self.block_manager.mark_computed(seq)
 
@@ -343,10 +349,10 @@ class Scheduler:
         return max(s.data.num_uncomputed_tokens() for s in group.unfinished_seqs())
 
     def _lookahead(self, group: SequenceGroup) -> int:
-        """Slots a decoding group's sequences hold past their next token for the draft tokens
-        of speculative decoding (num_lookahead_slots; a prefill has none). Slots of rejected
-        drafts stay in the table and are written again by the next step's drafts; the
-        sequence's blocks are freed with it."""
+        """Slots a decoding group's sequences hold past their next token (num_lookahead_slots:
+        the draft tokens of speculative decoding, the later passes of multi-step decoding; a
+        prefill has none). Slots of rejected drafts, or of passes after a sequence's end, stay
+        in its table and are written again by the next step; they are freed with it."""
         return 0 if group.is_prefill() else self.config.num_lookahead_slots
 
     def _whole(self, group: SequenceGroup, chunk: int) -> int:

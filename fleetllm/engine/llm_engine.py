@@ -1,7 +1,8 @@
 """LLMEngine: requests in, RequestOutputs out, one `step()` at a time.
 
 step(): Scheduler.schedule() -> ExecuteModelRequest -> executor.execute_model -> append
-sampled tokens, fork n>1 samples, detokenize, check stop conditions -> RequestOutputs.
+sampled tokens, fork n>1 samples, detokenize, check stop conditions (output_processing.py)
+-> RequestOutputs.
 A pooling model (task "embed") takes PoolingParams instead: each request runs its prompt in
 one step and finishes with its vector (PoolingRequestOutput).
 """
@@ -12,7 +13,6 @@ import dataclasses
 import itertools
 import logging
 import threading
-import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from pathlib import Path
@@ -20,9 +20,10 @@ from typing import Any
 
 from fleetllm.config import EngineConfig, read_json
 from fleetllm.core.scheduler import Scheduler, SchedulerOutputs
-from fleetllm.engine.detokenizer import Detokenizer, find_stop_string, held_back_length
+from fleetllm.engine.detokenizer import Detokenizer
 from fleetllm.engine.lora_requests import LoRAMixin, LoRARequests
-from fleetllm.engine.outputs import PoolingRequestOutput, RequestOutput, request_output
+from fleetllm.engine.output_processing import Output, OutputsMixin
+from fleetllm.engine.outputs import request_output
 from fleetllm.engine.recovery import RecoveryMixin
 from fleetllm.engine.request_checks import PromptType, RequestChecksMixin
 from fleetllm.errors import (
@@ -36,18 +37,14 @@ from fleetllm.pooling_params import PoolingParams
 from fleetllm.sampling_params import SamplingParams
 from fleetllm.sequence import (
     ExecuteModelRequest,
-    PoolingSequenceGroupOutput,
     SamplerOutput,
     Sequence,
     SequenceGroup,
     SequenceGroupMetadata,
-    SequenceOutput,
-    SequenceStatus,
 )
 from fleetllm.spec_decode.metrics import SpecDecodeWorkerMetrics
 from fleetllm.structured_outputs.manager import Grammar, StructuredOutputManager
 
-Output = RequestOutput | PoolingRequestOutput
 logger = logging.getLogger(__name__)
 
 
@@ -61,7 +58,7 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin):
+class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin, OutputsMixin):
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = config.model_config
@@ -287,126 +284,6 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin):
         """Speculative decoding's counts since the start (the executor sums every step's);
         None while no step has speculated."""
         return self.model_executor.metrics.spec_decode
-
-    def _process(self, sched: SchedulerOutputs, results: list[SamplerOutput],
-                 finished_only: bool) -> list[Output]:
-        """Apply a step's outputs: results[0] has every group's first token, results[1:] the
-        further tokens of sequences whose drafts were accepted (speculative decoding) or of
-        the later passes (multi-step decoding), in order."""
-        now = time.time()
-        outputs: list[Output] = []
-        for index, (scheduled, group_out) in enumerate(zip(
-                sched.scheduled_seq_groups, results[0].outputs, strict=True)):
-            group = scheduled.seq_group
-            if group.is_finished():  # aborted while the step ran
-                continue
-            if isinstance(group_out, PoolingSequenceGroupOutput):
-                outputs.append(self._finish_pooled(group, group_out, now))
-                continue
-            seqs = group.get_seqs(SequenceStatus.RUNNING)
-            chunk_start = seqs[0].data.num_computed_tokens - scheduled.token_chunk_size
-            if group_out.prompt_logprobs is not None and group.prompt_logprobs is not None:
-                if chunk_start == 0:  # computed from its first token (again, if preempted)
-                    group.prompt_logprobs = list(group_out.prompt_logprobs)
-                elif len(group.prompt_logprobs) < len(group.prompt_token_ids):
-                    group.prompt_logprobs.extend(group_out.prompt_logprobs)
-            if not group_out.samples:
-                continue
-            if group.metrics.first_token_time is None:
-                group.metrics.first_token_time = now
-            self._append_samples(group, group_out.samples)
-            for later in results[1:]:
-                self._append_accepted(group, later.outputs[index].samples)
-            if group.is_finished():
-                group.metrics.finished_time = now
-                self.seq_groups.pop(group.request_id, None)
-            elif finished_only:
-                continue
-            outputs.append(RequestOutput.from_seq_group(group))
-        return outputs
-
-    def _finish_pooled(self, group: SequenceGroup, out: PoolingSequenceGroupOutput, now: float
-                       ) -> PoolingRequestOutput:
-        group.pooled_data = out.data
-        group.metrics.first_token_time = group.metrics.finished_time = now
-        for seq in group.seqs:
-            seq.status = SequenceStatus.FINISHED_STOPPED
-            self.scheduler.free_seq(seq)
-        self.seq_groups.pop(group.request_id, None)
-        return PoolingRequestOutput.from_seq_group(group)
-
-    def _append_samples(self, group: SequenceGroup, samples: list[SequenceOutput]) -> None:
-        by_parent: dict[int, list[SequenceOutput]] = {}
-        for sample in samples:
-            by_parent.setdefault(sample.parent_seq_id, []).append(sample)
-        by_id = {seq.seq_id: seq for seq in group.seqs}
-        for parent_id, parent_samples in by_parent.items():
-            parent = by_id[parent_id]
-            seqs = [parent]
-            # n > 1: a fresh prompt's samples 1..n-1 fork the parent (sample 0), in order.
-            for index in range(1, len(parent_samples)):
-                child = parent.fork(next(self._seq_ids), sample_index=index)
-                self.scheduler.fork_seq(parent, child)
-                group.seqs.append(child)
-                seqs.append(child)
-            for seq, sample in zip(seqs, parent_samples, strict=True):
-                seq.append_token(sample.output_token, sample.logprobs)
-                self._check_stop(seq, group.sampling_params, group.grammar)
-                if seq.is_finished():
-                    seq.held_back = 0  # the whole text is final now
-                    self.scheduler.free_seq(seq)
-
-    def _append_accepted(self, group: SequenceGroup, samples: list[SequenceOutput]) -> None:
-        """Tokens after a sequence's first of the step (an accepted draft's successor, or a
-        later pass of multi-step decoding): each one means the step cached the K/V of the
-        token before it. A sequence that stopped earlier in the step discards them."""
-        by_id = {seq.seq_id: seq for seq in group.seqs}
-        for sample in samples:
-            seq = by_id[sample.parent_seq_id]
-            if seq.is_finished():
-                continue
-            self.scheduler.advance_computed(seq, 1)
-            seq.append_token(sample.output_token, sample.logprobs)
-            self._check_stop(seq, group.sampling_params, group.grammar)
-            if seq.is_finished():
-                seq.held_back = 0
-                self.scheduler.free_seq(seq)
-
-    def _check_stop(self, seq: Sequence, params: SamplingParams,
-                    grammar: Grammar | None = None) -> None:
-        token = seq.output_token_ids[-1]
-        verdict = None if grammar is None else self.structured_outputs.accept(seq, grammar)
-        if verdict == "refused":
-            seq.status = SequenceStatus.FINISHED_ABORTED
-            return
-        n_out = len(seq.output_token_ids)
-        eos = not params.ignore_eos and token in params.eos_token_ids
-        stop_token = n_out >= params.min_tokens and (eos or token in params.stop_token_ids)
-        if stop_token and not params.include_stop_str_in_output:
-            # The stopping token's text is not part of the output (as in vLLM): not decoded
-            # in context, so its logprob entries get each id's own text.
-            new_text = ""
-            if params.logprobs is not None:
-                self.detokenizer.decode_logprobs(seq.output_logprobs[-1])
-        else:  # gives the logprob entries their text in context
-            new_text = self.detokenizer.decode_new_token(seq, params)
-        if stop_token:
-            seq.status = SequenceStatus.FINISHED_STOPPED
-            seq.stop_reason = None if eos else token
-            return
-        if n_out >= params.min_tokens:
-            stop = find_stop_string(seq, len(new_text), params)
-            if stop is not None:
-                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
-                return
-        if verdict == "end":  # the grammar is complete: nothing more may follow
-            seq.status = SequenceStatus.FINISHED_STOPPED
-            return
-        if (params.max_tokens is not None and n_out >= params.max_tokens) or \
-                seq.get_len() >= self.model_config.max_model_len:
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-            return
-        seq.held_back = held_back_length(seq.output_text, params.stop)
 
     def shutdown(self) -> None:
         self.structured_outputs.shutdown()
