@@ -221,3 +221,24 @@ def test_cli_flag_parses_json():
     kwargs = engine_kwargs_from(args, actions)
     assert SpeculativeConfig.from_value(kwargs["speculative_config"]) == \
         SpeculativeConfig.from_value(NGRAM)
+
+
+def test_prometheus_counters_follow_the_engine(demo_pair):
+    """/metrics: vLLM's spec_decode_* counters (fleetllm: prefix), moved by the engine's
+    running totals (EngineLoad), as the server renders them."""
+    from fleetllm.engine.stats import EngineLoad
+    from fleetllm.entrypoints.openai.metrics import PrometheusMetrics
+
+    _, spec = demo_pair
+    spec.generate(COPY_PROMPTS[:2], SamplingParams(temperature=0, max_tokens=24,
+                                                   ignore_eos=True), use_tqdm=False)
+    load = EngineLoad.of(spec.llm_engine)
+    m = spec.llm_engine.spec_decode_metrics
+    assert (load.spec_decode_num_accepted_tokens, load.spec_decode_num_draft_tokens,
+            load.spec_decode_num_emitted_tokens) == \
+        (m.accepted_tokens, m.draft_tokens, m.emitted_tokens)
+    text = PrometheusMetrics("demo").render(load).decode()
+    for name, value in (("accepted", m.accepted_tokens), ("draft", m.draft_tokens),
+                        ("emitted", m.emitted_tokens)):
+        line = f'fleetllm:spec_decode_num_{name}_tokens_total{{model_name="demo"}} {value}.0'
+        assert line in text, line
