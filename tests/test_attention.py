@@ -156,3 +156,29 @@ def test_fused_small_batch_layers_match_the_modules(tiny_models, monkeypatch):
                 assert da.keys() == db.keys()
                 assert all(abs(da[k] - db[k]) < 1e-4 for k in da), name
     assert state["calls"] > 0  # the fused path ran
+
+
+@pytest.mark.parametrize("variant", ["sdpa", "math32", "varlen"])
+def test_decode_variants_match_dense_reference(variant, monkeypatch):
+    """Each pure-PyTorch decode variant (FLEETLLM_CUDA_DECODE; varlen's packing with a
+    per-sequence loop standing in for FlashAttention off CUDA), sliding windows included."""
+    from fleetllm.attention import backend
+
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "usable", lambda *a: False)
+    monkeypatch.setattr(backend, "_DECODE_VARIANT", variant)
+    rng = random.Random(11)
+    for case in range(30):
+        heads, kv_heads = rng.choice([(4, 2), (4, 4), (12, 4), (8, 1)])
+        d = rng.choice([16, 64])
+        bs = rng.choice([1, 4, 16])
+        window = rng.choice([None, 7, 20])
+        meta, q, k, v, cache, seqs = build_case(rng, heads, kv_heads, d, bs)
+        scale = d ** -0.5
+        out = TorchAttentionBackend.forward(q, k, v, cache, meta, scale, window)
+        row = 0
+        for prefix, new, _, k_all, v_all in seqs:
+            want = reference(q[row:row + new], k_all, v_all, prefix + new, new, scale, window)
+            torch.testing.assert_close(out[row:row + new], want, atol=2e-5, rtol=1e-4,
+                                       msg=f"{variant} case {case}: prefix {prefix}, new {new}")
+            row += new
