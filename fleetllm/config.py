@@ -458,6 +458,14 @@ class EngineConfig:
         spec = self.speculative_config
         _check(spec is None or not m.is_pooling, "speculative_config",
                "speculative decoding applies to generating models only (task='generate')")
+        if spec is not None and spec.method == "draft_model":
+            _check(p.world_size == 1, "speculative_config",
+                   "a draft model runs with tensor_parallel_size=1 and "
+                   "pipeline_parallel_size=1 only (for now); use method 'ngram'")
+            draft = ModelConfig(model=spec.model, max_model_len=m.max_model_len).arch
+            _check(draft.vocab_size == a.vocab_size, "speculative_config",
+                   f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from "
+                   f"the target's ({a.vocab_size}): it must share the tokenizer")
         _check(spec is None or s.num_scheduler_steps == 1, "num_scheduler_steps",
                "multi-step decoding and speculative decoding cannot be combined")
         _check(s.num_scheduler_steps == 1 or not m.is_pooling, "num_scheduler_steps",

@@ -22,9 +22,9 @@ request run alone in a large pool with no faults:
   counts as free (device and CPU pools) and no request is left;
 - with prefix caching, shared prefixes are found in the cache (over the series);
 - no exception escapes except the injected faults;
-- speculative decoding and multi-step decoding (a quarter of the workloads each; the
-  reference runs without them): the same tokens, and a sequence never holds more blocks
-  than its tokens and lookahead slots need.
+- speculative decoding (n-gram and draft-model proposers) and multi-step decoding (a fifth
+  of the workloads each; the reference runs without them): the same tokens, and a sequence
+  never holds more blocks than its tokens and lookahead slots need.
 
 FLEETLLM_RANDOM_WORKLOADS=N runs more (the default keeps `make test` near a minute);
 FLEETLLM_RANDOM_SEED picks another series; each workload has its own generator, so a failure
@@ -175,12 +175,17 @@ class Faults:
 @pytest.fixture(scope="module")
 def engines(tiny_models):
     """One LLM per block size, each with a large pool; workloads install small schedulers.
-    "spec": speculative decoding (n-gram drafts) on, block size 4; its workloads are compared
-    with requests run alone on the block-size-4 engine without it."""
+    "spec", "draft", "multi-step": speculative decoding (n-gram drafts; the model as its own
+    draft model) and multi-step decoding, block size 4; their workloads are compared with
+    requests run alone on the block-size-4 engine without them."""
     llms = {bs: LLM(tiny_models["llama_gqa"], kv_cache_memory=64 << 20, block_size=bs,
                     swap_space=16 << 20, max_num_seqs=256) for bs in (4, 16)}
     llms["spec"] = LLM(tiny_models["llama_gqa"], kv_cache_memory=64 << 20, block_size=4,
                        swap_space=16 << 20, max_num_seqs=256, speculative_config=SPEC)
+    llms["draft"] = LLM(tiny_models["llama_gqa"], kv_cache_memory=64 << 20, block_size=4,
+                        swap_space=16 << 20, max_num_seqs=256, speculative_config={
+                            "method": "draft_model", "model": str(tiny_models["llama_gqa"]),
+                            "num_speculative_tokens": 2})
     llms["multi-step"] = LLM(tiny_models["llama_gqa"], kv_cache_memory=64 << 20, block_size=4,
                              swap_space=16 << 20, max_num_seqs=256, num_scheduler_steps=4)
     yield llms
@@ -325,7 +330,7 @@ def test_random_workloads_match_requests_run_alone(engines):
     multi_step_calls = 0
     for index in indices:
         rng = random.Random(f"{SERIES}-{index}")
-        kind = rng.choice([4, 16, "spec", "multi-step"])
+        kind = rng.choice([4, 16, "spec", "draft", "multi-step"])
         llm = engines[kind]
         reqs = draw_requests(rng, index)
         refs = {r.rid: reference(engines[4] if isinstance(kind, str) else llm, r)
@@ -348,6 +353,8 @@ def test_random_workloads_match_requests_run_alone(engines):
         multi_step_calls += multi
     spec = engines["spec"].llm_engine.spec_decode_metrics
     totals["spec_accepted_tokens"] = spec.accepted_tokens if spec else 0
+    draft = engines["draft"].llm_engine.spec_decode_metrics
+    totals["draft_accepted_tokens"] = draft.accepted_tokens if draft else 0
     totals["multi_step_calls"] = multi_step_calls
     print(f"{len(indices)} workloads: {totals}")
     if not ONLY:  # the series must exercise what it claims to

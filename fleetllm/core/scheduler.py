@@ -256,8 +256,12 @@ class Scheduler:
                 kept.append(group)  # keeps its blocks; runs in a later step
                 continue
             # Make room by preempting from the back; the else branch runs when it fits.
-            while not self.block_manager.can_ensure(group, chunk + self._lookahead(group)):
+            lookahead = self._lookahead(group)
+            while not self.block_manager.can_ensure(group, chunk + lookahead):
                 if not self.running:  # it is the lowest priority itself
+                    if lookahead and self.block_manager.can_ensure(group, chunk):
+                        lookahead = 0  # no room for lookahead: this step without it
+                        continue
                     self._preempt(group, out)
                     break
                 victim = self.running.pop()
@@ -265,7 +269,7 @@ class Scheduler:
                     reserved -= len(victim.unfinished_seqs())
                 self._preempt(victim, out)
             else:
-                self._schedule_group(group, chunk, n, out, budget, metadata)
+                self._schedule_group(group, chunk, n, out, budget, metadata, lookahead)
                 kept.append(group)
         self.running = kept
 
@@ -281,15 +285,19 @@ class Scheduler:
                 self._ignore(self.swapped.popleft(), out, "its KV blocks no longer fit in "
                              f"the whole pool of {bm.num_gpu_blocks} blocks")
                 continue
+            # Lookahead slots if they fit (a pool too small for them must not strand it).
+            lookahead = self._lookahead(group)
+            if not bm.can_swap_in(group, chunk + lookahead):
+                lookahead = 0
             if chunk <= 0 or not budget.fits_seqs(n) or not budget.fits_lora(group) or \
-                    not bm.can_swap_in(group, chunk + self._lookahead(group)):
+                    not bm.can_swap_in(group, chunk + lookahead):
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.update(bm.swap_in(group))
             out.kv_moved.append(group)
             for seq in group.unfinished_seqs():
                 seq.status = SequenceStatus.RUNNING
-            self._schedule_group(group, chunk, n, out, budget, metadata)
+            self._schedule_group(group, chunk, n, out, budget, metadata, lookahead)
             self.running.append(group)
 
     def _schedule_waiting(self, out: SchedulerOutputs, budget: _Budget,
@@ -352,7 +360,9 @@ class Scheduler:
         """Slots a decoding group's sequences hold past their next token (num_lookahead_slots:
         the draft tokens of speculative decoding, the later passes of multi-step decoding; a
         prefill has none). Slots of rejected drafts, or of passes after a sequence's end, stay
-        in its table and are written again by the next step; they are freed with it."""
+        in its table and are written again by the next step; they are freed with it. They
+        are never worth a preemption of the group itself: when only its next token fits, it
+        runs without them, and the workers draft (or pass) only as far as its table reaches."""
         return 0 if group.is_prefill() else self.config.num_lookahead_slots
 
     def _whole(self, group: SequenceGroup, chunk: int) -> int:
@@ -365,10 +375,9 @@ class Scheduler:
 
     def _schedule_group(self, group: SequenceGroup, chunk: int, num_seqs: int,
                         out: SchedulerOutputs, budget: _Budget,
-                        metadata: list[SequenceGroupMetadata]) -> None:
+                        metadata: list[SequenceGroupMetadata], lookahead: int = 0) -> None:
         seqs = group.unfinished_seqs()
         tables = {}
-        lookahead = self._lookahead(group)
         for seq in seqs:
             cows = self.block_manager.ensure_slots(
                 seq, seq.data.num_computed_tokens + chunk + lookahead)

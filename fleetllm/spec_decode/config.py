@@ -4,8 +4,13 @@
                                    "prompt_lookup_max": 4, "prompt_lookup_min": 2})
     fleetllm serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
 
-Only the n-gram (prompt lookup) proposer is built; "draft_model" (and a `model` path) is
-refused with a ConfigurationError until it is, never accepted and ignored.
+    LLM(model, speculative_config={"method": "draft_model", "model": "/path/to/small",
+                                   "num_speculative_tokens": 4})
+
+Proposers: "ngram" (prompt lookup) and "draft_model" (a smaller checkpoint with the target's
+vocabulary, run greedily beside the target; tensor_parallel_size and pipeline_parallel_size
+1 for now). Other methods (EAGLE, Medusa, MTP) are refused with a ConfigurationError, never
+accepted and ignored.
 """
 
 from __future__ import annotations
@@ -16,9 +21,8 @@ from typing import Any
 
 from fleetllm.errors import ConfigurationError
 
-METHODS = ("ngram",)
-_NOT_YET = {"draft_model": "a draft model proposer is not built yet; use method 'ngram'",
-            "eagle": "EAGLE heads are not supported", "eagle3": "EAGLE heads are not supported",
+METHODS = ("ngram", "draft_model")
+_NOT_YET = {"eagle": "EAGLE heads are not supported", "eagle3": "EAGLE heads are not supported",
             "medusa": "Medusa heads are not supported", "mlp_speculator": "not supported",
             "mtp": "multi-token-prediction heads are not supported"}
 
@@ -31,6 +35,9 @@ class SpeculativeConfig:
     # defaults: both 5 when neither is set; one set: the other takes its value).
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
+    # draft_model: the draft checkpoint's directory, and its tensor-parallel size (1).
+    model: str | None = None
+    draft_tensor_parallel_size: int = 1
 
     @classmethod
     def from_value(cls, value: Any) -> SpeculativeConfig | None:
@@ -49,12 +56,13 @@ class SpeculativeConfig:
         value = dict(value)
         method = value.pop("method", None)
         model = value.pop("model", None)
-        if method is None and model in ("ngram", "[ngram]"):  # vLLM's older spelling
-            method, model = "ngram", None
-        if method in _NOT_YET or model is not None:
-            why = _NOT_YET.get(method, "a draft model proposer is not built yet")
-            raise ConfigurationError(f"speculative_config: method {method or 'draft_model'!r}"
-                                     f" (model {model!r}): {why}")
+        if model in ("ngram", "[ngram]"):  # vLLM's older spelling
+            method, model = method or "ngram", None
+        if method is None and model is not None:
+            method = "draft_model"
+        if method in _NOT_YET:
+            raise ConfigurationError(f"speculative_config: method {method!r}: "
+                                     f"{_NOT_YET[method]}")
         if method not in METHODS:
             raise ConfigurationError(f"speculative_config: method must be one of "
                                      f"{', '.join(METHODS)}, got {method!r}")
@@ -69,7 +77,8 @@ class SpeculativeConfig:
         if lo is None and hi is None:
             lo = hi = 5
         lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
-        return cls(method=method, prompt_lookup_min=lo, prompt_lookup_max=hi, **value)
+        return cls(method=method, prompt_lookup_min=lo, prompt_lookup_max=hi,
+                   model=None if model is None else str(model), **value)
 
     def __post_init__(self) -> None:
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
@@ -77,6 +86,12 @@ class SpeculativeConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigurationError(f"speculative_config: {name} must be an int >= 1, "
                                          f"got {v!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ConfigurationError("speculative_config: a draft model's directory goes in "
+                                     "'model', with method 'draft_model' (or none)")
+        if self.draft_tensor_parallel_size != 1:
+            raise ConfigurationError("speculative_config: draft_tensor_parallel_size must be "
+                                     f"1, got {self.draft_tensor_parallel_size!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigurationError(
                 f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must not "

@@ -2,30 +2,44 @@
 
 The configuration picks the worker (WorkerWrapperBase): with a speculative_config, the
 configured worker (the scorer, which runs the target model) is wrapped by create_spec_worker.
-Per step, for each decoding sequence the proposer drafts up to num_speculative_tokens tokens
-(n-gram prompt lookup: no second model, the same drafts on every rank); the scorer runs the
-target model once over each sequence's last token and its drafts (the KV slots for them are
-the scheduler's lookahead slots), draws a token at every position, and keeps the drafts the
-target drew too, then its own token (see model_runner._accept_drafts: rejection sampling for
-a one-hot draft, so outputs are distributed exactly as without speculation; greedy and seeded
-requests emit the very same tokens). The step returns one SamplerOutput per emitted position;
-the engine appends them in order. The first carries SpecDecodeWorkerMetrics.
+Per step, for each decoding sequence a proposer drafts up to num_speculative_tokens tokens:
+n-gram prompt lookup (ngram_proposer.py: no second model, the same drafts on every rank) or a
+small draft model run greedily in this worker (draft_model.py). The scorer runs the target
+model once over each sequence's last token and its drafts (one decode row per position; the
+KV slots are the scheduler's lookahead slots), draws a token at every position, and keeps
+the drafts the target drew too, then its own token (model_runner._accept_drafts: rejection
+sampling for a one-hot draft, so outputs are distributed exactly as without speculation;
+greedy and seeded requests emit the very same tokens). The step returns one SamplerOutput per
+emitted position; the engine appends them in order. The first carries SpecDecodeWorkerMetrics.
 
 Not drafted: prompt steps, requests with a structured-output grammar (their allowed tokens
 depend on the drafts), a sequence's last allowed token (max_tokens, max_model_len). A failure
-is the scorer's failure: nothing here holds state a restart would lose but the n-gram indexes,
-which are rebuilt from the tokens.
+is the scorer's failure (or the draft model's, the same way): a step fails as a whole and the
+engine recovers as from any failed step. The proposers' state (n-gram indexes, how far the
+draft model's cache is computed) only affects which drafts are proposed, never the output.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from fleetllm.config import EngineConfig
-from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
+from fleetllm.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
 from fleetllm.spec_decode.metrics import SpecDecodeWorkerMetrics
 from fleetllm.spec_decode.ngram_proposer import NgramIndex, NgramProposer
 from fleetllm.worker.worker_base import WorkerBase
+
+
+class Proposer(Protocol):
+    def propose(self, req: ExecuteModelRequest, budgets: dict[int, int]
+                ) -> dict[int, list[int]]:
+        """Drafts of at most budgets[seq_id] tokens for the sequences named there."""
+
+    def step_done(self, req: ExecuteModelRequest, drafts: dict[int, list[int]],
+                  emitted: dict[int, int]) -> None:
+        """The step ran: `emitted[seq_id]` tokens were emitted for each drafted sequence."""
+
+    def forget(self, request_ids: list[str]) -> None: ...
 
 
 def create_spec_worker(scorer: WorkerBase, config: EngineConfig) -> SpecDecodeWorker:
@@ -36,32 +50,60 @@ class SpecDecodeWorker(WorkerBase):
     def __init__(self, scorer: WorkerBase, config: EngineConfig) -> None:
         spec = config.speculative_config
         self.scorer = scorer
+        self.num_spec_tokens = spec.num_speculative_tokens
         self.max_model_len = config.model_config.max_model_len
-        self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                      spec.prompt_lookup_max)
-        self.indexes: dict[str, dict[int, NgramIndex]] = {}  # request id -> seq id -> index
+        self.block_size = config.cache_config.block_size
+        self.draft = None  # the draft model's Worker (method "draft_model")
+        if spec.method == "draft_model":
+            from fleetllm.spec_decode.draft_model import DraftModelProposer
 
-    # The worker API: the scorer's, with execute_model speculating.
+            self.proposer: Proposer = DraftModelProposer(config)
+            self.draft = self.proposer.worker
+        else:
+            self.proposer = NgramLookup(NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max))
+
+    # The worker API: the scorer's (and the draft model's, which lives beside it).
     def init_device(self) -> None:
         self.scorer.init_device()
+        if self.draft is not None:
+            self.draft.device, self.draft.is_output_rank = self.scorer.device, True
 
     def load_model(self) -> None:
         self.scorer.load_model()
+        if self.draft is not None:
+            self.draft.load_model()
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
-        return self.scorer.determine_num_available_blocks()
+        num_gpu, num_cpu = self.scorer.determine_num_available_blocks()
+        if self.draft is None:
+            return num_gpu, num_cpu
+        return self.proposer.share_blocks(self.scorer, num_gpu, num_cpu)
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.scorer.initialize_cache(num_gpu_blocks, num_cpu_blocks)
+        if self.draft is not None:  # the same block ids: the draft's K/V of the same tokens
+            self.draft.initialize_cache(num_gpu_blocks, num_cpu_blocks)
 
     def check_health(self) -> None:
         self.scorer.check_health()
 
+    def sleep(self, level: int = 1) -> int:
+        freed = self.scorer.sleep(level)
+        return freed + (self.draft.sleep(level) if self.draft is not None else 0)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.scorer.wake_up(tags)
+        if self.draft is not None:
+            self.draft.wake_up(tags)
+
     def shutdown(self) -> None:
-        self.indexes.clear()
+        self.proposer.forget(None)
+        if self.draft is not None:
+            self.draft.shutdown()
         self.scorer.shutdown()
 
-    def __getattr__(self, name: str) -> Any:  # sleep, wake_up, LoRA calls, model_runner, ...
+    def __getattr__(self, name: str) -> Any:  # LoRA calls, model_runner, cache_engine, ...
         if name == "scorer":  # not set yet (copying, unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.scorer, name)
@@ -69,45 +111,103 @@ class SpecDecodeWorker(WorkerBase):
     def execute_model(self, execute_model_req: ExecuteModelRequest
                       ) -> list[SamplerOutput] | None:
         req = execute_model_req
-        for rid in req.finished_requests_ids:
-            self.indexes.pop(rid, None)
-        drafts = self._propose(req) if req.num_lookahead_slots else {}
+        self.proposer.forget(req.finished_requests_ids)
+        budgets = self._budgets(req) if req.num_lookahead_slots else {}
+        drafts = {sid: d for sid, d in self.proposer.propose(req, budgets).items() if d}
         outputs = self.scorer.execute_model(req, drafts) if drafts else \
             self.scorer.execute_model(req)
+        if outputs and len(outputs) > 1:
+            _advance_groups_together(outputs)
+        emitted: dict[int, int] = {}
+        for out in outputs or ():
+            for group in out.outputs:
+                for s in getattr(group, "samples", ()):
+                    if s.parent_seq_id in drafts:
+                        emitted[s.parent_seq_id] = emitted.get(s.parent_seq_id, 0) + 1
+        self.proposer.step_done(req, drafts, emitted)
         if outputs and drafts:
-            outputs[0].spec_decode_worker_metrics = self._metrics(drafts, outputs)
+            outputs[0].spec_decode_worker_metrics = self._metrics(drafts, emitted)
         return outputs
 
-    def _propose(self, req: ExecuteModelRequest) -> dict[int, list[int]]:
-        most = min(self.proposer.num_speculative_tokens, req.num_lookahead_slots)
+    def _budgets(self, req: ExecuteModelRequest) -> dict[int, int]:
+        """Per decoding sequence that may be drafted: the most draft tokens it can use (the
+        room after this step's own token under max_tokens and max_model_len, and the slots
+        its block table holds past it: the scheduler may have had no room for lookahead)."""
+        most = min(self.num_spec_tokens, req.num_lookahead_slots)
+        budgets = {}
+        for group in req.seq_group_metadata_list:
+            if not drafted(group):
+                continue
+            max_tokens = group.sampling_params.max_tokens
+            for seq_id, data in group.seq_data.items():
+                room = min(self.max_model_len - data.get_len() - 1,
+                           len(group.block_tables[seq_id]) * self.block_size - data.get_len())
+                if max_tokens is not None:
+                    room = min(room, max_tokens - len(data.output_token_ids) - 1)
+                if min(room, most) > 0:
+                    budgets[seq_id] = min(room, most)
+        return budgets
+
+    def _metrics(self, drafts: dict[int, list[int]], emitted: dict[int, int]
+                 ) -> SpecDecodeWorkerMetrics:
+        m = SpecDecodeWorkerMetrics(self.num_spec_tokens,
+                                    draft_tokens=sum(map(len, drafts.values())),
+                                    spec_sequences=len(drafts),
+                                    emitted_tokens=sum(emitted.values()))
+        m.accepted_tokens = m.emitted_tokens - m.spec_sequences
+        return m
+
+
+def _advance_groups_together(outputs: list[SamplerOutput]) -> None:
+    """The n samples of a request advance together (the scheduler sizes a group's chunks,
+    e.g. when it is recomputed, by one length for all): a sample whose drafts were accepted
+    further than a sibling's keeps only as many tokens as the sibling emitted. The dropped
+    ones were exact draws too; the next step draws them again (the same, when seeded)."""
+    for index in range(len(outputs[0].outputs)):
+        per_seq: dict[int, int] = {}
+        for out in outputs:
+            for s in out.outputs[index].samples:
+                per_seq[s.parent_seq_id] = per_seq.get(s.parent_seq_id, 0) + 1
+        if len(per_seq) < 2:
+            continue
+        keep = min(per_seq.values())
+        for out in outputs[keep:]:
+            out.outputs[index].samples.clear()
+
+
+def drafted(group: SequenceGroupMetadata) -> bool:
+    """Whether a group's sequences may get drafts this step: decoding, sampling, no grammar."""
+    return not group.is_prompt and group.do_sample and group.grammar_bitmask is None
+
+
+class NgramLookup:
+    """The n-gram proposer over each sequence's tokens, with an incremental index per
+    sequence."""
+
+    def __init__(self, proposer: NgramProposer) -> None:
+        self.proposer = proposer
+        self.indexes: dict[str, dict[int, NgramIndex]] = {}  # request id -> seq id -> index
+
+    def propose(self, req: ExecuteModelRequest, budgets: dict[int, int]
+                ) -> dict[int, list[int]]:
         drafts = {}
         for group in req.seq_group_metadata_list:
-            if group.is_prompt or not group.do_sample or group.grammar_bitmask is not None:
-                continue
-            params = group.sampling_params
             indexes = self.indexes.setdefault(group.request_id, {})
             for seq_id, data in group.seq_data.items():
-                # Room after this step's own token: max_tokens and max_model_len bound it.
-                room = self.max_model_len - data.get_len() - 1
-                if params.max_tokens is not None:
-                    room = min(room, params.max_tokens - len(data.output_token_ids) - 1)
-                if min(room, most) <= 0:
+                if seq_id not in budgets:
                     continue
                 index = indexes.get(seq_id)
                 if index is None:
                     index = indexes[seq_id] = NgramIndex(self.proposer)
-                draft = index.propose(data.all_token_ids)[:min(room, most)]
-                if draft:
-                    drafts[seq_id] = draft
+                drafts[seq_id] = index.propose(data.all_token_ids)[:budgets[seq_id]]
         return drafts
 
-    def _metrics(self, drafts: dict[int, list[int]], outputs: list[SamplerOutput]
-                 ) -> SpecDecodeWorkerMetrics:
-        m = SpecDecodeWorkerMetrics(self.proposer.num_speculative_tokens,
-                                    draft_tokens=sum(map(len, drafts.values())),
-                                    spec_sequences=len(drafts))
-        for out in outputs:
-            for group in out.outputs:
-                m.emitted_tokens += sum(1 for s in group.samples if s.parent_seq_id in drafts)
-        m.accepted_tokens = m.emitted_tokens - m.spec_sequences
-        return m
+    def step_done(self, req: ExecuteModelRequest, drafts: dict[int, list[int]],
+                  emitted: dict[int, int]) -> None:
+        pass
+
+    def forget(self, request_ids: list[str] | None) -> None:
+        if request_ids is None:
+            self.indexes.clear()
+        for rid in request_ids or ():
+            self.indexes.pop(rid, None)

@@ -39,6 +39,7 @@ class MultiStepWorker(WorkerBase):
     def __init__(self, worker: WorkerBase, config: EngineConfig) -> None:
         self.worker = worker
         self.max_model_len = config.model_config.max_model_len
+        self.block_size = config.cache_config.block_size
 
     def init_device(self) -> None:
         self.worker.init_device()
@@ -99,9 +100,11 @@ class MultiStepWorker(WorkerBase):
         return getattr(self.worker, "device", torch.device("cpu"))
 
     def _passes(self, group: SequenceGroupMetadata, most: int) -> int:
-        """Passes the group takes: it stops at max_tokens and at max_model_len."""
+        """Passes the group takes: it stops at max_tokens, at max_model_len, and where its
+        block tables end (the scheduler may have had no room for lookahead slots)."""
         data = next(iter(group.seq_data.values()))  # a group's sequences advance together
-        left = self.max_model_len - data.get_len() + 1
+        slots = min(len(t) for t in group.block_tables.values()) * self.block_size
+        left = min(self.max_model_len, slots) - data.get_len() + 1
         if group.sampling_params.max_tokens is not None:
             left = min(left, group.sampling_params.max_tokens - len(data.output_token_ids))
         return max(1, min(most, left))
