@@ -52,7 +52,8 @@ def test_any_draft_gives_the_targets_tokens(tiny_models, small_draft, reference)
         got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
         random_draft = llm.llm_engine.spec_decode_metrics
     assert tokens(got) == tokens(reference)
-    assert random_draft.draft_tokens > 100
+    # Drafted, all rejected, then backed off: far fewer drafts than steps x k (463 without).
+    assert 20 < random_draft.draft_tokens < 250, random_draft
     # The target as its own draft: its greedy proposals are the target's greedy choices, so
     # greedy requests accept them all (sampled ones keep a draft with the target's p(draft)).
     with LLM(target, block_size=4, speculative_config=draft(target, k=4)) as llm:

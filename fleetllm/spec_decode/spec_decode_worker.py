@@ -54,6 +54,11 @@ class SpecDecodeWorker(WorkerBase):
         self.max_model_len = config.model_config.max_model_len
         self.block_size = config.cache_config.block_size
         self.draft = None  # the draft model's Worker (method "draft_model")
+        # Back-off: a sequence whose drafts keep being rejected stops paying for them.
+        self.misses: dict[int, int] = {}  # seq id -> drafted steps in a row with none kept
+        self.cooldown: dict[int, int] = {}  # seq id -> steps left without drafts
+        self.seqs_of: dict[str, set[int]] = {}  # request id -> its seq ids in those
+        self.drafted: dict[int, int] = {}  # seq id -> its length when last drafted
         if spec.method == "draft_model":
             from fleetllm.spec_decode.draft_model import DraftModelProposer
 
@@ -112,6 +117,11 @@ class SpecDecodeWorker(WorkerBase):
                       ) -> list[SamplerOutput] | None:
         req = execute_model_req
         self.proposer.forget(req.finished_requests_ids)
+        for rid in req.finished_requests_ids:
+            for sid in self.seqs_of.pop(rid, ()):
+                for state in (self.misses, self.cooldown, self.drafted):
+                    state.pop(sid, None)
+        self._back_off(req)
         budgets = self._budgets(req) if req.num_lookahead_slots else {}
         drafts = {sid: d for sid, d in self.proposer.propose(req, budgets).items() if d}
         outputs = self.scorer.execute_model(req, drafts) if drafts else \
@@ -125,6 +135,11 @@ class SpecDecodeWorker(WorkerBase):
                     if s.parent_seq_id in drafts:
                         emitted[s.parent_seq_id] = emitted.get(s.parent_seq_id, 0) + 1
         self.proposer.step_done(req, drafts, emitted)
+        for group in req.seq_group_metadata_list:
+            for sid, data in group.seq_data.items():
+                if sid in drafts:
+                    self.drafted[sid] = data.get_len()
+                    self.seqs_of.setdefault(group.request_id, set()).add(sid)
         if outputs and drafts:
             outputs[0].spec_decode_worker_metrics = self._metrics(drafts, emitted)
         return outputs
@@ -140,6 +155,9 @@ class SpecDecodeWorker(WorkerBase):
                 continue
             max_tokens = group.sampling_params.max_tokens
             for seq_id, data in group.seq_data.items():
+                if self.cooldown.get(seq_id, 0) > 0:
+                    self.cooldown[seq_id] -= 1
+                    continue
                 room = min(self.max_model_len - data.get_len() - 1,
                            len(group.block_tables[seq_id]) * self.block_size - data.get_len())
                 if max_tokens is not None:
@@ -147,6 +165,25 @@ class SpecDecodeWorker(WorkerBase):
                 if min(room, most) > 0:
                     budgets[seq_id] = min(room, most)
         return budgets
+
+    def _back_off(self, req: ExecuteModelRequest) -> None:
+        """A sequence whose drafts were all rejected twice in a row goes without drafts for
+        1, 2, 4, ... 32 steps (doubling while they keep failing): a useless proposer (a
+        draft model that disagrees, text that never repeats) then costs a few percent, not
+        a drafted step's price every step. Any accepted draft resets it. What was accepted
+        is read off this step's request (a drafted sequence that grew by one token had none
+        kept), so every rank decides alike: only the output rank sees the samples."""
+        for group in req.seq_group_metadata_list:
+            for sid, data in group.seq_data.items():
+                base = self.drafted.pop(sid, None)
+                if base is None or group.is_prompt:
+                    continue
+                if data.get_len() - base > 1:
+                    self.misses[sid] = 0
+                    continue
+                misses = self.misses[sid] = self.misses.get(sid, 0) + 1
+                if misses >= 2:
+                    self.cooldown[sid] = min(2 ** (misses - 2), 32)
 
     def _metrics(self, drafts: dict[int, list[int]], emitted: dict[int, int]
                  ) -> SpecDecodeWorkerMetrics:
