@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import json
 import types
 import typing
 from typing import Any
@@ -73,3 +74,16 @@ def _describe(hint: Any) -> str:
     if hint in names:
         return names[hint]
     return f"a {hint.__module__}.{hint.__qualname__}" if isinstance(hint, type) else str(hint)
+
+
+def dict_setting(name: str, value: Any, example: str) -> dict:
+    """A setting given as a dict or its JSON text (what a command-line flag passes), as a new
+    dict; anything else is a ConfigurationError naming the setting and an example."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigurationError(f"{name}: not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigurationError(f"{name}: must be a dict such as {example}, got {value!r}")
+    return dict(value)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from fleetllm.errors import ConfigurationError, ModelLoadError
+from fleetllm.utils import dict_setting
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # sentence-transformers' pooling modes -> our pooling types. Its Pooling config names the
@@ -57,15 +58,8 @@ class PoolerConfig:
         fields it leaves out keep `base`'s values."""
         if isinstance(value, PoolerConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigurationError(f"override_pooler_config: not valid JSON: {e}") from e
-        if not isinstance(value, dict):
-            raise ConfigurationError("override_pooler_config: must be a dict like "
-                                     "{'pooling_type': 'MEAN', 'normalize': False}, got "
-                                     f"{value!r}")
+        value = dict_setting("override_pooler_config", value,
+                             "{'pooling_type': 'MEAN', 'normalize': False}")
         unknown = set(value) - {"pooling_type", "normalize"}
         if unknown:
             raise ConfigurationError(f"override_pooler_config: unknown fields {sorted(unknown)}"

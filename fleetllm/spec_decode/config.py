@@ -15,11 +15,11 @@ accepted and ignored.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
 
 from fleetllm.errors import ConfigurationError
+from fleetllm.utils import dict_setting
 
 METHODS = ("ngram", "draft_model")
 _NOT_YET = {"eagle": "EAGLE heads are not supported", "eagle3": "EAGLE heads are not supported",
@@ -44,16 +44,8 @@ class SpeculativeConfig:
         """A SpeculativeConfig, a dict with vLLM's keys, or its JSON text; None: off."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigurationError(f"speculative_config: not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ConfigurationError("speculative_config: must be a dict such as "
-                                     "{'method': 'ngram', 'num_speculative_tokens': 4}, got "
-                                     f"{value!r}")
-        value = dict(value)
+        value = dict_setting("speculative_config", value,
+                             "{'method': 'ngram', 'num_speculative_tokens': 4}")
         method = value.pop("method", None)
         model = value.pop("model", None)
         if model in ("ngram", "[ngram]"):  # vLLM's older spelling

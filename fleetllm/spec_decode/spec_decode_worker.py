@@ -21,13 +21,13 @@ draft model's cache is computed) only affects which drafts are proposed, never t
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from fleetllm.config import EngineConfig
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
 from fleetllm.spec_decode.metrics import SpecDecodeWorkerMetrics
 from fleetllm.spec_decode.ngram_proposer import NgramIndex, NgramProposer
-from fleetllm.worker.worker_base import WorkerBase
+from fleetllm.worker.worker_base import DelegatingWorker, WorkerBase
 
 
 class Proposer(Protocol):
@@ -39,17 +39,20 @@ class Proposer(Protocol):
                   emitted: dict[int, int]) -> None:
         """The step ran: `emitted[seq_id]` tokens were emitted for each drafted sequence."""
 
-    def forget(self, request_ids: list[str]) -> None: ...
+    def forget(self, request_ids: list[str] | None) -> None:
+        """Drop the state of these requests (None: of all)."""
 
 
 def create_spec_worker(scorer: WorkerBase, config: EngineConfig) -> SpecDecodeWorker:
     return SpecDecodeWorker(scorer, config)
 
 
-class SpecDecodeWorker(WorkerBase):
+class SpecDecodeWorker(DelegatingWorker):
+    """self.worker is the scorer: the configured worker, running the target model."""
+
     def __init__(self, scorer: WorkerBase, config: EngineConfig) -> None:
+        super().__init__(scorer)
         spec = config.speculative_config
-        self.scorer = scorer
         self.num_spec_tokens = spec.num_speculative_tokens
         self.max_model_len = config.model_config.max_model_len
         self.block_size = config.cache_config.block_size
@@ -68,37 +71,34 @@ class SpecDecodeWorker(WorkerBase):
             self.proposer = NgramLookup(NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max))
 
-    # The worker API: the scorer's (and the draft model's, which lives beside it).
+    # The scorer's worker API, and the draft model's, which lives beside it.
     def init_device(self) -> None:
-        self.scorer.init_device()
+        self.worker.init_device()
         if self.draft is not None:
-            self.draft.device, self.draft.is_output_rank = self.scorer.device, True
+            self.draft.device, self.draft.is_output_rank = self.worker.device, True
 
     def load_model(self) -> None:
-        self.scorer.load_model()
+        self.worker.load_model()
         if self.draft is not None:
             self.draft.load_model()
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
-        num_gpu, num_cpu = self.scorer.determine_num_available_blocks()
+        num_gpu, num_cpu = self.worker.determine_num_available_blocks()
         if self.draft is None:
             return num_gpu, num_cpu
-        return self.proposer.share_blocks(self.scorer, num_gpu, num_cpu)
+        return self.proposer.share_blocks(self.worker, num_gpu, num_cpu)
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self.scorer.initialize_cache(num_gpu_blocks, num_cpu_blocks)
+        self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)
         if self.draft is not None:  # the same block ids: the draft's K/V of the same tokens
             self.draft.initialize_cache(num_gpu_blocks, num_cpu_blocks)
 
-    def check_health(self) -> None:
-        self.scorer.check_health()
-
     def sleep(self, level: int = 1) -> int:
-        freed = self.scorer.sleep(level)
+        freed = self.worker.sleep(level)
         return freed + (self.draft.sleep(level) if self.draft is not None else 0)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        self.scorer.wake_up(tags)
+        self.worker.wake_up(tags)
         if self.draft is not None:
             self.draft.wake_up(tags)
 
@@ -106,12 +106,7 @@ class SpecDecodeWorker(WorkerBase):
         self.proposer.forget(None)
         if self.draft is not None:
             self.draft.shutdown()
-        self.scorer.shutdown()
-
-    def __getattr__(self, name: str) -> Any:  # LoRA calls, model_runner, cache_engine, ...
-        if name == "scorer":  # not set yet (copying, unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.scorer, name)
+        self.worker.shutdown()
 
     def execute_model(self, execute_model_req: ExecuteModelRequest
                       ) -> list[SamplerOutput] | None:
@@ -124,8 +119,8 @@ class SpecDecodeWorker(WorkerBase):
         self._back_off(req)
         budgets = self._budgets(req) if req.num_lookahead_slots else {}
         drafts = {sid: d for sid, d in self.proposer.propose(req, budgets).items() if d}
-        outputs = self.scorer.execute_model(req, drafts) if drafts else \
-            self.scorer.execute_model(req)
+        outputs = self.worker.execute_model(req, drafts) if drafts else \
+            self.worker.execute_model(req)
         if outputs and len(outputs) > 1:
             _advance_groups_together(outputs)
         emitted: dict[int, int] = {}

@@ -19,7 +19,6 @@ failed step.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 
@@ -32,37 +31,14 @@ from fleetllm.sequence import (
     SequenceData,
     SequenceGroupMetadata,
 )
-from fleetllm.worker.worker_base import WorkerBase
+from fleetllm.worker.worker_base import DelegatingWorker, WorkerBase
 
 
-class MultiStepWorker(WorkerBase):
+class MultiStepWorker(DelegatingWorker):
     def __init__(self, worker: WorkerBase, config: EngineConfig) -> None:
-        self.worker = worker
+        super().__init__(worker)
         self.max_model_len = config.model_config.max_model_len
         self.block_size = config.cache_config.block_size
-
-    def init_device(self) -> None:
-        self.worker.init_device()
-
-    def load_model(self) -> None:
-        self.worker.load_model()
-
-    def determine_num_available_blocks(self) -> tuple[int, int]:
-        return self.worker.determine_num_available_blocks()
-
-    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)
-
-    def check_health(self) -> None:
-        self.worker.check_health()
-
-    def shutdown(self) -> None:
-        self.worker.shutdown()
-
-    def __getattr__(self, name: str) -> Any:  # sleep, wake_up, LoRA calls, model_runner, ...
-        if name == "worker":  # not set yet (copying, unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.worker, name)
 
     def execute_model(self, execute_model_req: ExecuteModelRequest
                       ) -> list[SamplerOutput] | None:

@@ -44,6 +44,42 @@ class WorkerBase(ABC):
         """Release resources held by this worker (process groups, caches)."""
 
 
+class DelegatingWorker(WorkerBase):
+    """A worker around another one (`self.worker`): every call goes to it unless overridden.
+    The workers the configuration adds around the configured one (MultiStepWorker,
+    SpecDecodeWorker) override execute_model and little else."""
+
+    def __init__(self, worker: WorkerBase) -> None:
+        self.worker = worker
+
+    def init_device(self) -> None:
+        self.worker.init_device()
+
+    def load_model(self) -> None:
+        self.worker.load_model()
+
+    def determine_num_available_blocks(self) -> tuple[int, int]:
+        return self.worker.determine_num_available_blocks()
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)
+
+    def execute_model(self, execute_model_req: ExecuteModelRequest
+                      ) -> list[SamplerOutput] | None:
+        return self.worker.execute_model(execute_model_req)
+
+    def check_health(self) -> None:
+        self.worker.check_health()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+    def __getattr__(self, name: str) -> Any:  # sleep, wake_up, LoRA calls, model_runner, ...
+        if name == "worker":  # not set yet (copying, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.worker, name)
+
+
 def run_method(obj: Any, method: str | Callable[..., Any], args: tuple,
                kwargs: dict[str, Any]) -> Any:
     """Call obj.method(*args, **kwargs), or method(obj, *args, **kwargs) for a callable."""
