@@ -76,6 +76,10 @@ def test_gemv_sums_in_float32_and_rounds_once(m, n, k):
     _close_in_bf16(cpu_kernels.gemv(x, w, None), (x.float() @ w.float().T).to(BF16), 1e-3)
 
 
+# PyTorch's CPU kernels dispatch on this (its flash attention's lane width follows it).
+_AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 @needs_kernels
 @pytest.mark.parametrize("cache_dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("q_dtype", [BF16, torch.float32])
@@ -104,7 +108,10 @@ def test_paged_decode_in_either_dtype(q_dtype, cache_dtype):
                     k_, v_ = (x.to(BF16).transpose(0, 1)[None] for x in (keys, values))
                     sdpa = F.scaled_dot_product_attention(q[b][None, :, None], k_, v_,
                                                           scale=d ** -0.5)
-                    _close_in_bf16(out[b], sdpa[0, :, 0], 1e-3)
+                    # PyTorch's flash attention sums in 16-float lanes with AVX-512 (what
+                    # the kernel repeats), in 8 without: there, one element of 1,024 came
+                    # 1.1e-3 off (a near-cancelling sum); the reference's bound holds.
+                    _close_in_bf16(out[b], sdpa[0, :, 0], 1e-3 if _AVX512 else 2e-3)
             else:
                 want = torch.einsum("ht,thd->hd", s.softmax(-1), values)
                 torch.testing.assert_close(out[b], want, atol=2e-5, rtol=1e-4)
