@@ -564,9 +564,10 @@ class VllmArg:
 
 
 # vLLM's older flat speculative arguments -> speculative_config keys.
-SPEC_FLAT_ARGS = {"speculative_model": "model", "num_speculative_tokens": "num_speculative_tokens",
-              "ngram_prompt_lookup_max": "prompt_lookup_max",
-              "ngram_prompt_lookup_min": "prompt_lookup_min"}
+SPEC_FLAT_ARGS = {"speculative_model": "model",
+                  "num_speculative_tokens": "num_speculative_tokens",
+                  "ngram_prompt_lookup_max": "prompt_lookup_max",
+                  "ngram_prompt_lookup_min": "prompt_lookup_min"}
 
 VLLM_ARGS: dict[str, VllmArg] = {
     # Tuning of machinery fleetllm does not have: the results are the same without it.
