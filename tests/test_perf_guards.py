@@ -15,7 +15,7 @@ import pickle
 import sys
 
 from fleetllm import LLM, SamplingParams
-from fleetllm.engine import llm_engine
+from fleetllm.engine.outputs import RequestOutput
 from fleetllm.worker.delta import DeltaEncoder
 
 KV = 32 << 20
@@ -69,8 +69,8 @@ def test_decode_step_work_and_request_size_do_not_grow_with_history(tiny_models)
 
 def test_generate_builds_one_output_per_request(tiny_models, monkeypatch):
     built = []
-    real = llm_engine.RequestOutput.from_seq_group
-    monkeypatch.setattr(llm_engine.RequestOutput, "from_seq_group",
+    real = RequestOutput.from_seq_group
+    monkeypatch.setattr(RequestOutput, "from_seq_group",
                         staticmethod(lambda g: built.append(g.request_id) or real(g)))
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 40, 90)]
     with LLM(tiny_models["llama_gqa"], kv_cache_memory=KV) as llm:
