@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 from doc_snippets import (
+    _FENCE,
+    _MARKER,
     DOC_FILES,
     REPO,
     SERVER_ADDRESSES,
@@ -187,6 +189,19 @@ def test_the_docs_have_snippets_and_skips_stay_rare():
     assert {"python", "bash"} <= kinds
     skips = [b.id for b in BLOCKS if "skip" in b.directives]
     assert len(skips) <= MAX_SKIPS, f"{len(skips)} skipped snippets: {skips}"
+
+
+def test_every_marker_sits_right_before_a_block():
+    """A `<!-- test: ... -->` line governs the block that opens on the next line; anywhere else
+    it governs nothing, and the block it was meant for runs in full (a marker written after a
+    benchmark once let a minutes-long run into the suite)."""
+    for path in DOC_FILES:
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if _MARKER.match(line):
+                nxt = lines[i + 1] if i + 1 < len(lines) else ""
+                assert _FENCE.match(nxt), (f"{path.relative_to(REPO)}:{i + 1}: a test marker "
+                                           "must sit on the line right before a code block")
 
 
 def test_readme_links_resolve():
