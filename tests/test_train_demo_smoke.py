@@ -72,6 +72,30 @@ def test_smoke_training_produces_loadable_checkpoint(tmp_path: Path) -> None:
     assert logits.shape == (1, ids.shape[1], model.config.vocab_size)
 
 
+def test_teacher_trains_a_draft_with_its_tokenizer(tmp_path: Path) -> None:
+    """--teacher: the draft takes the teacher's tokenizer (a draft must share its target's
+    vocabulary) and records how often its argmax agrees with the teacher's."""
+    def train(*extra: str) -> None:
+        proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--no-progress",
+                               "--threads", "2", *extra], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    teacher, draft = tmp_path / "teacher", tmp_path / "draft"
+    train("--out", str(teacher))
+    # Another vocabulary size than the teacher's: the teacher's tokenizer must win.
+    train("--out", str(draft), "--teacher", str(teacher), "--vocab-size", "300")
+    _check_checkpoint_dir(draft)
+    assert (draft / "tokenizer.json").read_text() == (teacher / "tokenizer.json").read_text()
+    config = json.loads((draft / "config.json").read_text())
+    assert config["vocab_size"] == json.loads((teacher / "config.json").read_text())[
+        "vocab_size"]
+    log = json.loads((draft / "training_log.json").read_text())
+    assert 0.0 <= log["final_agreement"] <= 1.0
+    assert "agreement" in log["history"][-1]
+    assert "draft" in (draft / "README.md").read_text().splitlines()[0]
+
+
 def test_shipped_demo_model_beats_uniform_on_heldout_file() -> None:
     tok, model = _check_checkpoint_dir(SHIPPED)
     model.eval()

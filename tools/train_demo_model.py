@@ -20,6 +20,16 @@ Usage (the shipped model)::
     nice -n 19 python tools/train_demo_model.py --out fleetllm/demo_model
 
 ``--smoke`` trains a throwaway model on a handful of files for a few steps (tests).
+
+``--teacher DIR`` trains a draft model for speculative decoding instead: it takes DIR's
+tokenizer (the draft must share the target's vocabulary) and learns DIR's next-token
+distribution (KL divergence to the teacher's softmax, a distilled draft) rather than the
+corpus's next tokens, since a draft is worth what it agrees with its target. The bundled
+draft of the demo model::
+
+    nice -n 19 python tools/train_demo_model.py --teacher fleetllm/demo_model \
+        --out fleetllm/demo_draft --num-layers 1 --hidden-size 128 --num-heads 4 \
+        --num-kv-heads 2 --intermediate-size 344
 """
 
 from __future__ import annotations
@@ -193,6 +203,23 @@ def evaluate(model: Any, windows: Any, batch_size: int) -> float:
     return total / max(1, count)
 
 
+def agreement(model: Any, teacher: Any, windows: Any, batch_size: int) -> float:
+    """How often the model's argmax is the teacher's over ``windows``: a greedy draft's
+    per-token acceptance rate."""
+    import torch
+
+    model.eval()
+    same = count = 0
+    with torch.no_grad():
+        for i in range(0, windows.shape[0], batch_size):
+            ids = windows[i : i + batch_size, :-1]
+            same += int((model(input_ids=ids).logits.argmax(-1)
+                         == teacher(input_ids=ids).logits.argmax(-1)).sum())
+            count += ids.numel()
+    model.train()
+    return same / max(1, count)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="fleetllm/demo_model", help="output checkpoint dir")
@@ -221,6 +248,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="dtype the weights are saved in (training is always float32)")
     p.add_argument("--no-progress", action="store_true", help="disable the tqdm bar")
+    p.add_argument("--teacher", default=None,
+                   help="train a draft for this checkpoint: its tokenizer, its distributions")
     p.add_argument("--smoke", action="store_true",
                    help="tiny throwaway run on a few files for a few steps (tests)")
     args = p.parse_args(argv)
@@ -246,13 +275,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def write_readme(out: Path, info: dict[str, Any], heldout: list[str]) -> None:
     a = info["args"]
-    lines = [
+    draft = a["teacher"] is not None
+    intro = [
         "# fleetllm-demo-py",
         "",
         "A tiny Llama-architecture causal LM trained from scratch on the Python standard",
         "library's own source code. It is fleetllm's bundled demo / test model: small enough",
         "to ship in the repository and run on a CPU, trained enough that greedy completions",
         "look like Python. It is not useful for anything else.",
+    ] if not draft else [
+        "# fleetllm-demo-py draft",
+        "",
+        f"A draft model for speculative decoding with `{a['teacher']}`: the same tokenizer,",
+        "trained on the same corpus to match that model's next-token distributions (KL",
+        "divergence to its softmax), not the text's. Use it as",
+        '`speculative_config={"method": "draft_model", "model": <this directory>}`.',
+    ]
+    tokenizer = (
+        f"Byte-level BPE (`tokenizers`; ByteLevel pre-tokenizer and decoder, GPT-2 regex), "
+        f"vocab {info['vocab_size']}, trained on the training files only. "
+        "`<|endoftext|>` (id 0) is BOS, EOS, PAD and UNK. Decoding reproduces the input "
+        "bytes exactly (spaces, newlines, indentation). No BOS is added automatically."
+    ) if not draft else f"The teacher's (`{a['teacher']}`), vocab {info['vocab_size']}."
+    agreement = [] if not draft else [
+        f"- Held-out argmax agreement with the teacher (a greedy draft's per-token acceptance): "
+        f"**{info['final_agreement']:.1%}**"]
+    lines = [
+        *intro,
         "",
         "## How it was made",
         "",
@@ -284,10 +333,7 @@ def write_readme(out: Path, info: dict[str, Any], heldout: list[str]) -> None:
         "",
         "## Tokenizer",
         "",
-        f"Byte-level BPE (`tokenizers`; ByteLevel pre-tokenizer and decoder, GPT-2 regex), "
-        f"vocab {info['vocab_size']}, trained on the training files only. "
-        "`<|endoftext|>` (id 0) is BOS, EOS, PAD and UNK. Decoding reproduces the input "
-        "bytes exactly (spaces, newlines, indentation). No BOS is added automatically.",
+        tokenizer,
         "",
         "## Model",
         "",
@@ -307,12 +353,14 @@ def write_readme(out: Path, info: dict[str, Any], heldout: list[str]) -> None:
         "",
         "## Results",
         "",
-        f"- Final train loss (mean of last {info['train_loss_window']} steps): "
+        f"- Final train loss (mean of last {info['train_loss_window']} steps"
+        + ("; KL divergence to the teacher" if draft else "") + "): "
         f"**{info['final_train_loss']:.4f}** nats/token",
         f"- Final held-out loss (all {info['n_heldout_windows']} held-out windows): "
         f"**{info['final_heldout_loss']:.4f}** nats/token "
         f"(perplexity {math.exp(info['final_heldout_loss']):.2f}; a uniform guess is "
         f"ln({info['vocab_size']}) = {math.log(info['vocab_size']):.2f})",
+        *agreement,
         "",
         "Greedy completion of `def fibonacci(n):` (48 new tokens):",
         "",
@@ -382,8 +430,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"corpus: {len(files)} files from {root} "
           f"({len(train_files)} train, {len(heldout_files)} held out)", flush=True)
 
-    # ---- tokenizer ------------------------------------------------------------
-    tok = train_tokenizer([f.text for f in train_files], args.vocab_size)
+    # ---- tokenizer (and teacher) ----------------------------------------------
+    teacher = None
+    if args.teacher:
+        from transformers import AutoTokenizer
+
+        teacher = LlamaForCausalLM.from_pretrained(args.teacher, dtype=torch.float32).eval()
+        teacher.requires_grad_(False)
+        tok = AutoTokenizer.from_pretrained(args.teacher).backend_tokenizer
+        if tok.get_vocab_size() != teacher.config.vocab_size:
+            raise SystemExit("the teacher's tokenizer and model disagree on the vocabulary")
+        args.max_position_embeddings = teacher.config.max_position_embeddings
+    else:
+        tok = train_tokenizer([f.text for f in train_files], args.vocab_size)
     eos_id = tok.token_to_id(EOS_TOKEN)
     sample_text = train_files[0].text[:2000]
     if tok.decode(tok.encode(sample_text).ids) != sample_text:
@@ -464,7 +523,14 @@ def main(argv: list[str] | None = None) -> int:
         for group in opt.param_groups:
             group["lr"] = lr
         logits = model(input_ids=batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        if teacher is None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                   batch[:, 1:].reshape(-1))
+        else:
+            with torch.no_grad():
+                target = F.log_softmax(teacher(input_ids=batch[:, :-1]).logits, -1)
+            loss = F.kl_div(F.log_softmax(logits, -1).flatten(0, 1), target.flatten(0, 1),
+                            log_target=True, reduction="batchmean")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -477,6 +543,9 @@ def main(argv: list[str] | None = None) -> int:
             history.append({"step": step + 1, "train_loss": sum(recent) / len(recent),
                             "heldout_loss": ev, "lr": lr, "grad_norm": float(gnorm),
                             "elapsed_s": time.time() - t_train})
+            if teacher is not None:
+                history[-1]["agreement"] = agreement(model, teacher, eval_subset,
+                                                     args.batch_size)
             postfix["heldout"] = f"{ev:.3f}"
             if args.no_progress:
                 print(f"step {step + 1}: train {sum(recent) / len(recent):.4f} "
@@ -489,6 +558,10 @@ def main(argv: list[str] | None = None) -> int:
     final_train = sum(recent) / len(recent)
     print(f"final: train loss {final_train:.4f}, held-out loss {final_heldout:.4f} nats "
           f"({heldout_windows.shape[0]} windows)", flush=True)
+    final_agreement = None
+    if teacher is not None:
+        final_agreement = agreement(model, teacher, heldout_windows, args.batch_size)
+        print(f"held-out argmax agreement with the teacher: {final_agreement:.1%}", flush=True)
 
     sample = greedy_sample(model, hf_tok, "def fibonacci(n):", 48)
     print("greedy sample:\n" + sample, flush=True)
@@ -530,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_loss_window": len(recent),
         "final_train_loss": final_train,
         "final_heldout_loss": final_heldout,
+        "final_agreement": final_agreement,
         "train_time_s": train_time,
         "wall_time_s": time.time() - t_start,
         "sample": sample,
