@@ -25,6 +25,8 @@ from fleetllm.config import SPEC_FLAT_ARGS, VLLM_ARGS, engine_arg_fields
 
 # Package data (pyproject's package-data), so a wheel install has it too.
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
+# Its draft for speculative decoding (tools/train_demo_model.py --teacher; docs/spec_decode.md)
+DEMO_DRAFT = DEMO_MODEL.parent / "demo_draft"
 _MEASURED = {"num_gpu_blocks", "num_cpu_blocks"}  # set by the engine, not by users
 # Help per engine flag. One that states its default itself gets no "(default: ...)" added.
 _HELP = {
