@@ -29,7 +29,7 @@ draft of the demo model::
 
     nice -n 19 python tools/train_demo_model.py --teacher fleetllm/demo_model \
         --out fleetllm/demo_draft --num-layers 1 --hidden-size 128 --num-heads 4 \
-        --num-kv-heads 2 --intermediate-size 344
+        --num-kv-heads 2 --intermediate-size 344 --steps 1000
 """
 
 from __future__ import annotations
