@@ -88,6 +88,20 @@ def test_the_demo_models_bundled_draft_is_accepted_often():
     assert m.draft_acceptance_rate > 0.3, m
 
 
+def test_a_useless_draft_is_probed_with_one_token(tiny_models, small_draft):
+    """After a step with every draft rejected, a sequence gets one draft token per drafted
+    step (a probe) and then none for 1, 2, 4, ... steps: over 100 tokens a draft that is
+    never right is asked for 4 tokens once and 1 token at 7 probes (4 at each of 8 steps,
+    32, without the probe)."""
+    one = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    with LLM(tiny_models["llama_gqa"], block_size=4, speculative_config=draft(small_draft, k=4)
+             ) as llm:
+        llm.generate(PROMPTS[:1], one, use_tqdm=False)
+        m = llm.llm_engine.spec_decode_metrics
+    assert m.accepted_tokens == 0, m  # else the pattern restarts; pick another draft seed
+    assert m.draft_tokens == 4 + 7, m
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_and_prefix_caching(tiny_models, small_draft, reference, mode):
     """A pool too small for the batch: sequences are swapped out and in (the draft's blocks

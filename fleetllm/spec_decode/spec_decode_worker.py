@@ -157,15 +157,20 @@ class SpecDecodeWorker(DelegatingWorker):
                            len(group.block_tables[seq_id]) * self.block_size - data.get_len())
                 if max_tokens is not None:
                     room = min(room, max_tokens - len(data.output_token_ids) - 1)
-                if min(room, most) > 0:
-                    budgets[seq_id] = min(room, most)
+                # After a step whose drafts were all rejected, a sequence is probed with one
+                # draft token (a pass of the draft model, one more row to score) until one is
+                # kept again: a useless proposer's failures then cost a probe each.
+                budget = min(room, most, 1 if self.misses.get(seq_id) else most)
+                if budget > 0:
+                    budgets[seq_id] = budget
         return budgets
 
     def _back_off(self, req: ExecuteModelRequest) -> None:
         """A sequence whose drafts were all rejected twice in a row goes without drafts for
-        1, 2, 4, ... 32 steps (doubling while they keep failing): a useless proposer (a
-        draft model that disagrees, text that never repeats) then costs a few percent, not
-        a drafted step's price every step. Any accepted draft resets it. What was accepted
+        1, 2, 4, ... 64 steps (doubling while they keep failing), and is probed with one
+        draft token in between (_budgets): a useless proposer (a draft model that disagrees,
+        text that never repeats) then costs a few percent, not a drafted step's price every
+        step. Any accepted draft resets it. What was accepted
         is read off this step's request (a drafted sequence that grew by one token had none
         kept), so every rank decides alike: only the output rank sees the samples."""
         for group in req.seq_group_metadata_list:
@@ -178,7 +183,7 @@ class SpecDecodeWorker(DelegatingWorker):
                     continue
                 misses = self.misses[sid] = self.misses.get(sid, 0) + 1
                 if misses >= 2:
-                    self.cooldown[sid] = min(2 ** (misses - 2), 32)
+                    self.cooldown[sid] = min(2 ** (misses - 2), 64)
 
     def _metrics(self, drafts: dict[int, list[int]], emitted: dict[int, int]
                  ) -> SpecDecodeWorkerMetrics:
