@@ -16,6 +16,7 @@ import sysconfig
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -48,19 +49,24 @@ def _check_checkpoint_dir(path: Path) -> tuple[object, object]:
     return tok, model
 
 
-def test_smoke_training_produces_loadable_checkpoint(tmp_path: Path) -> None:
-    out = tmp_path / "demo"
+def train(*args: str) -> float:
+    """Runs the script with --smoke and ARGS; its wall time."""
     t0 = time.time()
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--no-progress", "--threads", "2",
-         "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    elapsed = time.time() - t0
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--no-progress",
+                           "--threads", "2", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return time.time() - t0
+
+
+@pytest.fixture(scope="module")
+def smoke_model(tmp_path_factory) -> tuple[Path, float]:
+    out = tmp_path_factory.mktemp("smoke") / "demo"
+    return out, train("--out", str(out))
+
+
+def test_smoke_training_produces_loadable_checkpoint(smoke_model) -> None:
+    out, elapsed = smoke_model
     assert elapsed < 60, f"smoke training took {elapsed:.1f}s"
     tok, model = _check_checkpoint_dir(out)
     log = json.loads((out / "training_log.json").read_text())
@@ -72,17 +78,10 @@ def test_smoke_training_produces_loadable_checkpoint(tmp_path: Path) -> None:
     assert logits.shape == (1, ids.shape[1], model.config.vocab_size)
 
 
-def test_teacher_trains_a_draft_with_its_tokenizer(tmp_path: Path) -> None:
+def test_teacher_trains_a_draft_with_its_tokenizer(smoke_model, tmp_path: Path) -> None:
     """--teacher: the draft takes the teacher's tokenizer (a draft must share its target's
     vocabulary) and records how often its argmax agrees with the teacher's."""
-    def train(*extra: str) -> None:
-        proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--no-progress",
-                               "--threads", "2", *extra], cwd=REPO, capture_output=True,
-                              text=True, timeout=120)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-
-    teacher, draft = tmp_path / "teacher", tmp_path / "draft"
-    train("--out", str(teacher))
+    teacher, draft = smoke_model[0], tmp_path / "draft"
     # Another vocabulary size than the teacher's: the teacher's tokenizer must win.
     train("--out", str(draft), "--teacher", str(teacher), "--vocab-size", "300")
     _check_checkpoint_dir(draft)
