@@ -459,9 +459,6 @@ class EngineConfig:
         _check(spec is None or not m.is_pooling, "speculative_config",
                "speculative decoding applies to generating models only (task='generate')")
         if spec is not None and spec.method == "draft_model":
-            _check(p.world_size == 1, "speculative_config",
-                   "a draft model runs with tensor_parallel_size=1 and "
-                   "pipeline_parallel_size=1 only (for now); use method 'ngram'")
             draft = ModelConfig(model=spec.model, max_model_len=m.max_model_len).arch
             _check(draft.vocab_size == a.vocab_size, "speculative_config",
                    f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from "

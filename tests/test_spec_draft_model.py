@@ -119,6 +119,29 @@ def test_preemption_and_prefix_caching(tiny_models, small_draft, reference, mode
     assert tokens(got) == tokens(reference) == tokens(again)
 
 
+@pytest.mark.parametrize("kwargs", [
+    dict(tensor_parallel_size=2),
+    dict(pipeline_parallel_size=2),
+    dict(tensor_parallel_size=2, distributed_executor_backend="ray", ray_cpus_per_worker=0.5),
+], ids=["mp-tp2", "mp-pp2", "ray-tp2"])
+def test_a_tp_or_pp_target_drafts_on_its_output_rank(tiny_models, reference, kwargs):
+    """Beside a tensor- or pipeline-parallel target the draft (TP 1) runs whole on the output
+    rank, which broadcasts its drafts: the same tokens, and the target as its own draft
+    proposes and is accepted as on one worker (a draft sharded by mistake, or drafts one rank
+    lacks, would change either)."""
+    if kwargs.get("distributed_executor_backend") == "ray":
+        pytest.importorskip("ray")
+    target = tiny_models["llama_gqa"]
+    counts = []
+    for parallel in ({}, kwargs):
+        with LLM(target, block_size=4, speculative_config=draft(target), **parallel) as llm:
+            got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+            m = llm.llm_engine.spec_decode_metrics
+        assert tokens(got) == tokens(reference)
+        counts.append((m.draft_tokens, m.accepted_tokens))
+    assert counts[0] == counts[1] and counts[0][1] > 40, counts
+
+
 def test_budget_is_shared_and_sleep_frees_both(tiny_models):
     target = tiny_models["llama_gqa"]
     budget = dict(kv_cache_memory=8 << 20, swap_space=0)
@@ -141,8 +164,6 @@ def test_what_cannot_work_is_refused(tiny_models, tmp_path):
                                   num_hidden_layers=1)
     with pytest.raises(ConfigurationError, match="vocabulary"):
         LLM(target, speculative_config=draft(other_vocab))
-    with pytest.raises(ConfigurationError, match="tensor_parallel_size=1"):
-        LLM(target, tensor_parallel_size=2, speculative_config=draft(target))
     with pytest.raises(ModelLoadError, match="not a directory"):
         LLM(target, speculative_config=draft(tmp_path / "missing"))
     with pytest.raises(ConfigurationError, match="draft_tensor_parallel_size"):

@@ -18,6 +18,8 @@ paired with stale ones.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -153,6 +155,21 @@ def broadcast_from_output_rank(x: torch.Tensor) -> torch.Tensor:
     """The output rank's x on every rank (multi-step decoding: each rank feeds the sampled
     tokens back itself). x must have the same shape and dtype on every rank."""
     return _WORLD.broadcast(x, _OUTPUT_RANK)
+
+
+@contextmanager
+def alone() -> Iterator[None]:
+    """Within it, this rank is a world of its own (tensor and pipeline parallel size 1): a
+    draft model, which runs whole on the output rank beside a TP/PP target, is built and run
+    in it so that its layers neither shard nor communicate."""
+    global _TP, _PP, _WORLD
+    saved = _TP, _PP, _WORLD
+    _TP, _PP, _WORLD = GroupCoordinator([0], 0), GroupCoordinator([0], 0), \
+        GroupCoordinator([0], 0)
+    try:
+        yield
+    finally:
+        _TP, _PP, _WORLD = saved
 
 
 def destroy_distributed() -> None:

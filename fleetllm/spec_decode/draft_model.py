@@ -1,15 +1,18 @@
 """The draft-model proposer: a smaller checkpoint with the target's vocabulary, run greedily
 in the same worker, with its own paged KV cache over the same block ids.
 
-The draft's cache mirrors the target's block tables (a block id holds the draft's K/V of the
-same tokens as the target's), so the scheduler's bookkeeping, lookahead slots, swaps and
-copy-on-write copies apply to both; the KV budget is split between the two in proportion to
-their bytes per block. Per step: the draft computes the step's prompt chunks too; then for
-each drafted sequence it catches up on the tokens it has not cached (the previous step's
-bonus or corrected token, at most two, or everything after a restart) and proposes greedily,
-one pass per draft token. Greedy proposals are one-hot drafts: the scorer accepts those the
-target drew too (model_runner._accept_drafts), so outputs are the target's whatever the draft
-says; a stale or missing draft cache only costs acceptance.
+With tensor or pipeline parallelism, the draft runs whole on the output rank (in
+parallel_state.alone(): its layers neither shard nor communicate) and its drafts are
+broadcast to every rank (spec_decode_worker.FromOutputRank). The draft's cache mirrors the
+target's block tables (a block id holds the draft's K/V of the same tokens as the target's),
+so the scheduler's bookkeeping, lookahead slots, swaps and copy-on-write copies apply to
+both; the KV budget is split between the two in proportion to their bytes per block. Per
+step: the draft computes the step's prompt chunks too; then for each drafted sequence it
+catches up on the tokens it has not cached (the previous step's bonus or corrected token, at
+most two, or everything after a restart) and proposes greedily, one pass per draft token.
+Greedy proposals are one-hot drafts: the scorer accepts those the target drew too
+(model_runner._accept_drafts), so outputs are the target's whatever the draft says; a stale
+or missing draft cache only costs acceptance.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import dataclasses
 import math
 
 from fleetllm.config import EngineConfig
+from fleetllm.distributed import parallel_state
 from fleetllm.errors import OutOfMemoryError
 from fleetllm.sampling_params import SamplingParams
 from fleetllm.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMetadata
@@ -80,6 +84,11 @@ class DraftModelProposer:
 
     def propose(self, req: ExecuteModelRequest, budgets: dict[int, int]
                 ) -> dict[int, list[int]]:
+        with parallel_state.alone():  # beside a TP/PP target, the draft runs whole here
+            return self._propose(req, budgets)
+
+    def _propose(self, req: ExecuteModelRequest, budgets: dict[int, int]
+                 ) -> dict[int, list[int]]:
         runner, cache = self.worker.model_runner, self.worker.cache_engine
         cache.swap_out(req.blocks_to_swap_out)
         cache.swap_in(req.blocks_to_swap_in)

@@ -23,7 +23,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from fleetllm.config import EngineConfig
+from fleetllm.distributed import parallel_state
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
 from fleetllm.spec_decode.metrics import SpecDecodeWorkerMetrics
 from fleetllm.spec_decode.ngram_proposer import NgramIndex, NgramProposer
@@ -56,7 +59,7 @@ class SpecDecodeWorker(DelegatingWorker):
         self.num_spec_tokens = spec.num_speculative_tokens
         self.max_model_len = config.model_config.max_model_len
         self.block_size = config.cache_config.block_size
-        self.draft = None  # the draft model's Worker (method "draft_model")
+        self.draft = None  # the draft model's Worker (method "draft_model", output rank only)
         # Back-off: a sequence whose drafts keep being rejected stops paying for them.
         self.misses: dict[int, int] = {}  # seq id -> drafted steps in a row with none kept
         self.cooldown: dict[int, int] = {}  # seq id -> steps left without drafts
@@ -65,8 +68,14 @@ class SpecDecodeWorker(DelegatingWorker):
         if spec.method == "draft_model":
             from fleetllm.spec_decode.draft_model import DraftModelProposer
 
-            self.proposer: Proposer = DraftModelProposer(config)
-            self.draft = self.proposer.worker
+            pc = config.parallel_config
+            draft = None  # the draft runs whole on the output rank (parallel_state.alone)
+            if getattr(scorer, "rank", 0) == parallel_state.output_rank(
+                    pc.tensor_parallel_size, pc.pipeline_parallel_size):
+                draft = DraftModelProposer(config)
+                self.draft = draft.worker
+            self.proposer: Proposer = draft if pc.world_size == 1 else \
+                FromOutputRank(draft, scorer)
         else:
             self.proposer = NgramLookup(NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max))
@@ -80,18 +89,24 @@ class SpecDecodeWorker(DelegatingWorker):
     def load_model(self) -> None:
         self.worker.load_model()
         if self.draft is not None:
-            self.draft.load_model()
+            with parallel_state.alone():
+                self.draft.load_model()
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
+        """With a draft model, the output rank's budget holds both caches (every rank then
+        takes the smallest count: the executor's min over ranks)."""
         num_gpu, num_cpu = self.worker.determine_num_available_blocks()
         if self.draft is None:
             return num_gpu, num_cpu
-        return self.proposer.share_blocks(self.worker, num_gpu, num_cpu)
+        proposer = getattr(self.proposer, "proposer", self.proposer)
+        with parallel_state.alone():
+            return proposer.share_blocks(self.worker, num_gpu, num_cpu)
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)
         if self.draft is not None:  # the same block ids: the draft's K/V of the same tokens
-            self.draft.initialize_cache(num_gpu_blocks, num_cpu_blocks)
+            with parallel_state.alone():
+                self.draft.initialize_cache(num_gpu_blocks, num_cpu_blocks)
 
     def sleep(self, level: int = 1) -> int:
         freed = self.worker.sleep(level)
@@ -215,6 +230,37 @@ def _advance_groups_together(outputs: list[SamplerOutput]) -> None:
 def drafted(group: SequenceGroupMetadata) -> bool:
     """Whether a group's sequences may get drafts this step: decoding, sampling, no grammar."""
     return not group.is_prompt and group.do_sample and group.grammar_bitmask is None
+
+
+class FromOutputRank:
+    """A draft model beside a tensor- or pipeline-parallel target: the output rank runs it
+    (proposer) and broadcasts its drafts to every rank, which all score them. Every rank
+    computes the same budgets from the same request, so the grid's shape agrees."""
+
+    def __init__(self, proposer: Proposer | None, scorer: WorkerBase) -> None:
+        self.proposer, self.scorer = proposer, scorer
+
+    def propose(self, req: ExecuteModelRequest, budgets: dict[int, int]
+                ) -> dict[int, list[int]]:
+        if not budgets:
+            return {}
+        seq_ids = sorted(budgets)
+        grid = torch.full((len(seq_ids), max(budgets.values())), -1, dtype=torch.long)
+        if self.proposer is not None:
+            drafts = self.proposer.propose(req, budgets)
+            for row, sid in enumerate(seq_ids):
+                grid[row, :len(drafts.get(sid, ()))] = torch.tensor(drafts.get(sid, []))
+        grid = parallel_state.broadcast_from_output_rank(grid.to(self.scorer.device)).tolist()
+        return {sid: [t for t in row if t >= 0] for sid, row in zip(seq_ids, grid, strict=True)}
+
+    def step_done(self, req: ExecuteModelRequest, drafts: dict[int, list[int]],
+                  emitted: dict[int, int]) -> None:
+        if self.proposer is not None:
+            self.proposer.step_done(req, drafts, emitted)
+
+    def forget(self, request_ids: list[str] | None) -> None:
+        if self.proposer is not None:
+            self.proposer.forget(request_ids)
 
 
 class NgramLookup:
