@@ -88,3 +88,16 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")
     return {name: make_checkpoint(root / name, arch, seed=i, **kw)
             for i, (name, (arch, kw)) in enumerate(TINY_CONFIGS.items())}
+
+
+@pytest.fixture(params=[
+    dict(tensor_parallel_size=2),
+    dict(pipeline_parallel_size=2),
+    dict(tensor_parallel_size=2, distributed_executor_backend="ray", ray_cpus_per_worker=0.5),
+], ids=["mp-tp2", "mp-pp2", "ray-tp2"])
+def distributed(request) -> dict:
+    """The layouts a feature is checked on beyond one worker: mp TP=2, mp PP=2 and ray TP=2
+    (half a CPU per actor, so that both fit on a 2-core machine). LLM(..., **distributed)."""
+    if request.param.get("distributed_executor_backend") == "ray":
+        pytest.importorskip("ray")
+    return request.param

@@ -90,15 +90,8 @@ def test_waiting_requests_and_grammars_go_one_pass_at_a_time(tiny_models):
         assert all(n == 1 for n, _ in log.calls[:3])
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(tensor_parallel_size=2),
-    dict(pipeline_parallel_size=2),
-    dict(tensor_parallel_size=2, distributed_executor_backend="ray", ray_cpus_per_worker=0.5),
-], ids=["mp-tp2", "mp-pp2", "ray-tp2"])
-def test_distributed_backends_same_tokens(tiny_models, kwargs):
+def test_distributed_backends_same_tokens(tiny_models, distributed):
     """Each rank feeds the output rank's tokens (broadcast) back into its own copy."""
-    if kwargs.get("distributed_executor_backend") == "ray":
-        pytest.importorskip("ray")
     prompts = [{"prompt_token_ids": [5 + i, 9, 17, 33] * (1 + i)} for i in range(5)]
     params = [SamplingParams(temperature=0, max_tokens=21, ignore_eos=True),
               SamplingParams(temperature=0.9, seed=5, max_tokens=19, ignore_eos=True,
@@ -107,7 +100,7 @@ def test_distributed_backends_same_tokens(tiny_models, kwargs):
                                  ignore_eos=True))
     with LLM(tiny_models["llama_gqa"]) as base:
         want = base.generate(prompts, params, use_tqdm=False)
-    with LLM(tiny_models["llama_gqa"], num_scheduler_steps=8, **kwargs) as llm:
+    with LLM(tiny_models["llama_gqa"], num_scheduler_steps=8, **distributed) as llm:
         log = StepLog(llm)
         got = llm.generate(prompts, params, use_tqdm=False)
     assert tokens(got) == tokens(want)

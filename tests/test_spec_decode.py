@@ -130,14 +130,7 @@ def test_preemption_and_prefix_caching_keep_tokens(tiny_models):
     assert tokens(got) == tokens(want) == tokens(again)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(tensor_parallel_size=2),
-    dict(pipeline_parallel_size=2),
-    dict(tensor_parallel_size=2, distributed_executor_backend="ray", ray_cpus_per_worker=0.5),
-], ids=["mp-tp2", "mp-pp2", "ray-tp2"])
-def test_distributed_backends_same_tokens(tiny_models, kwargs):
-    if kwargs.get("distributed_executor_backend") == "ray":
-        pytest.importorskip("ray")
+def test_distributed_backends_same_tokens(tiny_models, distributed):
     prompts = [{"prompt_token_ids": ([5, 9, 17, 33] * 10)[:20 + 3 * i]} for i in range(5)]
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True)] * 2
@@ -145,7 +138,7 @@ def test_distributed_backends_same_tokens(tiny_models, kwargs):
                                  ignore_eos=True))
     with LLM(tiny_models["llama_gqa"]) as base:
         want = base.generate(prompts, params, use_tqdm=False)
-    with LLM(tiny_models["llama_gqa"], speculative_config=NGRAM, **kwargs) as spec:
+    with LLM(tiny_models["llama_gqa"], speculative_config=NGRAM, **distributed) as spec:
         got = spec.generate(prompts, params, use_tqdm=False)
         assert spec.llm_engine.spec_decode_metrics.accepted_tokens > 0
         metrics = spec.llm_engine.model_executor.get_performance_metrics()

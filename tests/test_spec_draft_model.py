@@ -119,21 +119,14 @@ def test_preemption_and_prefix_caching(tiny_models, small_draft, reference, mode
     assert tokens(got) == tokens(reference) == tokens(again)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(tensor_parallel_size=2),
-    dict(pipeline_parallel_size=2),
-    dict(tensor_parallel_size=2, distributed_executor_backend="ray", ray_cpus_per_worker=0.5),
-], ids=["mp-tp2", "mp-pp2", "ray-tp2"])
-def test_a_tp_or_pp_target_drafts_on_its_output_rank(tiny_models, reference, kwargs):
+def test_a_tp_or_pp_target_drafts_on_its_output_rank(tiny_models, reference, distributed):
     """Beside a tensor- or pipeline-parallel target the draft (TP 1) runs whole on the output
     rank, which broadcasts its drafts: the same tokens, and the target as its own draft
     proposes and is accepted as on one worker (a draft sharded by mistake, or drafts one rank
     lacks, would change either)."""
-    if kwargs.get("distributed_executor_backend") == "ray":
-        pytest.importorskip("ray")
     target = tiny_models["llama_gqa"]
     counts = []
-    for parallel in ({}, kwargs):
+    for parallel in ({}, distributed):
         with LLM(target, block_size=4, speculative_config=draft(target), **parallel) as llm:
             got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
             m = llm.llm_engine.spec_decode_metrics

@@ -241,20 +241,13 @@ def test_a_grammar_that_fails_to_compile_ends_its_request_with_an_error(tiny, mo
 # --------------------------------------------------------------------- mp and ray workers
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(tensor_parallel_size=2),
-    dict(pipeline_parallel_size=2),
-    dict(tensor_parallel_size=2, distributed_executor_backend="ray", ray_cpus_per_worker=0.5),
-], ids=["mp-tp2", "mp-pp2", "ray-tp2"])
-def test_masks_reach_distributed_workers(tiny, tiny_models, kwargs):
-    if kwargs.get("distributed_executor_backend") == "ray":
-        pytest.importorskip("ray")
+def test_masks_reach_distributed_workers(tiny, tiny_models, distributed):
     rng = random.Random(4)
     constraints = [random_constraint(rng) for _ in range(8)]
     params = [SamplingParams(temperature=0, max_tokens=600, structured_outputs=so)
               for so in constraints]
     want = tiny.generate(["Hello"] * 8, params, use_tqdm=False)
-    with LLM(tiny_models["llama_gqa"], max_model_len=1024, **kwargs) as llm:
+    with LLM(tiny_models["llama_gqa"], max_model_len=1024, **distributed) as llm:
         got = llm.generate(["Hello"] * 8, params, use_tqdm=False)
     check_all(constraints, got)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
