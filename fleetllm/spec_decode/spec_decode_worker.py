@@ -185,9 +185,9 @@ class SpecDecodeWorker(DelegatingWorker):
         1, 2, 4, ... 64 steps (doubling while they keep failing), and is probed with one
         draft token in between (_budgets): a useless proposer (a draft model that disagrees,
         text that never repeats) then costs a few percent, not a drafted step's price every
-        step. Any accepted draft resets it. What was accepted
-        is read off this step's request (a drafted sequence that grew by one token had none
-        kept), so every rank decides alike: only the output rank sees the samples."""
+        step. Any accepted draft resets it. What was accepted is read off this step's
+        request (a drafted sequence that grew by one token had none kept), so every rank
+        decides alike: only the output rank sees the samples."""
         for group in req.seq_group_metadata_list:
             for sid, data in group.seq_data.items():
                 base = self.drafted.pop(sid, None)
