@@ -491,3 +491,24 @@ def test_speculative_decoding_gives_the_same_tokens_on_cuda(tiny_models):
     report("spec_decode", accepted=metrics.accepted_tokens, drafted=metrics.draft_tokens)
     assert metrics.accepted_tokens > 0
     assert results[True] == results[False]
+
+
+def test_a_draft_model_gives_the_same_tokens_on_cuda():
+    """The demo model with its bundled draft on cuda: the draft's own cache and passes on the
+    GPU, the same greedy tokens as without it, and its drafts accepted."""
+    from fleetllm.engine.arg_utils import DEMO_DRAFT, DEMO_MODEL
+
+    prompts = ["def fibonacci(n):", "import os\n\n\ndef main():", "class Stack:\n    def"]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    spec = {"method": "draft_model", "model": str(DEMO_DRAFT), "num_speculative_tokens": 3}
+    results = {}
+    for on in (False, True):
+        kw = {"speculative_config": spec} if on else {}
+        with LLM(DEMO_MODEL, device="cuda", **SMALL, **kw) as llm:
+            results[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                         use_tqdm=False)]
+            if on:
+                metrics = llm.llm_engine.spec_decode_metrics
+    report("draft_model", accepted=metrics.accepted_tokens, drafted=metrics.draft_tokens)
+    assert results[True] == results[False]
+    assert metrics.draft_acceptance_rate > 0.3, metrics
