@@ -233,6 +233,58 @@ def test_greedy_outputs_match_transformers_in_bf16(name, tiny_models, tmp_path):
     assert same >= 0.9 * len(prompts) and not problems, (same, problems)
 
 
+def _projections(worker) -> list[tuple[torch.dtype | None, torch.dtype | None, object]]:
+    """(packed weight's dtype, dense weight's dtype, a state tensor's dtype) per projection."""
+    from fleetllm.model.layers import ColumnParallelLinear, RowParallelLinear
+    from fleetllm.model.sharded_state import state_tensors
+
+    model = worker.model_runner.model
+    state = state_tensors(model)
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, ColumnParallelLinear | RowParallelLinear):
+            packed = getattr(m, "packed_weight", None)
+            out.append((None if packed is None else packed.dtype,
+                        None if m.weight is None else m.weight.dtype,
+                        state[f"{name}.weight"].dtype))
+    return out
+
+
+@pytest.mark.parametrize("onednn_bf16", [True, False], ids=["bf16-packing", "no-bf16-packing"])
+def test_bf16_projections_are_packed_on_every_cpu(onednn_bf16, tiny_models, tmp_path,
+                                                  monkeypatch):
+    """oneDNN packs bf16 weights only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on
+    the others (AVX2) PyTorch's plain bf16 matmul runs 3-7x slower than float32, so each bf16
+    projection gets a float32 packed copy instead (layers.py). Either way: every projection is
+    packed, the saved state is bf16, and greedy outputs match transformers in bf16. Here the
+    CPU without bf16 packing is simulated wherever this runs."""
+    if not onednn_bf16:
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+
+        def without_bf16(weight, *args):
+            if weight.dtype == BF16:  # what PyTorch says on such a CPU
+                raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu "
+                                   "support avx_ne_convert or avx512bw, avx512vl and avx512dq")
+            return reorder(weight, *args)
+
+        monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
+    elif not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        pytest.skip("this CPU has no oneDNN bf16 packing")
+    monkeypatch.setenv("FLEETLLM_LINEAR", "packed")  # no dense copy: only the packed one
+    path = _bf16_checkpoint(tiny_models["qwen2_bias"], tmp_path / "qwen2")  # biases too
+    with LLM(path, kv_cache_memory=16 << 20) as llm:
+        [projections] = llm.llm_engine.model_executor.collective_rpc(_projections)
+        packed = BF16 if onednn_bf16 else torch.float32
+        assert projections and all(p == (packed, None, BF16) for p in projections), projections
+        prompts = _prompts(llm.llm_engine.model_config.arch.vocab_size, 10)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                            use_tqdm=False)
+    same, problems = _agreement([o.outputs[0].token_ids for o in outs],
+                                _hf_reference(path, prompts, 8))
+    assert same >= 0.9 * len(prompts) and not problems, (same, problems)
+
+
 def test_dtype_auto_follows_the_checkpoint(tiny_models, tmp_path):
     """bf16 checkpoints run in bf16 on the CPU; float16 ones in float32 (no fast float16 CPU
     path: float32 holds every float16 exactly); float32 stays float32."""

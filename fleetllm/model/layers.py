@@ -14,6 +14,14 @@ memory-bound) fleetllm's own GEMV kernel streams the dense weight at the memory'
 oneDNN's rate there, so the dense copy is kept too while the projections weigh at most
 FLEETLLM_GEMV_MAX_BYTES (default 2 GiB): twice the weight memory for a faster small batch.
 FLEETLLM_LINEAR=packed keeps only the packed weights, =dense only plain F.linear.
+
+oneDNN packs bfloat16 only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere (AVX2)
+PyTorch's bfloat16 matmul has no fast kernel at all (measured 16 GFLOP/s against 122 for packed
+float32 on a 2-core AVX2 EPYC, 7x slower prefill). There a bfloat16 projection gets a float32
+packed copy instead: rows convert to float32, multiply exactly as the float32 model does (fp32
+sums, as bf16 kernels use too) and round back to bfloat16 once per output, as HF's bf16 linear
+does. It costs 4 bytes per parameter beside the 2 of the dense bf16 weight; the 1-4 row GEMV
+still reads the bf16 weight (half the bytes).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -256,7 +265,12 @@ def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) 
     shape = x.shape
     if x.dim() != 2:
         x = x.reshape(-1, shape[-1])
-    y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [None], "")
+    if packed.dtype != x.dtype:  # a float32 copy of a bf16 weight (see the module docstring)
+        y = torch.ops.mkldnn._linear_pointwise(x.float().contiguous(), packed,
+                                               None if bias is None else bias.float(), "none",
+                                               [None], "").to(x.dtype)
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [None], "")
     return y if len(shape) == 2 else y.view(*shape[:-1], y.shape[-1])
 
 
@@ -291,10 +305,10 @@ def pack_linear_weights(model: nn.Module) -> int:
         if weight is None or not _can_pack(weight):
             continue
         try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            packed = _pack(weight.detach())
             probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
             probe = probe.to(weight.dtype)
-            got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [None], "")
+            got = linear(SimpleNamespace(weight=None, packed_weight=packed), probe)
             tol = 1e-4 if weight.dtype == torch.float32 else 2e-2  # bf16: output rounding
             torch.testing.assert_close(got.float(), F.linear(probe, weight).float(), rtol=tol,
                                        atol=tol)
@@ -304,5 +318,17 @@ def pack_linear_weights(model: nn.Module) -> int:
         module.packed_weight = packed
         if not keep_dense and id(weight) not in shared:  # the packed copy replaces it
             module.weight = None
+            module.dense_dtype = weight.dtype  # what to_dense() gives back (sharded_state)
         count += 1
     return count
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed copy of `weight`; of its float32 copy for a bf16 weight on a CPU where
+    oneDNN packs no bf16 (see the module docstring)."""
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    except RuntimeError:
+        if weight.dtype != torch.bfloat16:
+            raise
+        return torch.ops.mkldnn._reorder_linear_weight(weight.float(), None)

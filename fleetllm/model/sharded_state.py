@@ -79,7 +79,8 @@ def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for prefix, module in model.named_modules():
         packed = getattr(module, "packed_weight", None)
         if packed is not None and getattr(module, "weight", None) is None:
-            out[f"{prefix}.weight"] = packed.to_dense()
+            dense = packed.to_dense()  # a bf16 weight may be packed as float32 (layers.py)
+            out[f"{prefix}.weight"] = dense.to(getattr(module, "dense_dtype", dense.dtype))
     return out
 
 
