@@ -125,6 +125,7 @@ void gemv_tile(const T *x, const T *w, const T *bias, T *y, long n0, int N, int 
     const int rows = N - n0 < 4 ? static_cast<int>(N - n0) : 4, kv = K & ~31;
     for (int r = 0; r < rows; r++) {  // one row at a time: one sequential stream
         const T *wr = w + (n0 + r) * K;
+#if defined(__AVX512F__)
         v16 acc[2][MT];
         std::memset(acc, 0, sizeof(acc));
         for (int k = 0; k < kv; k += 32) {
@@ -139,10 +140,34 @@ void gemv_tile(const T *x, const T *w, const T *bias, T *y, long n0, int N, int 
                 acc[1][m] += x1 * w1;
             }
         }
+#else
+        // The same 32 float32 sums per row of x (lane j of acc[q] adds elements k + 8q + j),
+        // so the same bits as the AVX-512 build, in 8-lane registers the compiler keeps.
+        v8 acc[4][MT];
+        std::memset(acc, 0, sizeof(acc));
+        for (int k = 0; k < kv; k += 32) {
+            v8 wq[4];
+            for (int q = 0; q < 4; q++) load8(wr + k + 8 * q, wq[q]);
+            for (int m = 0; m < MT; m++) {
+                const T *xm = x + static_cast<long>(m) * K + k;
+                for (int q = 0; q < 4; q++) {
+                    v8 xq;
+                    load8(xm + 8 * q, xq);
+                    acc[q][m] += xq * wq[q];
+                }
+            }
+        }
+#endif
         for (int m = 0; m < MT; m++) {
             float s = bias ? to_f32(bias[n0 + r]) : 0.f;
+#if defined(__AVX512F__)
             const v16 a = acc[0][m] + acc[1][m];
             for (int i = 0; i < 16; i++) s += a[i];
+#else
+            const v8 lo = acc[0][m] + acc[2][m], hi = acc[1][m] + acc[3][m];
+            for (int i = 0; i < 8; i++) s += lo[i];
+            for (int i = 0; i < 8; i++) s += hi[i];
+#endif
             for (int k = kv; k < K; k++)
                 s += to_f32(x[static_cast<long>(m) * K + k]) * to_f32(wr[k]);
             y[static_cast<long>(m) * N + n0 + r] = from_f32<T>(s);
