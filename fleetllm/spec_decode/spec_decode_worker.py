@@ -60,6 +60,7 @@ class SpecDecodeWorker(DelegatingWorker):
         self.max_model_len = config.model_config.max_model_len
         self.block_size = config.cache_config.block_size
         self.draft = None  # the draft model's Worker (method "draft_model", output rank only)
+        self.draft_proposer = None  # ... and the proposer that runs it
         # Back-off: a sequence whose drafts keep being rejected stops paying for them.
         self.misses: dict[int, int] = {}  # seq id -> drafted steps in a row with none kept
         self.cooldown: dict[int, int] = {}  # seq id -> steps left without drafts
@@ -72,7 +73,7 @@ class SpecDecodeWorker(DelegatingWorker):
             draft = None  # the draft runs whole on the output rank (parallel_state.alone)
             if getattr(scorer, "rank", 0) == parallel_state.output_rank(
                     pc.tensor_parallel_size, pc.pipeline_parallel_size):
-                draft = DraftModelProposer(config)
+                self.draft_proposer = draft = DraftModelProposer(config)
                 self.draft = draft.worker
             self.proposer: Proposer = draft if pc.world_size == 1 else \
                 FromOutputRank(draft, scorer)
@@ -96,11 +97,10 @@ class SpecDecodeWorker(DelegatingWorker):
         """With a draft model, the output rank's budget holds both caches (every rank then
         takes the smallest count: the executor's min over ranks)."""
         num_gpu, num_cpu = self.worker.determine_num_available_blocks()
-        if self.draft is None:
+        if self.draft_proposer is None:
             return num_gpu, num_cpu
-        proposer = getattr(self.proposer, "proposer", self.proposer)
         with parallel_state.alone():
-            return proposer.share_blocks(self.worker, num_gpu, num_cpu)
+            return self.draft_proposer.share_blocks(self.worker, num_gpu, num_cpu)
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)
