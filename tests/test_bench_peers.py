@@ -269,7 +269,8 @@ def test_real_vllm_generates_what_fleetllm_does(tmp_path, monkeypatch):
 def test_bench_serve_compares_with_a_vllm_server_on_the_same_requests(tiny_models, tmp_path,
                                                                       monkeypatch):
     """--compare vllm starts the peer server from the peer venv with the flags both servers
-    share, sends it the same requests and prints the ratios (a fake vLLM here)."""
+    share, sends it the same requests and prints the ratios (a fake vLLM here);
+    --offline-replay also runs fleetllm's requests through an in-process engine."""
     from fleetllm.benchmarks import serve
 
     fake = tmp_path / "python"
@@ -282,12 +283,13 @@ def test_bench_serve_compares_with_a_vllm_server_on_the_same_requests(tiny_model
     monkeypatch.setenv("FAKE_VLLM_KV", KV[1])
     model = str(tiny_models["llama_gqa"])
     result = serve.main(["--num-prompts", "4", "--input-len", "8", "--output-len", "4",
-                         "--compare", "vllm", model, *KV, "--no-enable-prefix-caching",
-                         "--dtype", "float32"])
-    for side in ("fleetllm", "vllm"):
-        r = result[side]
+                         "--compare", "vllm", "--offline-replay", model, *KV,
+                         "--no-enable-prefix-caching", "--dtype", "float32"])
+    for r in (result["fleetllm"], result["vllm"], result["fleetllm"]["offline_replay"]):
         assert r["completed"] == 4 and r["total_output_tokens"] == 16, r
         assert r["mean_tpot_ms"] > 0 and r["mean_ttft_ms"] > 0
+    overhead = result["fleetllm"]["serving_overhead"]
+    assert set(overhead) == {"tpot", "itl", "ttft"} and overhead["tpot"] > -1
     argv = json.loads(argv_file.read_text())
     assert argv[argv.index("--model") + 1] == model
     assert "--no-enable-prefix-caching" in argv and argv[argv.index("--dtype") + 1] == "float32"

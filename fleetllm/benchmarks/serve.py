@@ -5,7 +5,7 @@ server at a Poisson request rate, then throughput and TTFT / ITL / E2E latency.
         [--input-len 128 --output-len 64 | --dataset prompts.jsonl]
         [--request-rate 8 | inf] [--max-concurrency N] [--json result.json]
         [--endpoint /v1/completions | /v1/chat/completions] [--structured-fraction 0.5]
-    fleetllm bench serve [--num-prompts ...] [serve flags: --model DIR, engine flags ...]
+    fleetllm bench serve [--num-prompts ...] [--offline-replay] [serve flags: --model DIR, ...]
 
 Without --base-url it starts `fleetllm serve` itself (every flag this benchmark does not know
 goes to the server) and stops it at the end. Random prompts are token ids cut from random
@@ -23,6 +23,9 @@ requests: their output is constrained to STRUCTURED_SCHEMA (vLLM's `structured_o
 field); TPOT is then also reported per class (`plain_*`, `structured_*`), which shows whether
 requests without a grammar keep their speed beside grammar ones. A grammar request may end
 before its output length, when the model closes the JSON.
+--offline-replay (with a server it starts) then runs the same requests, arriving at the same
+moments, through an LLMEngine in this process (serve_replay.py) and prints the serving
+overhead: how much longer each token took through the server (TPOT and TTFT, server / replay).
 main() returns the figures as a dict (also written by --json).
 """
 
@@ -97,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the vLLM server (default 0-1: this machine's two cores)")
     parser.add_argument("--vllm-kv-gb", type=int, default=4,
                         help="VLLM_CPU_KVCACHE_SPACE for the vLLM server (GiB)")
+    parser.add_argument("--offline-replay", action="store_true",
+                        help="after the server run, replay the same requests at the same "
+                        "moments through an in-process LLMEngine with the same engine flags "
+                        "and print the serving overhead (needs a server this command starts)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the figures here")
     parser.add_argument("--quiet", action="store_true")
     return parser
@@ -114,6 +121,11 @@ def main(argv: list[str] | None = None) -> int | dict:
         return 1
     if args.compare and args.base_url:
         parser.error("--compare starts both servers: give the server flags, not --base-url")
+    if args.offline_replay and (args.base_url or _is_chat(args.endpoint)
+                                or args.structured_fraction):
+        parser.error("--offline-replay replays plain /v1/completions requests on the engine "
+                     "of a server this command starts: drop --base-url, the chat endpoint and "
+                     "--structured-fraction")
     server = None
     if args.base_url is None:
         from fleetllm.entrypoints.openai.local_server import LocalServer
@@ -125,12 +137,14 @@ def main(argv: list[str] | None = None) -> int | dict:
     prompts = None
     try:
         result = asyncio.run(_run(args))
-        prompts = result.pop("prompts")
+        prompts, arrivals = result.pop("prompts"), result.pop("arrivals")
     finally:
         if server is not None:
             server.stop()
     if not args.quiet:
         _print(result)
+    if args.offline_replay:
+        result = _with_replay(result, server_args, prompts, arrivals, args)
     if args.compare:
         from fleetllm.benchmarks.serve_peer import start_vllm_server
 
@@ -138,7 +152,7 @@ def main(argv: list[str] | None = None) -> int | dict:
         with start_vllm_server(server_args, args.vllm_bind, args.vllm_kv_gb) as peer:
             args.base_url = peer.url
             result = asyncio.run(_run(args, prompts))
-            result.pop("prompts")
+            result.pop("prompts"), result.pop("arrivals")
         if not args.quiet:
             _print(result, "vllm serve")
             _print_ratios(fleet, result)
@@ -170,15 +184,16 @@ async def _run(args: argparse.Namespace, prompts: list | None = None) -> dict[st
                 return await _one(client, args.endpoint, prompt, output_len, args.temperature,
                                   grammar)
 
-        tasks = []
+        tasks, arrivals = [], []
         start = time.perf_counter()
         for i, (prompt, output_len) in enumerate(prompts):
+            arrivals.append(time.perf_counter() - start)
             tasks.append(asyncio.create_task(limited(prompt, output_len, i in structured)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return {**_summarize(results, duration, args), "prompts": prompts}
+    return {**_summarize(results, duration, args), "prompts": prompts, "arrivals": arrivals}
 
 
 async def _prompts(client: Any, args: argparse.Namespace) -> list[tuple[Any, int]]:
@@ -340,6 +355,26 @@ def _print(result: dict[str, Any], title: str = "Serving Benchmark Result") -> N
     for error in result["errors"]:
         print(f"error: {error}")
     print("=" * 60)
+
+
+def _with_replay(served: dict[str, Any], server_args: list[str], prompts: list,
+                 arrivals: list[float], args: argparse.Namespace) -> dict[str, Any]:
+    """served + {"offline_replay": the replay's figures, "serving_overhead": server / replay
+    - 1 for mean TPOT, ITL and TTFT}."""
+    from fleetllm.benchmarks.serve_replay import replay
+
+    results, duration = replay(server_args, prompts, arrivals, args.temperature,
+                               args.max_concurrency)
+    offline = {**_summarize(results, duration, args), "base_url": "offline replay"}
+    overhead = {key: served[f"mean_{key}_ms"] / offline[f"mean_{key}_ms"] - 1
+                if offline[f"mean_{key}_ms"] else float("nan") for key in ("tpot", "itl", "ttft")}
+    if not args.quiet:
+        _print(offline, "offline replay (same engine, same arrivals)")
+        print(f"{' serving overhead (server / replay - 1) ':=^60}")
+        for key in ("tpot", "itl", "ttft"):
+            print(f"{'mean ' + key.upper():<40}{overhead[key]:>19.1%} ")
+        print("=" * 60)
+    return {**served, "offline_replay": offline, "serving_overhead": overhead}
 
 
 def _print_ratios(fleet: dict[str, Any], peer: dict[str, Any]) -> None:

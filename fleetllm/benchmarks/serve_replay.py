@@ -1,0 +1,100 @@
+"""The serving overhead of `fleetllm bench serve --offline-replay`: the same requests, arriving
+at the same moments, run through an `LLMEngine` in this process, with no HTTP, no JSON, no
+engine-core process in between, timed the way the client times the server.
+
+How: after the server run, the engine is built from the same serve flags (`fleetllm serve`'s
+parser, so every engine flag means the same), and a loop admits each request at the offset at
+which the client sent it (and, with --max-concurrency, only when a slot is free, as the
+client's gate does), steps the engine while anything is unfinished and sleeps until the next
+arrival otherwise. A request's clock starts when the client would have sent it (usually in the
+middle of a step: it joins the engine when that step ends, as it would join the server's); its
+first token is the step that returned it, its inter-token gaps the steps that returned more.
+Same figures as the client's (TTFT, TPOT, ITL, E2E), so `server / replay - 1` is what serving
+adds: HTTP, SSE, JSON, the hop between processes, and on a small machine the CPU that the
+client and the API process take from the engine; not the model, which both runs share.
+
+What it cannot replay: chat prompts (the server's chat template) and grammar requests; it
+refuses them before the benchmark starts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from fleetllm.benchmarks.serve import RequestResult
+
+
+def replay(server_args: list[str], prompts: list[tuple[Any, int]], arrivals: list[float],
+           temperature: float, max_concurrency: int | None) -> tuple[list[RequestResult], float]:
+    """Run `prompts` (prompt, output length) through an in-process engine made from
+    `server_args`, request i admitted `arrivals[i]` seconds after the start. Returns one
+    RequestResult per prompt, in order, and the duration."""
+    from fleetllm.engine.llm_engine import LLMEngine
+
+    model, kwargs = engine_args(server_args)
+    engine = LLMEngine.from_engine_args(model, **kwargs)
+    try:
+        return _loop(engine, prompts, arrivals, temperature, max_concurrency)
+    finally:
+        engine.shutdown()
+
+
+def engine_args(server_args: list[str]) -> tuple[str, dict[str, Any]]:
+    """The checkpoint and engine keyword arguments `fleetllm serve SERVER_ARGS` would use."""
+    from fleetllm.cli import build_parser
+    from fleetllm.engine.arg_utils import engine_kwargs_from, resolve_model
+
+    args = build_parser().parse_args(["serve", *server_args])
+    return resolve_model(args.model_tag or args.model), engine_kwargs_from(args,
+                                                                            args.engine_actions)
+
+
+def _loop(engine: Any, prompts: list[tuple[Any, int]], arrivals: list[float],
+          temperature: float, max_concurrency: int | None
+          ) -> tuple[list[RequestResult], float]:
+    from fleetllm.sampling_params import SamplingParams
+
+    results = [RequestResult() for _ in prompts]
+    sent: dict[str, float] = {}  # request id -> when the client would have sent it
+    last: dict[str, float] = {}  # request id -> when its latest token came back
+    due = deque(sorted(range(len(prompts)), key=lambda i: arrivals[i]))
+    start = time.perf_counter()
+    # When each --max-concurrency slot opened (the client's gate): a request is sent at its
+    # arrival or when a slot opens, whichever is later, and its clock starts then, as the
+    # client's does; it joins the engine at the end of the step running at that moment.
+    slots = deque([start] * max_concurrency) if max_concurrency else None
+    while due or sent:
+        now = time.perf_counter()
+        while due and arrivals[due[0]] <= now - start and (slots is None or slots):
+            i = due.popleft()
+            prompt, output_len = prompts[i]
+            if not isinstance(prompt, str):
+                prompt = {"prompt_token_ids": list(prompt)}
+            engine.add_request(str(i), prompt, SamplingParams(
+                max_tokens=output_len, temperature=temperature, ignore_eos=True))
+            at = max(start + arrivals[i], slots.popleft() if slots is not None else start)
+            sent[str(i)] = last[str(i)] = at
+        if not sent:
+            time.sleep(max(0.0, arrivals[due[0]] - (time.perf_counter() - start)))
+            continue
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            result, rid = results[int(out.request_id)], out.request_id
+            tokens = len(out.outputs[0].token_ids)
+            if tokens > result.output_tokens:
+                if result.output_tokens == 0:
+                    result.ttft = now - sent[rid]
+                else:
+                    result.itls.append(now - last[rid])
+                result.output_tokens, last[rid] = tokens, now
+            if out.finished:
+                result.e2e = now - sent.pop(rid)
+                if slots is not None:
+                    slots.append(now)
+                result.ok = out.outputs[0].finish_reason == "length" and tokens > 0
+                if not result.ok:
+                    result.error = out.error or f"finished early: {out.outputs[0].finish_reason}"
+    return results, time.perf_counter() - start
