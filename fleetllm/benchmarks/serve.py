@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int | dict:
         with start_vllm_server(server_args, args.vllm_bind, args.vllm_kv_gb) as peer:
             args.base_url = peer.url
             result = asyncio.run(_run(args, prompts))
-            result.pop("prompts"), result.pop("arrivals")
+            del result["prompts"], result["arrivals"]
         if not args.quiet:
             _print(result, "vllm serve")
             _print_ratios(fleet, result)
