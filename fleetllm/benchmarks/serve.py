@@ -363,8 +363,9 @@ def _with_replay(served: dict[str, Any], server_args: list[str], prompts: list,
     - 1 for mean TPOT, ITL and TTFT}."""
     from fleetllm.benchmarks.serve_replay import replay
 
-    results, duration = replay(server_args, prompts, arrivals, args.temperature,
-                               args.max_concurrency)
+    results = [RequestResult() for _ in prompts]
+    duration = replay(server_args, prompts, arrivals, args.temperature, args.max_concurrency,
+                      results)
     offline = {**_summarize(results, duration, args), "base_url": "offline replay"}
     overhead = {key: served[f"mean_{key}_ms"] / offline[f"mean_{key}_ms"] - 1
                 if offline[f"mean_{key}_ms"] else float("nan") for key in ("tpot", "itl", "ttft")}

@@ -19,44 +19,41 @@ refuses them before the benchmark starts.
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections import deque
 from typing import Any
 
-from fleetllm.benchmarks.serve import RequestResult
-
 
 def replay(server_args: list[str], prompts: list[tuple[Any, int]], arrivals: list[float],
-           temperature: float, max_concurrency: int | None) -> tuple[list[RequestResult], float]:
+           temperature: float, max_concurrency: int | None, results: list[Any]) -> float:
     """Run `prompts` (prompt, output length) through an in-process engine made from
-    `server_args`, request i admitted `arrivals[i]` seconds after the start. Returns one
-    RequestResult per prompt, in order, and the duration."""
+    `server_args`, request i admitted `arrivals[i]` seconds after the start, filling in
+    `results[i]` (a fresh serve.RequestResult each) as the client would. Returns the duration."""
     from fleetllm.engine.llm_engine import LLMEngine
 
     model, kwargs = engine_args(server_args)
     engine = LLMEngine.from_engine_args(model, **kwargs)
     try:
-        return _loop(engine, prompts, arrivals, temperature, max_concurrency)
+        return _loop(engine, prompts, arrivals, temperature, max_concurrency, results)
     finally:
         engine.shutdown()
 
 
 def engine_args(server_args: list[str]) -> tuple[str, dict[str, Any]]:
     """The checkpoint and engine keyword arguments `fleetllm serve SERVER_ARGS` would use."""
-    from fleetllm.cli import build_parser
     from fleetllm.engine.arg_utils import engine_kwargs_from, resolve_model
+    from fleetllm.entrypoints.openai.cli_args import add_serve_args
 
-    args = build_parser().parse_args(["serve", *server_args])
+    args = add_serve_args(argparse.ArgumentParser(prog="fleetllm serve")).parse_args(server_args)
     return resolve_model(args.model_tag or args.model), engine_kwargs_from(args,
                                                                             args.engine_actions)
 
 
 def _loop(engine: Any, prompts: list[tuple[Any, int]], arrivals: list[float],
-          temperature: float, max_concurrency: int | None
-          ) -> tuple[list[RequestResult], float]:
+          temperature: float, max_concurrency: int | None, results: list[Any]) -> float:
     from fleetllm.sampling_params import SamplingParams
 
-    results = [RequestResult() for _ in prompts]
     sent: dict[str, float] = {}  # request id -> when the client would have sent it
     last: dict[str, float] = {}  # request id -> when its latest token came back
     due = deque(sorted(range(len(prompts)), key=lambda i: arrivals[i]))
@@ -97,4 +94,4 @@ def _loop(engine: Any, prompts: list[tuple[Any, int]], arrivals: list[float],
                 result.ok = out.outputs[0].finish_reason == "length" and tokens > 0
                 if not result.ok:
                     result.error = out.error or f"finished early: {out.outputs[0].finish_reason}"
-    return results, time.perf_counter() - start
+    return time.perf_counter() - start
