@@ -301,7 +301,18 @@ class FailingWorker(Worker):
         super().init_device()
 
 
-def test_startup_failure_names_rank_and_cause(models):
+def late_rank0_worker_main(rank: int, *args) -> None:
+    """Rank 0 connects only after rank 1 has failed and exited: a loaded machine's order."""
+    from fleetllm.executor import mp_worker
+    if rank == 0:
+        time.sleep(4.0)
+    mp_worker.worker_main(rank, *args)
+
+
+@pytest.mark.parametrize("order", ["any", "rank0-late"])
+def test_startup_failure_names_rank_and_cause(models, monkeypatch, order):
+    if order == "rank0-late":  # the death is seen before every rank has connected
+        monkeypatch.setattr("fleetllm.executor.multiproc.worker_main", late_rank0_worker_main)
     cfg = EngineConfig.from_kwargs(model=str(models["kv1"]), tensor_parallel_size=2,
                                    worker_cls="test_multiproc.FailingWorker")
     start = time.monotonic()

@@ -133,7 +133,8 @@ class MultiprocExecutor(DistributedExecutor):
         poller.register(g.notify_r, select.POLLIN)
         while any(c is None for c in conns):
             events = dict(poller.poll(left_ms()))
-            if g.notify_r in events:
+            if g.notify_r in events:  # a worker died: its own START_ERR explains it better
+                self._raise_startup_error(conns)
                 self._raise_if_unusable()
             if g.listener.fileno() in events:
                 conn, _ = g.listener.accept()
@@ -169,6 +170,25 @@ class MultiprocExecutor(DistributedExecutor):
             if woke:
                 self._raise_if_unusable()
         g.started = True
+
+    def _raise_startup_error(self, conns: list[socket.socket | None]) -> None:
+        """Raise the START_ERR a connected, now dead worker sent, if it did. Needed when a
+        death is noticed while other ranks are still connecting (a slow machine): the
+        monitor's WorkerCrashedError would otherwise hide the cause."""
+        for rank, conn in enumerate(conns):
+            if conn is None or self._group.procs[rank].is_alive():
+                continue  # a live rank's READY must stay unread
+            conn.settimeout(0.5)  # the dead worker wrote its frame whole before exiting
+            try:
+                frame = tr.recv_frame(conn)
+            except OSError:
+                continue
+            if frame is None:
+                continue
+            _, status, value = pickle.loads(frame)
+            if status == tr.START_ERR:
+                exc, tb = tr.load_error(value)
+                raise remote_error(rank, exc, f"(during worker startup)\n{tb}")
 
     # ------------------------------------------------------------------ transport and failure
 
