@@ -59,8 +59,7 @@ class SpecDecodeWorker(DelegatingWorker):
         self.num_spec_tokens = spec.num_speculative_tokens
         self.max_model_len = config.model_config.max_model_len
         self.block_size = config.cache_config.block_size
-        self.draft = None  # the draft model's Worker (method "draft_model", output rank only)
-        self.draft_proposer = None  # ... and the proposer that runs it
+        self.draft_proposer = None  # method "draft_model", on the output rank only
         # Back-off: a sequence whose drafts keep being rejected stops paying for them.
         self.misses: dict[int, int] = {}  # seq id -> drafted steps in a row with none kept
         self.cooldown: dict[int, int] = {}  # seq id -> steps left without drafts
@@ -74,12 +73,16 @@ class SpecDecodeWorker(DelegatingWorker):
             if getattr(scorer, "rank", 0) == parallel_state.output_rank(
                     pc.tensor_parallel_size, pc.pipeline_parallel_size):
                 self.draft_proposer = draft = DraftModelProposer(config)
-                self.draft = draft.worker
             self.proposer: Proposer = draft if pc.world_size == 1 else \
                 FromOutputRank(draft, scorer)
         else:
             self.proposer = NgramLookup(NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max))
+
+    @property
+    def draft(self) -> WorkerBase | None:
+        """The draft model's Worker, beside the scorer (None: no draft model on this rank)."""
+        return None if self.draft_proposer is None else self.draft_proposer.worker
 
     # The scorer's worker API, and the draft model's, which lives beside it.
     def init_device(self) -> None:
