@@ -244,16 +244,23 @@ def test_other_instruction_set_variants_agree(variant, tmp_path):
 def test_every_variant_compiles_without_warnings():
     """-Wall -Wextra -Werror for every variant of this machine's architecture, whether or not
     this CPU runs it (a syntax-only pass: the CI's compile check)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from torch.utils.cpp_extension import include_paths
 
     includes = [f"-isystem{p}" for p in include_paths("cpu")]
     src = kernel_build.source_dir()
-    for variant in kernel_build.variants():
-        for source in kernel_build.SOURCES:
-            cmd = [os.environ.get("CXX", "c++"), "-std=c++20", "-fsyntax-only", "-fPIC",
-                   *kernel_build.flags(variant, werror=True), *includes, str(src / source)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            assert proc.returncode == 0, (variant, source, proc.stderr[-3000:])
+
+    def check(variant: str, source: str) -> tuple[str, str, int, str]:
+        cmd = [os.environ.get("CXX", "c++"), "-std=c++20", "-fsyntax-only", "-fPIC",
+               *kernel_build.flags(variant, werror=True), *includes, str(src / source)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        return variant, source, proc.returncode, proc.stderr[-3000:]
+
+    jobs = [(v, s) for v in kernel_build.variants() for s in kernel_build.SOURCES]
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # one compiler per core
+        for variant, source, rc, stderr in pool.map(lambda job: check(*job), jobs):
+            assert rc == 0, (variant, source, stderr)
 
 
 def test_variants_never_target_the_build_machine(tmp_path):
