@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -73,6 +74,16 @@ def test_presets_have_the_public_models_shapes():
     assert llama.rope_scaling["rope_type"] == "llama3" and llama.tie_word_embeddings
     assert qwen.torch_dtype == llama.torch_dtype == "bfloat16"
     assert PRESETS["llama-125m"]["torch_dtype"] == "float32"
+
+
+def test_a_preset_directory_is_removed_when_the_benchmark_exits():
+    """Every `bench --preset` run used to leave its config-only checkpoint in /tmp."""
+    code = ("from fleetllm.benchmarks.presets import preset_dir; import os; p = preset_dir("
+            "'llama-125m'); assert os.path.isfile(os.path.join(p, 'config.json')); print(p)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True)
+    path = Path(proc.stdout.strip())
+    assert path.name.startswith("fleetllm-llama-125m-") and not path.exists()
 
 
 @pytest.mark.parametrize("name", ["qwen2-0.5b", "llama-1b"])

@@ -5,7 +5,9 @@ weights are not."""
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -49,10 +51,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def preset_dir(name: str, root: str | None = None) -> str:
     """A checkpoint directory (config.json only) for the preset; load it with
-    load_format="dummy"."""
+    load_format="dummy". Without `root`, a temporary directory removed when the process
+    exits (a benchmark used to leave one in /tmp per run)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
-    path = Path(root or tempfile.mkdtemp(prefix=f"fleetllm-{name}-"))
+    if root is None:
+        root = tempfile.mkdtemp(prefix=f"fleetllm-{name}-")
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+    path = Path(root)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(PRESETS[name], indent=1))
     return str(path)
