@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -262,6 +263,36 @@ def test_a_failing_runner_raises_and_is_killed(mode, error, fake_vllm, monkeypat
     with peers, pytest.raises(vllm_peer.VLLMPeerError, match=error):
         peers.peers[0].run([workload.Request([3, 4], 2)])
     assert proc.poll() is not None and not peers.tmp.exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists() or not Path("/dev/shm").is_dir(),
+                    reason="Linux: /proc and /dev/shm")
+def test_closing_a_runner_removes_its_processes_openmp_files(tmp_path):
+    """vLLM's engine-core child (Intel OpenMP preloaded) ends with os._exit, leaving
+    /dev/shm/__KMP_REGISTERED_LIB_<pid>_0 behind: a runner's close removes those of every
+    process of its group, and no other."""
+    script = tmp_path / "runner.py"
+    script.write_text(textwrap.dedent("""
+        import subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        for pid in (child.pid, 0):  # 0: a file no process of the group owns
+            open(f"/dev/shm/__KMP_REGISTERED_LIB_{pid or 999999999}_0", "w").close()
+        print(child.pid, flush=True)
+        sys.stdin.read()  # until the driver closes it
+        """))
+    runner = vllm_peer.Runner([sys.executable, str(script)], None, tmp_path / "log", "fake")
+    child = int(runner.proc.stdout.readline())
+    mine = Path(f"/dev/shm/__KMP_REGISTERED_LIB_{child}_0")
+    other = Path("/dev/shm/__KMP_REGISTERED_LIB_999999999_0")
+    try:
+        assert mine.exists() and child in vllm_peer.descendants(runner.proc.pid)
+        runner.close()
+        assert not mine.exists() and other.exists()
+        stat = Path(f"/proc/{child}/stat")  # killed with the group: gone, or a zombie
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    finally:
+        other.unlink(missing_ok=True)
+        mine.unlink(missing_ok=True)
 
 
 @pytest.mark.skipif(not REAL_VLLM.exists() or not os.environ.get("FLEETLLM_TEST_VLLM"),

@@ -7,7 +7,13 @@ from __future__ import annotations
 import argparse
 import socket
 
-from fleetllm.benchmarks.vllm_peer import VLLMConfig, runner_env, vllm_python
+from fleetllm.benchmarks.vllm_peer import (
+    VLLMConfig,
+    descendants,
+    remove_openmp_files,
+    runner_env,
+    vllm_python,
+)
 from fleetllm.entrypoints.openai.local_server import LocalServer
 
 STARTUP_TIMEOUT_S = 600.0  # vLLM's first start compiles; a 2-core machine is slow at it
@@ -47,5 +53,16 @@ def start_vllm_server(server_args: list[str], bind: str, kv_cache_gb: int) -> Lo
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
                "--port", str(port), *vllm_serve_args(server_args)]
     env = runner_env(VLLMConfig(False, bind), python, kv_cache_gb)
-    return LocalServer([], env=env, startup_timeout=STARTUP_TIMEOUT_S, command=command,
-                       url=f"http://127.0.0.1:{port}")
+    return VLLMServer([], env=env, startup_timeout=STARTUP_TIMEOUT_S, command=command,
+                      url=f"http://127.0.0.1:{port}")
+
+
+class VLLMServer(LocalServer):
+    """`vllm serve`, whose engine-core child leaves an OpenMP file in /dev/shm at exit."""
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        children = descendants(self.proc.pid)
+        try:
+            return super().stop(timeout)
+        finally:
+            remove_openmp_files(children)

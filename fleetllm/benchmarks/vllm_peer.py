@@ -157,6 +157,7 @@ class Runner:
     def close(self) -> None:
         """Ask it to exit; after EXIT_TIMEOUT_S, or if it is still busy with a request (it
         would not read the question before finishing), kill its group."""
+        group = _group_pids(self.proc.pid)
         if self.proc.poll() is None and not self._busy:
             try:
                 self.proc.stdin.write(b'{"op": "exit"}\n')
@@ -177,6 +178,45 @@ class Runner:
                 stream.close()
             except OSError:
                 pass
+        remove_openmp_files(group)
+
+
+def _processes() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, process group) of every process (Linux: /proc; elsewhere none)."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            out[int(stat.parent.name)] = (int(fields[1]), int(fields[2]))
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+    return out
+
+
+def _group_pids(pgid: int) -> list[int]:
+    return [pid for pid, (_, group) in _processes().items() if group == pgid]
+
+
+def descendants(pid: int) -> list[int]:
+    """pid's children, their children, ... (alive now)."""
+    children: dict[int, list[int]] = {}
+    for p, (parent, _) in _processes().items():
+        children.setdefault(parent, []).append(p)
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def remove_openmp_files(pids: list[int]) -> None:
+    """Intel OpenMP (preloaded for vLLM: runner_env) registers each process in /dev/shm and
+    removes the file at a normal exit only; vLLM's multiprocessing children end with
+    os._exit. Call once those processes are gone."""
+    for pid in pids:
+        for leftover in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"):
+            leftover.unlink(missing_ok=True)
 
 
 class VLLMPeer:
