@@ -332,6 +332,34 @@ def test_startup_timeout(models):
     assert time.monotonic() - start < 10
 
 
+def test_the_temp_dir_is_removed_before_workers_are_stopped(models, monkeypatch):
+    """Stopping workers can take seconds (SIGTERM, waits): a driver SIGKILLed meanwhile left
+    its temp dir behind (found after a core process was killed during a worker restart).
+    Whichever path stops them (a worker's death, close) removes the dir first."""
+    from fleetllm.executor.mp_group import WorkerGroup
+
+    seen: list[bool] = []
+    stop = WorkerGroup.stop_processes
+
+    def recording_stop(group, grace):
+        seen.append(os.path.exists(group.tmpdir))
+        return stop(group, grace)
+
+    monkeypatch.setattr(WorkerGroup, "stop_processes", recording_stop)
+    for how in ("worker death", "close"):
+        ex = make_executor(models["kv1"], tensor_parallel_size=2)
+        tmpdir = ex.tmpdir
+        if how == "worker death":
+            os.kill(ex.worker_pids[1], signal.SIGKILL)
+            end = time.monotonic() + 10
+            while not seen and time.monotonic() < end:
+                time.sleep(0.05)
+        ex.shutdown()
+        assert seen and not any(seen), (how, seen)
+        assert not os.path.exists(tmpdir)
+        seen.clear()
+
+
 def test_killed_worker_raises_crash_error_quickly_and_cleans_up(models):
     shm_before = shm_entries()
     ex = make_executor(models["kv1"], tensor_parallel_size=2)
@@ -361,7 +389,8 @@ def test_killed_worker_raises_crash_error_quickly_and_cleans_up(models):
     assert time.monotonic() - start < 1.0
     assert wait_until(lambda: not any(alive(p) for p in pids), 10)
     assert wait_until(lambda: not os.path.exists(tmpdir), 10)
-    assert not [p for p in multiprocessing.active_children() if p.pid in pids]
+    assert wait_until(lambda: not [p for p in multiprocessing.active_children()
+                                   if p.pid in pids], 10)  # reaped
     ex.shutdown()
     ex.shutdown()  # idempotent
     assert shm_entries() <= shm_before

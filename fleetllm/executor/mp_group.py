@@ -92,8 +92,10 @@ class WorkerGroup:
                 f"{describe_exit(proc.exitcode)}; the executor is unusable, create a new one",
                 rank=rank, exitcode=proc.exitcode)
         os.write(self.notify_w, b"!")
-        self.stop_processes(grace=0.0)
+        # The temp dir first: stopping the others can take seconds, and a driver SIGKILLed
+        # meanwhile would leave it behind (a SIGTERMed worker does not remove it either).
         shutil.rmtree(self.tmpdir, ignore_errors=True)
+        self.stop_processes(grace=0.0)
 
     def fail(self, error: WorkerCrashedError) -> None:
         """The driver gave up on the workers (out of step or stuck in a call): record `error`
@@ -105,8 +107,8 @@ class WorkerGroup:
             if self.failure is None:
                 self.failure = error
             os.write(self.stop_w, b"!")  # these exits are ours: the monitor stands down
+        shutil.rmtree(self.tmpdir, ignore_errors=True)  # first, as in _monitor
         self.stop_processes(grace=0.0)
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
 
     def stop_processes(self, grace: float) -> None:
         """Wait `grace` seconds for the workers to exit, then SIGTERM, then SIGKILL."""
@@ -143,13 +145,13 @@ class WorkerGroup:
                         ch.conns[r].send(tr.frame_bytes(header))
                     except OSError:
                         pass
+        shutil.rmtree(self.tmpdir, ignore_errors=True)  # first, as in _monitor
         self.stop_processes(grace=EXIT_GRACE_S if polite else 0.0)
         if self.monitor is not None and self.monitor is not threading.current_thread():
             self.monitor.join(5.0)
         if self.channel is not None:
             self.channel.close()
         self.listener.close()
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
         for fd in (self.notify_r, self.notify_w, self.stop_r, self.stop_w):
             try:
                 os.close(fd)
