@@ -92,10 +92,7 @@ class WorkerGroup:
                 f"{describe_exit(proc.exitcode)}; the executor is unusable, create a new one",
                 rank=rank, exitcode=proc.exitcode)
         os.write(self.notify_w, b"!")
-        # The temp dir first: stopping the others can take seconds, and a driver SIGKILLed
-        # meanwhile would leave it behind (a SIGTERMed worker does not remove it either).
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
-        self.stop_processes(grace=0.0)
+        self.remove_dir_and_stop(grace=0.0)
 
     def fail(self, error: WorkerCrashedError) -> None:
         """The driver gave up on the workers (out of step or stuck in a call): record `error`
@@ -107,8 +104,13 @@ class WorkerGroup:
             if self.failure is None:
                 self.failure = error
             os.write(self.stop_w, b"!")  # these exits are ours: the monitor stands down
-        shutil.rmtree(self.tmpdir, ignore_errors=True)  # first, as in _monitor
-        self.stop_processes(grace=0.0)
+        self.remove_dir_and_stop(grace=0.0)
+
+    def remove_dir_and_stop(self, grace: float) -> None:
+        """The temp dir first: stopping the workers can take seconds, and a driver SIGKILLed
+        meanwhile would leave it behind (a SIGTERMed worker does not remove it either)."""
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        self.stop_processes(grace)
 
     def stop_processes(self, grace: float) -> None:
         """Wait `grace` seconds for the workers to exit, then SIGTERM, then SIGKILL."""
@@ -145,8 +147,7 @@ class WorkerGroup:
                         ch.conns[r].send(tr.frame_bytes(header))
                     except OSError:
                         pass
-        shutil.rmtree(self.tmpdir, ignore_errors=True)  # first, as in _monitor
-        self.stop_processes(grace=EXIT_GRACE_S if polite else 0.0)
+        self.remove_dir_and_stop(grace=EXIT_GRACE_S if polite else 0.0)
         if self.monitor is not None and self.monitor is not threading.current_thread():
             self.monitor.join(5.0)
         if self.channel is not None:

@@ -65,6 +65,15 @@ def _main_not_reimported():
         main.__dict__.update(saved)
 
 
+def _raise_if_start_error(rank: int, payload: bytes) -> int:
+    """A startup reply's status; a START_ERR is raised as the worker's own exception."""
+    _, status, value = pickle.loads(payload)
+    if status == tr.START_ERR:
+        exc, tb = tr.load_error(value)
+        raise remote_error(rank, exc, f"(during worker startup)\n{tb}")
+    return status
+
+
 class MultiprocExecutor(DistributedExecutor):
     supports_pp = True
 
@@ -134,7 +143,7 @@ class MultiprocExecutor(DistributedExecutor):
         while any(c is None for c in conns):
             events = dict(poller.poll(left_ms()))
             if g.notify_r in events:  # a worker died: its own START_ERR explains it better
-                self._raise_startup_error(conns)
+                self._raise_start_error_of_dead_ranks(conns)
                 self._raise_if_unusable()
             if g.listener.fileno() in events:
                 conn, _ = g.listener.accept()
@@ -160,18 +169,14 @@ class MultiprocExecutor(DistributedExecutor):
             for rank, payload in ch.inbox:
                 if payload is None:
                     continue
-                _, status, value = pickle.loads(payload)
-                if status == tr.READY:
+                if _raise_if_start_error(rank, payload) == tr.READY:
                     ready.add(rank)
-                elif status == tr.START_ERR:
-                    exc, tb = tr.load_error(value)
-                    raise remote_error(rank, exc, f"(during worker startup)\n{tb}")
             ch.inbox.clear()
             if woke:
                 self._raise_if_unusable()
         g.started = True
 
-    def _raise_startup_error(self, conns: list[socket.socket | None]) -> None:
+    def _raise_start_error_of_dead_ranks(self, conns: list[socket.socket | None]) -> None:
         """Raise the START_ERR a connected, now dead worker sent, if it did. Needed when a
         death is noticed while other ranks are still connecting (a slow machine): the
         monitor's WorkerCrashedError would otherwise hide the cause."""
@@ -183,12 +188,8 @@ class MultiprocExecutor(DistributedExecutor):
                 frame = tr.recv_frame(conn)
             except OSError:
                 continue
-            if frame is None:
-                continue
-            _, status, value = pickle.loads(frame)
-            if status == tr.START_ERR:
-                exc, tb = tr.load_error(value)
-                raise remote_error(rank, exc, f"(during worker startup)\n{tb}")
+            if frame is not None:
+                _raise_if_start_error(rank, frame)
 
     # ------------------------------------------------------------------ transport and failure
 
