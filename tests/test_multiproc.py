@@ -351,9 +351,7 @@ def test_the_temp_dir_is_removed_before_workers_are_stopped(models, monkeypatch)
         tmpdir = ex.tmpdir
         if how == "worker death":
             os.kill(ex.worker_pids[1], signal.SIGKILL)
-            end = time.monotonic() + 10
-            while not seen and time.monotonic() < end:
-                time.sleep(0.05)
+            wait_until(lambda: seen, 10)
         ex.shutdown()
         assert seen and not any(seen), (how, seen)
         assert not os.path.exists(tmpdir)
