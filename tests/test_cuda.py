@@ -512,3 +512,22 @@ def test_a_draft_model_gives_the_same_tokens_on_cuda():
     report("draft_model", accepted=metrics.accepted_tokens, drafted=metrics.draft_tokens)
     assert results[True] == results[False]
     assert metrics.draft_acceptance_rate > 0.3, metrics
+
+
+@pytest.mark.parametrize("backend", ["uni", "mp"])
+def test_multi_step_gives_the_same_tokens_on_cuda(tiny_models, backend):
+    """num_scheduler_steps=8 on cuda: the worker's k passes feed the sampled tokens back on
+    the GPU (broadcast from the output rank, a worker process with mp); greedy and seeded
+    outputs are the tokens of one pass per call, with n=2 and max_tokens inside a call."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(512, 6, 3, 40, seed=11)]
+    params = [SamplingParams(temperature=0, max_tokens=29, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=21, ignore_eos=True)] * 3
+    path = tiny_models["llama_gqa"]
+    results = {}
+    for k in (1, 8):
+        with LLM(path, device="cuda", num_scheduler_steps=k,
+                 distributed_executor_backend=backend, **SMALL) as llm:
+            results[k] = [[c.token_ids for c in o.outputs]
+                          for o in llm.generate(prompts, params, use_tqdm=False)]
+    report("multi_step", backend=backend, requests=len(prompts))
+    assert results[8] == results[1]
