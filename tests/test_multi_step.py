@@ -7,10 +7,17 @@ test_random_workloads.py."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
 import pytest
+from serving_helpers import KV
 
 from fleetllm import LLM, SamplingParams
 from fleetllm.engine.arg_utils import DEMO_MODEL
+from fleetllm.engine.async_engine import AsyncLLMEngine
+from fleetllm.engine.core_client import EngineCoreClient
 from fleetllm.errors import ConfigurationError
 from fleetllm.sampling_params import StructuredOutputsParams
 
@@ -105,6 +112,116 @@ def test_distributed_backends_same_tokens(tiny_models, distributed):
         got = llm.generate(prompts, params, use_tqdm=False)
     assert tokens(got) == tokens(want)
     assert len(log.calls) <= 4  # the prefill, then 8 + 8 + 4 passes
+
+
+def slow_passes(llm: LLM, seconds: float) -> None:
+    """Every forward pass on every rank sleeps `seconds` first (in the worker that the
+    MultiStepWorker wraps); called again, it changes the sleep."""
+    def install(worker):
+        import time as clock
+
+        inner = worker.worker
+        if not hasattr(inner, "pass_delay"):
+            run = inner.execute_model
+
+            def execute_model(request):
+                clock.sleep(inner.pass_delay)
+                return run(request)
+
+            inner.execute_model = execute_model
+        inner.pass_delay = seconds
+
+    llm.llm_engine.model_executor.collective_rpc(install)
+
+
+LAYOUTS = {"uni": {}, "mp-tp2": dict(tensor_parallel_size=2),
+           "ray-tp2": dict(tensor_parallel_size=2, distributed_executor_backend="ray",
+                           ray_cpus_per_worker=0.5)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_an_abort_ends_a_multi_step_call_after_the_current_pass(tiny_models, layout):
+    """A request aborted (from another thread) while an 8-pass call runs: the call ends
+    after the pass under way (Executor.interrupt_step reaches the output rank, which tells
+    the others with its tokens), the aborted request gets no output, the other one keeps its
+    tokens (the same as without multi-step) and every block is freed. Passes sleep 0.15 s so
+    that the abort, 0.4 s in, lands mid-call."""
+    if layout == "ray-tp2":
+        pytest.importorskip("ray")
+    kwargs = LAYOUTS[layout]
+    prompt = {"prompt_token_ids": [5, 9, 17, 33]}
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with LLM(tiny_models["llama_gqa"]) as base:
+        [want] = base.generate([prompt], params, use_tqdm=False)
+    with LLM(tiny_models["llama_gqa"], num_scheduler_steps=8, **kwargs) as llm:
+        engine = llm.llm_engine
+        engine.add_request("keep", prompt, params)
+        engine.add_request("abort", prompt, params)
+        engine.step()  # both prefills: one pass
+        slow_passes(llm, 0.15)
+        timer = threading.Timer(0.4, engine.abort_request, args=("abort",))
+        timer.start()
+        start = time.monotonic()
+        outputs = engine.step()  # decode-only: an 8-pass call, 1.2 s uninterrupted
+        took = time.monotonic() - start
+        timer.join()
+        assert [o.request_id for o in outputs] == ["keep"]
+        passes = len(outputs[0].outputs[0].token_ids) - 1
+        assert 1 <= passes < 8 and took < 1.0, (passes, took)
+        slow_passes(llm, 0.0)
+        done = None
+        while engine.has_unfinished_requests():
+            done = next((o for o in engine.step() if o.finished), done)
+        assert done.outputs[0].token_ids == want.outputs[0].token_ids
+        bm = engine.scheduler.block_manager
+        assert bm.num_free_gpu_blocks == bm.num_gpu_blocks and not bm.block_tables
+
+
+@pytest.mark.parametrize("front", ["in-process", "engine-core"])
+def test_an_abort_through_a_server_front_end_ends_the_multi_step_call(tiny_models, front,
+                                                                       monkeypatch):
+    """What a server does: AsyncLLMEngine (the engine on a thread) and EngineCoreClient (the
+    engine in its own process) apply aborts between steps; the abort also interrupts the
+    8-pass call under way, so the request still running gets its next output after fewer
+    than 8 passes (each pass sleeps 0.1 s: serving_helpers.SlowWorker)."""
+    monkeypatch.setenv("FLEETLLM_TEST_STEP_DELAY", "0.1")
+    kwargs = dict(kv_cache_memory=KV, worker_cls="serving_helpers.SlowWorker",
+                  num_scheduler_steps=8)
+    model = str(tiny_models["llama_gqa"])
+    engine = AsyncLLMEngine.from_engine_args(model, **kwargs) if front == "in-process" else \
+        EngineCoreClient(model, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 9, 17, 33]}
+
+    async def run():
+        seen: list[tuple[float, int]] = []
+        aborted_at = []
+
+        async def keep():
+            async for out in engine.generate(prompt, params, "keep"):
+                seen.append((time.monotonic(), len(out.outputs[0].token_ids)))
+
+        async def drop():
+            outputs = 0
+            async for _ in engine.generate(prompt, params, "drop"):
+                outputs += 1
+                if outputs == 2:  # the first 8-pass call is done; the next one has begun
+                    await asyncio.sleep(0.25)
+                    aborted_at.append(time.monotonic())
+                    engine.abort("drop")
+
+        results = await asyncio.gather(keep(), drop(), return_exceptions=True)
+        return seen, aborted_at[0], results
+
+    try:
+        seen, aborted_at, results = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert results[0] is None, results
+    counts = [n for _, n in seen]
+    after = next(i for i, (t, _) in enumerate(seen) if t > aborted_at)
+    assert 1 <= counts[after] - counts[after - 1] < 8, counts
+    assert counts[-1] == 33
 
 
 def test_sequences_near_max_model_len_stop_there(tiny_models):

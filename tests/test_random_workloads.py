@@ -24,7 +24,8 @@ request run alone in a large pool with no faults:
 - no exception escapes except the injected faults;
 - speculative decoding (n-gram and draft-model proposers) and multi-step decoding (a fifth
   of the workloads each; the reference runs without them): the same tokens, and a sequence
-  never holds more blocks than its tokens and lookahead slots need.
+  never holds more blocks than its tokens and lookahead slots need; with multi-step, aborts
+  and bare interrupts also land inside a call, between its passes (MidCallAborts).
 
 FLEETLLM_RANDOM_WORKLOADS=N runs more (the default keeps `make test` near a minute);
 FLEETLLM_RANDOM_SEED picks another series; each workload has its own generator, so a failure
@@ -172,6 +173,36 @@ class Faults:
         raise error
 
 
+class MidCallAborts:
+    """Multi-step decoding: during a pass of a call (the worker that the MultiStepWorker
+    wraps), now and then abort a random live request, as another thread would (the engine
+    defers the abort and interrupts the call after this pass), or only interrupt the call."""
+
+    def __init__(self, engine, reqs: list, rng: random.Random):
+        self.engine, self.reqs, self.rng = engine, reqs, rng
+        self.step = self.aborts = self.interrupts = 0
+        self.worker = engine.model_executor.driver_worker.worker.worker
+        self.inner = self.worker.execute_model
+        self.worker.execute_model = self
+
+    def __call__(self, request):
+        if self.rng.random() < 0.05:
+            live = [r for r in self.reqs if r.aborted_at is None
+                    and r.rid in self.engine.seq_groups]
+            if live and self.rng.random() < 0.5:
+                req = self.rng.choice(live)
+                self.engine.abort_request(req.rid)
+                req.aborted_at = self.step
+                self.aborts += 1
+            else:
+                self.engine.interrupt_step()
+                self.interrupts += 1
+        return self.inner(request)
+
+    def remove(self) -> None:  # a worker restart may have replaced the worker meanwhile
+        self.worker.__dict__.pop("execute_model", None)
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_models):
     """One LLM per block size, each with a large pool; workloads install small schedulers.
@@ -242,6 +273,8 @@ def run_workload(llm: LLM, reqs: list[Req], rng: random.Random
     faults = Faults(engine.model_executor, rng, rng.choice([0.0, 0.0, 0.05, 0.2]))
     engine.model_executor.execute_model = faults
     engine.worker_restarts = 0
+    mid_call = MidCallAborts(engine, reqs, random.Random(reqs[0].rid)) \
+        if engine.config.scheduler_config.num_scheduler_steps > 1 else None
     try:
         pending = list(reqs)
         for req in list(pending):
@@ -257,6 +290,8 @@ def run_workload(llm: LLM, reqs: list[Req], rng: random.Random
                 if req.abort_at == step and req.aborted_at is None:
                     engine.abort_request(req.rid)
                     req.aborted_at = step
+            if mid_call is not None:
+                mid_call.step = step
             try:
                 outs = engine.step()
             except RemoteWorkerError as e:  # the only fault the engine does not absorb
@@ -272,12 +307,15 @@ def run_workload(llm: LLM, reqs: list[Req], rng: random.Random
             check_lookahead(scheduler, lookahead)
         assert not engine.seq_groups
     finally:
+        if mid_call is not None:
+            mid_call.remove()
         engine.scheduler = saved_scheduler
         engine.model_executor.__dict__.pop("execute_model", None)
         assert engine.model_executor.execute_model == saved_execute
         # This workload wrote into blocks the engine's own scheduler may have cached.
         saved_scheduler.block_manager.reset_prefix_cache()
-    return scheduler, faults.count, faults.multi_step
+    return scheduler, faults.count, faults.multi_step, \
+        0 if mid_call is None else mid_call.aborts + mid_call.interrupts
 
 
 def check(req: Req, ref: Reference, scheduler: Scheduler) -> None:
@@ -335,7 +373,7 @@ def test_random_workloads_match_requests_run_alone(engines):
         reqs = draw_requests(rng, index)
         refs = {r.rid: reference(engines[4] if isinstance(kind, str) else llm, r)
                 for r in reqs}
-        scheduler, faults, multi = run_workload(llm, reqs, rng)
+        scheduler, faults, multi, mid_call = run_workload(llm, reqs, rng)
         for req in reqs:
             check(req, refs[req.rid], scheduler)
         bm = scheduler.block_manager
@@ -351,6 +389,7 @@ def test_random_workloads_match_requests_run_alone(engines):
         totals["restarts"] += llm.llm_engine.worker_restarts
         totals["aborted"] += sum(r.aborted_at is not None for r in reqs)
         multi_step_calls += multi
+        totals["mid_call_aborts"] = totals.get("mid_call_aborts", 0) + mid_call
     spec = engines["spec"].llm_engine.spec_decode_metrics
     totals["spec_accepted_tokens"] = spec.accepted_tokens if spec else 0
     draft = engines["draft"].llm_engine.spec_decode_metrics

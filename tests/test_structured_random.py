@@ -67,7 +67,7 @@ def test_structured_outputs_survive_preemption_faults_and_restarts(engines):  # 
         reqs = draw_requests(rng, index)
         constrain(rng, reqs)
         refs = {r.rid: reference(llm, r) for r in reqs}
-        scheduler, faults, _ = run_workload(llm, reqs, rng)
+        scheduler, faults, *_ = run_workload(llm, reqs, rng)
         for req in reqs:
             check(req, refs[req.rid], scheduler)
             so = req.params.structured_outputs

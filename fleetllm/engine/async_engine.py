@@ -236,11 +236,14 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str, error: BaseException | None = None) -> None:
         """Abort a request (all its sequences) before the next step. Its stream, if anyone
-        still reads it, raises `error` (default RequestAbortedError)."""
+        still reads it, raises `error` (default RequestAbortedError). A multi-step call under
+        way ends after its current pass (LLMEngine.interrupt_step)."""
         self._enqueue(_Abort(request_id, error), quiet=True)
+        self.engine.interrupt_step()
 
     def abort_all(self, error: BaseException | None = None) -> None:
         self._enqueue(_Abort(None, error), quiet=True)
+        self.engine.interrupt_step()
 
     def check_health(self) -> None:
         """Raise EngineUnhealthyError (EngineDeadError, ...) unless the engine can serve."""

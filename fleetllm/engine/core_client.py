@@ -86,15 +86,21 @@ class EngineCoreClient:
 
         data, core_data = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._control, core_control = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # One byte per abort: the core's interrupt thread ends a multi-step call under way
+        # (the abort itself is read between steps, from the data socket).
+        self._interrupts, core_interrupts = socket.socketpair(socket.AF_UNIX,
+                                                              socket.SOCK_STREAM)
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(
             target=run_engine_core, name="fleetllm-engine-core",
-            args=(model, engine_kwargs, core_data, core_control, step_timeout_s,
-                  health_probe_interval_s, logging.getLogger().getEffectiveLevel()))
+            args=(model, engine_kwargs, core_data, core_control, core_interrupts,
+                  step_timeout_s, health_probe_interval_s,
+                  logging.getLogger().getEffectiveLevel()))
         with _main_not_reimported():
             self._proc.start()
         core_data.close()
         core_control.close()
+        core_interrupts.close()
         self._data = data
         first = self._await_ready(data)
         if first is not None:  # the engine could not be built
@@ -102,6 +108,7 @@ class EngineCoreClient:
             self._tokenizer_pool.shutdown(wait=False)
             data.close()
             self._control.close()
+            self._interrupts.close()
             raise first
         self._reader = threading.Thread(target=self._read, name="fleetllm-core-reader",
                                         daemon=True)
@@ -261,6 +268,7 @@ class EngineCoreClient:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self._data.close()
         self._control.close()
+        self._interrupts.close()
 
     # ---------------------------------------------------------------- threads
 
@@ -271,6 +279,10 @@ class EngineCoreClient:
                 return
             try:
                 wire.send(self._data, msg)
+                if msg[0] == "abort" and self.config.scheduler_config.num_scheduler_steps > 1:
+                    self._interrupts.send(b"!", socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                pass  # interrupts already waiting to be read: one more adds nothing
             except OSError:
                 return  # the core is gone: the reader reports it
 

@@ -3,12 +3,14 @@ of their own, stepping in a busy loop, so that the API process's HTTP, JSON, SSE
 tokenization never hold the GIL the engine needs between its kernels.
 
 How it works: core_client.EngineCoreClient starts this process (multiprocessing spawn) with
-two AF_UNIX socket pairs (see core_wire for the messages). The main thread loops: apply every
+three AF_UNIX socket pairs (see core_wire for the messages). The main thread loops: apply every
 message waiting on the data socket (adds, aborts, sleep/wake_up), step while there is work,
 send the step's deltas; idle, it waits up to health_probe_interval_s for a message and then
 probes the workers (LLMEngine.check_health replaces dead ones, as a failed step would). A
 control thread answers health checks from the control socket at any time: the workers' timed
-ping, and whether an engine call has run longer than step_timeout_s (wedged).
+ping, and whether an engine call has run longer than step_timeout_s (wedged). An interrupt
+thread reads a byte per abort from a third socket and ends a multi-step call under way
+(LLMEngine.interrupt_step), so an abort lands within one pass.
 
 Failures: worker crashes and hangs are the LLMEngine's to recover (restart, requests resume).
 An exception that escapes the loop is fatal: the core sends ["dead", error] and exits 1. When
@@ -37,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 def run_engine_core(model: str, engine_kwargs: dict[str, Any], data: socket.socket,
-                    control: socket.socket, step_timeout_s: float,
+                    control: socket.socket, interrupts: socket.socket, step_timeout_s: float,
                     health_probe_interval_s: float, log_level: int) -> None:
     """The process's target."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -52,6 +54,8 @@ def run_engine_core(model: str, engine_kwargs: dict[str, Any], data: socket.sock
     core = EngineCore(engine, data, step_timeout_s, health_probe_interval_s)
     threading.Thread(target=core.serve_control, args=(control,), name="fleetllm-core-control",
                      daemon=True).start()
+    threading.Thread(target=core.serve_interrupts, args=(interrupts,),
+                     name="fleetllm-core-interrupts", daemon=True).start()
     wire.send(data, ["ready"])
     code = core.run()
     engine.shutdown()
@@ -203,6 +207,17 @@ class EngineCore:
                 wire.send(control, [reply])
             except OSError:
                 return
+
+    def serve_interrupts(self, interrupts: socket.socket) -> None:
+        """An abort was sent: end a multi-step call under way now (LLMEngine.interrupt_step)
+        instead of after its k passes; the abort is applied once the step returns."""
+        while True:
+            try:
+                if not interrupts.recv(64):
+                    return
+            except OSError:
+                return
+            self.engine.interrupt_step()
 
     def _check_health(self, timeout: float) -> None:
         if self.fatal is not None:

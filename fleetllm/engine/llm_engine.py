@@ -158,8 +158,20 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin, OutputsMixin):
         with self._lock:
             if self._stepping:
                 self._deferred_aborts.extend(ids)
+                self.interrupt_step()
                 return
             self._abort(ids)
+
+    def interrupt_step(self) -> None:
+        """With num_scheduler_steps > 1: end the multi-step call under way after its current
+        pass (Executor.interrupt_step), so that an abort takes effect within one pass, not k.
+        Any thread; no-op otherwise. abort_request calls it; so do the async front ends, whose
+        aborts reach the engine only between steps."""
+        if self.config.scheduler_config.num_scheduler_steps > 1:
+            try:
+                self.model_executor.interrupt_step()
+            except Exception:  # best effort: the abort itself is applied after the step
+                logger.debug("interrupt_step failed", exc_info=True)
 
     def _abort(self, ids: list[str]) -> None:
         self.scheduler.abort_seq_group(ids)

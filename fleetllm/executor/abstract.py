@@ -151,6 +151,13 @@ class Executor(ABC):
     def _execute_model(self, execute_model_req: ExecuteModelRequest) -> list[SamplerOutput]:
         return self.collective_rpc("execute_model", args=(execute_model_req,))[self.output_rank]
 
+    def interrupt_step(self) -> None:
+        """Ask a multi-step call under way (num_scheduler_steps > 1) to end after its current
+        pass; the call returns the passes done. Any thread, at any time, without waiting: a
+        call that starts later is not affected. The engine calls it when a request is aborted
+        while a step runs. A backend reaches its output rank's StepInterrupts here (this
+        default reaches none: the call runs all its passes)."""
+
     @property
     def step_outstanding(self) -> bool:
         """Did the last execute_model time out with its step still outstanding?"""

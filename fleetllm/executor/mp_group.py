@@ -20,6 +20,7 @@ from typing import Any
 
 from fleetllm.errors import WorkerCrashedError
 from fleetllm.executor import mp_transport as tr
+from fleetllm.worker.worker_base import StepInterrupts, interrupts_path
 
 EXIT_GRACE_S = 5.0  # shutdown: how long workers get to exit before SIGTERM, then SIGKILL
 
@@ -54,6 +55,7 @@ class WorkerGroup:
         self.owner_pid = os.getpid()  # a forked copy of the driver must not touch the workers
         self.tmpdir = _private_tmpdir()
         self.sock_path = os.path.join(self.tmpdir, "rpc")
+        self.interrupts = StepInterrupts(interrupts_path(self.tmpdir))  # the workers map it
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(self.sock_path)
         os.chmod(self.sock_path, 0o600)

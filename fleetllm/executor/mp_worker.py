@@ -23,7 +23,12 @@ import torch
 from fleetllm.distributed import parallel_state
 from fleetllm.executor import mp_transport as tr
 from fleetllm.worker.delta import DeltaDesync
-from fleetllm.worker.worker_base import WorkerWrapperBase, run_method
+from fleetllm.worker.worker_base import (
+    StepInterrupts,
+    WorkerWrapperBase,
+    interrupts_path,
+    run_method,
+)
 
 PARENT_CHECK_S = 1.0
 
@@ -74,6 +79,7 @@ def worker_main(rank: int, world_size: int, config_bytes: bytes, sock_path: str,
     reply(-1, tr.HELLO, (rank, os.getpid()))
     config = pickle.loads(config_bytes)  # cloudpickle output; private channel (see above)
     wrapper = WorkerWrapperBase(config, rpc_rank=rank)
+    wrapper.interrupts = StepInterrupts(interrupts_path(tmpdir))  # the driver bumps it
     try:
         wrapper.init_worker(local_rank=rank, rank=rank, distributed_init_method=init_method,
                             is_driver_worker=rank == 0)

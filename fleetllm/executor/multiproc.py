@@ -6,7 +6,8 @@ are pickled (callables with cloudpickle): acceptable only because the channel is
 this user and machine; never a TCP socket. torch.distributed rendezvous uses a `file://` store
 in the same directory and gloo binds loopback only (GLOO_SOCKET_IFNAME=lo). See mp_transport
 for the frame format (and why not zmq) and fleetllm.worker.delta for the delta encoding of
-execute_model.
+execute_model. One more file there, `<tmp>/interrupts` (8 bytes, mapped by the driver and
+every worker), carries interrupt_step to a worker busy in a multi-step call.
 
 Failures: a monitor thread waits on every worker's process sentinel. When one dies it records
 a WorkerCrashedError, wakes any call in progress through a pipe the call also polls, kills the
@@ -266,6 +267,9 @@ class MultiprocExecutor(DistributedExecutor):
                                             entered)))
         ch.inbox.clear()
         return replies
+
+    def interrupt_step(self) -> None:
+        self._group.interrupts.bump()  # the output rank reads the shared file between passes
 
     def _shutdown(self) -> None:
         self._finalizer()  # runs group.close() once

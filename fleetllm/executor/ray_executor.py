@@ -123,7 +123,8 @@ class RayDistributedExecutor(DistributedExecutor):
         bundle = bundle_for(self.config)
         g.connect(pc.ray_address, local_cpus=self.world_size * bundle.get("CPU", 0.0))
         g.pg, g.owns_pg = placement_group_for(ray, self.config, g.name, deadline)
-        actor_cls = ray.remote(RayWorkerWrapper)
+        # "control": interrupt() runs on a thread of its own, beside a step under way.
+        actor_cls = ray.remote(concurrency_groups={"control": 1})(RayWorkerWrapper)
         for i in range(self.world_size):
             where = PlacementGroupSchedulingStrategy(
                 placement_group=g.pg, placement_group_bundle_index=i,
@@ -188,6 +189,11 @@ class RayDistributedExecutor(DistributedExecutor):
 
     def _stop_workers(self) -> None:
         self._group.stop_workers()
+
+    def interrupt_step(self) -> None:
+        actors = self._group.actors
+        if len(actors) == self.world_size:  # started (no reply awaited: fire and forget)
+            actors[self.output_rank].interrupt.options(concurrency_group="control").remote()
 
     def _send(self, method: RpcMethod, args: tuple, kwargs: dict[str, Any] | None,
               step: bool, deadline: float | None) -> _RayCall:

@@ -23,8 +23,9 @@ STEP_OK, STEP_RESYNC, STEP_ERR = "ok", "resync", "err"
 
 
 class RayWorkerWrapper(WorkerWrapperBase):
-    """Created with ray.remote(RayWorkerWrapper).options(...).remote(config, cpus). Ray runs
-    one method at a time per actor, in the order one caller submitted them."""
+    """Created with ray.remote(concurrency_groups={"control": 1})(RayWorkerWrapper)
+    .options(...).remote(config, cpus). Ray runs the default group's methods one at a time,
+    on one thread; interrupt() alone runs in the "control" group, beside them."""
 
     def __init__(self, config: EngineConfig, cpus: float) -> None:
         super().__init__(config, rpc_rank=-1)  # the rank comes with init_worker
@@ -64,6 +65,11 @@ class RayWorkerWrapper(WorkerWrapperBase):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", 0))
             return s.getsockname()[1]
+
+    def interrupt(self) -> None:
+        """Executor.interrupt_step: called in the "control" concurrency group, on a thread
+        of its own, while execute_model_step may be running on the default one."""
+        self.interrupts.bump()
 
     def execute_model_step(self, request: EncodedRequest | Any, reply: bool
                            ) -> tuple[str, Any]:

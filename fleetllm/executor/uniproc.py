@@ -45,6 +45,9 @@ class UniProcExecutor(Executor):
                     return [err]
                 raise err from e
 
+    def interrupt_step(self) -> None:
+        self.driver_worker.interrupts.bump()  # this process's memory: read between passes
+
     def _shutdown(self) -> None:
         worker = getattr(self.driver_worker, "worker", None)
         if worker is not None:

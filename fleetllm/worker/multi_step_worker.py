@@ -11,6 +11,12 @@ produced after its end. The KV slots of the later passes are the scheduler's loo
 slots (k - 1 per decoding sequence). Returns one SamplerOutput per pass on the output rank
 (None elsewhere), as a speculative step does; the engine applies them in order.
 
+An abort ends a call early: Executor.interrupt_step (the engine calls it when a request is
+aborted while a step runs) bumps this rank's StepInterrupts from another thread or process;
+after each pass the output rank checks whether the count moved since the call began and
+broadcasts that with the tokens, so every rank stops after the same pass. The engine applies
+the passes done and the aborted request's blocks are freed k - 1 passes earlier.
+
 Any other request (num_steps 1) goes to the wrapped worker unchanged. A failure in pass i
 fails the whole call: the engine has applied nothing and recomputes the step, as for any
 failed step.
@@ -31,14 +37,16 @@ from fleetllm.sequence import (
     SequenceData,
     SequenceGroupMetadata,
 )
-from fleetllm.worker.worker_base import DelegatingWorker, WorkerBase
+from fleetllm.worker.worker_base import DelegatingWorker, StepInterrupts, WorkerBase
 
 
 class MultiStepWorker(DelegatingWorker):
-    def __init__(self, worker: WorkerBase, config: EngineConfig) -> None:
+    def __init__(self, worker: WorkerBase, config: EngineConfig,
+                 interrupts: StepInterrupts | None = None) -> None:
         super().__init__(worker)
         self.max_model_len = config.model_config.max_model_len
         self.block_size = config.cache_config.block_size
+        self.interrupts = interrupts or StepInterrupts()
 
     def execute_model(self, execute_model_req: ExecuteModelRequest
                       ) -> list[SamplerOutput] | None:
@@ -48,6 +56,7 @@ class MultiStepWorker(DelegatingWorker):
         groups = [_own_copy(g) for g in req.seq_group_metadata_list]
         passes = [self._passes(g, req.num_steps) for g in groups]
         results: list[SamplerOutput] = []
+        interrupts_before = self.interrupts.count
         for step in range(max(passes)):
             active = [i for i, n in enumerate(passes) if n > step]
             first = step == 0  # block moves and finished ids go with the first pass only
@@ -59,13 +68,19 @@ class MultiStepWorker(DelegatingWorker):
                 finished_requests_ids=req.finished_requests_ids if first else [])
             out = self.worker.execute_model(sub)
             seqs = [(groups[i], sid) for i in active for sid in groups[i].seq_data]
-            tokens = torch.zeros(len(seqs), dtype=torch.long, device=self._device())
+            # The sampled tokens, then 1 if the call ends here (an interrupt): every rank
+            # learns both from the output rank.
+            tokens = torch.zeros(len(seqs) + 1, dtype=torch.long, device=self._device())
             if out is not None:  # the output rank: its samples, in the same order
                 drawn = {(s.parent_seq_id): s.output_token for g in out[0].outputs
                          for s in g.samples}
-                tokens = torch.tensor([drawn[sid] for _, sid in seqs], device=tokens.device)
+                stop = int(self.interrupts.count != interrupts_before)
+                tokens = torch.tensor([drawn[sid] for _, sid in seqs] + [stop],
+                                      device=tokens.device)
                 results.append(_widen(out[0], active, groups))
-            tokens = broadcast_from_output_rank(tokens).tolist()
+            *tokens, stop = broadcast_from_output_rank(tokens).tolist()
+            if stop:
+                break
             for (group, sid), token in zip(seqs, tokens, strict=True):
                 data = group.seq_data[sid]
                 data.output_token_ids.append(token)

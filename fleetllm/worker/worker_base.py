@@ -3,6 +3,10 @@ and runs the worker side of every backend that drives worker processes: mp and r
 
 from __future__ import annotations
 
+import mmap
+import os
+import struct
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -88,6 +92,41 @@ def run_method(obj: Any, method: str | Callable[..., Any], args: tuple,
     return method(obj, *args, **kwargs)
 
 
+class StepInterrupts:
+    """A count of interrupts, bumped by the executor and read by the output rank between
+    passes. In this process's memory (uni, a Ray actor), or in a file that the mp driver and
+    its workers map (8 bytes in the group's private temp dir): a write there is seen by the
+    other processes without a message, while the worker's main thread is busy in the call."""
+
+    _COUNT = struct.Struct("<Q")
+
+    def __init__(self, path: str | None = None) -> None:
+        self._lock = threading.Lock()
+        if path is None:
+            self._buf: bytearray | mmap.mmap = bytearray(self._COUNT.size)
+            return
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < self._COUNT.size:
+                os.ftruncate(fd, self._COUNT.size)
+            self._buf = mmap.mmap(fd, self._COUNT.size)
+        finally:
+            os.close(fd)
+
+    @property
+    def count(self) -> int:
+        return self._COUNT.unpack_from(self._buf)[0]
+
+    def bump(self) -> None:
+        with self._lock:  # one writer per process: the driver (mp) or this process
+            self._COUNT.pack_into(self._buf, 0, self.count + 1)
+
+
+def interrupts_path(tmpdir: str) -> str:
+    """Where the mp driver and its workers share their StepInterrupts count."""
+    return os.path.join(tmpdir, "interrupts")
+
+
 class WorkerWrapperBase:
     """Creates the worker class named by parallel_config.worker_cls, so users can plug in their
     own (wrapped in a SpecDecodeWorker with speculative decoding, a MultiStepWorker with
@@ -100,6 +139,9 @@ class WorkerWrapperBase:
         self.rpc_rank = rpc_rank
         self.worker: WorkerBase | None = None
         self.delta_decoder = DeltaDecoder()
+        # Executor.interrupt_step bumps it; a MultiStepWorker ends its call on it. A backend
+        # whose driver is another process replaces it with a shared one before init_worker.
+        self.interrupts = StepInterrupts()
 
     def init_worker(self, local_rank: int, rank: int, distributed_init_method: str | None,
                     is_driver_worker: bool) -> None:
@@ -111,7 +153,7 @@ class WorkerWrapperBase:
         if self.config.speculative_config is not None:  # the configured worker scores
             worker = resolve_qualname(SPEC_WORKER)(worker, self.config)
         elif self.config.scheduler_config.num_scheduler_steps > 1:
-            worker = resolve_qualname(MULTI_STEP_WORKER)(worker, self.config)
+            worker = resolve_qualname(MULTI_STEP_WORKER)(worker, self.config, self.interrupts)
         self.worker = worker
 
     def execute_method(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
