@@ -3,6 +3,8 @@
 # root. What fleetllm imports is all in that machine's image (torch, transformers, safetensors,
 # tokenizers, numpy, tqdm, cloudpickle, ninja, setuptools, pytest, pytest-timeout); wheels
 # under .whl/, if carried, are installed into /tmp/site first (the device README's recipe).
+# Not in that image (2026-11): msgspec (the engine-core wire format: fleetllm.engine.core_*)
+# and xgrammar (structured outputs); test files importing them need them carried as wheels.
 #
 # Parts, each under `timeout`, all inside a ~5.5-minute deadline (later parts are skipped
 # when time is short); every log lands in $OUT (8 files at most):
