@@ -363,7 +363,7 @@ def check(req: Req, ref: Reference, scheduler: Scheduler) -> None:
 
 def test_random_workloads_match_requests_run_alone(engines):
     totals = {"requests": 0, "preemptions": 0, "faults": 0, "restarts": 0, "aborted": 0,
-              "prefix_hit_tokens": 0}
+              "prefix_hit_tokens": 0, "mid_call_aborts": 0}
     indices = [int(ONLY)] if ONLY else range(NUM_WORKLOADS)
     multi_step_calls = 0
     for index in indices:
@@ -389,7 +389,7 @@ def test_random_workloads_match_requests_run_alone(engines):
         totals["restarts"] += llm.llm_engine.worker_restarts
         totals["aborted"] += sum(r.aborted_at is not None for r in reqs)
         multi_step_calls += multi
-        totals["mid_call_aborts"] = totals.get("mid_call_aborts", 0) + mid_call
+        totals["mid_call_aborts"] += mid_call
     spec = engines["spec"].llm_engine.spec_decode_metrics
     totals["spec_accepted_tokens"] = spec.accepted_tokens if spec else 0
     draft = engines["draft"].llm_engine.spec_decode_metrics
