@@ -15,10 +15,15 @@ namespace {
 // q . k in float32, 32 elements at a time in two vectors (a bf16 cache row widened in
 // registers), then a tree: GCC's own vectorization of the plain loop reduces every dot product
 // lane by lane and widens bf16 poorly; this measured 1.35x (float32) and 2x (bf16) faster.
+// Builds without AVX-512 keep the same 32 sums in four 8-lane registers (lane j of a[q] adds
+// elements d + 8q + j) and reduce them in the same tree, so the same bits: GCC runs the 16-lane
+// form there through the stack (v8's comment in kernels.h), which made decode attention 2-3x
+// slower than this.
 template <class C>
 inline __attribute__((always_inline)) float dot(const float *q, const C *k, const int D)
 {
     if (D % 32 == 0) {
+#if defined(__AVX512F__)
         v16 a0 = {}, a1 = {}, k0, k1, q0, q1;
         for (int d = 0; d < D; d += 32) {
             load16(k + d, k0);
@@ -29,6 +34,20 @@ inline __attribute__((always_inline)) float dot(const float *q, const C *k, cons
             a1 += q1 * k1;
         }
         return hsum16(a0 + a1);
+#else
+        v8 a[4] = {}, kq, qq;
+        for (int d = 0; d < D; d += 32)
+            for (int i = 0; i < 4; i++) {
+                load8(k + d + 8 * i, kq);
+                load8(q + d + 8 * i, qq);
+                a[i] += qq * kq;
+            }
+        // hsum16(a0 + a1) with a0 = (a[0], a[1]) and a1 = (a[2], a[3]) as 8-lane halves
+        v8 v = (a[0] + a[2]) + (a[1] + a[3]);
+        v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+        v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1);
+        return v[0] + v[1];
+#endif
     }
     float s = 0.f;
     #pragma omp simd reduction(+:s)
@@ -36,16 +55,24 @@ inline __attribute__((always_inline)) float dot(const float *q, const C *k, cons
     return s;
 }
 
-// acc += w * v in float32, 16 at a time (a bf16 row widened as in dot).
+// acc += w * v in float32, 16 (AVX-512) or 8 at a time (a bf16 row widened as in dot).
 template <class C>
 inline __attribute__((always_inline)) void axpy(float w, const C *v, float *acc, const int D)
 {
     if (D % 16 == 0) {
+#if defined(__AVX512F__)
         v16 x;
         for (int d = 0; d < D; d += 16) {
             load16(v + d, x);
             *reinterpret_cast<v16u *>(acc + d) += w * x;
         }
+#else
+        v8 x;
+        for (int d = 0; d < D; d += 8) {
+            load8(v + d, x);
+            *reinterpret_cast<v8u *>(acc + d) += w * x;
+        }
+#endif
         return;
     }
     #pragma omp simd
