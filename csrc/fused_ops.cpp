@@ -114,11 +114,11 @@ void rope_body(void *arg, long begin, long end, int)
     }
 }
 
-// y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for a few rows m: each weight row is streamed once
-// per 4 rows of x, one row after the other (one sequential stream per thread; two FMA chains
-// per row of x), float32 sums (a bfloat16 weight is widened in registers: a shift, no memory
-// traffic). Memory-bound: it runs at the machine's read bandwidth where a GEMM library re-packs
-// or underuses it.
+// y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for up to 4 rows m (gemv_body runs more as groups
+// of 4 over the same tile, from L1): the tile's weight rows one after the other (one
+// sequential stream per thread; two FMA chains per row of x), float32 sums (a bfloat16 weight
+// is widened in registers: a shift, no memory traffic). Memory-bound: it runs at the machine's
+// read bandwidth where a GEMM library re-packs or underuses it.
 template <int MT, class T>
 void gemv_tile(const T *x, const T *w, const T *bias, T *y, long n0, int N, int K)
 {
@@ -217,35 +217,41 @@ template <class T>
 struct GemvCtx {
     const T *x, *w, *bias;
     T *y;
-    int mt, N, K;
+    int M, N, K;
 };
 
 // One tile of 4 weight rows against MT rows of x: the bf16 dot-product tile where the CPU has
 // AVX-512 BF16, the widening one otherwise.
 template <int MT, class T>
-void gemv_rows(const GemvCtx<T> *c, long n0)
+void gemv_rows(const GemvCtx<T> *c, const T *x, T *y, long n0)
 {
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, bf16>)
         if (has_bf16_dot) {
-            gemv_tile_dp<MT>(c->x, c->w, c->bias, c->y, n0, c->N, c->K);
+            gemv_tile_dp<MT>(x, c->w, c->bias, y, n0, c->N, c->K);
             return;
         }
 #endif
-    gemv_tile<MT>(c->x, c->w, c->bias, c->y, n0, c->N, c->K);
+    gemv_tile<MT>(x, c->w, c->bias, y, n0, c->N, c->K);
 }
 
+// Each tile of 4 weight rows meets every group of 4 rows of x while it is in L1: the weight
+// is read from memory once per call, whatever M.
 template <class T>
 void gemv_body(void *arg, long begin, long end, int)
 {
     const auto *c = static_cast<const GemvCtx<T> *>(arg);
     for (long tile = begin; tile < end; tile++) {
         const long n0 = tile * 4;
-        switch (c->mt) {
-        case 1: gemv_rows<1>(c, n0); break;
-        case 2: gemv_rows<2>(c, n0); break;
-        case 3: gemv_rows<3>(c, n0); break;
-        default: gemv_rows<4>(c, n0);
+        for (int m0 = 0; m0 < c->M; m0 += 4) {
+            const T *x = c->x + static_cast<long>(m0) * c->K;
+            T *y = c->y + static_cast<long>(m0) * c->N;
+            switch (c->M - m0) {
+            case 1: gemv_rows<1>(c, x, y, n0); break;
+            case 2: gemv_rows<2>(c, x, y, n0); break;
+            case 3: gemv_rows<3>(c, x, y, n0); break;
+            default: gemv_rows<4>(c, x, y, n0);
+            }
         }
     }
 }
@@ -305,11 +311,8 @@ void gemv(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, int 
     // ~4 chunks per thread: long sequential streams, some balance; inline if small
     const long chunk = static_cast<long>(N) * K < 4 * PAR_MIN
                            ? tiles : 1 + tiles / (4 * (nthreads > 0 ? nthreads : 1));
-    for (int m0 = 0; m0 < M; m0 += 4) {
-        GemvCtx<T> c{x + static_cast<long>(m0) * K, w, bias, y + static_cast<long>(m0) * N,
-                     M - m0 < 4 ? M - m0 : 4, N, K};
-        parallel_run(nthreads, gemv_body<T>, &c, tiles, chunk, true);
-    }
+    GemvCtx<T> c{x, w, bias, y, M, N, K};
+    parallel_run(nthreads, gemv_body<T>, &c, tiles, chunk, true);
 }
 
 // Floats reserved for a layer's activations (a bf16 layer uses half of them).

@@ -4,7 +4,7 @@ RoPE + cache write, paged attention, SiLU * up), minus ~10 Python calls, tensors
 glue per layer. Used when it computes exactly what the modules would: CPU float32 or
 bfloat16 (the KV cache in either), no tensor
 parallelism, no q/k norm, the dense weights kept (FLEETLLM_LINEAR=auto), a batch of at most
-4 decode tokens and nothing else."""
+8 decode tokens and nothing else."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from fleetllm.attention import AttentionMetadata, cpu_kernels
 from fleetllm.distributed.parallel_state import get_tp_group
 
-MAX_ROWS = 4  # the GEMV kernel's range
+MAX_ROWS = 8  # the GEMV kernel's range (layers._GEMV_ROWS)
 
 
 def _weights(layer) -> tuple | None:
