@@ -5,7 +5,6 @@ KV cache may be kept in either dtype (kv_cache_dtype)."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -76,31 +75,6 @@ def test_gemv_sums_in_float32_and_rounds_once(m, n, k):
     want = (x.float() @ w.float().T + b.float()).to(BF16)
     _close_in_bf16(cpu_kernels.gemv(x, w, b), want, 1e-3)
     _close_in_bf16(cpu_kernels.gemv(x, w, None), (x.float() @ w.float().T).to(BF16), 1e-3)
-
-
-@needs_kernels
-def test_projections_of_up_to_8_rows_take_the_gemv_kernel(monkeypatch):
-    """A projection of up to 8 rows runs the GEMV kernel on the dense weight (read once for all
-    rows) instead of oneDNN's packed copy (a float32 one for bf16 weights where oneDNN packs no
-    bf16: twice the bytes); more rows go to oneDNN."""
-    from fleetllm.model import layers
-
-    calls = []
-    gemv = cpu_kernels.gemv
-    monkeypatch.setattr(cpu_kernels, "gemv", lambda *a: calls.append(a[0].shape[0]) or gemv(*a))
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(96, 64, generator=g)
-    for weight, packed_dtype, rows, kernel in ((w.to(BF16), torch.float32, 8, True),
-                                               (w.to(BF16), torch.float32, 9, False),
-                                               (w, torch.float32, 8, True),
-                                               (w, torch.float32, 9, False)):
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(packed_dtype), None)
-        layer = SimpleNamespace(weight=weight, packed_weight=packed)
-        x = torch.randn(rows, 64, generator=g).to(weight.dtype)
-        calls.clear()
-        y = layers.linear(layer, x)
-        assert calls == ([rows] if kernel else []), (weight.dtype, rows)
-        _close_in_bf16(y.to(BF16), (x.float() @ weight.float().T).to(BF16), 1e-2)
 
 
 # PyTorch's CPU kernels dispatch on this (its flash attention's lane width follows it).

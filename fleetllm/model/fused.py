@@ -13,7 +13,11 @@ import torch
 from fleetllm.attention import AttentionMetadata, cpu_kernels
 from fleetllm.distributed.parallel_state import get_tp_group
 
-MAX_ROWS = 8  # the GEMV kernel's range (layers._GEMV_ROWS)
+# The GEMV kernel reads each weight once for all rows (4 at a time from L1). Measured on a
+# 2-core AVX2 EPYC, the 125M preset's 48 projections, kernel vs oneDNN's packed copy (float32
+# for a bf16 weight there): bf16 5 rows 25.0 vs 47.7 ms, 8 rows 32.6 vs 48.8, 12 rows 59.2 vs
+# 62.9; float32 5 rows 31.2 vs 44.2, 8 rows 43.1 vs 44.0, 12 rows 55.7 vs 45.8.
+MAX_ROWS = 8
 
 
 def _weights(layer) -> tuple | None:

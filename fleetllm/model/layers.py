@@ -250,13 +250,11 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 # ---------------------------------------------------------------- packed projection weights
 
-# Up to this many rows, the GEMV kernel on the dense weight: it reads the weight once for all
-# rows (4 at a time from L1), where oneDNN reads its packed copy (in float32 for a bf16 weight
-# on a CPU without AVX-512 BF16 packing: twice the bytes). Measured on a 2-core AVX2 EPYC, the
-# 125M preset's 48 projections, kernel vs oneDNN: bf16 5 rows 25.0 vs 47.7 ms, 8 rows 32.6 vs
-# 48.8, 12 rows 59.2 vs 62.9; float32 5 rows 31.2 vs 44.2, 8 rows 43.1 vs 44.0, 12 rows 55.7
-# vs 45.8; whole decode steps at batch 8 (bench latency): 1.6x in either dtype.
-_GEMV_ROWS = 8
+# Up to this many rows, the GEMV kernel on the dense weight. Decode steps of up to 8 tokens
+# run it through the one-call decoder layer (fused.py); here it stays at 4: at 8, a 5-8 token
+# prompt alone in its step took the kernel and in a shared step oneDNN, so two requests for the
+# same embedding differed in the last bits (tests/test_server_embeddings.py caught it).
+_GEMV_ROWS = 4
 
 
 def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
