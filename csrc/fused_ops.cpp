@@ -5,6 +5,7 @@
 // bandwidth (oneDNN and MKL stream it at half that for 1-4 rows). A whole decoder layer of a
 // small decode batch as one call: about 3 of the 21 ms of a batch-1 step on the 125M preset
 // were the ~10 Python calls per layer it replaces. Each in float32 and bfloat16 (kernels.h).
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 
@@ -144,16 +145,16 @@ void gemv_tile(const T *x, const T *w, const T *bias, T *y, long n0, int N, int 
         // The same 32 float32 sums per row of x (lane j of acc[q] adds elements k + 8q + j),
         // so the same bits as the AVX-512 build, in 8-lane registers the compiler keeps.
         v8 acc[4][MT];
-        std::memset(acc, 0, sizeof(acc));
+        for (int q = 0; q < 4; q++)
+            for (int m = 0; m < MT; m++) acc[q][m] = v8{};
         for (int k = 0; k < kv; k += 32) {
-            v8 wq[4];
-            for (int q = 0; q < 4; q++) load8(wr + k + 8 * q, wq[q]);
-            for (int m = 0; m < MT; m++) {
-                const T *xm = x + static_cast<long>(m) * K + k;
-                for (int q = 0; q < 4; q++) {
+            for (int q = 0; q < 4; q++) {  // one weight vector at a time (gemv_tile_split)
+                v8 wq;
+                load8(wr + k + 8 * q, wq);
+                for (int m = 0; m < MT; m++) {
                     v8 xq;
-                    load8(xm + 8 * q, xq);
-                    acc[q][m] += xq * wq[q];
+                    load8(x + static_cast<long>(m) * K + k + 8 * q, xq);
+                    acc[q][m] += xq * wq;
                 }
             }
         }
@@ -174,6 +175,74 @@ void gemv_tile(const T *x, const T *w, const T *bias, T *y, long n0, int N, int 
         }
     }
 }
+
+#if !defined(__AVX512F__)
+// The tile above for a bfloat16 weight without AVX-512, from x already widened to float32 by
+// spread_x: one 32-byte load holds 16 weights, the even ones in the low halves of its 32-bit
+// lanes and the odd ones in the high halves, so a shift (even) and a mask (odd) widen 8 each
+// (load8's zero-extension costs two instructions per 8). spread_x put x's elements in the
+// same even/odd order, so acc[0][m] lane i adds element k + 2i, acc[1] k + 2i + 1, acc[2]
+// k + 16 + 2i, acc[3] k + 17 + 2i: the same 32 sums as gemv_tile, in other lanes, and the
+// reduction below takes them in gemv_tile's order, so the bits are the same. Both tiles
+// widen one weight vector at a time and feed it to every row of x: 4 x 4 accumulators and
+// that vector fit AVX2's 16 registers (all 4 widened at once, GCC spilled 5 per iteration).
+typedef uint32_t u8x32u __attribute__((vector_size(32), aligned(2), may_alias));
+
+inline void split16(const bf16 *p, v8 &even, v8 &odd)
+{
+    const u8x32 u = *reinterpret_cast<const u8x32u *>(p);
+    even = __builtin_bit_cast(v8, u << 16);
+    odd = __builtin_bit_cast(v8, u & 0xFFFF0000u);
+}
+
+template <int MT>
+void gemv_tile_split(const float *xf, const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y,
+                     long n0, int N, int K)
+{
+    const int rows = N - n0 < 4 ? static_cast<int>(N - n0) : 4, kv = K & ~31;
+    for (int r = 0; r < rows; r++) {  // one row at a time: one sequential stream
+        const bf16 *wr = w + (n0 + r) * K;
+        v8 acc[4][MT];
+        for (int q = 0; q < 4; q++)
+            for (int m = 0; m < MT; m++) acc[q][m] = v8{};
+        for (int k = 0; k < kv; k += 32) {
+            for (int q = 0; q < 4; q++) {  // one widened vector at a time: no spills
+                const u8x32 u = *reinterpret_cast<const u8x32u *>(wr + k + 16 * (q / 2));
+                const v8 wq = __builtin_bit_cast(v8, q % 2 ? u & 0xFFFF0000u : u << 16);
+                for (int m = 0; m < MT; m++) {
+                    const float *xq = xf + static_cast<long>(m) * K + k + 8 * q;
+                    acc[q][m] += *reinterpret_cast<const v8u *>(xq) * wq;
+                }
+            }
+        }
+        for (int m = 0; m < MT; m++) {
+            float s = bias ? to_f32(bias[n0 + r]) : 0.f;
+            const v8 even = acc[0][m] + acc[2][m], odd = acc[1][m] + acc[3][m];
+            for (int i = 0; i < 8; i++) {
+                s += even[i];
+                s += odd[i];
+            }
+            for (int k = kv; k < K; k++)
+                s += to_f32(x[static_cast<long>(m) * K + k]) * to_f32(wr[k]);
+            y[static_cast<long>(m) * N + n0 + r] = from_f32<bf16>(s);
+        }
+    }
+}
+
+// x's first K & ~31 elements of each row in float32, each 16 as the even ones then the odd
+// ones (gemv_tile_split's order). Exact: a bfloat16 widens to float32 without rounding.
+void spread_x(const bf16 *x, float *xf, int M, int K)
+{
+    const int kv = K & ~31;
+    for (int m = 0; m < M; m++)
+        for (int k = 0; k < kv; k += 16) {
+            v8 even, odd;
+            split16(x + static_cast<long>(m) * K + k, even, odd);
+            *reinterpret_cast<v8u *>(xf + static_cast<long>(m) * K + k) = even;
+            *reinterpret_cast<v8u *>(xf + static_cast<long>(m) * K + k + 8) = odd;
+        }
+}
+#endif
 
 #if defined(__AVX512F__)
 // The same tile for bf16 with AVX-512 BF16's dot product of bf16 pairs (vdpbf16ps: 32 weights
@@ -217,21 +286,27 @@ template <class T>
 struct GemvCtx {
     const T *x, *w, *bias;
     T *y;
+    const float *xf;  // x spread to float32 (bfloat16 without AVX-512), else null
     int M, N, K;
 };
 
 // One tile of 4 weight rows against MT rows of x: the bf16 dot-product tile where the CPU has
 // AVX-512 BF16, the widening one otherwise.
 template <int MT, class T>
-void gemv_rows(const GemvCtx<T> *c, const T *x, T *y, long n0)
+void gemv_rows(const GemvCtx<T> *c, const T *x, const float *xf, T *y, long n0)
 {
+    if constexpr (std::is_same_v<T, bf16>) {
 #if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, bf16>)
         if (has_bf16_dot) {
             gemv_tile_dp<MT>(x, c->w, c->bias, y, n0, c->N, c->K);
             return;
         }
+#else
+        gemv_tile_split<MT>(xf, x, c->w, c->bias, y, n0, c->N, c->K);
+        return;
 #endif
+    }
+    (void)xf;
     gemv_tile<MT>(x, c->w, c->bias, y, n0, c->N, c->K);
 }
 
@@ -245,12 +320,13 @@ void gemv_body(void *arg, long begin, long end, int)
         const long n0 = tile * 4;
         for (int m0 = 0; m0 < c->M; m0 += 4) {
             const T *x = c->x + static_cast<long>(m0) * c->K;
+            const float *xf = c->xf ? c->xf + static_cast<long>(m0) * c->K : nullptr;
             T *y = c->y + static_cast<long>(m0) * c->N;
             switch (c->M - m0) {
-            case 1: gemv_rows<1>(c, x, y, n0); break;
-            case 2: gemv_rows<2>(c, x, y, n0); break;
-            case 3: gemv_rows<3>(c, x, y, n0); break;
-            default: gemv_rows<4>(c, x, y, n0);
+            case 1: gemv_rows<1>(c, x, xf, y, n0); break;
+            case 2: gemv_rows<2>(c, x, xf, y, n0); break;
+            case 3: gemv_rows<3>(c, x, xf, y, n0); break;
+            default: gemv_rows<4>(c, x, xf, y, n0);
             }
         }
     }
@@ -305,13 +381,25 @@ void rope_qk_kv(const T *qkv, long row_stride, const T *cos, const T *sin, T *q_
 }
 
 template <class T>
-void gemv(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, int nthreads)
+void gemv(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, float *xf,
+          int nthreads)
 {
     const long tiles = (N + 3) / 4;
     // ~4 chunks per thread: long sequential streams, some balance; inline if small
     const long chunk = static_cast<long>(N) * K < 4 * PAR_MIN
                            ? tiles : 1 + tiles / (4 * (nthreads > 0 ? nthreads : 1));
-    GemvCtx<T> c{x, w, bias, y, M, N, K};
+    // A bfloat16 x is widened once per call, not once per tile of 4 weight rows (as many
+    // conversions as the weight's, at 1 row): tools/cpu_gemv_bench.py, weight in cache, 1-2
+    // rows ~1.5x, 4-8 rows ~1.3x on an AVX2 EPYC.
+#if !defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, bf16>)
+        spread_x(x, xf, M, K);
+    else
+        xf = nullptr;
+#else
+    xf = nullptr;
+#endif
+    GemvCtx<T> c{x, w, bias, y, xf, M, N, K};
     parallel_run(nthreads, gemv_body<T>, &c, tiles, chunk, true);
 }
 
@@ -323,9 +411,13 @@ static long activation_floats(const LayerDims &d)
                                      + static_cast<long>(d.KVH) * d.D + 3L * d.I);
 }
 
+// The activations, then one scratch area that paged_decode and the GEMVs' widened x take in
+// turn.
 long decoder_layer_work(const LayerDims &d, int maxlen, int nthreads)
 {
-    return activation_floats(d) + paged_decode_scratch(d.H, d.D, d.bs, maxlen, nthreads);
+    const long widest = std::max({d.hid, d.H * d.D, d.I});
+    return activation_floats(d) + std::max(paged_decode_scratch(d.H, d.D, d.bs, maxlen, nthreads),
+                                           static_cast<long>(d.T) * widest);
 }
 
 template <class T, class C>
@@ -336,7 +428,7 @@ void decoder_layer(const T *x, T *residual, bool first, T *out, const LayerWeigh
     const int T_ = d.T, hid = d.hid, H = d.H, KVH = d.KVH, D = d.D, I = d.I;
     const int qkv_dim = (H + 2 * KVH) * D;
     // The activations in T (as many floats are reserved: a bf16 layer uses half), then the
-    // attention's float scratch.
+    // float scratch of the attention and of the GEMVs.
     T *normed = reinterpret_cast<T *>(work), *qkv = normed + static_cast<long>(T_) * hid;
     T *q = qkv + static_cast<long>(T_) * qkv_dim, *k = q + static_cast<long>(T_) * H * D;
     T *att = k + static_cast<long>(T_) * KVH * D, *o = att + static_cast<long>(T_) * H * D;
@@ -348,22 +440,22 @@ void decoder_layer(const T *x, T *residual, bool first, T *out, const LayerWeigh
     } else {
         add_rmsnorm<T>(x, residual, w.w_in, normed, T_, hid, w.eps, nthreads);
     }
-    gemv<T>(normed, w.w_qkv, w.b_qkv, qkv, T_, qkv_dim, hid, nthreads);
+    gemv<T>(normed, w.w_qkv, w.b_qkv, qkv, T_, qkv_dim, hid, scratch, nthreads);
     rope_qk_kv<T, C>(qkv, qkv_dim, cos, sin, q, k, k_cache, v_cache, slots, T_, H, KVH, D,
                      nthreads);
     paged_decode<T, C>(q, static_cast<long>(H) * D, k_cache, v_cache, batch, att, T_, H, KVH,
                        D, d.bs, d.window, d.scale, scratch, nthreads);
-    gemv<T>(att, w.w_o, w.b_o, o, T_, hid, H * D, nthreads);
+    gemv<T>(att, w.w_o, w.b_o, o, T_, hid, H * D, scratch, nthreads);
     add_rmsnorm<T>(o, residual, w.w_post, normed, T_, hid, w.eps, nthreads);
-    gemv<T>(normed, w.w_gu, w.b_gu, gu, T_, 2 * I, hid, nthreads);
+    gemv<T>(normed, w.w_gu, w.b_gu, gu, T_, 2 * I, hid, scratch, nthreads);
     silu_mul<T>(gu, act, T_, I, nthreads);
-    gemv<T>(act, w.w_down, w.b_down, out, T_, hid, I, nthreads);
+    gemv<T>(act, w.w_down, w.b_down, out, T_, hid, I, scratch, nthreads);
 }
 
 #define FLEETLLM_ROW_OPS(T)                                                                   \
     template void add_rmsnorm<T>(const T *, T *, const T *, T *, int, int, float, int);      \
     template void silu_mul<T>(const T *, T *, int, int, int);                                 \
-    template void gemv<T>(const T *, const T *, const T *, T *, int, int, int, int);
+    template void gemv<T>(const T *, const T *, const T *, T *, int, int, int, float *, int);
 #define FLEETLLM_CACHE_OPS(T, C)                                                              \
     template void rope_qk_kv<T, C>(const T *, long, const T *, const T *, T *, T *, C *, C *, \
                                    const int64_t *, int, int, int, int, int);                 \

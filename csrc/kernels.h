@@ -86,8 +86,10 @@ void rope_qk_kv(const T *qkv, long row_stride, const T *cos, const T *sin, T *q_
                 int nthreads);
 
 // y = x @ w^T (+ bias): x [M, K], w [N, K], y [M, N], all contiguous; bias may be null.
+// xf: M * K floats of scratch (a bfloat16 x widened once per call).
 template <class T>
-void gemv(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, int nthreads);
+void gemv(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, float *xf,
+          int nthreads);
 
 // One decoder layer's weights (contiguous; biases may be null).
 template <class T>

@@ -270,10 +270,11 @@ Tensor gemv(const Tensor &x, const Tensor &weight, const optional<Tensor> &bias)
     if (bias)
         check_dense(*bias, "bias", {n}, type);
     Tensor y = at::empty({m, n}, x.options());
+    Tensor xf = scratch(type == at::kBFloat16 ? static_cast<long>(m) * k : 0);
     dispatch(type, [&](auto tag) {
         using T = decltype(tag);
         kernels::gemv<T>(cptr<T>(x), cptr<T>(weight), opt_ptr<T>(bias), mptr<T>(y), m, n, k,
-                         at::get_num_threads());
+                         mptr<float>(xf), at::get_num_threads());
     });
     return y;
 }
