@@ -148,7 +148,7 @@ void gemv_tile(const T *x, const T *w, const T *bias, T *y, long n0, int N, int 
         for (int q = 0; q < 4; q++)
             for (int m = 0; m < MT; m++) acc[q][m] = v8{};
         for (int k = 0; k < kv; k += 32) {
-            for (int q = 0; q < 4; q++) {  // one weight vector at a time (gemv_tile_split)
+            for (int q = 0; q < 4; q++) {  // one weight vector at a time: fewer spills
                 v8 wq;
                 load8(wr + k + 8 * q, wq);
                 for (int m = 0; m < MT; m++) {
@@ -180,13 +180,14 @@ void gemv_tile(const T *x, const T *w, const T *bias, T *y, long n0, int N, int 
 // The tile above for a bfloat16 weight without AVX-512, from x already widened to float32 by
 // spread_x: one 32-byte load holds 16 weights, the even ones in the low halves of its 32-bit
 // lanes and the odd ones in the high halves, so a shift (even) and a mask (odd) widen 8 each
-// (load8's zero-extension costs two instructions per 8). spread_x put x's elements in the
-// same even/odd order, so acc[0][m] lane i adds element k + 2i, acc[1] k + 2i + 1, acc[2]
-// k + 16 + 2i, acc[3] k + 17 + 2i: the same 32 sums as gemv_tile, in other lanes, and the
-// reduction below takes them in gemv_tile's order, so the bits are the same. Both tiles
-// widen one weight vector at a time and feed it to every row of x: 4 x 4 accumulators and
-// that vector fit AVX2's 16 registers (all 4 widened at once, GCC spilled 5 per iteration).
+// (load8's zero-extension costs two instructions per 8); spread_x put x's elements in the
+// same even/odd order. Two accumulators per row of x (even and odd elements), each widened
+// vector fed to every row of x before the next: 4 rows' 8 accumulators fit AVX2's 16
+// registers (gemv_tile's 16 plus its 4 weight vectors spilled), and the sums end in a short
+// tree. Each output's sums depend on its own row of x only, not on how many rows share the
+// call: a prompt gets the same bits alone or in a shared step.
 typedef uint32_t u8x32u __attribute__((vector_size(32), aligned(2), may_alias));
+typedef float v4 __attribute__((vector_size(16)));
 
 inline void split16(const bf16 *p, v8 &even, v8 &odd)
 {
@@ -199,29 +200,25 @@ template <int MT>
 void gemv_tile_split(const float *xf, const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y,
                      long n0, int N, int K)
 {
-    const int rows = N - n0 < 4 ? static_cast<int>(N - n0) : 4, kv = K & ~31;
+    const int rows = N - n0 < 4 ? static_cast<int>(N - n0) : 4, kv = K & ~15;
     for (int r = 0; r < rows; r++) {  // one row at a time: one sequential stream
         const bf16 *wr = w + (n0 + r) * K;
-        v8 acc[4][MT];
-        for (int q = 0; q < 4; q++)
+        v8 acc[2][MT];
+        for (int q = 0; q < 2; q++)
             for (int m = 0; m < MT; m++) acc[q][m] = v8{};
-        for (int k = 0; k < kv; k += 32) {
-            for (int q = 0; q < 4; q++) {  // one widened vector at a time: no spills
-                const u8x32 u = *reinterpret_cast<const u8x32u *>(wr + k + 16 * (q / 2));
-                const v8 wq = __builtin_bit_cast(v8, q % 2 ? u & 0xFFFF0000u : u << 16);
-                for (int m = 0; m < MT; m++) {
-                    const float *xq = xf + static_cast<long>(m) * K + k + 8 * q;
-                    acc[q][m] += *reinterpret_cast<const v8u *>(xq) * wq;
-                }
-            }
+        for (int k = 0; k < kv; k += 16) {
+            v8 wv[2];
+            split16(wr + k, wv[0], wv[1]);
+            for (int q = 0; q < 2; q++)
+                for (int m = 0; m < MT; m++)
+                    acc[q][m] += *reinterpret_cast<const v8u *>(xf + m * K + k + 8 * q) * wv[q];
         }
         for (int m = 0; m < MT; m++) {
-            float s = bias ? to_f32(bias[n0 + r]) : 0.f;
-            const v8 even = acc[0][m] + acc[2][m], odd = acc[1][m] + acc[3][m];
-            for (int i = 0; i < 8; i++) {
-                s += even[i];
-                s += odd[i];
-            }
+            const v8 a = acc[0][m] + acc[1][m];
+            v4 h = __builtin_shufflevector(a, a, 0, 1, 2, 3);
+            h += __builtin_shufflevector(a, a, 4, 5, 6, 7);
+            h += __builtin_shufflevector(h, h, 2, 3, 0, 1);
+            float s = (bias ? to_f32(bias[n0 + r]) : 0.f) + (h[0] + h[1]);
             for (int k = kv; k < K; k++)
                 s += to_f32(x[static_cast<long>(m) * K + k]) * to_f32(wr[k]);
             y[static_cast<long>(m) * N + n0 + r] = from_f32<bf16>(s);
@@ -229,11 +226,11 @@ void gemv_tile_split(const float *xf, const bf16 *x, const bf16 *w, const bf16 *
     }
 }
 
-// x's first K & ~31 elements of each row in float32, each 16 as the even ones then the odd
+// x's first K & ~15 elements of each row in float32, each 16 as the even ones then the odd
 // ones (gemv_tile_split's order). Exact: a bfloat16 widens to float32 without rounding.
 void spread_x(const bf16 *x, float *xf, int M, int K)
 {
-    const int kv = K & ~31;
+    const int kv = K & ~15;
     for (int m = 0; m < M; m++)
         for (int k = 0; k < kv; k += 16) {
             v8 even, odd;

@@ -77,6 +77,41 @@ def test_gemv_sums_in_float32_and_rounds_once(m, n, k):
     _close_in_bf16(cpu_kernels.gemv(x, w, None), (x.float() @ w.float().T).to(BF16), 1e-3)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_a_gemv_row_does_not_depend_on_the_rows_beside_it(dtype):
+    """Each output row is the same bits whether its row of x is alone in the call or shares
+    it with up to 12 others (a prompt alone in its step or in a shared one; the decode batch):
+    the kernel's sums for one row never mix in how many rows are grouped with it."""
+    g = torch.Generator().manual_seed(5)
+    for n, k in ((300, 200), (64, 17), (1280, 768), (96, 2051)):
+        x = torch.randn(13, k, generator=g).to(dtype)
+        w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+        alone = torch.cat([cpu_kernels.gemv(x[i:i + 1], w, b) for i in range(13)])
+        for m in range(2, 14):
+            assert torch.equal(cpu_kernels.gemv(x[:m], w, b), alone[:m]), (n, k, m)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_the_lm_head_gives_a_sequence_the_same_logits_in_batches_of_1_to_8(dtype):
+    """A decode step's 1-8 sequences get their logits from the GEMV kernel (as the fused
+    layers under them), so a sequence's logits are the same bits in any such batch; at 5-8
+    rows they came from oneDNN's packed matmul, which sums in another order."""
+    from torch import nn
+
+    from fleetllm.model import layers
+
+    g = torch.Generator().manual_seed(0)
+    head = layers.ParallelLMHead(1000, 256)
+    head.weight.data = torch.randn(1000, 256, generator=g).to(dtype)
+    layers.pack_linear_weights(nn.ModuleList([head]))  # as a loaded model's (where oneDNN is)
+    hidden = torch.randn(8, 256, generator=g).to(dtype)
+    alone = torch.cat([head.logits(hidden[i:i + 1]) for i in range(8)])
+    for m in range(2, 9):
+        assert torch.equal(head.logits(hidden[:m]), alone[:m]), m
+
+
 # PyTorch's CPU kernels dispatch on this (its flash attention's lane width follows it).
 _AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 

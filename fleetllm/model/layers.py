@@ -179,7 +179,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits on every TP rank (gathered)."""
-        local = linear(self, hidden)
+        local = linear(self, hidden, gemv_rows=_LM_HEAD_GEMV_ROWS)
         return get_tp_group().all_gather(local, dim=-1)[..., : self.vocab_size]
 
 
@@ -255,13 +255,20 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 # prompt alone in its step took the kernel and in a shared step oneDNN, so two requests for the
 # same embedding differed in the last bits (tests/test_server_embeddings.py caught it).
 _GEMV_ROWS = 4
+# The LM head's rows are the sequences sampled in a step (a prompt's tokens only with prompt
+# logprobs): up to 8 take the kernel, as the decode layers do, so a decode step of 1-8
+# sequences gives each the same logits, bit for bit, whatever the batch (the kernel's rows
+# are independent). At 5-8 rows it also reads the bf16 weight, not the float32 packed copy a
+# CPU without AVX-512 multiplies (half the bytes of the preset's largest matrix).
+_LM_HEAD_GEMV_ROWS = 8
 
 
-def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ layer.weight^T (+ bias): the GEMV kernel for a few rows when the dense weight is
-    kept, else the packed weight when the layer has one, else F.linear."""
+def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
+           gemv_rows: int = _GEMV_ROWS) -> torch.Tensor:
+    """x @ layer.weight^T (+ bias): the GEMV kernel for up to `gemv_rows` rows when the dense
+    weight is kept, else the packed weight when the layer has one, else F.linear."""
     packed, weight = getattr(layer, "packed_weight", None), layer.weight
-    if weight is not None and x.dim() == 2 and x.shape[0] <= _GEMV_ROWS and \
+    if weight is not None and x.dim() == 2 and x.shape[0] <= gemv_rows and \
             x.is_contiguous() and cpu_kernels.usable(x, weight):
         return cpu_kernels.gemv(x, weight, bias)
     if packed is None:
