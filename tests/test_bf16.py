@@ -5,6 +5,7 @@ KV cache may be kept in either dtype (kv_cache_dtype)."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -318,6 +319,55 @@ def test_bf16_projections_are_packed_on_every_cpu(onednn_bf16, tiny_models, tmp_
                             use_tqdm=False)
     same, problems = _agreement([o.outputs[0].token_ids for o in outs],
                                 _hf_reference(path, prompts, 8))
+    assert same >= 0.9 * len(prompts) and not problems, (same, problems)
+
+
+@needs_kernels
+def test_bf16_decode_steps_of_up_to_16_take_the_kernel_without_bf16_packing(
+        tiny_models, tmp_path, monkeypatch):
+    """Where oneDNN packs no bf16 (AVX2: simulated here), a bf16 projection's packed copy is
+    float32 (twice the bytes), and the GEMV kernel on the bf16 weight is faster up to ~24 rows;
+    decode steps of up to 16 sequences run the fused layers (and the LM head the kernel), with
+    greedy outputs that still follow transformers in bf16."""
+    from fleetllm.model import fused, layers
+
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+
+    def without_bf16(weight, *args):
+        if weight.dtype == BF16:
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
+                               "avx_ne_convert or avx512bw, avx512vl and avx512dq")
+        return reorder(weight, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
+    seen = {"layer": 0, "head": 0}
+    run_layer, gemv = fused.run_layer, cpu_kernels.gemv
+
+    def counted_layer(layer, rope, hidden, *rest):
+        out = run_layer(layer, rope, hidden, *rest)
+        if out is not None:
+            seen["layer"] = max(seen["layer"], hidden.shape[0])
+        return out
+
+    def counted_gemv(x, weight, bias):
+        if weight.shape[0] == vocab:
+            seen["head"] = max(seen["head"], x.shape[0])
+        return gemv(x, weight, bias)
+
+    monkeypatch.setattr(fused, "run_layer", counted_layer)
+    monkeypatch.setattr(cpu_kernels, "gemv", counted_gemv)
+    path = _bf16_checkpoint(tiny_models["llama_gqa"], tmp_path / "llama")
+    with LLM(path, kv_cache_memory=16 << 20) as llm:
+        vocab = llm.llm_engine.model_config.arch.vocab_size
+        prompts = _prompts(vocab, 14)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                            use_tqdm=False)
+    assert seen == {"layer": 14, "head": 14}, seen
+    assert layers.decode_gemv_rows(SimpleNamespace(weight=torch.zeros(1, dtype=BF16),
+                                                   packed_weight=torch.zeros(1))) == 16
+    same, problems = _agreement([o.outputs[0].token_ids for o in outs],
+                                _hf_reference(path, prompts, 6))
     assert same >= 0.9 * len(prompts) and not problems, (same, problems)
 
 

@@ -4,7 +4,8 @@ RoPE + cache write, paged attention, SiLU * up), minus ~10 Python calls, tensors
 glue per layer. Used when it computes exactly what the modules would: CPU float32 or
 bfloat16 (the KV cache in either), no tensor
 parallelism, no q/k norm, the dense weights kept (FLEETLLM_LINEAR=auto), a batch of at most
-8 decode tokens and nothing else."""
+8 decode tokens (16 for bf16 weights on a CPU without bf16 packing: layers.decode_gemv_rows)
+and nothing else."""
 
 from __future__ import annotations
 
@@ -12,18 +13,17 @@ import torch
 
 from fleetllm.attention import AttentionMetadata, cpu_kernels
 from fleetllm.distributed.parallel_state import get_tp_group
+from fleetllm.model.layers import decode_gemv_rows
 
-# The GEMV kernel reads each weight once for all rows (4 at a time from L1). Measured on a
-# 2-core AVX2 EPYC, the 125M preset's 48 projections, kernel vs oneDNN's packed copy (float32
-# for a bf16 weight there): bf16 5 rows 25.0 vs 47.7 ms, 8 rows 32.6 vs 48.8, 12 rows 59.2 vs
-# 62.9; float32 5 rows 31.2 vs 44.2, 8 rows 43.1 vs 44.0, 12 rows 55.7 vs 45.8.
-MAX_ROWS = 8
+# The most rows any layer takes here; each layer's own limit is decode_gemv_rows (the GEMV
+# kernel reads each weight once for all rows, 4 at a time from L1).
+MAX_ROWS = 16
 
 
 def _weights(layer) -> tuple | None:
     """The layer's weights (the Parameters themselves: sleep level 2 empties them in place, so
-    nothing here keeps their memory alive), heads, window and scale, computed once; or None if
-    the fused path does not apply to this layer."""
+    nothing here keeps their memory alive), heads, window, scale and the most rows it takes,
+    computed once; or None if the fused path does not apply to this layer."""
     cached = getattr(layer, "_fused", False)
     if cached is not False:
         return cached
@@ -40,7 +40,8 @@ def _weights(layer) -> tuple | None:
             (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
              layer.input_layernorm.eps, attn.qkv_proj.weight, bias[0], attn.o_proj.weight,
              bias[1], mlp.gate_up_proj.weight, bias[2], mlp.down_proj.weight, bias[3]),
-            attn.num_heads, attn.sliding_window or 0, attn.scale)
+            attn.num_heads, attn.sliding_window or 0, attn.scale,
+            min(decode_gemv_rows(m) for m in linears))
     return layer._fused
 
 
@@ -58,9 +59,9 @@ def run_layer(layer, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tens
               ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(output, residual) of the layer, or None when the fused path does not apply to it."""
     fused = _weights(layer)
-    if fused is None:
+    if fused is None or hidden.shape[0] > fused[-1]:
         return None
-    weights, heads, window, scale = fused
+    weights, heads, window, scale, _ = fused
     first = residual is None
     if first:
         residual = torch.empty_like(hidden)
