@@ -386,8 +386,8 @@ void gemv(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, floa
     const long chunk = static_cast<long>(N) * K < 4 * PAR_MIN
                            ? tiles : 1 + tiles / (4 * (nthreads > 0 ? nthreads : 1));
     // A bfloat16 x is widened once per call, not once per tile of 4 weight rows (as many
-    // conversions as the weight's, at 1 row): tools/cpu_gemv_bench.py, weight in cache, 1-2
-    // rows ~1.5x, 4-8 rows ~1.3x on an AVX2 EPYC.
+    // conversions as the weight's, at 1 row). With gemv_tile_split: tools/cpu_gemv_bench.py,
+    // weight in cache, 1.1-2x at 1-8 rows on an AVX2 EPYC (docs/performance.md).
 #if !defined(__AVX512F__)
     if constexpr (std::is_same_v<T, bf16>)
         spread_x(x, xf, M, K);

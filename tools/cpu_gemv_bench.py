@@ -7,17 +7,23 @@ in float32) called over and over, so it stays in the last-level cache and the ke
 arithmetic is what is timed. "model": the preset's 48 layer projections and its LM head
 (100M parameters), one call each per pass, read from memory as a decode step reads them.
 Per dtype and number of rows of x (the decode batch): the best of 7 passes, as weight bytes
-read per second.
+read per second. `--onednn` also times oneDNN's packed copy of the same weights (what
+layers.linear runs beyond the kernel's rows; float32 for a bf16 weight where oneDNN packs no
+bf16), in milliseconds per pass next to the kernel's: where layers.decode_gemv_rows comes from.
+
+    .venv/bin/python tools/cpu_gemv_bench.py --setting model --rows 8 12 16 24 --onednn
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from types import SimpleNamespace
 
 import torch
 
 from fleetllm.attention import cpu_kernels
+from fleetllm.model import layers
 
 ROWS = (1, 2, 4, 8)
 LAYER = [(1280, 768), (768, 768), (4096, 768), (768, 2048)]  # qkv, o, gate/up, down
@@ -29,17 +35,18 @@ def weights(setting: str, dtype: torch.dtype) -> list[torch.Tensor]:
     return [(torch.randn(n, k, generator=g) * 0.05).to(dtype) for n, k in shapes]
 
 
-def gb_per_s(ws: list[torch.Tensor], rows: int, calls: int) -> float:
+def seconds(ws: list, dtype: torch.dtype, rows: int, calls: int, fn) -> float:
+    """Best of 7 passes of fn(x, w) over every weight, `calls` times each."""
     g = torch.Generator().manual_seed(1)
-    xs = {k: torch.randn(rows, k, generator=g).to(ws[0].dtype) for k in {w.shape[1] for w in ws}}
+    xs = {k: torch.randn(rows, k, generator=g).to(dtype) for k in {w.shape[1] for w in ws}}
     best = float("inf")
     for _ in range(7):
         start = time.perf_counter()
         for _ in range(calls):
             for w in ws:
-                cpu_kernels.gemv(xs[w.shape[1]], w, None)
+                fn(xs[w.shape[1]], w)
         best = min(best, time.perf_counter() - start)
-    return calls * sum(w.numel() * w.element_size() for w in ws) / best / 1e9
+    return best
 
 
 def main() -> None:
@@ -48,16 +55,31 @@ def main() -> None:
                         default=["bfloat16", "float32"])
     parser.add_argument("--setting", choices=["cache", "model"], nargs="+",
                         default=["cache", "model"])
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    parser.add_argument("--onednn", action="store_true",
+                        help="also time oneDNN's packed copy (ms per pass)")
     args = parser.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("fleetllm's CPU kernels are not available here")
     print(f"kernels: {cpu_kernels.build_info()}; torch threads: {torch.get_num_threads()}")
     for setting in args.setting:
         for name in args.dtype:
-            ws = weights(setting, getattr(torch, name))
+            dtype = getattr(torch, name)
+            ws = weights(setting, dtype)
             calls = 100 if setting == "cache" else 1
-            figures = "  ".join(f"{m} rows {gb_per_s(ws, m, calls):5.1f}" for m in ROWS)
+            nbytes = calls * sum(w.numel() * w.element_size() for w in ws)
+            kernel = {m: seconds(ws, dtype, m, calls, lambda x, w: cpu_kernels.gemv(x, w, None))
+                      for m in args.rows}
+            figures = "  ".join(f"{m} rows {nbytes / t / 1e9:5.1f}" for m, t in kernel.items())
             print(f"{setting:5s} {name:8s} GB/s: {figures}")
+            if args.onednn:
+                packed = [SimpleNamespace(weight=None, packed_weight=layers._pack(w),
+                                          shape=w.shape) for w in ws]
+                onednn = {m: seconds(packed, dtype, m, calls, lambda x, p: layers.linear(p, x))
+                          for m in args.rows}
+                figures = "  ".join(f"{m} rows {kernel[m] * 1e3:.1f} vs {onednn[m] * 1e3:.1f}"
+                                    for m in args.rows)
+                print(f"{setting:5s} {name:8s} ms, kernel vs oneDNN: {figures}")
 
 
 if __name__ == "__main__":

@@ -261,11 +261,12 @@ _GEMV_ROWS = 4
 def decode_gemv_rows(layer: nn.Module) -> int:
     """Up to how many rows a decode step's projections (the fused layers, fused.py) and the LM
     head take the GEMV kernel: where it beats oneDNN's packed copy. A bf16 weight whose packed
-    copy is float32 (a CPU without bf16 packing) reads half the bytes through the kernel; on
-    a 2-core AVX2 EPYC, the 125M preset's 48 projections: 8 rows 26.2 vs 48.9 ms, 16 rows
-    38.0-40.1 vs 57.5-59.5, 24 rows 54.5 vs 63.4; float32 weights, even at 8-12 rows (47.4 vs
-    45.8, 51.1 vs 53.5), oneDNN beyond. A sequence's logits are then the same bits in any
-    decode batch up to this size (the kernel's rows are independent)."""
+    copy is float32 (a CPU without bf16 packing) reads half the bytes through the kernel. On a
+    2-core AVX2 EPYC, the 125M preset's weights (`tools/cpu_gemv_bench.py --setting model
+    --rows 8 12 16 24 --onednn`), kernel vs oneDNN: bf16 8 rows 33.2 vs 52.3 ms, 12 rows
+    42.7 vs 54.9, 16 rows 53.7 vs 62.3, 24 rows 71.9 vs 79.6; float32 8 rows 43.0 vs 53.9, 12
+    rows 75.9 vs 55.2. A sequence's logits are then the same bits in any decode batch up to
+    this size (the kernel's rows are independent)."""
     packed, weight = getattr(layer, "packed_weight", None), layer.weight
     if packed is not None and weight is not None and packed.dtype != weight.dtype:
         return 16
