@@ -183,7 +183,8 @@ void gemv_tile(const T *x, const T *w, const T *bias, T *y, long n0, int N, int 
 // (load8's zero-extension costs two instructions per 8); spread_x put x's elements in the
 // same even/odd order. Two accumulators per row of x (even and odd elements), each widened
 // vector fed to every row of x before the next: 4 rows' 8 accumulators fit AVX2's 16
-// registers (gemv_tile's 16 plus its 4 weight vectors spilled), and the sums end in a short
+// registers (gemv_tile's 4 per row, kept only to match the AVX-512 build's bits, spill at 4
+// rows, and their 16-step sums cost a quarter of the tile), and the sums end in a short
 // tree. Each output's sums depend on its own row of x only, not on how many rows share the
 // call: a prompt gets the same bits alone or in a shared step.
 typedef uint32_t u8x32u __attribute__((vector_size(32), aligned(2), may_alias));
