@@ -79,6 +79,34 @@ def test_gemv_sums_in_float32_and_rounds_once(m, n, k):
 
 
 @needs_kernels
+def test_projections_take_the_gemv_kernel_up_to_their_row_limit(monkeypatch):
+    """linear() runs the GEMV kernel on the dense weight for up to 4 rows (a prompt's bits must
+    not depend on whether it shares its step) and oneDNN's packed copy beyond; with
+    decode_gemv_rows (the LM head, the fused decode layers) up to 16 rows for a bf16 weight
+    whose packed copy is float32 (twice the bytes), 8 for the others."""
+    from fleetllm.model import layers
+
+    calls = []
+    gemv = cpu_kernels.gemv
+    monkeypatch.setattr(cpu_kernels, "gemv", lambda *a: calls.append(a[0].shape[0]) or gemv(*a))
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g)
+    for weight, decode_rows in ((w.to(BF16), 16), (w, 8)):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.float(), None)
+        layer = SimpleNamespace(weight=weight, packed_weight=packed)
+        assert layers.decode_gemv_rows(layer) == decode_rows
+        for rows, limit, kernel in ((4, None, True), (5, None, False),
+                                    (decode_rows, decode_rows, True),
+                                    (decode_rows + 1, decode_rows, False)):
+            x = torch.randn(rows, 64, generator=g).to(weight.dtype)
+            calls.clear()
+            y = layers.linear(layer, x) if limit is None else layers.linear(layer, x,
+                                                                            gemv_rows=limit)
+            assert calls == ([rows] if kernel else []), (weight.dtype, rows, limit)
+            _close_in_bf16(y.to(BF16), (x.float() @ weight.float().T).to(BF16), 1e-2)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 def test_a_gemv_row_does_not_depend_on_the_rows_beside_it(dtype):
     """Each output row is the same bits whether its row of x is alone in the call or shares
