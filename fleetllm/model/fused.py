@@ -59,9 +59,11 @@ def run_layer(layer, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tens
               ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(output, residual) of the layer, or None when the fused path does not apply to it."""
     fused = _weights(layer)
-    if fused is None or hidden.shape[0] > fused[-1]:
+    if fused is None:
         return None
-    weights, heads, window, scale, _ = fused
+    weights, heads, window, scale, max_rows = fused
+    if hidden.shape[0] > max_rows:
+        return None
     first = residual is None
     if first:
         residual = torch.empty_like(hidden)
