@@ -65,8 +65,23 @@ void silu_body(void *arg, long begin, long end, int)
     for (long t = begin; t < end; t++) {
         const T *g = c->x + t * 2 * I, *u = g + I;
         T *o = c->out + t * I;
-        #pragma omp simd
-        for (int i = 0; i < I; i++) {
+        int i = 0;
+#if defined(__AVX512F__)
+        for (v16 gv, uv; i + 16 <= I; i += 16) {
+            load16(g + i, gv);
+            load16(u + i, uv);
+            const v16 s = round_lanes<T, v16, u16x32>(gv / (1.f + exp_lanes(-gv)));
+            store_lanes<T, v16, u16x32, h16u>(o + i, s * uv);
+        }
+#elif defined(__AVX2__)
+        for (v8 gv, uv; i + 8 <= I; i += 8) {
+            load8(g + i, gv);
+            load8(u + i, uv);
+            const v8 s = round_lanes<T, v8, u8x32>(gv / (1.f + exp_lanes(-gv)));
+            store_lanes<T, v8, u8x32, h8u>(o + i, s * uv);
+        }
+#endif
+        for (; i < I; i++) {
             const float gi = to_f32(g[i]);
             o[i] = from_f32<T>(round_to<T>(gi / (1.f + exp_f32(-gi))) * to_f32(u[i]));
         }
