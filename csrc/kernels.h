@@ -69,6 +69,18 @@ void paged_decode(const T *q, long q_stride, const C *k, const C *v, const Decod
                   T *out, int B, int H, int KVH, int D, int bs, int window, float scale,
                   float *scratch, int nthreads);
 
+// Prefill attention over the paged cache (prefill_attention.cpp). spans: S rows of (q_start,
+// q_len, ctx_len, slot_start): the span's queries are rows q_start.. of q / out, its context's
+// ctx_len tokens (a cached prefix, then the span's own) sit at slots[slot_start..]; query i of
+// the span sees the keys (ctx_len - q_len + i - window, ctx_len - q_len + i]. maxctx: the longest
+// ctx_len.
+int prefill_rows_per_item(int H, int KVH);
+long prefill_attention_scratch(int H, int KVH, int D, int maxctx, int nthreads);
+template <class T, class C>
+void prefill_attention(const T *q, long q_stride, const C *k, const C *v, const int32_t *spans,
+                       int S, const int64_t *slots, T *out, int H, int KVH, int D, int window,
+                       float scale, int maxctx, float *scratch, int nthreads);
+
 // residual (if not null) += x, in place; out = rmsnorm(residual or x) * w. [T, H] rows.
 template <class T>
 void add_rmsnorm(const T *x, T *residual, const T *w, T *out, int rows, int H, float eps,
@@ -259,6 +271,69 @@ inline __attribute__((always_inline)) V exp_lanes(V x)
 }
 
 static inline float exp_f32(float x) { return exp_lanes(x); }
+
+// PyTorch's Vectorized<float>::fexp_u20, step for step (the exp of its CPU flash attention's
+// whole vectors): 2^(x log2 e) with the fraction's correction as a cubic, assembled in the
+// exponent bits by one fused multiply-add and a truncation.
+static inline float fexp_u20(float x)
+{
+    const float lo = __builtin_bit_cast(float, 0xc2aeac50u);
+    const float hi = __builtin_bit_cast(float, 0x42b17218u);
+    float src = x * __builtin_bit_cast(float, 0x3fb8aa3bu);  // x log2(e)
+    const float f = src - std::floor(src);
+    float r = std::fma(f, -0.079204240219773236f, -0.22433836478672356f);
+    r = std::fma(f, r, 0.30354260500649682f);
+    r = std::fma(f, r, 0.00010703434948458272f);
+    src -= r;
+    int32_t bits = static_cast<int32_t>(std::fma(8388608.0f, src, 1065353216.0f));
+    bits = x < lo ? 0 : (x > hi ? 0x7F800000 : bits);
+    return __builtin_bit_cast(float, bits);
+}
+
+#if defined(__AVX512F__)
+constexpr int TORCH_LANES = 16;  // the float vector width of PyTorch's kernels for this CPU
+#else
+constexpr int TORCH_LANES = 8;
+#endif
+
+// fexp_u20 on a whole vector of TORCH_LANES floats, the same steps (the same bits).
+#if defined(__AVX512F__)
+typedef v16 torch_vec;
+inline v16 fexp_u20_lanes(v16 xv)
+{
+    const __m512 x = __builtin_bit_cast(__m512, xv);
+    __m512 src = _mm512_mul_ps(x, _mm512_set1_ps(__builtin_bit_cast(float, 0x3fb8aa3bu)));
+    const __m512 f = _mm512_sub_ps(src, _mm512_roundscale_ps(src, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+    __m512 r = _mm512_fmadd_ps(f, _mm512_set1_ps(-0.079204240219773236f), _mm512_set1_ps(-0.22433836478672356f));
+    r = _mm512_fmadd_ps(f, r, _mm512_set1_ps(0.30354260500649682f));
+    r = _mm512_fmadd_ps(f, r, _mm512_set1_ps(0.00010703434948458272f));
+    src = _mm512_sub_ps(src, r);
+    __m512i bits = _mm512_cvttps_epi32(_mm512_fmadd_ps(_mm512_set1_ps(8388608.0f), src, _mm512_set1_ps(1065353216.0f)));
+    const __mmask16 below = _mm512_cmp_ps_mask(x, _mm512_set1_ps(__builtin_bit_cast(float, 0xc2aeac50u)), _CMP_LT_OQ);
+    const __mmask16 above = _mm512_cmp_ps_mask(x, _mm512_set1_ps(__builtin_bit_cast(float, 0x42b17218u)), _CMP_GT_OQ);
+    bits = _mm512_mask_mov_epi32(bits, above, _mm512_set1_epi32(0x7F800000));
+    bits = _mm512_mask_mov_epi32(bits, below, _mm512_setzero_si512());
+    return __builtin_bit_cast(v16, bits);
+}
+#elif defined(__AVX2__)
+typedef v8 torch_vec;
+inline v8 fexp_u20_lanes(v8 xv)
+{
+    const __m256 x = __builtin_bit_cast(__m256, xv);
+    __m256 src = _mm256_mul_ps(x, _mm256_set1_ps(__builtin_bit_cast(float, 0x3fb8aa3bu)));
+    const __m256 f = _mm256_sub_ps(src, _mm256_floor_ps(src));
+    __m256 r = _mm256_fmadd_ps(f, _mm256_set1_ps(-0.079204240219773236f), _mm256_set1_ps(-0.22433836478672356f));
+    r = _mm256_fmadd_ps(f, r, _mm256_set1_ps(0.30354260500649682f));
+    r = _mm256_fmadd_ps(f, r, _mm256_set1_ps(0.00010703434948458272f));
+    src = _mm256_sub_ps(src, r);
+    __m256i bits = _mm256_cvttps_epi32(_mm256_fmadd_ps(_mm256_set1_ps(8388608.0f), src, _mm256_set1_ps(1065353216.0f)));
+    const __m256 below = _mm256_cmp_ps(x, _mm256_set1_ps(__builtin_bit_cast(float, 0xc2aeac50u)), _CMP_LT_OQ);
+    const __m256 above = _mm256_cmp_ps(x, _mm256_set1_ps(__builtin_bit_cast(float, 0x42b17218u)), _CMP_GT_OQ);
+    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7F800000), _mm256_castps_si256(above));
+    bits = _mm256_andnot_si256(_mm256_castps_si256(below), bits);
+    return __builtin_bit_cast(v8, bits);
+}
+#endif
 
 // Element-wise copy with conversion (a memcpy when the types agree).
 template <class S, class D>

@@ -186,6 +186,51 @@ void paged_decode(const Tensor &q, const Tensor &kv_cache, const Tensor &tables,
     });
 }
 
+void prefill_attention(const Tensor &q, const Tensor &kv_cache, const Tensor &spans,
+                       const Tensor &slots, int64_t window, double scale, const Tensor &out)
+{
+    const Cache c = check_cache(kv_cache);
+    check_float(q, "q", 3);
+    const int t = to_int(q.size(0), "tokens"), h = to_int(q.size(1), "heads");
+    TORCH_CHECK(q.size(2) == c.d && h % c.kvh == 0, "q ", q.sizes(), " does not match kv_cache ",
+                kv_cache.sizes(), " (heads a multiple of kv_heads, the same head_dim)");
+    TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == c.d && (t <= 1 || q.stride(0) >= h * c.d),
+                "q's heads and dims must be contiguous (rows may be strided)");
+    check_dense(out, "out", {t, h, c.d}, q.scalar_type());
+    TORCH_CHECK(spans.device().is_cpu() && spans.scalar_type() == at::kInt && spans.dim() == 2
+                && spans.size(1) == 4 && spans.is_contiguous(),
+                "spans must be a contiguous int32 [S, 4] CPU tensor");
+    check_index(slots, at::kLong, "slots", -1);
+    const int S = to_int(spans.size(0), "spans");
+    const int32_t *sp = spans.const_data_ptr<int32_t>();
+    const int64_t *sl = slots.const_data_ptr<int64_t>();
+    const int64_t num = static_cast<int64_t>(c.blocks) * c.bs;
+    int maxctx = 0;
+    for (int i = 0; i < S; i++) {
+        const int32_t q0 = sp[4 * i], ql = sp[4 * i + 1], ctx = sp[4 * i + 2], s0 = sp[4 * i + 3];
+        TORCH_CHECK(ql > 0 && q0 >= 0 && q0 + static_cast<int64_t>(ql) <= t && ctx >= ql,
+                    "span ", i, ": rows [", q0, ", ", q0 + static_cast<int64_t>(ql), ") of ", t,
+                    " with context ", ctx);
+        TORCH_CHECK(s0 >= 0 && s0 + static_cast<int64_t>(ctx) <= slots.size(0), "span ", i,
+                    "'s ", ctx, " slots from ", s0, " exceed the ", slots.size(0), " slots");
+        for (int64_t j = s0; j < s0 + ctx; j++)
+            TORCH_CHECK(sl[j] >= 0 && sl[j] < num, "slot ", sl[j], " of span ", i,
+                        " is outside the ", num, " cache slots");
+        maxctx = ctx > maxctx ? ctx : maxctx;
+    }
+    const int nthreads = at::get_num_threads();
+    Tensor work = scratch(kernels::prefill_attention_scratch(h, c.kvh, c.d, maxctx, nthreads));
+    dispatch2(q.scalar_type(), kv_cache.scalar_type(), [&](auto tq, auto cache) {
+        using T = decltype(tq);
+        using C = decltype(cache);
+        const C *k = cptr<C>(kv_cache);
+        kernels::prefill_attention<T, C>(cptr<T>(q), q.stride(0), k, k + c.half, sp, S, sl,
+                                         mptr<T>(out), h, c.kvh, c.d, to_int(window, "window"),
+                                         static_cast<float>(scale), maxctx, mptr<float>(work),
+                                         nthreads);
+    });
+}
+
 Tensor add_rmsnorm(const Tensor &x, const optional<Tensor> &residual, const Tensor &weight,
                    double eps)
 {
@@ -362,6 +407,8 @@ TORCH_LIBRARY(fleetllm, m)
 {
     m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor tables, Tensor table_start, "
           "Tensor ctx_lens, int window, float scale, Tensor(a!) out) -> ()");
+    m.def("prefill_attention(Tensor q, Tensor kv_cache, Tensor spans, Tensor slots, int window, "
+          "float scale, Tensor(a!) out) -> ()");
     m.def("add_rmsnorm(Tensor x, Tensor(a!)? residual, Tensor weight, float eps) -> Tensor");
     m.def("silu_mul(Tensor gate_up) -> Tensor");
     m.def("rope_qk_kv(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, "
@@ -380,6 +427,7 @@ TORCH_LIBRARY_IMPL(fleetllm, CPU, m)
     m.impl("paged_decode", &fleetllm::paged_decode);
     m.impl("add_rmsnorm", &fleetllm::add_rmsnorm);
     m.impl("silu_mul", &fleetllm::silu_mul);
+    m.impl("prefill_attention", &fleetllm::prefill_attention);
     m.impl("rope_qk_kv", &fleetllm::rope_qk_kv);
     m.impl("gemv", &fleetllm::gemv);
     m.impl("decoder_layer", &fleetllm::decoder_layer);

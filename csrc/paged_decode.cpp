@@ -104,30 +104,6 @@ inline __attribute__((always_inline)) void accumulate_pv(
     }
 }
 
-// PyTorch's Vectorized<float>::fexp_u20, step for step (the exp of its CPU flash attention's
-// whole vectors): 2^(x log2 e) with the fraction's correction as a cubic, assembled in the
-// exponent bits by one fused multiply-add and a truncation.
-static inline float fexp_u20(float x)
-{
-    const float lo = __builtin_bit_cast(float, 0xc2aeac50u);
-    const float hi = __builtin_bit_cast(float, 0x42b17218u);
-    float src = x * __builtin_bit_cast(float, 0x3fb8aa3bu);  // x log2(e)
-    const float f = src - std::floor(src);
-    float r = std::fma(f, -0.079204240219773236f, -0.22433836478672356f);
-    r = std::fma(f, r, 0.30354260500649682f);
-    r = std::fma(f, r, 0.00010703434948458272f);
-    src -= r;
-    int32_t bits = static_cast<int32_t>(std::fma(8388608.0f, src, 1065353216.0f));
-    bits = x < lo ? 0 : (x > hi ? 0x7F800000 : bits);
-    return __builtin_bit_cast(float, bits);
-}
-
-#if defined(__AVX512F__)
-constexpr int TORCH_LANES = 16;  // the float vector width of PyTorch's kernels for this CPU
-#else
-constexpr int TORCH_LANES = 8;
-#endif
-
 // A bfloat16 model's softmax and P . V as PyTorch's CPU flash attention computes a decode
 // query (the kernel transformers' bf16 models run), so that greedy tokens follow theirs: keys
 // in chunks of 512 from position 0, a running max and sum; per chunk fexp_u20 on whole vectors

@@ -45,6 +45,15 @@ def op_outputs(seed: int = 0) -> dict[str, object]:
         o = torch.empty_like(q)
         cpu_kernels.paged_decode(q, cache, tables, starts, lens, window, d ** -0.5, o)
         out[f"paged_decode{batch}x{heads}x{d}"] = o
+    for heads, kvh, d, window in ((12, 4, 64, 0), (8, 8, 128, 9)):
+        cache = torch.randn(2, 40, 16, kvh, d, generator=g)
+        slots = torch.randperm(640, generator=g)
+        # a fresh prompt of 37 tokens, then 21 new tokens after a cached prefix of 50
+        spans = torch.tensor([[0, 37, 37, 0], [37, 21, 71, 37]], dtype=torch.int32)
+        q = torch.randn(58, heads, d, generator=g)
+        o = torch.empty_like(q)
+        cpu_kernels.prefill_attention(q, cache, spans, slots, window, d ** -0.5, o)
+        out[f"prefill_attention{heads}x{kvh}x{d}"] = o
     t, h, kvh, d, bs = 3, 4, 2, 16, 16
     cache, tables, starts, lens = decode_inputs(g, t, h, kvh, d, bs)
     qkv = torch.randn(t, (h + 2 * kvh) * d + 5, generator=g)[:, :-5]  # strided rows

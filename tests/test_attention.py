@@ -86,27 +86,82 @@ def build_case(rng: random.Random, heads: int, kv_heads: int, d: int, bs: int):
     return meta, torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows), cache, seqs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kernel", [True, False])
-def test_backend_matches_dense_reference(kernel, monkeypatch):
+def test_backend_matches_dense_reference(kernel, dtype, monkeypatch):
+    """The C kernels (decode, prefill) or the PyTorch path; float32 to float32 rounding,
+    bfloat16 (model and cache) to about a bf16 step of the float64 reference."""
     if kernel and not cpu_kernels.available():
         pytest.skip("no C compiler: the kernel path is not used here")
     if not kernel:
         monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+        monkeypatch.setattr(cpu_kernels, "usable", lambda *a: False)
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     rng = random.Random(5)
     for case in range(40):
-        heads, kv_heads = rng.choice([(4, 2), (4, 4), (12, 4), (8, 1)])
+        heads, kv_heads = rng.choice([(4, 2), (4, 4), (12, 4), (8, 1), (24, 8), (10, 2)])
         d = rng.choice([16, 64, 128])
         bs = rng.choice([1, 4, 16])
         window = rng.choice([None, None, 7, 20])
         meta, q, k, v, cache, seqs = build_case(rng, heads, kv_heads, d, bs)
+        q, k, v, cache = (x.to(dtype) for x in (q, k, v, cache))
         scale = d ** -0.5
         out = TorchAttentionBackend.forward(q, k, v, cache, meta, scale, window)
         row = 0
         for prefix, new, _, k_all, v_all in seqs:
-            want = reference(q[row:row + new], k_all, v_all, prefix + new, new, scale, window)
-            torch.testing.assert_close(out[row:row + new], want, atol=2e-5, rtol=1e-4,
+            k_all, v_all = (x.to(dtype).double() for x in (k_all, v_all))
+            want = reference(q[row:row + new].double(), k_all, v_all, prefix + new, new, scale,
+                             window)
+            torch.testing.assert_close(out[row:row + new].double(), want, **tol,
                                        msg=f"case {case}: prefix {prefix}, new {new}")
             row += new
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
+@pytest.mark.parametrize("length", [5, 40, 100, 600, 1100])
+def test_bf16_prefill_attention_is_pytorch_flash_attention_bit_for_bit(length):
+    """A bf16 prompt's attention computes what PyTorch's CPU flash attention (transformers'
+    bf16 prompt forward) computes: per query the same scores, exp (fexp_u20 on whole
+    vectors of a 512-key chunk, expf on its tail, the tail counted over the whole prompt),
+    lane sums, bf16 numerators and chunk rescaling, so the outputs agree bit for bit but for
+    float32 summation-order ties (>= 99.9% of the elements)."""
+    g = torch.Generator().manual_seed(length)
+    heads, kvh, d, bs = 12, 4, 64, 16
+    blocks = -(-length // bs) + 3
+    cache = torch.zeros(2, blocks, bs, kvh, d, dtype=torch.bfloat16)
+    slots = torch.randperm(blocks * bs, generator=g)[:length]
+    q = (torch.randn(length, heads, d, generator=g) * 2).to(torch.bfloat16)
+    k, v = (torch.randn(length, kvh, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    cache[0].view(-1, kvh, d)[slots], cache[1].view(-1, kvh, d)[slots] = k, v
+    out = torch.empty_like(q)
+    spans = torch.tensor([[0, length, length, 0]], dtype=torch.int32)
+    cpu_kernels.prefill_attention(q, cache, spans, slots, None, d ** -0.5, out)
+    want = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)),
+                                          is_causal=True, scale=d ** -0.5, enable_gqa=True)
+    same = int((out == want[0].transpose(0, 1)).sum())
+    assert same >= 0.999 * out.numel(), same / out.numel()
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
+def test_prefill_attention_checks_its_arguments():
+    cache = torch.randn(2, 4, 16, 2, 16)
+    q, out = torch.randn(10, 4, 16), torch.empty(10, 4, 16)
+    slots = torch.arange(10)
+    i32 = torch.int32
+    cases = [
+        (torch.tensor([[0, 10, 10, 0]], dtype=torch.int64), slots, "spans must be"),
+        (torch.tensor([[5, 10, 10, 0]], dtype=i32), slots, "rows \\[5, 15\\) of 10"),
+        (torch.tensor([[0, 10, 9, 0]], dtype=i32), slots, "with context 9"),
+        (torch.tensor([[0, 0, 3, 0]], dtype=i32), slots, "rows \\[0, 0\\)"),
+        (torch.tensor([[0, 10, 12, 0]], dtype=i32), slots, "12 slots from 0 exceed the 10"),
+        (torch.tensor([[0, 10, 10, 0]], dtype=i32), slots + 60, "slot 64 of span 0"),
+    ]
+    for spans, sl, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            cpu_kernels.prefill_attention(q, cache, spans, sl, None, 0.25, out)
+    with pytest.raises(RuntimeError, match="out must have shape"):
+        cpu_kernels.prefill_attention(q, cache, torch.tensor([[0, 10, 10, 0]], dtype=i32),
+                                      slots, None, 0.25, out[:9])
 
 
 def test_kernel_reads_strided_query_rows():

@@ -38,9 +38,11 @@ def python(code: str, env: dict[str, str] | None = None, timeout: float = 300
 @needs_kernels
 def test_ops_have_schemas():
     schemas = {n: str(getattr(torch.ops.fleetllm, n).default._schema)
-               for n in ("gemv", "paged_decode", "rope_qk_kv", "decoder_layer")}
+               for n in ("gemv", "paged_decode", "prefill_attention", "rope_qk_kv",
+                         "decoder_layer")}
     assert schemas["gemv"] == "fleetllm::gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
     assert "Tensor(a!) out) -> ()" in schemas["paged_decode"]
+    assert "Tensor(a!) out) -> ()" in schemas["prefill_attention"]
     assert "Tensor(a!)? kv_cache, Tensor? slots) -> (Tensor, Tensor)" in schemas["rope_qk_kv"]
     assert "Tensor(b!) kv_cache" in schemas["decoder_layer"]
     assert kernel_build.best_variant() in kernel_build.variants()

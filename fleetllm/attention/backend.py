@@ -97,7 +97,14 @@ class TorchAttentionBackend:
         if n_dec:
             _decode(q[:n_dec], kv_cache, meta, scale, window, out[:n_dec])
         if meta.prefills:
-            _prefill(q, k, v, k_cache, v_cache, meta, scale, window, out)
+            if (kv_cache is not None and q.stride(-1) == 1 and kv_cache.is_contiguous()
+                    and cpu_kernels.usable(q, kv_cache)):
+                if "prefill_spans" not in meta.plans:
+                    meta.plans["prefill_spans"] = _prefill_spans(meta)
+                spans, slots = meta.plans["prefill_spans"]
+                cpu_kernels.prefill_attention(q, kv_cache, spans, slots, window, scale, out)
+            else:
+                _prefill(q, k, v, k_cache, v_cache, meta, scale, window, out)
         return out
 
 
@@ -292,6 +299,20 @@ def _similar(order: list[int], lengths: list[int]) -> list[list[int]]:
 
 
 # --------------------------------------------------------------------------------- prefill
+
+
+def _prefill_spans(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C kernel's form of the step's prompt spans: int32 rows (q_start, q_len, ctx_len,
+    slot_start) and every span's context slots concatenated (int64)."""
+    rows, slots, at = [], [], 0
+    for s in meta.prefills:
+        ctx = (meta.slot_mapping[s.q_start:s.q_start + s.q_len] if s.ctx_slots is None
+               else s.ctx_slots)
+        rows.append((s.q_start, s.q_len, s.ctx_len, at))
+        slots.append(ctx)
+        at += s.ctx_len
+    return (torch.tensor(rows, dtype=torch.int32),
+            torch.cat(slots).to(dtype=torch.int64, device="cpu"))
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None,

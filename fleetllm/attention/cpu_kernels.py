@@ -48,8 +48,8 @@ logger = logging.getLogger(__name__)
 _ops: SimpleNamespace | None = None
 _tried = False
 _lock = threading.Lock()
-_OPS = ("paged_decode", "add_rmsnorm", "silu_mul", "rope_qk_kv", "gemv", "decoder_layer",
-        "build_info")
+_OPS = ("paged_decode", "prefill_attention", "add_rmsnorm", "silu_mul", "rope_qk_kv", "gemv",
+        "decoder_layer", "build_info")
 
 
 def _load() -> SimpleNamespace | None:
@@ -111,6 +111,18 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
     table_start (where each sequence's begin), ctx_lens: int32. window: attend to the last
     `window` positions only."""
     _ops.paged_decode(q, kv_cache, tables, table_start, ctx_lens, window or 0, scale, out)
+
+
+def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, spans: torch.Tensor,
+                      slots: torch.Tensor, window: int | None, scale: float,
+                      out: torch.Tensor) -> None:
+    """out[rows] = causal attention of each prompt span's queries over its context, read from
+    the cache. q: [T, H, D] (rows may be strided); out: [T, H, D] contiguous; spans: int32
+    [S, 4] rows (q_start, q_len, ctx_len, slot_start): query i of a span sits at row q_start
+    + i and sees the context's first ctx_len - q_len + i + 1 tokens (the last `window` of
+    them with a window), whose cache slots are slots[slot_start:slot_start + ctx_len] (int64).
+    The span's K/V must be in the cache already."""
+    _ops.prefill_attention(q, kv_cache, spans, slots, window or 0, scale, out)
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

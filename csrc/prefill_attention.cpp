@@ -1,0 +1,341 @@
+// Prefill attention: every prompt span's queries over its context, causal (and windowed), the
+// keys and values read in place from the paged KV cache through the context's slots (a fresh
+// prompt and one after a cached prefix alike; no gathered copy, no padding between spans).
+//
+// Why: PyTorch's CPU flash attention runs these short spans at 35-60 GFLOP/s here (small
+// GEMMs per 32-query block, a call per padded group); it was 11% of a bf16 throughput run.
+// How: one work item is (span, KV head, tile of query rows); the tile's G query heads per row
+// share the head's K, transposed once per item into float32 [D][keys], so that 8 queries' scores
+// for 16 keys are 8 vector FMAs per element of D; then per query the softmax and P . V as
+// PyTorch's flash attention computes them (as softmax_pv_as_torch in paged_decode.cpp: keys in
+// chunks of 512 from position 0, a running max and sum, fexp_u20 on whole vectors of the chunk
+// and expf on its tail, the numerators rounded to bfloat16 for a bf16 model, the sum divided at
+// the end), 4 queries sharing each value row. The vector/tail split of a chunk follows the
+// span's whole context (the key count transformers' prompt forward has), not the query's
+// visible part: the visible keys past it use expf there too.
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+#include "kernels.h"
+#include "parallel.h"
+
+namespace fleetllm::kernels {
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int QK_GROUP = 8;  // queries whose scores share one K vector (8 accumulators)
+#else
+constexpr int QK_GROUP = 4;  // v16 is two ymm registers here: 8 of them would spill
+#endif
+constexpr int PV_GROUP = 4;  // queries whose P . V share one value row
+constexpr int CHUNK = 512;   // PyTorch's kvSplitSize
+
+struct Item {
+    int span, kh;  // all query rows of the span, KV head kh
+};
+
+template <class T, class C>
+struct PrefillCtx {
+    const T *q;
+    const C *k, *v;
+    const int32_t *spans;  // [S, 4]: q_start, q_len, ctx_len, slot_start
+    const int64_t *slots;
+    const Item *items;
+    T *out;
+    float *scratch, scale;
+    long q_stride, scratch_per;
+    int H, KVH, D, window, rows_per_item, maxctx;
+};
+
+// S[i][j] = scale * q_i . K^T[:, j] for the queries of one group and 16 keys at a time.
+template <int NQ>
+inline __attribute__((always_inline)) void scores_group(const float *qf, const float *kt,
+                                                        int kstride, float *s, int D, int npad,
+                                                        float scale)
+{
+    for (int j = 0; j < npad; j += 16) {
+        v16 acc[NQ] = {};
+        for (int d = 0; d < D; d++) {
+            v16 kv;
+            load16(kt + static_cast<long>(d) * kstride + j, kv);
+            for (int i = 0; i < NQ; i++) acc[i] += qf[static_cast<long>(i) * D + d] * kv;
+        }
+        for (int i = 0; i < NQ; i++)
+            *reinterpret_cast<v16u *>(s + static_cast<long>(i) * npad + j) = acc[i] * scale;
+    }
+}
+
+// acc[i] += P[i][t] * V[t] for the keys t in [t0, t1) (P zero where query i does not see t).
+template <class C, int NQ, int D>
+inline __attribute__((always_inline)) void pv_group(const C *v, const int64_t *slots, long tok,
+                                                    const float *p, int npad, int lo, int t0,
+                                                    int t1, float *acc)
+{
+    v16 a[NQ][D / 16];
+    for (int i = 0; i < NQ; i++)
+        for (int c = 0; c < D / 16; c++) load16(acc + i * D + 16 * c, a[i][c]);
+    for (int t = t0; t < t1; t++) {
+        const C *vr = v + slots[t] * tok;
+        v16 x[D / 16];
+        for (int c = 0; c < D / 16; c++) load16(vr + 16 * c, x[c]);
+        for (int i = 0; i < NQ; i++) {
+            const float w = p[static_cast<long>(i) * npad + t - lo];
+            for (int c = 0; c < D / 16; c++) a[i][c] += w * x[c];
+        }
+    }
+    for (int i = 0; i < NQ; i++)
+        for (int c = 0; c < D / 16; c++)
+            *reinterpret_cast<v16u *>(acc + i * D + 16 * c) = a[i][c];
+}
+
+template <class C>
+void pv_any(const C *v, const int64_t *slots, long tok, const float *p, int npad, int lo,
+            int t0, int t1, float *acc, int nq, int D)
+{
+    for (int t = t0; t < t1; t++) {
+        const C *vr = v + slots[t] * tok;
+        for (int i = 0; i < nq; i++) {
+            const float w = p[static_cast<long>(i) * npad + t - lo];
+            float *ai = acc + static_cast<long>(i) * D;
+            #pragma omp simd
+            for (int d = 0; d < D; d++) ai[d] += w * to_f32(vr[d]);
+        }
+    }
+}
+
+// One chunk's softmax step for one query (keys [vis, end) visible of the chunk [c0, c1), c1
+// from the whole context), as softmax_pv_as_torch: s holds the query's scores from key lo;
+// leaves the numerators in s and rescales acc. Whole vectors where the chunk's lanes allow,
+// lane by lane around them (the same exp, the same per-lane order of the sums).
+template <bool RoundP>
+inline void chunk_softmax(float *s, int lo, int c0, int c1, int vis, int end, float &run_max,
+                          float &run_sum, float *acc, int D, bool first)
+{
+    constexpr int L = TORCH_LANES;
+    const int vec_end = c0 + (c1 - c0) / L * L, vend = vec_end < end ? vec_end : end;
+    float m = run_max;
+    #pragma omp simd reduction(max:m)
+    for (int t = vis; t < end; t++) m = s[t - lo] > m ? s[t - lo] : m;
+    float lanes[L] = {};
+    int t = vis;
+    // float32 models take the accurate exp: PyTorch's float32 kernel is ~1e-6 from exact, and
+    // fexp_u20 (~2e-5 relative) would put such outputs ~1e-4 off.
+    auto one = [&](int u) {
+        const float e = RoundP ? fexp_u20(s[u - lo] - m) : exp_f32(s[u - lo] - m);
+        s[u - lo] = RoundP ? round_to<bf16>(e) : e;
+        lanes[(u - c0) % L] += e;
+    };
+    const int aligned = c0 + (vis - c0 + L - 1) / L * L;
+    for (; t < vend && t < aligned; t++) one(t);
+#if defined(__AVX512F__) || defined(__AVX2__)
+    if (t + L <= vend) {
+        torch_vec sum_v, x;
+        std::memcpy(&sum_v, lanes, sizeof sum_v);
+        for (; t + L <= vend; t += L) {
+            std::memcpy(&x, s + t - lo, sizeof x);
+            const torch_vec e = RoundP ? fexp_u20_lanes(x - m) : exp_lanes(x - m);
+            sum_v += e;
+            if constexpr (RoundP) {
+                typedef uint32_t uv __attribute__((vector_size(sizeof(torch_vec))));
+                const torch_vec r = round_lanes<bf16, torch_vec, uv>(e);
+                std::memcpy(s + t - lo, &r, sizeof r);
+            } else {
+                std::memcpy(s + t - lo, &e, sizeof e);
+            }
+        }
+        std::memcpy(lanes, &sum_v, sizeof sum_v);
+    }
+#endif
+    for (; t < vend; t++) one(t);
+    for (int d = L / 2; d >= 1; d /= 2)
+        for (int l = 0; l < d; l++) lanes[l] += lanes[l + d];
+    float sum = lanes[0];
+    for (t = vend > vis ? vend : vis; t < end; t++) {
+        const float e = std::exp(s[t - lo] - m);
+        sum += e;
+        s[t - lo] = RoundP ? round_to<bf16>(e) : e;
+    }
+    const float rescale = std::exp(run_max - m);
+    run_sum = std::fma(rescale, run_sum, sum);
+    run_max = m;
+    if (!first)
+        for (int d = 0; d < D; d++) acc[d] *= rescale;
+}
+
+inline void zero(float *s, int a, int b)
+{
+    if (a < b) std::memset(s + a, 0, sizeof(float) * static_cast<size_t>(b - a));
+}
+
+template <class T, class C>
+void prefill_body(void *arg, long begin, long end, int tid)
+{
+    const auto *c = static_cast<const PrefillCtx<T, C> *>(arg);
+    const int H = c->H, D = c->D, G = H / c->KVH, R = c->rows_per_item;
+    const long tok = static_cast<long>(c->KVH) * D;
+    const int nqmax = R * G, npmax = c->maxctx + 16;
+    float *qf = c->scratch + tid * c->scratch_per, *kt = qf + static_cast<long>(nqmax) * D;
+    float *s = kt + static_cast<long>(D) * npmax, *acc = s + static_cast<long>(nqmax) * npmax;
+    float *run_max = acc + static_cast<long>(nqmax) * D, *run_sum = run_max + nqmax;
+    for (long it = begin; it < end; it++) {
+        const Item &item = c->items[it];
+        const int32_t *sp = c->spans + 4L * item.span;
+        const int q_start = sp[0], q_len = sp[1], ctx = sp[2];
+        const int64_t *slots = c->slots + sp[3];
+        const int prefix = ctx - q_len, kstride = (ctx + 15) / 16 * 16;
+        const C *kh = c->k + static_cast<long>(item.kh) * D;
+        int ready = 0;  // keys [0, ready) are in kt ([D][kstride], float32)
+        for (int r0 = 0; r0 < q_len; r0 += R) {
+            const int nrows = std::min(R, q_len - r0), nq = nrows * G;
+            auto row_len = [&](int r) { return prefix + r0 + r + 1; };  // keys row r sees
+            auto row_start = [&](int r) {
+                const int len = row_len(r);
+                return c->window > 0 && len > c->window ? len - c->window : 0;
+            };
+            const int lo = row_start(0) / 16 * 16, n = row_len(nrows - 1);
+            const int npad = (n - lo + 15) / 16 * 16;
+            for (; ready < n; ready += 16)  // 16 keys at a time (zeros past the context)
+                for (int d = 0; d < D; d++) {
+                    float *col = kt + static_cast<long>(d) * kstride + ready;
+                    for (int j = 0; j < 16; j++)
+                        col[j] = ready + j < ctx ? to_f32(kh[slots[ready + j] * tok + d]) : 0.f;
+                }
+            for (int r = 0; r < nrows; r++) {  // query i = row i / G, head i % G, in float32
+                const T *qr = c->q + (q_start + r0 + r) * c->q_stride;
+                convert(qr + static_cast<long>(item.kh) * G * D, qf + static_cast<long>(r) * G * D,
+                        static_cast<long>(G) * D);
+            }
+            int i = 0;
+            const float *kt0 = kt + lo;
+            for (; i + QK_GROUP <= nq; i += QK_GROUP)
+                scores_group<QK_GROUP>(qf + static_cast<long>(i) * D, kt0, kstride,
+                                       s + static_cast<long>(i) * npad, D, npad, c->scale);
+            for (; i + 4 <= nq; i += 4)
+                scores_group<4>(qf + static_cast<long>(i) * D, kt0, kstride,
+                                s + static_cast<long>(i) * npad, D, npad, c->scale);
+            for (; i < nq; i++)
+                scores_group<1>(qf + static_cast<long>(i) * D, kt0, kstride,
+                                s + static_cast<long>(i) * npad, D, npad, c->scale);
+            std::memset(acc, 0, sizeof(float) * static_cast<size_t>(nq) * D);
+            for (int q = 0; q < nq; q++) { run_max[q] = -INFINITY; run_sum[q] = 0.f; }
+            // Chunk by chunk (a query's later chunks rescale what its earlier ones summed),
+            // groups of PV_GROUP queries sharing the value rows.
+            for (int c0 = lo / CHUNK * CHUNK; c0 < n; c0 += CHUNK) {
+                const int c1 = c0 + CHUNK < ctx ? c0 + CHUNK : ctx;
+                for (int g0 = 0; g0 < nq; g0 += PV_GROUP) {
+                    const int g1 = g0 + PV_GROUP < nq ? g0 + PV_GROUP : nq;
+                    int t0 = c1, t1 = c0;  // the keys of this chunk any query of the group sees
+                    for (int q = g0; q < g1; q++) {
+                        const int r = q / G, len = row_len(r), st = row_start(r);
+                        const int vis = c0 > st ? c0 : st, e = c1 < len ? c1 : len;
+                        float *sq = s + static_cast<long>(q) * npad;
+                        if (vis < e) {
+                            chunk_softmax<!std::is_same_v<T, float>>(
+                                sq, lo, c0, c1, vis, e, run_max[q], run_sum[q],
+                                acc + static_cast<long>(q) * D, D, c0 <= st / CHUNK * CHUNK);
+                            t0 = vis < t0 ? vis : t0;
+                            t1 = e > t1 ? e : t1;
+                        }
+                        // zeros where this query does not see a key the group reads
+                        const int z0 = c0 > lo ? c0 : lo, z1 = c1 < n ? c1 : n;
+                        if (vis < e) {
+                            zero(sq, z0 - lo, vis - lo);
+                            zero(sq, e - lo, z1 - lo);
+                        } else {
+                            zero(sq, z0 - lo, z1 - lo);
+                        }
+                    }
+                    if (t0 >= t1) continue;
+                    float *ag = acc + static_cast<long>(g0) * D;
+                    const float *pg = s + static_cast<long>(g0) * npad;
+                    const C *vh = c->v + static_cast<long>(item.kh) * D;
+                    if (g1 - g0 == PV_GROUP && D == 64) {
+                        pv_group<C, PV_GROUP, 64>(vh, slots, tok, pg, npad, lo, t0, t1, ag);
+                    } else if (g1 - g0 == PV_GROUP && D == 128) {
+                        pv_group<C, 2, 128>(vh, slots, tok, pg, npad, lo, t0, t1, ag);
+                        pv_group<C, 2, 128>(vh, slots, tok, pg + 2L * npad, npad, lo, t0, t1,
+                                            ag + 2L * D);
+                    } else {
+                        pv_any(vh, slots, tok, pg, npad, lo, t0, t1, ag, g1 - g0, D);
+                    }
+                }
+            }
+            for (int q = 0; q < nq; q++) {  // out = acc / sum
+                const int r = q / G, h = item.kh * G + q % G;
+                const float inv = 1.f / run_sum[q];
+                const float *aq = acc + static_cast<long>(q) * D;
+                T *o = c->out + (static_cast<long>(q_start + r0 + r) * H + h) * D;
+                #pragma omp simd
+                for (int d = 0; d < D; d++) o[d] = from_f32<T>(aq[d] * inv);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+int prefill_rows_per_item(int H, int KVH)
+{
+    // About 32 queries per tile, a whole number of QK groups (rows * G a multiple of it).
+    const int G = H / KVH, step = QK_GROUP / std::gcd(G, QK_GROUP);
+    return std::max(step, 32 / G / step * step);
+}
+
+long prefill_attention_scratch(int H, int KVH, int D, int maxctx, int nthreads)
+{
+    const long nq = static_cast<long>(prefill_rows_per_item(H, KVH)) * (H / KVH);
+    const long np = maxctx + 16L;
+    const long per = nq * D + static_cast<long>(D) * np + nq * np + nq * D + 2 * nq;
+    return per * (nthreads > 0 ? nthreads : 1);
+}
+
+template <class T, class C>
+void prefill_attention(const T *q, long q_stride, const C *k, const C *v, const int32_t *spans,
+                       int S, const int64_t *slots, T *out, int H, int KVH, int D, int window,
+                       float scale, int maxctx, float *scratch, int nthreads)
+{
+    const int rows = prefill_rows_per_item(H, KVH);
+    std::vector<Item> items;
+    for (int sp = 0; sp < S; sp++)
+        for (int kh = 0; kh < KVH; kh++) items.push_back({sp, kh});
+    // Longest spans first: a late long item would leave the other threads idle.
+    auto cost = [&](const Item &a) {
+        const long ql = spans[4 * a.span + 1], ctx = spans[4 * a.span + 2];
+        return ql * (2 * ctx - ql);
+    };
+    std::stable_sort(items.begin(), items.end(),
+                     [&](const Item &a, const Item &b) { return cost(a) > cost(b); });
+    PrefillCtx<T, C> c{};
+    c.q = q;
+    c.k = k;
+    c.v = v;
+    c.spans = spans;
+    c.slots = slots;
+    c.items = items.data();
+    c.out = out;
+    c.scratch = scratch;
+    c.scale = scale;
+    c.q_stride = q_stride;
+    c.scratch_per = prefill_attention_scratch(H, KVH, D, maxctx, 1);
+    c.H = H;
+    c.KVH = KVH;
+    c.D = D;
+    c.window = window;
+    c.rows_per_item = rows;
+    c.maxctx = maxctx;
+    parallel_run(nthreads, prefill_body<T, C>, &c, static_cast<long>(items.size()), 1, false);
+}
+
+#define FLEETLLM_PREFILL(T, C)                                                                \
+    template void prefill_attention<T, C>(const T *, long, const C *, const C *,              \
+                                          const int32_t *, int, const int64_t *, T *, int,    \
+                                          int, int, int, float, int, float *, int);
+FLEETLLM_PREFILL(float, float)
+FLEETLLM_PREFILL(float, bf16)
+FLEETLLM_PREFILL(bf16, float)
+FLEETLLM_PREFILL(bf16, bf16)
+
+}  // namespace fleetllm::kernels
