@@ -1,4 +1,5 @@
-"""Paged attention: a C kernel for CPU decode, PyTorch SDPA for the rest (CPU and CUDA).
+"""Paged attention: C kernels on the CPU (decode, prompts), PyTorch SDPA elsewhere (CUDA, or
+a CPU without a compiler).
 
 KV cache layout, one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim].
 Slot s = block * block_size + offset. Slot-major rows make writing a step's K/V one index op
@@ -14,6 +15,10 @@ writes its K/V and attends:
   context in place from its blocks, every K/V byte once, no padding. Elsewhere, sequences are
   grouped by context length (padding bounded to ~1/3 of a group's longest) and each group's
   context is gathered once per layer with the step's index tensor, then SDPA.
+- prefill on CPU in float32 or bfloat16: `cpu_kernels.prefill_attention` attends every
+  span's queries over its context read in place from the cache (after a cached prefix or
+  not), the step's spans in one call; a bf16 model's outputs are PyTorch flash attention's
+  (transformers' prompt forward) bit for bit but for float32 summation ties. Elsewhere:
 - prefill without a cached prefix: spans of similar length are right-padded into one batch
   and attended with one causal SDPA call (right padding needs no mask: a padded key is later
   than every real query of its row). One span is attended in place.
