@@ -74,7 +74,7 @@ void paged_decode(const T *q, long q_stride, const C *k, const C *v, const Decod
 // ctx_len tokens (a cached prefix, then the span's own) sit at slots[slot_start..]; query i of
 // the span sees the keys (ctx_len - q_len + i - window, ctx_len - q_len + i]. maxctx: the longest
 // ctx_len.
-int prefill_rows_per_item(int H, int KVH);
+int prefill_rows_per_tile(int H, int KVH);
 long prefill_attention_scratch(int H, int KVH, int D, int maxctx, int nthreads);
 template <class T, class C>
 void prefill_attention(const T *q, long q_stride, const C *k, const C *v, const int32_t *spans,
@@ -238,8 +238,8 @@ inline __attribute__((always_inline)) void store_lanes(T *p, V x)
 
 // exp(x) in float32: Cody-Waite reduction x = n ln2 + r, Cephes' degree-6 polynomial for
 // exp(r), times 2^n built in the exponent bits. Within ~2 ulp of expf over [-87, 88]; inputs
-// are clamped to that range. One template for a float and for a vector of floats (below), so
-// that every lane takes the same operations in the same order (the same bits): GCC's own
+// are clamped to that range. One template for a float and for a vector of floats (the
+// overloads above), so that every lane takes the same operations in the same order (the same bits): GCC's own
 // vectorization of the scalar form ran SiLU * up at 0.68 G elements/s per core here, the
 // vector form 1.8.
 inline float clamp_lanes(float x, float lo, float hi)

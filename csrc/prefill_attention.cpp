@@ -4,15 +4,16 @@
 //
 // Why: PyTorch's CPU flash attention runs these short spans at 35-60 GFLOP/s here (small
 // GEMMs per 32-query block, a call per padded group); it was 11% of a bf16 throughput run.
-// How: one work item is (span, KV head, tile of query rows); the tile's G query heads per row
-// share the head's K, transposed once per item into float32 [D][keys], so that 8 queries' scores
-// for 16 keys are 8 vector FMAs per element of D; then per query the softmax and P . V as
-// PyTorch's flash attention computes them (as softmax_pv_as_torch in paged_decode.cpp: keys in
-// chunks of 512 from position 0, a running max and sum, fexp_u20 on whole vectors of the chunk
-// and expf on its tail, the numerators rounded to bfloat16 for a bf16 model, the sum divided at
-// the end), 4 queries sharing each value row. The vector/tail split of a chunk follows the
-// span's whole context (the key count transformers' prompt forward has), not the query's
-// visible part: the visible keys past it use expf there too.
+// How: one work item is (span, KV head), longest spans first; its K is transposed once into
+// float32 [D][keys] (as far as its tiles of query rows reach), so that 8 queries (rows x the G
+// query heads of the KV head) score 16 keys with 8 vector FMAs per element of D; then per
+// query the softmax and P . V as PyTorch's flash attention computes them (as
+// softmax_pv_as_torch in paged_decode.cpp: keys in chunks of 512 from position 0, a running max
+// and sum, fexp_u20 on whole vectors of the chunk and expf on its tail, the numerators rounded
+// to bfloat16 for a bf16 model, the sum divided at the end), 4 queries sharing each value row.
+// The vector/tail split of a chunk follows the span's whole context (the key count
+// transformers' prompt forward has), not the query's visible part: the visible keys past it
+// use expf there too. A float32 model takes the accurate exp instead of fexp_u20.
 #include <algorithm>
 #include <cstring>
 #include <numeric>
@@ -25,12 +26,29 @@
 namespace fleetllm::kernels {
 namespace {
 
+// The vector: one register of the build's width (GCC runs a v16 through the stack where it is
+// two ymm registers: the avx2 build was 5-8x slower than PyTorch with it).
 #if defined(__AVX512F__)
-constexpr int QK_GROUP = 8;  // queries whose scores share one K vector (8 accumulators)
+typedef v16 vec;
+typedef v16u vecu;
+constexpr int W = 16, ACC_REGS = 16;
+inline void loadv(const float *p, vec &o) { load16(p, o); }
+inline void loadv(const bf16 *p, vec &o) { load16(p, o); }
+#elif defined(__AVX2__)
+typedef v8 vec;
+typedef v8u vecu;
+constexpr int W = 8, ACC_REGS = 8;
+inline void loadv(const float *p, vec &o) { load8(p, o); }
+inline void loadv(const bf16 *p, vec &o) { load8(p, o); }
 #else
-constexpr int QK_GROUP = 4;  // v16 is two ymm registers here: 8 of them would spill
+typedef v16 vec;
+typedef v16u vecu;
+constexpr int W = 16, ACC_REGS = 8;
+inline void loadv(const float *p, vec &o) { load16(p, o); }
+inline void loadv(const bf16 *p, vec &o) { load16(p, o); }
 #endif
-constexpr int PV_GROUP = 4;  // queries whose P . V share one value row
+constexpr int QK_GROUP = 8;  // queries whose scores share one K vector (8 accumulators)
+constexpr int PV_GROUP = 4;  // queries whose softmax steps go together before their P . V
 constexpr int CHUNK = 512;   // PyTorch's kvSplitSize
 
 struct Item {
@@ -47,7 +65,7 @@ struct PrefillCtx {
     T *out;
     float *scratch, scale;
     long q_stride, scratch_per;
-    int H, KVH, D, window, rows_per_item, maxctx;
+    int H, KVH, D, window, rows_per_tile, maxctx;
 };
 
 // S[i][j] = scale * q_i . K^T[:, j] for the queries of one group and 16 keys at a time.
@@ -56,15 +74,15 @@ inline __attribute__((always_inline)) void scores_group(const float *qf, const f
                                                         int kstride, float *s, int D, int npad,
                                                         float scale)
 {
-    for (int j = 0; j < npad; j += 16) {
-        v16 acc[NQ] = {};
+    for (int j = 0; j < npad; j += W) {
+        vec acc[NQ] = {};
         for (int d = 0; d < D; d++) {
-            v16 kv;
-            load16(kt + static_cast<long>(d) * kstride + j, kv);
+            vec kv;
+            loadv(kt + static_cast<long>(d) * kstride + j, kv);
             for (int i = 0; i < NQ; i++) acc[i] += qf[static_cast<long>(i) * D + d] * kv;
         }
         for (int i = 0; i < NQ; i++)
-            *reinterpret_cast<v16u *>(s + static_cast<long>(i) * npad + j) = acc[i] * scale;
+            *reinterpret_cast<vecu *>(s + static_cast<long>(i) * npad + j) = acc[i] * scale;
     }
 }
 
@@ -74,21 +92,19 @@ inline __attribute__((always_inline)) void pv_group(const C *v, const int64_t *s
                                                     const float *p, int npad, int lo, int t0,
                                                     int t1, float *acc)
 {
-    v16 a[NQ][D / 16];
+    vec a[NQ][D / W];
     for (int i = 0; i < NQ; i++)
-        for (int c = 0; c < D / 16; c++) load16(acc + i * D + 16 * c, a[i][c]);
+        for (int c = 0; c < D / W; c++) loadv(acc + i * D + W * c, a[i][c]);
     for (int t = t0; t < t1; t++) {
         const C *vr = v + slots[t] * tok;
-        v16 x[D / 16];
-        for (int c = 0; c < D / 16; c++) load16(vr + 16 * c, x[c]);
-        for (int i = 0; i < NQ; i++) {
-            const float w = p[static_cast<long>(i) * npad + t - lo];
-            for (int c = 0; c < D / 16; c++) a[i][c] += w * x[c];
+        for (int c = 0; c < D / W; c++) {
+            vec x;
+            loadv(vr + W * c, x);
+            for (int i = 0; i < NQ; i++) a[i][c] += p[static_cast<long>(i) * npad + t - lo] * x;
         }
     }
     for (int i = 0; i < NQ; i++)
-        for (int c = 0; c < D / 16; c++)
-            *reinterpret_cast<v16u *>(acc + i * D + 16 * c) = a[i][c];
+        for (int c = 0; c < D / W; c++) *reinterpret_cast<vecu *>(acc + i * D + W * c) = a[i][c];
 }
 
 template <class C>
@@ -174,7 +190,7 @@ template <class T, class C>
 void prefill_body(void *arg, long begin, long end, int tid)
 {
     const auto *c = static_cast<const PrefillCtx<T, C> *>(arg);
-    const int H = c->H, D = c->D, G = H / c->KVH, R = c->rows_per_item;
+    const int H = c->H, D = c->D, G = H / c->KVH, R = c->rows_per_tile;
     const long tok = static_cast<long>(c->KVH) * D;
     const int nqmax = R * G, npmax = c->maxctx + 16;
     float *qf = c->scratch + tid * c->scratch_per, *kt = qf + static_cast<long>(nqmax) * D;
@@ -249,18 +265,23 @@ void prefill_body(void *arg, long begin, long end, int tid)
                         }
                     }
                     if (t0 >= t1) continue;
-                    float *ag = acc + static_cast<long>(g0) * D;
-                    const float *pg = s + static_cast<long>(g0) * npad;
                     const C *vh = c->v + static_cast<long>(item.kh) * D;
-                    if (g1 - g0 == PV_GROUP && D == 64) {
-                        pv_group<C, PV_GROUP, 64>(vh, slots, tok, pg, npad, lo, t0, t1, ag);
-                    } else if (g1 - g0 == PV_GROUP && D == 128) {
-                        pv_group<C, 2, 128>(vh, slots, tok, pg, npad, lo, t0, t1, ag);
-                        pv_group<C, 2, 128>(vh, slots, tok, pg + 2L * npad, npad, lo, t0, t1,
-                                            ag + 2L * D);
-                    } else {
-                        pv_any(vh, slots, tok, pg, npad, lo, t0, t1, ag, g1 - g0, D);
-                    }
+                    // as many queries at a time as keep their sums in ACC_REGS registers
+                    constexpr int N64 = ACC_REGS / (64 / W), N128 = ACC_REGS / (128 / W);
+                    int i = g0;
+                    if (D == 64)
+                        for (; i + N64 <= g1; i += N64)
+                            pv_group<C, N64, 64>(vh, slots, tok, s + static_cast<long>(i) * npad,
+                                                 npad, lo, t0, t1, acc + static_cast<long>(i) * D);
+                    if constexpr (N128 > 0)
+                        if (D == 128)
+                            for (; i + N128 <= g1; i += N128)
+                                pv_group<C, N128, 128>(vh, slots, tok,
+                                                       s + static_cast<long>(i) * npad, npad, lo,
+                                                       t0, t1, acc + static_cast<long>(i) * D);
+                    if (i < g1)
+                        pv_any(vh, slots, tok, s + static_cast<long>(i) * npad, npad, lo, t0, t1,
+                               acc + static_cast<long>(i) * D, g1 - i, D);
                 }
             }
             for (int q = 0; q < nq; q++) {  // out = acc / sum
@@ -277,7 +298,7 @@ void prefill_body(void *arg, long begin, long end, int tid)
 
 }  // namespace
 
-int prefill_rows_per_item(int H, int KVH)
+int prefill_rows_per_tile(int H, int KVH)
 {
     // About 32 queries per tile, a whole number of QK groups (rows * G a multiple of it).
     const int G = H / KVH, step = QK_GROUP / std::gcd(G, QK_GROUP);
@@ -286,7 +307,7 @@ int prefill_rows_per_item(int H, int KVH)
 
 long prefill_attention_scratch(int H, int KVH, int D, int maxctx, int nthreads)
 {
-    const long nq = static_cast<long>(prefill_rows_per_item(H, KVH)) * (H / KVH);
+    const long nq = static_cast<long>(prefill_rows_per_tile(H, KVH)) * (H / KVH);
     const long np = maxctx + 16L;
     const long per = nq * D + static_cast<long>(D) * np + nq * np + nq * D + 2 * nq;
     return per * (nthreads > 0 ? nthreads : 1);
@@ -297,7 +318,7 @@ void prefill_attention(const T *q, long q_stride, const C *k, const C *v, const 
                        int S, const int64_t *slots, T *out, int H, int KVH, int D, int window,
                        float scale, int maxctx, float *scratch, int nthreads)
 {
-    const int rows = prefill_rows_per_item(H, KVH);
+    const int rows = prefill_rows_per_tile(H, KVH);
     std::vector<Item> items;
     for (int sp = 0; sp < S; sp++)
         for (int kh = 0; kh < KVH; kh++) items.push_back({sp, kh});
@@ -324,7 +345,7 @@ void prefill_attention(const T *q, long q_stride, const C *k, const C *v, const 
     c.KVH = KVH;
     c.D = D;
     c.window = window;
-    c.rows_per_item = rows;
+    c.rows_per_tile = rows;
     c.maxctx = maxctx;
     parallel_run(nthreads, prefill_body<T, C>, &c, static_cast<long>(items.size()), 1, false);
 }
