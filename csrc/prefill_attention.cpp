@@ -52,7 +52,7 @@ constexpr int PV_GROUP = 4;  // queries whose softmax steps go together before t
 constexpr int CHUNK = 512;   // PyTorch's kvSplitSize
 
 struct Item {
-    int span, kh;  // all query rows of the span, KV head kh
+    int span, kh, r0, r1;  // query rows [r0, r1) of the span (whole tiles), KV head kh
 };
 
 template <class T, class C>
@@ -204,7 +204,7 @@ void prefill_body(void *arg, long begin, long end, int tid)
         const int prefix = ctx - q_len, kstride = (ctx + 15) / 16 * 16;
         const C *kh = c->k + static_cast<long>(item.kh) * D;
         int ready = 0;  // keys [0, ready) are in kt ([D][kstride], float32)
-        for (int r0 = 0; r0 < q_len; r0 += R) {
+        for (int r0 = item.r0; r0 < item.r1; r0 += R) {
             const int nrows = std::min(R, q_len - r0), nq = nrows * G;
             auto row_len = [&](int r) { return prefix + r0 + r + 1; };  // keys row r sees
             auto row_start = [&](int r) {
@@ -319,14 +319,33 @@ void prefill_attention(const T *q, long q_stride, const C *k, const C *v, const 
                        float scale, int maxctx, float *scratch, int nthreads)
 {
     const int rows = prefill_rows_per_tile(H, KVH);
-    std::vector<Item> items;
-    for (int sp = 0; sp < S; sp++)
-        for (int kh = 0; kh < KVH; kh++) items.push_back({sp, kh});
-    // Longest spans first: a late long item would leave the other threads idle.
-    auto cost = [&](const Item &a) {
-        const long ql = spans[4 * a.span + 1], ctx = spans[4 * a.span + 2];
-        return ql * (2 * ctx - ql);
+    // One item per (span, KV head) shares its K transposition across all of the span's rows;
+    // where that leaves fewer than 4 items per thread (one long prompt, few KV heads, many
+    // cores), spans of 256 rows or more split into row ranges of about equal work (causal:
+    // later rows see more keys; at least 128 rows each: shorter ranges measured slower than
+    // none), each transposing the keys it reaches. A query's result does not depend on the
+    // split.
+    const int parts_wanted = std::max(1, (4 * nthreads + S * KVH - 1) / (S * KVH));
+    auto work = [&](int sp, long r) {  // keys seen by rows [0, r) of span sp
+        const long prefix = spans[4 * sp + 2] - spans[4 * sp + 1];
+        return r * prefix + r * (r + 1) / 2;
     };
+    std::vector<Item> items;
+    for (int sp = 0; sp < S; sp++) {
+        const int ql = spans[4 * sp + 1];
+        const int parts = std::max(1, std::min(parts_wanted, ql / 128));
+        const long total = work(sp, ql);
+        int r0 = 0;
+        for (int part = 1; part <= parts && r0 < ql; part++) {
+            int r1 = r0;  // whole tiles up to this part's share of the work
+            while (r1 < ql && (part == parts || work(sp, r1) * parts < total * part))
+                r1 = std::min(r1 + rows, ql);
+            for (int kh = 0; kh < KVH; kh++) items.push_back({sp, kh, r0, r1});
+            r0 = r1;
+        }
+    }
+    // Most work first: a late long item would leave the other threads idle.
+    auto cost = [&](const Item &a) { return work(a.span, a.r1) - work(a.span, a.r0); };
     std::stable_sort(items.begin(), items.end(),
                      [&](const Item &a, const Item &b) { return cost(a) > cost(b); });
     PrefillCtx<T, C> c{};

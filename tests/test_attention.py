@@ -143,6 +143,28 @@ def test_bf16_prefill_attention_is_pytorch_flash_attention_bit_for_bit(length):
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
+@pytest.mark.parametrize("kv_heads, length, prefix", [(1, 700, 0), (2, 300, 50), (4, 40, 0)])
+def test_prefill_attention_does_not_depend_on_the_thread_count(kv_heads, length, prefix):
+    """With few KV heads, a long span splits into row ranges, more with more threads (one
+    item per thread would leave the others idle); every query's result stays the same."""
+    g = torch.Generator().manual_seed(kv_heads)
+    ctx = prefix + length
+    cache = torch.randn(2, ctx // 16 + 4, 16, kv_heads, 64, generator=g).to(torch.bfloat16)
+    slots = torch.randperm(cache.shape[1] * 16, generator=g)[:ctx]
+    q = torch.randn(length, 4 * kv_heads, 64, generator=g).to(torch.bfloat16)
+    spans = torch.tensor([[0, length, ctx, 0]], dtype=torch.int32)
+    threads, outs = torch.get_num_threads(), []
+    try:
+        for n in (1, 2, 8):
+            torch.set_num_threads(n)
+            outs.append(torch.empty_like(q))
+            cpu_kernels.prefill_attention(q, cache, spans, slots, None, 0.125, outs[-1])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
 def test_prefill_attention_checks_its_arguments():
     cache = torch.randn(2, 4, 16, 2, 16)
     q, out = torch.randn(10, 4, 16), torch.empty(10, 4, 16)
