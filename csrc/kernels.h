@@ -335,6 +335,73 @@ inline v8 fexp_u20_lanes(v8 xv)
 }
 #endif
 
+// PyTorch's CPU flash attention (what transformers' models call) in chunks of this many keys
+// from position 0: its kvSplitSize.
+constexpr int TORCH_CHUNK = 512;
+
+// One chunk's softmax step for one query as PyTorch's CPU flash attention takes it (decode and
+// prompt attention share it, so that a bf16 model's attention follows transformers'): keys
+// [vis, end) of the chunk [c0, c1) are visible, c1 counted from the whole context; s holds the
+// query's scores from key lo. Updates the running max and sum, leaves the numerators in s
+// (rounded to bfloat16 with RoundP) and rescales acc (D floats) unless this is the query's
+// first chunk. fexp_u20 on the chunk's whole vectors of TORCH_LANES, summed lane by lane then
+// as a tree, expf on the rest; whole vectors where the chunk's lanes allow, lane by lane around
+// them (the same exp, the same per-lane order of the sums).
+template <bool RoundP>
+inline void chunk_softmax(float *s, int lo, int c0, int c1, int vis, int end, float &run_max,
+                          float &run_sum, float *acc, int D, bool first)
+{
+    constexpr int L = TORCH_LANES;
+    const int vec_end = c0 + (c1 - c0) / L * L, vend = vec_end < end ? vec_end : end;
+    float m = run_max;
+    #pragma omp simd reduction(max:m)
+    for (int t = vis; t < end; t++) m = s[t - lo] > m ? s[t - lo] : m;
+    float lanes[L] = {};
+    int t = vis;
+    // float32 models take the accurate exp: PyTorch's float32 kernel is ~1e-6 from exact, and
+    // fexp_u20 (~2e-5 relative) would put such outputs ~1e-4 off.
+    auto one = [&](int u) {
+        const float e = RoundP ? fexp_u20(s[u - lo] - m) : exp_f32(s[u - lo] - m);
+        s[u - lo] = RoundP ? round_to<bf16>(e) : e;
+        lanes[(u - c0) % L] += e;
+    };
+    const int aligned = c0 + (vis - c0 + L - 1) / L * L;
+    for (; t < vend && t < aligned; t++) one(t);
+#if defined(__AVX512F__) || defined(__AVX2__)
+    if (t + L <= vend) {
+        torch_vec sum_v, x;
+        std::memcpy(&sum_v, lanes, sizeof sum_v);
+        for (; t + L <= vend; t += L) {
+            std::memcpy(&x, s + t - lo, sizeof x);
+            const torch_vec e = RoundP ? fexp_u20_lanes(x - m) : exp_lanes(x - m);
+            sum_v += e;
+            if constexpr (RoundP) {
+                typedef uint32_t uv __attribute__((vector_size(sizeof(torch_vec))));
+                const torch_vec r = round_lanes<bf16, torch_vec, uv>(e);
+                std::memcpy(s + t - lo, &r, sizeof r);
+            } else {
+                std::memcpy(s + t - lo, &e, sizeof e);
+            }
+        }
+        std::memcpy(lanes, &sum_v, sizeof sum_v);
+    }
+#endif
+    for (; t < vend; t++) one(t);
+    for (int d = L / 2; d >= 1; d /= 2)
+        for (int l = 0; l < d; l++) lanes[l] += lanes[l + d];
+    float sum = lanes[0];
+    for (t = vend > vis ? vend : vis; t < end; t++) {
+        const float e = std::exp(s[t - lo] - m);
+        sum += e;
+        s[t - lo] = RoundP ? round_to<bf16>(e) : e;
+    }
+    const float rescale = std::exp(run_max - m);
+    run_sum = std::fma(rescale, run_sum, sum);
+    run_max = m;
+    if (!first)
+        for (int d = 0; d < D; d++) acc[d] *= rescale;
+}
+
 // Element-wise copy with conversion (a memcpy when the types agree).
 template <class S, class D>
 inline void convert(const S *src, D *dst, long n)

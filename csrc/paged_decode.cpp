@@ -115,53 +115,17 @@ inline __attribute__((always_inline)) void softmax_pv_as_torch(
     const C *v, const int32_t *table, int start, int len, int kh0, int nkv, float *acc, int G,
     int KVH, const int D, int bs, int b0, int n, float *scores, float *state)
 {
-    constexpr int CHUNK = 512;
-    const int nh = nkv * G, p0 = b0 * bs;  // scores[h * n + pos - p0]
+    const int nh = nkv * G, p0 = b0 * bs;
     float *run_max = state, *run_sum = state + nh;
     for (int h = 0; h < nh; h++) { run_max[h] = -INFINITY; run_sum[h] = 0.f; }
     std::memset(acc, 0, sizeof(float) * static_cast<size_t>(nh) * D);
-    for (int c0 = start / CHUNK * CHUNK; c0 < len; c0 += CHUNK) {
-        const int c1 = c0 + CHUNK < len ? c0 + CHUNK : len, vis = c0 > start ? c0 : start;
-        const int vec_end = c0 + (c1 - c0) / TORCH_LANES * TORCH_LANES;
-        for (int h = 0; h < nh; h++) {
-            float *sh = scores + static_cast<long>(h) * n;  // position t at sh[t - p0]
-            float m = run_max[h];
-            for (int t = vis; t < c1; t++) m = sh[t - p0] > m ? sh[t - p0] : m;
-            float lanes[TORCH_LANES] = {};
-            for (int t = c0; t < vec_end; t += TORCH_LANES) {
-                if (t >= vis) {
-                    float *st = sh + t - p0;
-                    #pragma omp simd
-                    for (int l = 0; l < TORCH_LANES; l++) {
-                        const float e = fexp_u20(st[l] - m);
-                        st[l] = round_to<bf16>(e);
-                        lanes[l] += e;
-                    }
-                } else {  // a vector across the window's start: the masked lanes add nothing
-                    for (int l = 0; l < TORCH_LANES; l++)
-                        if (t + l >= vis) {
-                            const float e = fexp_u20(sh[t + l - p0] - m);
-                            sh[t + l - p0] = round_to<bf16>(e);
-                            lanes[l] += e;
-                        }
-                }
-            }
-            for (int d = TORCH_LANES / 2; d >= 1; d /= 2)
-                for (int l = 0; l < d; l++) lanes[l] += lanes[l + d];
-            float sum = lanes[0];
-            for (int t = vec_end > vis ? vec_end : vis; t < c1; t++) {
-                const float e = std::exp(sh[t - p0] - m);
-                sum += e;
-                sh[t - p0] = round_to<bf16>(e);
-            }
-            const float rescale = std::exp(run_max[h] - m);
-            run_sum[h] = std::fma(rescale, run_sum[h], sum);
-            run_max[h] = m;
-            if (c0 > start / CHUNK * CHUNK) {
-                float *ah = acc + static_cast<long>(h) * D;
-                for (int d = 0; d < D; d++) ah[d] *= rescale;
-            }
-        }
+    for (int c0 = start / TORCH_CHUNK * TORCH_CHUNK; c0 < len; c0 += TORCH_CHUNK) {
+        const int c1 = c0 + TORCH_CHUNK < len ? c0 + TORCH_CHUNK : len;
+        const int vis = c0 > start ? c0 : start;
+        for (int h = 0; h < nh; h++)  // position t at scores[h * n + t - p0]
+            chunk_softmax<true>(scores + static_cast<long>(h) * n, p0, c0, c1, vis, c1,
+                                run_max[h], run_sum[h], acc + static_cast<long>(h) * D, D,
+                                c0 <= start / TORCH_CHUNK * TORCH_CHUNK);
         accumulate_pv(v, table, vis - p0, c1 - p0, b0, kh0, nkv, acc, G, KVH, D, bs, n, scores);
     }
     for (int h = 0; h < nh; h++) {

@@ -7,10 +7,11 @@
 // How: one work item is (span, KV head), longest spans first; its K is transposed once into
 // float32 [D][keys] (as far as its tiles of query rows reach), so that 8 queries (rows x the G
 // query heads of the KV head) score 16 keys with 8 vector FMAs per element of D; then per
-// query the softmax and P . V as PyTorch's flash attention computes them (as
-// softmax_pv_as_torch in paged_decode.cpp: keys in chunks of 512 from position 0, a running max
-// and sum, fexp_u20 on whole vectors of the chunk and expf on its tail, the numerators rounded
-// to bfloat16 for a bf16 model, the sum divided at the end), 4 queries sharing each value row.
+// query the softmax and P . V as PyTorch's flash attention computes them (chunk_softmax in
+// kernels.h, which decode attention shares: keys in chunks of 512 from position 0, a running
+// max and sum, fexp_u20 on whole vectors of the chunk and expf on its tail, the numerators
+// rounded to bfloat16 for a bf16 model, the sum divided at the end), the queries' P . V sums in
+// registers while each value row is read.
 // The vector/tail split of a chunk follows the span's whole context (the key count
 // transformers' prompt forward has), not the query's visible part: the visible keys past it
 // use expf there too. A float32 model takes the accurate exp instead of fexp_u20.
@@ -49,7 +50,6 @@ inline void loadv(const bf16 *p, vec &o) { load16(p, o); }
 #endif
 constexpr int QK_GROUP = 8;  // queries whose scores share one K vector (8 accumulators)
 constexpr int PV_GROUP = 4;  // queries whose softmax steps go together before their P . V
-constexpr int CHUNK = 512;   // PyTorch's kvSplitSize
 
 struct Item {
     int span, kh, r0, r1;  // query rows [r0, r1) of the span (whole tiles), KV head kh
@@ -122,65 +122,6 @@ void pv_any(const C *v, const int64_t *slots, long tok, const float *p, int npad
     }
 }
 
-// One chunk's softmax step for one query (keys [vis, end) visible of the chunk [c0, c1), c1
-// from the whole context), as softmax_pv_as_torch: s holds the query's scores from key lo;
-// leaves the numerators in s and rescales acc. Whole vectors where the chunk's lanes allow,
-// lane by lane around them (the same exp, the same per-lane order of the sums).
-template <bool RoundP>
-inline void chunk_softmax(float *s, int lo, int c0, int c1, int vis, int end, float &run_max,
-                          float &run_sum, float *acc, int D, bool first)
-{
-    constexpr int L = TORCH_LANES;
-    const int vec_end = c0 + (c1 - c0) / L * L, vend = vec_end < end ? vec_end : end;
-    float m = run_max;
-    #pragma omp simd reduction(max:m)
-    for (int t = vis; t < end; t++) m = s[t - lo] > m ? s[t - lo] : m;
-    float lanes[L] = {};
-    int t = vis;
-    // float32 models take the accurate exp: PyTorch's float32 kernel is ~1e-6 from exact, and
-    // fexp_u20 (~2e-5 relative) would put such outputs ~1e-4 off.
-    auto one = [&](int u) {
-        const float e = RoundP ? fexp_u20(s[u - lo] - m) : exp_f32(s[u - lo] - m);
-        s[u - lo] = RoundP ? round_to<bf16>(e) : e;
-        lanes[(u - c0) % L] += e;
-    };
-    const int aligned = c0 + (vis - c0 + L - 1) / L * L;
-    for (; t < vend && t < aligned; t++) one(t);
-#if defined(__AVX512F__) || defined(__AVX2__)
-    if (t + L <= vend) {
-        torch_vec sum_v, x;
-        std::memcpy(&sum_v, lanes, sizeof sum_v);
-        for (; t + L <= vend; t += L) {
-            std::memcpy(&x, s + t - lo, sizeof x);
-            const torch_vec e = RoundP ? fexp_u20_lanes(x - m) : exp_lanes(x - m);
-            sum_v += e;
-            if constexpr (RoundP) {
-                typedef uint32_t uv __attribute__((vector_size(sizeof(torch_vec))));
-                const torch_vec r = round_lanes<bf16, torch_vec, uv>(e);
-                std::memcpy(s + t - lo, &r, sizeof r);
-            } else {
-                std::memcpy(s + t - lo, &e, sizeof e);
-            }
-        }
-        std::memcpy(lanes, &sum_v, sizeof sum_v);
-    }
-#endif
-    for (; t < vend; t++) one(t);
-    for (int d = L / 2; d >= 1; d /= 2)
-        for (int l = 0; l < d; l++) lanes[l] += lanes[l + d];
-    float sum = lanes[0];
-    for (t = vend > vis ? vend : vis; t < end; t++) {
-        const float e = std::exp(s[t - lo] - m);
-        sum += e;
-        s[t - lo] = RoundP ? round_to<bf16>(e) : e;
-    }
-    const float rescale = std::exp(run_max - m);
-    run_sum = std::fma(rescale, run_sum, sum);
-    run_max = m;
-    if (!first)
-        for (int d = 0; d < D; d++) acc[d] *= rescale;
-}
-
 inline void zero(float *s, int a, int b)
 {
     if (a < b) std::memset(s + a, 0, sizeof(float) * static_cast<size_t>(b - a));
@@ -239,8 +180,8 @@ void prefill_body(void *arg, long begin, long end, int tid)
             for (int q = 0; q < nq; q++) { run_max[q] = -INFINITY; run_sum[q] = 0.f; }
             // Chunk by chunk (a query's later chunks rescale what its earlier ones summed),
             // groups of PV_GROUP queries sharing the value rows.
-            for (int c0 = lo / CHUNK * CHUNK; c0 < n; c0 += CHUNK) {
-                const int c1 = c0 + CHUNK < ctx ? c0 + CHUNK : ctx;
+            for (int c0 = lo / TORCH_CHUNK * TORCH_CHUNK; c0 < n; c0 += TORCH_CHUNK) {
+                const int c1 = c0 + TORCH_CHUNK < ctx ? c0 + TORCH_CHUNK : ctx;
                 for (int g0 = 0; g0 < nq; g0 += PV_GROUP) {
                     const int g1 = g0 + PV_GROUP < nq ? g0 + PV_GROUP : nq;
                     int t0 = c1, t1 = c0;  // the keys of this chunk any query of the group sees
@@ -251,7 +192,7 @@ void prefill_body(void *arg, long begin, long end, int tid)
                         if (vis < e) {
                             chunk_softmax<!std::is_same_v<T, float>>(
                                 sq, lo, c0, c1, vis, e, run_max[q], run_sum[q],
-                                acc + static_cast<long>(q) * D, D, c0 <= st / CHUNK * CHUNK);
+                                acc + static_cast<long>(q) * D, D, c0 <= st / TORCH_CHUNK * TORCH_CHUNK);
                             t0 = vis < t0 ? vis : t0;
                             t1 = e > t1 ? e : t1;
                         }
