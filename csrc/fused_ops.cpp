@@ -66,19 +66,12 @@ void silu_body(void *arg, long begin, long end, int)
         const T *g = c->x + t * 2 * I, *u = g + I;
         T *o = c->out + t * I;
         int i = 0;
-#if defined(__AVX512F__)
-        for (v16 gv, uv; i + 16 <= I; i += 16) {
-            load16(g + i, gv);
-            load16(u + i, uv);
-            const v16 s = round_lanes<T, v16, u16x32>(gv / (1.f + exp_lanes(-gv)));
-            store_lanes<T, v16, u16x32, h16u>(o + i, s * uv);
-        }
-#elif defined(__AVX2__)
-        for (v8 gv, uv; i + 8 <= I; i += 8) {
-            load8(g + i, gv);
-            load8(u + i, uv);
-            const v8 s = round_lanes<T, v8, u8x32>(gv / (1.f + exp_lanes(-gv)));
-            store_lanes<T, v8, u8x32, h8u>(o + i, s * uv);
+#if defined(__AVX512F__) || defined(__AVX2__)
+        for (vec gv, uv; i + VEC_LANES <= I; i += VEC_LANES) {
+            loadv(g + i, gv);
+            loadv(u + i, uv);
+            const vec s = round_lanes<T, vec, vec_u32>(gv / (1.f + exp_lanes(-gv)));
+            store_lanes<T, vec, vec_u32, vec_h16>(o + i, s * uv);
         }
 #endif
         for (; i < I; i++) {

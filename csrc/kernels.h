@@ -170,6 +170,35 @@ inline void load8(const bf16 *p, v8 &out)
 #endif
 }
 
+// The build's own float vector, one register: v16 with AVX-512, v8 with AVX2 (a v16 there is
+// two ymm registers, which GCC runs through the stack where a loop keeps several), a generic
+// v16 otherwise; its unaligned, unsigned and uint16_t companions and loader.
+#if defined(__AVX512F__)
+typedef v16 vec;
+typedef v16u vecu;
+typedef u16x32 vec_u32;
+typedef h16u vec_h16;
+constexpr int VEC_LANES = 16;
+inline void loadv(const float *p, vec &o) { load16(p, o); }
+inline void loadv(const bf16 *p, vec &o) { load16(p, o); }
+#elif defined(__AVX2__)
+typedef v8 vec;
+typedef v8u vecu;
+typedef u8x32 vec_u32;
+typedef h8u vec_h16;
+constexpr int VEC_LANES = 8;
+inline void loadv(const float *p, vec &o) { load8(p, o); }
+inline void loadv(const bf16 *p, vec &o) { load8(p, o); }
+#else
+typedef v16 vec;
+typedef v16u vecu;
+typedef u16x32 vec_u32;
+typedef h16u vec_h16;
+constexpr int VEC_LANES = 16;
+inline void loadv(const float *p, vec &o) { load16(p, o); }
+inline void loadv(const bf16 *p, vec &o) { load16(p, o); }
+#endif
+
 // The sum of the 16 lanes, as a tree.
 inline float hsum16(const v16 &x)
 {
@@ -296,9 +325,8 @@ constexpr int TORCH_LANES = 16;  // the float vector width of PyTorch's kernels 
 constexpr int TORCH_LANES = 8;
 #endif
 
-// fexp_u20 on a whole vector of TORCH_LANES floats, the same steps (the same bits).
+// fexp_u20 on a whole vector (TORCH_LANES = VEC_LANES floats), the same steps (the same bits).
 #if defined(__AVX512F__)
-typedef v16 torch_vec;
 inline v16 fexp_u20_lanes(v16 xv)
 {
     const __m512 x = __builtin_bit_cast(__m512, xv);
@@ -316,7 +344,6 @@ inline v16 fexp_u20_lanes(v16 xv)
     return __builtin_bit_cast(v16, bits);
 }
 #elif defined(__AVX2__)
-typedef v8 torch_vec;
 inline v8 fexp_u20_lanes(v8 xv)
 {
     const __m256 x = __builtin_bit_cast(__m256, xv);
@@ -369,19 +396,13 @@ inline void chunk_softmax(float *s, int lo, int c0, int c1, int vis, int end, fl
     for (; t < vend && t < aligned; t++) one(t);
 #if defined(__AVX512F__) || defined(__AVX2__)
     if (t + L <= vend) {
-        torch_vec sum_v, x;
+        vec sum_v, x;
         std::memcpy(&sum_v, lanes, sizeof sum_v);
         for (; t + L <= vend; t += L) {
-            std::memcpy(&x, s + t - lo, sizeof x);
-            const torch_vec e = RoundP ? fexp_u20_lanes(x - m) : exp_lanes(x - m);
+            loadv(s + t - lo, x);
+            const vec e = RoundP ? fexp_u20_lanes(x - m) : exp_lanes(x - m);
             sum_v += e;
-            if constexpr (RoundP) {
-                typedef uint32_t uv __attribute__((vector_size(sizeof(torch_vec))));
-                const torch_vec r = round_lanes<bf16, torch_vec, uv>(e);
-                std::memcpy(s + t - lo, &r, sizeof r);
-            } else {
-                std::memcpy(s + t - lo, &e, sizeof e);
-            }
+            *reinterpret_cast<vecu *>(s + t - lo) = RoundP ? round_lanes<bf16, vec, vec_u32>(e) : e;
         }
         std::memcpy(lanes, &sum_v, sizeof sum_v);
     }

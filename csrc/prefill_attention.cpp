@@ -27,27 +27,13 @@
 namespace fleetllm::kernels {
 namespace {
 
-// The vector: one register of the build's width (GCC runs a v16 through the stack where it is
-// two ymm registers: the avx2 build was 5-8x slower than PyTorch with it).
+// Registers P . V may keep its sums in (kernels.h's vec is one register).
 #if defined(__AVX512F__)
-typedef v16 vec;
-typedef v16u vecu;
-constexpr int W = 16, ACC_REGS = 16;
-inline void loadv(const float *p, vec &o) { load16(p, o); }
-inline void loadv(const bf16 *p, vec &o) { load16(p, o); }
-#elif defined(__AVX2__)
-typedef v8 vec;
-typedef v8u vecu;
-constexpr int W = 8, ACC_REGS = 8;
-inline void loadv(const float *p, vec &o) { load8(p, o); }
-inline void loadv(const bf16 *p, vec &o) { load8(p, o); }
+constexpr int ACC_REGS = 16;
 #else
-typedef v16 vec;
-typedef v16u vecu;
-constexpr int W = 16, ACC_REGS = 8;
-inline void loadv(const float *p, vec &o) { load16(p, o); }
-inline void loadv(const bf16 *p, vec &o) { load16(p, o); }
+constexpr int ACC_REGS = 8;
 #endif
+constexpr int W = VEC_LANES;
 constexpr int QK_GROUP = 8;  // queries whose scores share one K vector (8 accumulators)
 constexpr int PV_GROUP = 4;  // queries whose softmax steps go together before their P . V
 
