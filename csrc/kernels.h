@@ -173,15 +173,7 @@ inline void load8(const bf16 *p, v8 &out)
 // The build's own float vector, one register: v16 with AVX-512, v8 with AVX2 (a v16 there is
 // two ymm registers, which GCC runs through the stack where a loop keeps several), a generic
 // v16 otherwise; its unaligned, unsigned and uint16_t companions and loader.
-#if defined(__AVX512F__)
-typedef v16 vec;
-typedef v16u vecu;
-typedef u16x32 vec_u32;
-typedef h16u vec_h16;
-constexpr int VEC_LANES = 16;
-inline void loadv(const float *p, vec &o) { load16(p, o); }
-inline void loadv(const bf16 *p, vec &o) { load16(p, o); }
-#elif defined(__AVX2__)
+#if defined(__AVX2__) && !defined(__AVX512F__)
 typedef v8 vec;
 typedef v8u vecu;
 typedef u8x32 vec_u32;
