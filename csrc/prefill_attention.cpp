@@ -5,13 +5,13 @@
 // Why: PyTorch's CPU flash attention runs these short spans at 35-60 GFLOP/s here (small
 // GEMMs per 32-query block, a call per padded group); it was 11% of a bf16 throughput run.
 // How: one work item is (span, KV head), longest spans first; its K is transposed once into
-// float32 [D][keys] (as far as its tiles of query rows reach), so that 8 queries (rows x the G
-// query heads of the KV head) score 16 keys with 8 vector FMAs per element of D; then per
-// query the softmax and P . V as PyTorch's flash attention computes them (chunk_softmax in
-// kernels.h, which decode attention shares: keys in chunks of 512 from position 0, a running
-// max and sum, fexp_u20 on whole vectors of the chunk and expf on its tail, the numerators
-// rounded to bfloat16 for a bf16 model, the sum divided at the end), the queries' P . V sums in
-// registers while each value row is read.
+// float32 [D][keys] (whole vectors, in registers; as far as its tiles of query rows reach), so
+// that 8 queries (rows x the G query heads of the KV head) score 16 keys with 8 vector FMAs
+// per element of D; then per query the softmax and P . V as PyTorch's flash attention computes
+// them (chunk_softmax in kernels.h, which decode attention shares: keys in chunks of 512 from
+// position 0, a running max and sum, fexp_u20 on whole vectors of the chunk and expf on its
+// tail, the numerators rounded to bfloat16 for a bf16 model, the sum divided at the end), the
+// queries' P . V sums in registers while each value row is read.
 // The vector/tail split of a chunk follows the span's whole context (the key count
 // transformers' prompt forward has), not the query's visible part: the visible keys past it
 // use expf there too. A float32 model takes the accurate exp instead of fexp_u20.
@@ -19,6 +19,7 @@
 #include <cstring>
 #include <numeric>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -53,6 +54,63 @@ struct PrefillCtx {
     long q_stride, scratch_per;
     int H, KVH, D, window, rows_per_tile, maxctx;
 };
+
+// VEC_LANES vectors transposed in place (r[i][j] <- r[j][i]): log2(VEC_LANES) butterfly
+// stages, each swapping the off-diagonal B x B blocks of every 2B x 2B block (two two-source
+// shuffles per pair of rows).
+template <int B, std::size_t... L>
+inline void swap_blocks(vec &a, vec &b, std::index_sequence<L...>)
+{
+    const vec lo = __builtin_shufflevector(a, b, ((L & B) ? L - B + VEC_LANES : L)...);
+    const vec hi = __builtin_shufflevector(a, b, ((L & B) ? L + VEC_LANES : L + B)...);
+    a = lo;
+    b = hi;
+}
+
+template <int B>
+inline void transpose_stage(vec *r)
+{
+    for (int i = 0; i < VEC_LANES; i++)
+        if (!(i & B))
+            swap_blocks<B>(r[i], r[i + B], std::make_index_sequence<VEC_LANES>{});
+}
+
+inline void transpose(vec *r)
+{
+    if constexpr (VEC_LANES == 16)
+        transpose_stage<8>(r);
+    transpose_stage<4>(r);
+    transpose_stage<2>(r);
+    transpose_stage<1>(r);
+}
+
+// A key row of zeros (as float or bf16: zero bits either way) for the lanes past a context's
+// end, for head sizes up to MAX_D.
+constexpr int MAX_D = 512;
+alignas(64) inline constexpr float ZEROS[MAX_D] = {};
+
+// kt[d * kstride + j] = element d of key j, in float32, for the VEC_LANES keys whose rows
+// start at rows[j] (null: a key of zeros, past a context's end), so that attention scores 16
+// (AVX2: 8) keys per vector FMA (scores_group). Whole vectors transposed in registers where D
+// allows, element by element otherwise.
+template <class C>
+inline void transpose_keys(const C *const *rows, int D, float *kt, long kstride)
+{
+    if (D % VEC_LANES == 0 && D <= MAX_D) {
+        const C *zeros = reinterpret_cast<const C *>(ZEROS);
+        for (int d0 = 0; d0 < D; d0 += VEC_LANES) {
+            vec r[VEC_LANES];
+            for (int j = 0; j < VEC_LANES; j++) loadv((rows[j] ? rows[j] : zeros) + d0, r[j]);
+            transpose(r);
+            for (int i = 0; i < VEC_LANES; i++)
+                *reinterpret_cast<vecu *>(kt + (d0 + i) * kstride) = r[i];
+        }
+        return;
+    }
+    for (int d = 0; d < D; d++)
+        for (int j = 0; j < VEC_LANES; j++)
+            kt[d * kstride + j] = rows[j] ? to_f32(rows[j][d]) : 0.f;
+}
 
 // S[i][j] = scale * q_i . K^T[:, j] for the queries of one group and 16 keys at a time.
 template <int NQ>
@@ -140,12 +198,12 @@ void prefill_body(void *arg, long begin, long end, int tid)
             };
             const int lo = row_start(0) / 16 * 16, n = row_len(nrows - 1);
             const int npad = (n - lo + 15) / 16 * 16;
-            for (; ready < n; ready += 16)  // 16 keys at a time (zeros past the context)
-                for (int d = 0; d < D; d++) {
-                    float *col = kt + static_cast<long>(d) * kstride + ready;
-                    for (int j = 0; j < 16; j++)
-                        col[j] = ready + j < ctx ? to_f32(kh[slots[ready + j] * tok + d]) : 0.f;
-                }
+            for (; ready < (n + 15) / 16 * 16; ready += W) {  // whole 16s, zeros past ctx
+                const C *rows[W];
+                for (int j = 0; j < W; j++)
+                    rows[j] = ready + j < ctx ? kh + slots[ready + j] * tok : nullptr;
+                transpose_keys(rows, D, kt + ready, kstride);
+            }
             for (int r = 0; r < nrows; r++) {  // query i = row i / G, head i % G, in float32
                 const T *qr = c->q + (q_start + r0 + r) * c->q_stride;
                 convert(qr + static_cast<long>(item.kh) * G * D, qf + static_cast<long>(r) * G * D,
