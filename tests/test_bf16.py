@@ -79,6 +79,31 @@ def test_gemv_sums_in_float32_and_rounds_once(m, n, k):
 
 
 @needs_kernels
+@pytest.mark.parametrize("hidden, inter, packed_dtype, rows", [
+    (64, 128, BF16, 8),            # small layer: the one-call layer up to 8 rows
+    (896, 4864, BF16, 3),          # Qwen2-0.5B's 30 MB layers, oneDNN packs bf16: up to 3
+    (896, 4864, torch.float32, 16),  # the same without bf16 packing (AVX2): the kernel's 16
+])
+def test_one_call_layer_row_limit_follows_the_layer_size(hidden, inter, packed_dtype, rows):
+    """Where oneDNN packs bf16, its matmul beats the GEMV kernel from 4 rows; a large layer
+    then takes the one-call path only for steps of up to 3 rows (fused.py)."""
+    from fleetllm.model import fused
+
+    def proj(n, k):
+        return SimpleNamespace(weight=torch.zeros(n, k, dtype=BF16),
+                               packed_weight=torch.zeros(1, dtype=packed_dtype), bias=None)
+
+    norm = SimpleNamespace(weight=torch.ones(hidden, dtype=BF16), eps=1e-6)
+    layer = SimpleNamespace(
+        self_attn=SimpleNamespace(qkv_proj=proj(hidden + 256, hidden), o_proj=proj(hidden, hidden),
+                                  q_norm=None, num_heads=hidden // 64, sliding_window=None,
+                                  scale=0.125),
+        mlp=SimpleNamespace(gate_up_proj=proj(2 * inter, hidden), down_proj=proj(hidden, inter)),
+        input_layernorm=norm, post_attention_layernorm=norm)
+    assert fused._weights(layer)[-1] == rows
+
+
+@needs_kernels
 def test_projections_take_the_gemv_kernel_up_to_their_row_limit(monkeypatch):
     """linear() runs the GEMV kernel on the dense weight for up to 4 rows (a prompt's bits must
     not depend on whether it shares its step) and oneDNN's packed copy beyond; with

@@ -4,8 +4,8 @@ RoPE + cache write, paged attention, SiLU * up), minus ~10 Python calls, tensors
 glue per layer. Used when it computes exactly what the modules would: CPU float32 or
 bfloat16 (the KV cache in either), no tensor
 parallelism, no q/k norm, the dense weights kept (FLEETLLM_LINEAR=auto), a batch of at most
-8 decode tokens (16 for bf16 weights on a CPU without bf16 packing: layers.decode_gemv_rows)
-and nothing else."""
+8 decode tokens (16 for bf16 weights on a CPU without bf16 packing: layers.decode_gemv_rows;
+3 for a large bf16 layer on a CPU with it: _BF16_PACKED_LAYER_BYTES) and nothing else."""
 
 from __future__ import annotations
 
@@ -18,6 +18,16 @@ from fleetllm.model.layers import decode_gemv_rows
 # The most rows any layer takes here; each layer's own limit is decode_gemv_rows (the GEMV
 # kernel reads each weight once for all rows, 4 at a time from L1).
 MAX_ROWS = 16
+
+# Where oneDNN packs bfloat16 (CPUs with AVX-512), its packed matmul beats the GEMV kernel from
+# 4 rows on nearly every projection (`tools/cpu_gemv_bench.py --onednn`; 2-core Zen 4: 0.5-0.9
+# of the kernel's time at 6-8 rows). The one-call layer still pays for itself where its
+# projections are small, the ~10 Python calls per layer it saves costing about what oneDNN
+# gains (the 125M preset: 14 MB per layer, 5-8-row steps as fast either way or faster here);
+# above this size, such a layer takes only the steps of up to 3 rows (Qwen2-0.5B shapes, 30 MB
+# per layer: 6-8-row decode steps 57-70 ms through it, 50-58 ms through the modules).
+_BF16_PACKED_LAYER_BYTES = 16 << 20
+_BF16_PACKED_ROWS = 3
 
 
 def _weights(layer) -> tuple | None:
@@ -35,13 +45,18 @@ def _weights(layer) -> tuple | None:
           and layer.input_layernorm.eps == layer.post_attention_layernorm.eps)
     layer._fused = None
     if ok:
+        rows = min(decode_gemv_rows(m) for m in linears)
+        packed = [getattr(m, "packed_weight", None) for m in linears]
+        if all(p is not None and p.dtype == torch.bfloat16 for p in packed) and sum(
+                m.weight.numel() * m.weight.element_size() for m in linears
+        ) > _BF16_PACKED_LAYER_BYTES:
+            rows = min(rows, _BF16_PACKED_ROWS)
         bias = [getattr(m, "bias", None) for m in linears]
         layer._fused = (
             (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
              layer.input_layernorm.eps, attn.qkv_proj.weight, bias[0], attn.o_proj.weight,
              bias[1], mlp.gate_up_proj.weight, bias[2], mlp.down_proj.weight, bias[3]),
-            attn.num_heads, attn.sliding_window or 0, attn.scale,
-            min(decode_gemv_rows(m) for m in linears))
+            attn.num_heads, attn.sliding_window or 0, attn.scale, rows)
     return layer._fused
 
 
