@@ -266,7 +266,8 @@ def decode_gemv_rows(layer: nn.Module) -> int:
     --rows 8 12 16 24 --onednn`), kernel vs oneDNN: bf16 8 rows 33.2 vs 52.3 ms, 12 rows
     42.7 vs 54.9, 16 rows 53.7 vs 62.3, 24 rows 71.9 vs 79.6; float32 8 rows 43.0 vs 53.9, 12
     rows 75.9 vs 55.2. A sequence's logits are then the same bits in any decode batch up to
-    this size (the kernel's rows are independent)."""
+    this size (the kernel's rows are independent), given the same hidden states: large bf16
+    layers on a CPU that packs bf16 take the kernel up to 3 rows only (fused.py)."""
     packed, weight = getattr(layer, "packed_weight", None), layer.weight
     if packed is not None and weight is not None and packed.dtype != weight.dtype:
         return 16
