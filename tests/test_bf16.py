@@ -81,7 +81,7 @@ def test_gemv_sums_in_float32_and_rounds_once(m, n, k):
 @needs_kernels
 @pytest.mark.parametrize("hidden, inter, packed_dtype, rows", [
     (64, 128, BF16, 8),            # small layer: the one-call layer up to 8 rows
-    (896, 4864, BF16, 3),          # Qwen2-0.5B's 30 MB layers, oneDNN packs bf16: up to 3
+    (896, 4864, BF16, 3),          # Qwen2-0.5B's 28 MiB layers, oneDNN packs bf16: 3
     (896, 4864, torch.float32, 16),  # the same without bf16 packing (AVX2): the kernel's 16
 ])
 def test_one_call_layer_row_limit_follows_the_layer_size(hidden, inter, packed_dtype, rows):

@@ -23,8 +23,8 @@ MAX_ROWS = 16
 # 4 rows on nearly every projection (`tools/cpu_gemv_bench.py --onednn`; 2-core Zen 4: 0.5-0.9
 # of the kernel's time at 6-8 rows). The one-call layer still pays for itself where its
 # projections are small, the ~10 Python calls per layer it saves costing about what oneDNN
-# gains (the 125M preset: 14 MB per layer, 5-8-row steps as fast either way or faster here);
-# above this size, such a layer takes only the steps of up to 3 rows (Qwen2-0.5B shapes, 30 MB
+# gains (the 125M preset: 12 MiB per layer, 5-8-row steps as fast either way or faster here);
+# above this size, such a layer takes only the steps of up to 3 rows (Qwen2-0.5B shapes, 28 MiB
 # per layer: 6-8-row decode steps 57-70 ms through it, 50-58 ms through the modules). Their
 # hidden states are then the same bits for a sequence only in decode batches of up to 3 (oneDNN
 # sums in another order than the kernel).
