@@ -25,7 +25,8 @@ MAX_ROWS = 16
 # projections are small, the ~10 Python calls per layer it saves costing about what oneDNN
 # gains (the 125M preset: 12 MiB per layer, 5-8-row steps as fast either way or faster here);
 # above this size, such a layer takes only the steps of up to 3 rows (Qwen2-0.5B shapes, 28 MiB
-# per layer: 6-8-row decode steps 57-70 ms through it, 50-58 ms through the modules). Their
+# per layer: 6-8-row decode steps 57-70 ms through it, 50-58 ms through the modules and
+# oneDNN, the LM head's limit set to 3 as well in that measurement). Their
 # hidden states are then the same bits for a sequence only in decode batches of up to 3 (oneDNN
 # sums in another order than the kernel).
 _BF16_PACKED_LAYER_BYTES = 16 << 20
