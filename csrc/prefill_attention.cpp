@@ -55,14 +55,14 @@ struct PrefillCtx {
     int H, KVH, D, window, rows_per_tile, maxctx;
 };
 
-// VEC_LANES vectors transposed in place (r[i][j] <- r[j][i]): log2(VEC_LANES) butterfly
+// W vectors transposed in place (r[i][j] <- r[j][i]): log2(W) butterfly
 // stages, each swapping the off-diagonal B x B blocks of every 2B x 2B block (two two-source
 // shuffles per pair of rows).
 template <int B, std::size_t... L>
 inline void swap_blocks(vec &a, vec &b, std::index_sequence<L...>)
 {
-    const vec lo = __builtin_shufflevector(a, b, ((L & B) ? L - B + VEC_LANES : L)...);
-    const vec hi = __builtin_shufflevector(a, b, ((L & B) ? L + VEC_LANES : L + B)...);
+    const vec lo = __builtin_shufflevector(a, b, ((L & B) ? L - B + W : L)...);
+    const vec hi = __builtin_shufflevector(a, b, ((L & B) ? L + W : L + B)...);
     a = lo;
     b = hi;
 }
@@ -70,14 +70,14 @@ inline void swap_blocks(vec &a, vec &b, std::index_sequence<L...>)
 template <int B>
 inline void transpose_stage(vec *r)
 {
-    for (int i = 0; i < VEC_LANES; i++)
+    for (int i = 0; i < W; i++)
         if (!(i & B))
-            swap_blocks<B>(r[i], r[i + B], std::make_index_sequence<VEC_LANES>{});
+            swap_blocks<B>(r[i], r[i + B], std::make_index_sequence<W>{});
 }
 
 inline void transpose(vec *r)
 {
-    if constexpr (VEC_LANES == 16)
+    if constexpr (W == 16)
         transpose_stage<8>(r);
     transpose_stage<4>(r);
     transpose_stage<2>(r);
@@ -89,26 +89,26 @@ inline void transpose(vec *r)
 constexpr int MAX_D = 512;
 alignas(64) inline constexpr float ZEROS[MAX_D] = {};
 
-// kt[d * kstride + j] = element d of key j, in float32, for the VEC_LANES keys whose rows
+// kt[d * kstride + j] = element d of key j, in float32, for the W keys whose rows
 // start at rows[j] (null: a key of zeros, past a context's end), so that attention scores 16
 // (AVX2: 8) keys per vector FMA (scores_group). Whole vectors transposed in registers where D
 // allows, element by element otherwise.
 template <class C>
 inline void transpose_keys(const C *const *rows, int D, float *kt, long kstride)
 {
-    if (D % VEC_LANES == 0 && D <= MAX_D) {
+    if (D % W == 0 && D <= MAX_D) {
         const C *zeros = reinterpret_cast<const C *>(ZEROS);
-        for (int d0 = 0; d0 < D; d0 += VEC_LANES) {
-            vec r[VEC_LANES];
-            for (int j = 0; j < VEC_LANES; j++) loadv((rows[j] ? rows[j] : zeros) + d0, r[j]);
+        for (int d0 = 0; d0 < D; d0 += W) {
+            vec r[W];
+            for (int j = 0; j < W; j++) loadv((rows[j] ? rows[j] : zeros) + d0, r[j]);
             transpose(r);
-            for (int i = 0; i < VEC_LANES; i++)
+            for (int i = 0; i < W; i++)
                 *reinterpret_cast<vecu *>(kt + (d0 + i) * kstride) = r[i];
         }
         return;
     }
     for (int d = 0; d < D; d++)
-        for (int j = 0; j < VEC_LANES; j++)
+        for (int j = 0; j < W; j++)
             kt[d * kstride + j] = rows[j] ? to_f32(rows[j][d]) : 0.f;
 }
 
@@ -236,7 +236,8 @@ void prefill_body(void *arg, long begin, long end, int tid)
                         if (vis < e) {
                             chunk_softmax<!std::is_same_v<T, float>>(
                                 sq, lo, c0, c1, vis, e, run_max[q], run_sum[q],
-                                acc + static_cast<long>(q) * D, D, c0 <= st / TORCH_CHUNK * TORCH_CHUNK);
+                                acc + static_cast<long>(q) * D, D,
+                                c0 <= st / TORCH_CHUNK * TORCH_CHUNK);
                             t0 = vis < t0 ? vis : t0;
                             t1 = e > t1 ? e : t1;
                         }

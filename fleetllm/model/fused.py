@@ -26,9 +26,9 @@ MAX_ROWS = 16
 # gains (the 125M preset: 12 MiB per layer, 5-8-row steps as fast either way or faster here);
 # above this size, such a layer takes only the steps of up to 3 rows (Qwen2-0.5B shapes, 28 MiB
 # per layer: 6-8-row decode steps 57-70 ms through it, 50-58 ms through the modules and
-# oneDNN, the LM head's limit set to 3 as well in that measurement). Their
-# hidden states are then the same bits for a sequence only in decode batches of up to 3 (oneDNN
-# sums in another order than the kernel).
+# oneDNN, the LM head's limit set to 3 as well in that measurement). Their hidden states are
+# then the same bits for a sequence only in decode batches of up to 3 (oneDNN sums in another
+# order than the kernel).
 _BF16_PACKED_LAYER_BYTES = 16 << 20
 _BF16_PACKED_ROWS = 3
 
@@ -49,10 +49,10 @@ def _weights(layer) -> tuple | None:
     layer._fused = None
     if ok:
         rows = min(decode_gemv_rows(m) for m in linears)
-        packed = [getattr(m, "packed_weight", None) for m in linears]
-        if all(p is not None and p.dtype == torch.bfloat16 for p in packed) and sum(
-                m.weight.numel() * m.weight.element_size() for m in linears
-        ) > _BF16_PACKED_LAYER_BYTES:
+        nbytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+        bf16_packed = all(getattr(m, "packed_weight", None) is not None
+                          and m.packed_weight.dtype == torch.bfloat16 for m in linears)
+        if bf16_packed and nbytes > _BF16_PACKED_LAYER_BYTES:
             rows = min(rows, _BF16_PACKED_ROWS)
         bias = [getattr(m, "bias", None) for m in linears]
         layer._fused = (
