@@ -1,9 +1,9 @@
 // The kernels' own thread pool. After a job marked `spin` the workers spin for FLEETLLM_SPIN_US
 // (default 100 us), then sleep; after other jobs they sleep at once. A small-batch decode step
 // calls ~60 kernels a few microseconds apart, all of them ours; OpenMP threads under
-// OMP_WAIT_POLICY=PASSIVE (which fleetllm sets, for processes sharing cores) go to sleep after
-// every parallel region, and waking them cost 20-300 us per call here, more than a small
-// GEMV's work. Spinning briefly keeps them awake through such a step; in a larger batch's step
+// OMP_WAIT_POLICY=PASSIVE (which fleetllm set then; now they spin ~0.3 ms: fleetllm/__init__.py)
+// go to sleep after every parallel region, and waking them cost 20-300 us per call here, more
+// than a small GEMV's work. Spinning briefly keeps them awake through such a step; in a larger batch's step
 // oneDNN's OpenMP threads run between our calls and need the cores, so jobs of many rows do not
 // spin. Items are claimed dynamically in chunks.
 //

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as fleetllm sets it; before torch loads
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import fleetllm  # noqa: F401  (first: it sets OpenMP's wait before torch loads, as for users)
+
+# isort: split
+import pytest
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download; fail fast if tried

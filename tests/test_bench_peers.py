@@ -200,7 +200,7 @@ def test_missing_vllm_venv_says_make_peers(monkeypatch, tiny_models, capsys):
     assert "run `make peers`" in capsys.readouterr().err
 
 
-def test_vllm_configs_and_runner_environment():
+def test_vllm_configs_and_runner_environment(monkeypatch):
     configs = vllm_peer.parse_configs("all", 2)
     assert [c.name for c in configs] == [
         "vLLM (compiled, bind auto)", "vLLM (compiled, bind 0-1)", "vLLM (eager, bind auto)",
@@ -208,9 +208,11 @@ def test_vllm_configs_and_runner_environment():
     assert vllm_peer.parse_configs("eager:cores,compiled:0,2", 3)[0].bind == "0-2"
     with pytest.raises(ValueError, match="MODE:BIND"):
         vllm_peer.parse_configs("fast:auto", 2)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")  # fleetllm's OpenMP wait, not vLLM's
     env = vllm_peer.runner_env(configs[1], Path("/x/.venv-vllm/bin/python"), 2)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["HF_HUB_OFFLINE"] == "1" and "PYTHONPATH" not in env
+    assert "GOMP_SPINCOUNT" not in env  # vLLM sets its own (Intel OpenMP's 5 ms)
 
 
 def test_throughput_compares_every_vllm_config_and_the_best(fake_vllm, tiny_models, capsys):

@@ -6,13 +6,18 @@ shared test machine cannot keep steady):
 - the request a decode step ships to workers does not grow with history beyond its block
   table (a few bytes per block of block_size tokens; the token history is never resent);
 - in this process the request references the engine's sequence data instead of copying it;
-- LLM.generate builds one RequestOutput per request, not one per request per step.
+- LLM.generate builds one RequestOutput per request, not one per request per step;
+- `import fleetllm` sets OpenMP's bounded spin-wait before torch loads, and keeps a user's own.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
+import subprocess
 import sys
+
+import pytest
 
 from fleetllm import LLM, SamplingParams
 from fleetllm.engine.outputs import RequestOutput
@@ -102,3 +107,21 @@ def test_intra_op_threads_default_to_the_available_cores(monkeypatch):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("given, expected", [
+    ({}, ("10000", None)),
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, (None, "PASSIVE")),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, (None, "ACTIVE")),
+    ({"GOMP_SPINCOUNT": "500"}, ("500", None)),
+])
+def test_openmp_threads_spin_briefly_unless_the_user_says_otherwise(given, expected):
+    """libgomp reads its wait settings once, when torch loads it: `import fleetllm` must set
+    them without importing torch. Sleeping at once (PASSIVE) made every oneDNN call of a decode
+    step pay a thread wake-up (docs/perf.md, item 16)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = ("import os, sys, fleetllm; assert 'torch' not in sys.modules; "
+            "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))")
+    out = subprocess.run([sys.executable, "-c", code], env={**env, **given}, text=True,
+                         capture_output=True, timeout=60, check=True).stdout.split()
+    assert tuple(None if v == "None" else v for v in out) == expected

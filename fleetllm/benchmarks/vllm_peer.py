@@ -89,7 +89,8 @@ def runner_env(config: VLLMConfig, python: Path, kv_cache_gb: int) -> dict[str, 
     """The runner's environment: the thread binding, a KV cache of kv_cache_gb GiB, no network,
     and Intel OpenMP preloaded from the venv where it is (vLLM's recommended CPU set-up: it
     then sets a 5 ms spin-wait, so its threads are asleep soon after a round)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "KMP_", "OMP_"))}
+    env = {k: v for k, v in os.environ.items()  # fleetllm's own OpenMP settings stay here
+           if not k.startswith(("VLLM_", "KMP_", "OMP_", "GOMP_"))}
     env.pop("PYTHONPATH", None)  # fleetllm's tree and venv are not the runner's
     env.update(VLLM_CPU_OMP_THREADS_BIND=config.bind, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gb),
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
