@@ -150,9 +150,9 @@ def test_a_core_killed_at_a_random_moment_ends_every_stream_at_once(model, seed)
     pid = core._proc.pid
     try:
         requests = random_requests(rng, 16)
-        for _, params in requests:
-            params.max_tokens = 400  # still running when the core is killed
-            params.stop = None
+        for _, params in requests:  # still running when the core is killed: ~1,000 steps
+            params.max_tokens = 980  # (prompts of up to 40 tokens; max_model_len 1,024)
+            params.stop, params.ignore_eos = None, True
 
         async def run():
             task = asyncio.create_task(run_workload(core, requests, None))
