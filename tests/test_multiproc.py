@@ -358,6 +358,53 @@ def test_the_temp_dir_is_removed_before_workers_are_stopped(models, monkeypatch)
         seen.clear()
 
 
+def test_a_dead_drivers_temp_dir_is_removed_by_the_next_group(monkeypatch):
+    """A driver SIGKILLed after making its temp dir but before its workers watch it (during a
+    worker restart) left the dir behind (found after CI runs). Each dir holds a lock its
+    driver keeps; the next group made on the machine removes the dirs whose lock is free and
+    keeps those of live drivers and those without a lock file."""
+    import shutil
+    import tempfile
+
+    from fleetllm.executor import mp_group
+
+    base = tempfile.mkdtemp(prefix="mpt-", dir="/tmp")  # short: socket paths are limited
+    monkeypatch.setattr(tempfile, "tempdir", base)
+    make = ("import os, signal, sys, time; from fleetllm.executor import mp_group; "
+            "path, fd = mp_group._private_tmpdir(); print(path, flush=True); "
+            "os.kill(os.getpid(), signal.SIGKILL) if sys.argv[1] == 'die' else time.sleep(60)")
+    env = {**os.environ, "TMPDIR": base}
+    fds = []
+    living = subprocess.Popen([sys.executable, "-c", make, "live"], env=env, text=True,
+                              stdout=subprocess.PIPE)
+    try:
+        alive_dir = living.stdout.readline().strip()
+        dead = subprocess.run([sys.executable, "-c", make, "die"], env=env, text=True,
+                              capture_output=True, timeout=60).stdout.strip()
+        unlocked = os.path.join(base, "fleetllm-mp-old")  # made before the lock existed
+        os.mkdir(unlocked)
+        assert all(os.path.isdir(p) for p in (dead, alive_dir, unlocked))
+        path, fd = mp_group._private_tmpdir()
+        fds.append(fd)
+        assert not os.path.exists(dead)
+        assert all(os.path.isdir(p) for p in (alive_dir, unlocked, path))
+        path2, fd2 = mp_group._private_tmpdir()  # our own first dir's lock is held too
+        fds.append(fd2)
+        assert os.path.isdir(path) and os.path.isdir(alive_dir)
+        living.kill()
+        living.wait(10)  # its lock goes with it
+        _, fd3 = mp_group._private_tmpdir()
+        fds.append(fd3)
+        assert not os.path.exists(alive_dir) and os.path.isdir(path)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        living.kill()
+        living.wait(10)
+        living.stdout.close()
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def test_killed_worker_raises_crash_error_quickly_and_cleans_up(models):
     shm_before = shm_entries()
     ex = make_executor(models["kv1"], tensor_parallel_size=2)

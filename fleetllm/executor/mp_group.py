@@ -6,6 +6,7 @@ SIGTERM. See multiproc.py for the overview.
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
 import shutil
@@ -38,12 +39,47 @@ def describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _private_tmpdir() -> str:
+def _private_tmpdir() -> tuple[str, int]:
+    """A new private (0700) dir for a worker group, and an open fd holding an exclusive lock
+    on its `owner` file for as long as this process lives. Dirs left by dead owners are
+    removed first: a driver SIGKILLed after making its dir but before its workers watch it
+    (mp_worker._exit_if_orphaned; during a worker restart, say) leaves it behind, and the
+    kernel releases a dead process's locks, whatever its pid namespace."""
     # AF_UNIX socket paths are limited to 107 bytes: use /tmp when $TMPDIR is deep.
     base = tempfile.gettempdir()
     if len(base) > 60:
         base = "/tmp"
-    return tempfile.mkdtemp(prefix="fleetllm-mp-", dir=base)  # mode 0700
+    _remove_unowned_dirs(base)
+    path = tempfile.mkdtemp(prefix="fleetllm-mp-", dir=base)
+    fd = os.open(os.path.join(path, "owner.new"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # locked before a sweeper can see it under its name
+    os.rename(os.path.join(path, "owner.new"), os.path.join(path, "owner"))
+    return path, fd
+
+
+def _remove_unowned_dirs(base: str) -> None:
+    """Remove this user's fleetllm-mp-* dirs whose `owner` lock nobody holds (a dir without
+    one is being made, or predates the lock: left alone)."""
+    try:
+        names = [n for n in os.listdir(base) if n.startswith("fleetllm-mp-")]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            fd = os.open(os.path.join(path, "owner"), os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its driver lives
+            continue
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 class WorkerGroup:
@@ -53,7 +89,7 @@ class WorkerGroup:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.owner_pid = os.getpid()  # a forked copy of the driver must not touch the workers
-        self.tmpdir = _private_tmpdir()
+        self.tmpdir, self.owner_fd = _private_tmpdir()
         self.sock_path = os.path.join(self.tmpdir, "rpc")
         self.interrupts = StepInterrupts(interrupts_path(self.tmpdir))  # the workers map it
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -155,7 +191,7 @@ class WorkerGroup:
         if self.channel is not None:
             self.channel.close()
         self.listener.close()
-        for fd in (self.notify_r, self.notify_w, self.stop_r, self.stop_w):
+        for fd in (self.notify_r, self.notify_w, self.stop_r, self.stop_w, self.owner_fd):
             try:
                 os.close(fd)
             except OSError:

@@ -19,7 +19,9 @@ Shutdown: shutdown(), garbage collection and interpreter exit (weakref.finalize)
 workers to exit, then terminate and kill them. SIGTERM of the driver (when it had the default
 handler) cleans up, then dies by SIGTERM as before. Workers ignore SIGINT (the driver's
 KeyboardInterrupt unwinds into the finalizer) and exit by themselves within ~1 s when their
-parent disappears (SIGKILL of the driver).
+parent disappears (SIGKILL of the driver), removing the temp dir; a driver killed before its
+workers watch it leaves the dir to the next group started on the machine, which removes the
+dirs whose `owner` lock no process holds (mp_group._private_tmpdir).
 """
 
 from __future__ import annotations
