@@ -447,22 +447,32 @@ void decoder_layer(const T *x, T *residual, bool first, T *out, const LayerWeigh
     T *att = k + static_cast<long>(T_) * KVH * D, *o = att + static_cast<long>(T_) * H * D;
     T *gu = o + static_cast<long>(T_) * hid, *act = gu + static_cast<long>(T_) * 2 * I;
     float *scratch = work + activation_floats(d);
+    // A projection's result: in y (the GEMV kernel), or where the caller's projection put it.
+    const auto project = [&](int which, const T *in, const T *wt, const T *b, T *y, int n,
+                             int k) -> const T * {
+        if (w.project != nullptr)
+            return static_cast<const T *>(w.project(w.project_ctx, which, in));
+        gemv<T>(in, wt, b, y, T_, n, k, scratch, nthreads);
+        return y;
+    };
     if (first) {
         std::memcpy(residual, x, sizeof(T) * static_cast<size_t>(T_) * hid);
         add_rmsnorm<T>(residual, nullptr, w.w_in, normed, T_, hid, w.eps, nthreads);
     } else {
         add_rmsnorm<T>(x, residual, w.w_in, normed, T_, hid, w.eps, nthreads);
     }
-    gemv<T>(normed, w.w_qkv, w.b_qkv, qkv, T_, qkv_dim, hid, scratch, nthreads);
-    rope_qk_kv<T, C>(qkv, qkv_dim, cos, sin, q, k, k_cache, v_cache, slots, T_, H, KVH, D,
+    const T *qkv_out = project(0, normed, w.w_qkv, w.b_qkv, qkv, qkv_dim, hid);
+    rope_qk_kv<T, C>(qkv_out, qkv_dim, cos, sin, q, k, k_cache, v_cache, slots, T_, H, KVH, D,
                      nthreads);
     paged_decode<T, C>(q, static_cast<long>(H) * D, k_cache, v_cache, batch, att, T_, H, KVH,
                        D, d.bs, d.window, d.scale, scratch, nthreads);
-    gemv<T>(att, w.w_o, w.b_o, o, T_, hid, H * D, scratch, nthreads);
-    add_rmsnorm<T>(o, residual, w.w_post, normed, T_, hid, w.eps, nthreads);
-    gemv<T>(normed, w.w_gu, w.b_gu, gu, T_, 2 * I, hid, scratch, nthreads);
-    silu_mul<T>(gu, act, T_, I, nthreads);
-    gemv<T>(act, w.w_down, w.b_down, out, T_, hid, I, scratch, nthreads);
+    const T *o_out = project(1, att, w.w_o, w.b_o, o, hid, H * D);
+    add_rmsnorm<T>(o_out, residual, w.w_post, normed, T_, hid, w.eps, nthreads);
+    const T *gu_out = project(2, normed, w.w_gu, w.b_gu, gu, 2 * I, hid);
+    silu_mul<T>(gu_out, act, T_, I, nthreads);
+    const T *down = project(3, act, w.w_down, w.b_down, out, hid, I);
+    if (down != out)
+        std::memcpy(out, down, sizeof(T) * static_cast<size_t>(T_) * hid);
 }
 
 #define FLEETLLM_ROW_OPS(T)                                                                   \

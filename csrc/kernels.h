@@ -105,11 +105,20 @@ template <class T>
 void gemv(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, float *xf,
           int nthreads);
 
-// One decoder layer's weights (contiguous; biases may be null).
+// A projection run by the caller instead of the GEMV kernel: x @ W^T (+ bias) for the layer's
+// projection `which` (0 qkv, 1 o, 2 gate_up, 3 down), in the layer's dtype; returns where the
+// result is, valid until the layer's call returns (no copy into the layer's buffers).
+using ProjectFn = const void *(*)(void *ctx, int which, const void *x);
+
+// One decoder layer's weights (contiguous; biases may be null). project: null for the GEMV
+// kernel, else the caller's projections (ops.cpp: oneDNN's packed matmul, for batches past
+// the kernel's row limit).
 template <class T>
 struct LayerWeights {
     const T *w_in, *w_post, *w_qkv, *b_qkv, *w_o, *b_o, *w_gu, *b_gu, *w_down, *b_down;
     float eps;
+    ProjectFn project = nullptr;
+    void *project_ctx = nullptr;
 };
 
 struct LayerDims {

@@ -6,7 +6,10 @@
 // fleetllm.errors.as_out_of_memory classifies), then the kernels of kernels.h.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <torch/library.h>
 
 #include <climits>
@@ -324,6 +327,55 @@ Tensor gemv(const Tensor &x, const Tensor &weight, const optional<Tensor> &bias)
     return y;
 }
 
+// A decoder layer's projections through oneDNN's packed weights (decoder_layer's `packed`),
+// computed as model/layers.py's linear() and the Linear modules compute them, so that the
+// one-call layer gives the modules' bits: the packed matmul with the bias inside for qkv and
+// gate_up, added after it for o and down (RowParallelLinear adds its bias after the
+// all-reduce); a bfloat16 layer whose packed copy is float32 (a CPU without bf16 packing)
+// multiplies its rows widened to float32 and rounds the result once.
+struct PackedProjections {
+    Tensor weight[4], result[4];
+    const optional<Tensor> *bias[4];
+    int64_t rows, in[4], out[4];
+    at::ScalarType type;
+};
+
+Tensor linear_pointwise(const Tensor &x, const Tensor &w, const optional<Tensor> &b)
+{
+    static const c10::OperatorHandle op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    torch::jit::Stack stack{x, w, b, std::string("none"),
+                            c10::List<optional<at::Scalar>>({std::nullopt}), std::string()};
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+}
+
+const void *project_packed(void *ctx, int which, const void *x)
+{
+    PackedProjections &p = *static_cast<PackedProjections *>(ctx);
+    const Tensor &w = p.weight[which];
+    const bool bias_after = which == 1 || which == 3;
+    const bool widen = w.scalar_type() != p.type;
+    Tensor in = at::from_blob(const_cast<void *>(x), {p.rows, p.in[which]},
+                              at::TensorOptions().dtype(p.type));
+    optional<Tensor> bias = bias_after ? optional<Tensor>() : *p.bias[which];
+    if (widen) {
+        in = in.to(at::kFloat);
+        if (bias.has_value())
+            bias = bias->to(at::kFloat);
+    }
+    Tensor out = linear_pointwise(in, w, bias);
+    if (widen)
+        out = out.to(p.type);
+    if (bias_after && p.bias[which]->has_value())
+        out = at::add(out, **p.bias[which]);
+    out = out.contiguous();
+    TORCH_CHECK(out.scalar_type() == p.type && out.numel() == p.rows * p.out[which],
+                "decoder_layer: the packed projection ", which, " gave ", out.sizes());
+    p.result[which] = out;  // kept alive for the rest of the layer
+    return out.const_data_ptr();
+}
+
 Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const Tensor &w_in,
                      const Tensor &w_post, double eps, const Tensor &w_qkv,
                      const optional<Tensor> &b_qkv, const Tensor &w_o,
@@ -332,7 +384,7 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
                      const optional<Tensor> &b_down, int64_t heads, int64_t window, double scale,
                      const Tensor &cos, const Tensor &sin, const Tensor &kv_cache,
                      const Tensor &slots, const Tensor &tables, const Tensor &table_start,
-                     const Tensor &ctx_lens)
+                     const Tensor &ctx_lens, const c10::List<optional<Tensor>> &packed)
 {
     const Cache c = check_cache(kv_cache);
     check_float(x, "x", 2);
@@ -361,6 +413,25 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
     check_rope(cos, sin, d.T, d.D, type);
     check_slots(slots, d.T, c);
     const kernels::DecodeBatch batch = check_batch(tables, table_start, ctx_lens, d.T, c);
+    // packed: empty (the GEMV kernel) or oneDNN's packed weights of qkv, o, gate_up, down
+    PackedProjections proj{};
+    TORCH_CHECK(packed.empty() || packed.size() == 4,
+                "decoder_layer: packed must hold no weight or 4, got ", packed.size());
+    if (!packed.empty()) {
+        const int64_t in[4] = {d.hid, static_cast<int64_t>(d.H) * d.D, d.hid, d.I};
+        const int64_t out[4] = {qkv_dim, d.hid, 2L * d.I, d.hid};
+        for (int i = 0; i < 4; i++) {
+            const optional<Tensor> w = packed.get(i);
+            TORCH_CHECK(w.has_value() && w->device().is_cpu(),
+                        "decoder_layer: packed weight ", i, " must be a CPU tensor");
+            proj.weight[i] = *w;
+            proj.bias[i] = std::get<0>(biases[i]);
+            proj.in[i] = in[i];
+            proj.out[i] = out[i];
+        }
+        proj.rows = d.T;
+        proj.type = type;
+    }
     const int nthreads = at::get_num_threads();
     Tensor work = scratch(kernels::decoder_layer_work(d, batch.maxlen, nthreads));
     Tensor out = at::empty({d.T, d.hid}, x.options());
@@ -370,7 +441,8 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
         const kernels::LayerWeights<T> w{
             cptr<T>(w_in), cptr<T>(w_post), cptr<T>(w_qkv), opt_ptr<T>(b_qkv), cptr<T>(w_o),
             opt_ptr<T>(b_o), cptr<T>(w_gu), opt_ptr<T>(b_gu), cptr<T>(w_down),
-            opt_ptr<T>(b_down), static_cast<float>(eps)};
+            opt_ptr<T>(b_down), static_cast<float>(eps),
+            packed.empty() ? nullptr : &project_packed, &proj};
         C *k_cache = mptr<C>(kv_cache);
         kernels::decoder_layer<T, C>(cptr<T>(x), mptr<T>(residual), first, mptr<T>(out), w, d,
                                      cptr<T>(cos), cptr<T>(sin), k_cache, k_cache + c.half,
@@ -418,7 +490,7 @@ TORCH_LIBRARY(fleetllm, m)
           "float eps, Tensor w_qkv, Tensor? b_qkv, Tensor w_o, Tensor? b_o, Tensor w_gu, "
           "Tensor? b_gu, Tensor w_down, Tensor? b_down, int heads, int window, float scale, "
           "Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slots, Tensor tables, "
-          "Tensor table_start, Tensor ctx_lens) -> Tensor");
+          "Tensor table_start, Tensor ctx_lens, Tensor?[] packed) -> Tensor");
     m.def("build_info() -> str", &fleetllm::build_info);
 }
 
@@ -430,5 +502,12 @@ TORCH_LIBRARY_IMPL(fleetllm, CPU, m)
     m.impl("prefill_attention", &fleetllm::prefill_attention);
     m.impl("rope_qk_kv", &fleetllm::rope_qk_kv);
     m.impl("gemv", &fleetllm::gemv);
+    m.impl("decoder_layer", &fleetllm::decoder_layer);
+}
+
+// oneDNN's packed float32 weights are opaque MkldnnCPU tensors; given as decoder_layer's
+// `packed`, they make the dispatcher look for a MkldnnCPU kernel.
+TORCH_LIBRARY_IMPL(fleetllm, MkldnnCPU, m)
+{
     m.impl("decoder_layer", &fleetllm::decoder_layer);
 }

@@ -237,6 +237,42 @@ def test_fused_small_batch_layers_match_the_modules(tiny_models, monkeypatch):
     assert state["calls"] > 0 and state["rows"] == 7  # the fused path ran, 7 rows at most
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_layers_past_the_gemv_limit_give_the_modules_bits(tiny_models, monkeypatch, dtype):
+    """Decode steps of more sequences than the GEMV kernel takes (8; 16 for bf16 on a CPU
+    without bf16 packing) run each layer as one C call too, its projections through oneDNN's
+    packed weights as the modules' linear() runs them: tokens and logprobs exactly equal to
+    the module-by-module path's (biases, GQA; 20 sequences)."""
+    from fleetllm import LLM, SamplingParams
+    from fleetllm.model import fused
+
+    if not cpu_kernels.available():
+        pytest.skip("no C compiler")
+    prompts = [{"prompt_token_ids": list(range(5 + i, 30 + 3 * i))} for i in range(20)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    state = {"on": True, "rows": 0}
+    applies, decoder_layer = fused.applies, cpu_kernels.decoder_layer
+
+    def counted(*args):
+        if args[-1]:  # packed weights given: oneDNN inside the one-call layer
+            state["rows"] = max(state["rows"], args[0].shape[0])
+        return decoder_layer(*args)
+
+    monkeypatch.setattr(fused, "applies", lambda *a: state["on"] and applies(*a))
+    monkeypatch.setattr(cpu_kernels, "decoder_layer", counted)
+    for name in ("llama_gqa", "qwen2_bias"):
+        results = []
+        for on in (True, False):
+            state["on"] = on
+            with LLM(tiny_models[name], dtype=dtype, kv_cache_memory=16 << 20) as llm:
+                outs = llm.generate(prompts, params, use_tqdm=False)
+            results.append([(c.token_ids, [{k: v.logprob for k, v in d.items()}
+                                           for d in c.logprobs])
+                            for o in outs for c in o.outputs])
+        assert results[0] == results[1], name
+    assert state["rows"] == 20  # the packed weights ran inside the one-call layer
+
+
 @pytest.mark.parametrize("variant", ["sdpa", "math32", "varlen"])
 def test_decode_variants_match_dense_reference(variant, monkeypatch):
     """Each pure-PyTorch decode variant (FLEETLLM_CUDA_DECODE; varlen's packing with a

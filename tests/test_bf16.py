@@ -100,7 +100,7 @@ def test_one_call_layer_row_limit_follows_the_layer_size(hidden, inter, packed_d
                                   scale=0.125),
         mlp=SimpleNamespace(gate_up_proj=proj(2 * inter, hidden), down_proj=proj(hidden, inter)),
         input_layernorm=norm, post_attention_layernorm=norm)
-    assert fused._weights(layer)[-1] == rows
+    assert fused._weights(layer).gemv_rows == rows
 
 
 @needs_kernels

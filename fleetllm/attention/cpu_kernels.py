@@ -156,11 +156,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
 def decoder_layer(x: torch.Tensor, residual: torch.Tensor, first: bool,
                   weights: tuple, heads: int, window: int, scale: float, cos: torch.Tensor,
                   sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
-                  tables: torch.Tensor, table_start: torch.Tensor, ctx_lens: torch.Tensor
-                  ) -> torch.Tensor:
-    """One decoder layer of a small decode batch, no tensor parallelism (model/fused.py).
+                  tables: torch.Tensor, table_start: torch.Tensor, ctx_lens: torch.Tensor,
+                  packed: tuple = ()) -> torch.Tensor:
+    """One decoder layer of a decode batch, no tensor parallelism (model/fused.py).
     weights: (w_in, w_post, eps, w_qkv, b_qkv, w_o, b_o, w_gu, b_gu, w_down, b_down), biases
-    None when absent. residual is updated in place (first: set to x). Returns the layer's
+    None when absent. packed: empty (the projections run the GEMV kernel) or the four
+    projections' oneDNN-packed weights (qkv, o, gate_up, down: they run oneDNN's matmul as
+    layers.linear does). residual is updated in place (first: set to x). Returns the layer's
     output [T, hid]."""
     return _ops.decoder_layer(x, residual, first, *weights, heads, window, scale, cos, sin,
-                              kv_cache, slots, tables, table_start, ctx_lens)
+                              kv_cache, slots, tables, table_start, ctx_lens, list(packed))

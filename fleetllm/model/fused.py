@@ -1,42 +1,54 @@
-"""A decode step of a few sequences runs each decoder layer as one C call
-(cpu_kernels.decoder_layer): the same kernels as the module-by-module path (GEMV, fused norm,
-RoPE + cache write, paged attention, SiLU * up), minus ~10 Python calls, tensors and their
-glue per layer. Used when it computes exactly what the modules would: CPU float32 or
-bfloat16 (the KV cache in either), no tensor
-parallelism, no q/k norm, the dense weights kept (FLEETLLM_LINEAR=auto), a batch of at most
-8 decode tokens (16 for bf16 weights on a CPU without bf16 packing: layers.decode_gemv_rows;
-3 for a large bf16 layer on a CPU with it: _BF16_PACKED_LAYER_BYTES) and nothing else."""
+"""A decode step runs each decoder layer as one C call (cpu_kernels.decoder_layer): the same
+kernels as the module-by-module path (fused norm, RoPE + cache write, paged attention, SiLU *
+up; the projections through the GEMV kernel or oneDNN's packed matmul), minus ~10 Python
+calls, tensors and their glue per layer. Used when it computes exactly what the modules would:
+CPU float32 or bfloat16 (the KV cache in either), no tensor parallelism, no q/k norm, a step
+of decode tokens only and nothing else. Up to a layer's GEMV row limit (8; 16 for bf16
+weights on a CPU without bf16 packing: layers.decode_gemv_rows; 3 for a large bf16 layer on a
+CPU with it: _BF16_PACKED_LAYER_BYTES) the projections take the GEMV kernel (the dense weights
+kept: FLEETLLM_LINEAR=auto); above it, and above the 4 rows from which the modules' linear()
+leaves the kernel, oneDNN's packed weights, as the modules would."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from fleetllm.attention import AttentionMetadata, cpu_kernels
 from fleetllm.distributed.parallel_state import get_tp_group
-from fleetllm.model.layers import decode_gemv_rows
+from fleetllm.model.layers import _GEMV_ROWS, decode_gemv_rows
 
-# The most rows any layer takes here; each layer's own limit is decode_gemv_rows (the GEMV
-# kernel reads each weight once for all rows, 4 at a time from L1).
-MAX_ROWS = 16
+# The most rows a step takes here (its activations: 76 KiB per row on Qwen2-0.5B shapes).
+MAX_ROWS = 256
 
 # Where oneDNN packs bfloat16 (CPUs with AVX-512), its packed matmul beats the GEMV kernel from
 # 4 rows on nearly every projection (`tools/cpu_gemv_bench.py --onednn`; 2-core Zen 4: 0.5-0.9
 # of the kernel's time at 6-8 rows). The one-call layer still pays for itself where its
 # projections are small, the ~10 Python calls per layer it saves costing about what oneDNN
 # gains (the 125M preset: 12 MiB per layer, 5-8-row steps as fast either way or faster here);
-# above this size, such a layer takes only the steps of up to 3 rows (Qwen2-0.5B shapes, 28 MiB
-# per layer: 6-8-row decode steps 57-70 ms through it, 50-58 ms through the modules and
-# oneDNN, the LM head's limit set to 3 as well in that measurement). Their hidden states are
-# then the same bits for a sequence only in decode batches of up to 3 (oneDNN sums in another
-# order than the kernel).
+# above this size, such a layer's projections take the kernel only in steps of up to 3 rows,
+# then oneDNN (Qwen2-0.5B shapes, 28 MiB per layer: 6-8-row decode steps 57-70 ms through the
+# kernel, 50-58 ms through the modules and oneDNN, the LM head's limit set to 3 as well in that
+# measurement). Their hidden states are then the same bits for a sequence only in decode
+# batches of up to 3 (oneDNN sums in another order than the kernel).
 _BF16_PACKED_LAYER_BYTES = 16 << 20
 _BF16_PACKED_ROWS = 3
 
 
-def _weights(layer) -> tuple | None:
-    """The layer's weights (the Parameters themselves: sleep level 2 empties them in place, so
-    nothing here keeps their memory alive), heads, window, scale and the most rows it takes,
-    computed once; or None if the fused path does not apply to this layer."""
+class _Layer(NamedTuple):
+    """What a layer's one C call needs, computed once per layer."""
+
+    weights: tuple  # the Parameters themselves: sleep level 2 empties them in place
+    heads: int
+    window: int
+    scale: float
+    gemv_rows: int  # up to this many rows the projections take the GEMV kernel
+    linears: tuple  # qkv, o, gate_up, down: their packed weights are read at each call
+
+
+def _weights(layer) -> _Layer | None:
+    """The layer's _Layer, or None if the fused path does not apply to it."""
     cached = getattr(layer, "_fused", False)
     if cached is not False:
         return cached
@@ -55,12 +67,19 @@ def _weights(layer) -> tuple | None:
         if bf16_packed and nbytes > _BF16_PACKED_LAYER_BYTES:
             rows = min(rows, _BF16_PACKED_ROWS)
         bias = [getattr(m, "bias", None) for m in linears]
-        layer._fused = (
+        layer._fused = _Layer(
             (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
              layer.input_layernorm.eps, attn.qkv_proj.weight, bias[0], attn.o_proj.weight,
              bias[1], mlp.gate_up_proj.weight, bias[2], mlp.down_proj.weight, bias[3]),
-            attn.num_heads, attn.sliding_window or 0, attn.scale, rows)
+            attn.num_heads, attn.sliding_window or 0, attn.scale, rows, linears)
     return layer._fused
+
+
+def _packed(linears: tuple) -> tuple | None:
+    """The projections' oneDNN-packed weights, or None if one has none. Read at each call, not
+    kept: sleep level 2 drops them (worker.py) and waking builds a new model."""
+    packed = tuple(getattr(m, "packed_weight", None) for m in linears)
+    return None if any(p is None for p in packed) else packed
 
 
 def applies(hidden: torch.Tensor, kv_cache: torch.Tensor | None,
@@ -79,14 +98,16 @@ def run_layer(layer, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tens
     fused = _weights(layer)
     if fused is None:
         return None
-    weights, heads, window, scale, max_rows = fused
-    if hidden.shape[0] > max_rows:
-        return None
+    packed = ()
+    if hidden.shape[0] > fused.gemv_rows:  # past the GEMV kernel: oneDNN, where modules take it
+        packed = _packed(fused.linears) if hidden.shape[0] > _GEMV_ROWS else None
+        if packed is None:
+            return None
     first = residual is None
     if first:
         residual = torch.empty_like(hidden)
     dec = meta.decode
     out = cpu_kernels.decoder_layer(
-        hidden, residual, first, weights, heads, window, scale, rope[0], rope[1], kv_cache,
-        meta.slot_mapping, dec.tables, dec.table_start, dec.ctx_lens)
+        hidden, residual, first, fused.weights, fused.heads, fused.window, fused.scale, rope[0],
+        rope[1], kv_cache, meta.slot_mapping, dec.tables, dec.table_start, dec.ctx_lens, packed)
     return out, residual
