@@ -3,9 +3,9 @@
 // calls ~60 kernels a few microseconds apart, all of them ours; OpenMP threads under
 // OMP_WAIT_POLICY=PASSIVE (which fleetllm set then; now they spin ~0.3 ms: fleetllm/__init__.py)
 // go to sleep after every parallel region, and waking them cost 20-300 us per call here, more
-// than a small GEMV's work. Spinning briefly keeps them awake through such a step; in a larger batch's step
-// oneDNN's OpenMP threads run between our calls and need the cores, so jobs of many rows do not
-// spin. Items are claimed dynamically in chunks.
+// than a small GEMV's work. Spinning briefly keeps them awake through such a step; in a larger
+// batch's step oneDNN's OpenMP threads run between our calls and need the cores, so jobs of
+// many rows do not spin. Items are claimed dynamically in chunks.
 //
 // Fork: pthread_atfork handlers take both locks before fork() (so no job is half published and
 // no worker is inside the sleep lock), release them in the parent, and in the child release

@@ -199,37 +199,52 @@ def test_kernel_reads_strided_query_rows():
     torch.testing.assert_close(out, ref)
 
 
-def test_fused_small_batch_layers_match_the_modules(tiny_models, monkeypatch):
-    """Decode steps of up to 8 sequences run each layer as one C call: same tokens and
-    logprobs as the module-by-module path (biases, GQA; 7 sequences, so the kernel's second
-    group of 4 rows runs too)."""
-    from fleetllm import LLM, SamplingParams
+def _fused_and_module_outputs(tiny_models, monkeypatch, prompts, params, **llm_kwargs) -> dict:
+    """{tiny model: (outputs with the one-call layers, outputs module by module)}, each output
+    a completion's (token ids, [{token: logprob}])."""
+    from fleetllm import LLM
     from fleetllm.model import fused
 
     if not cpu_kernels.available():
         pytest.skip("no C compiler")
+    state = {"on": True}
+    applies = fused.applies
+    monkeypatch.setattr(fused, "applies", lambda *a: state["on"] and applies(*a))
+    runs = {}
+    for name in ("llama_gqa", "qwen2_bias"):
+        results = []
+        for on in (True, False):
+            state["on"] = on
+            with LLM(tiny_models[name], kv_cache_memory=16 << 20, **llm_kwargs) as llm:
+                outs = llm.generate(prompts, params, use_tqdm=False)
+            results.append([(c.token_ids, [{k: v.logprob for k, v in d.items()}
+                                           for d in c.logprobs])
+                            for o in outs for c in o.outputs])
+        runs[name] = tuple(results)
+    return runs
+
+
+def test_fused_small_batch_layers_match_the_modules(tiny_models, monkeypatch):
+    """Decode steps of up to 8 sequences run each layer as one C call: same tokens and
+    logprobs as the module-by-module path (biases, GQA; 7 sequences, so the kernel's second
+    group of 4 rows runs too)."""
+    from fleetllm import SamplingParams
+    from fleetllm.model import fused
+
     prompts = [{"prompt_token_ids": list(range(7 + i, 40 + 9 * i))} for i in range(7)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-    state = {"on": True, "calls": 0, "rows": 0}
-    applies, run_layer = fused.applies, fused.run_layer
+    state = {"calls": 0, "rows": 0}
+    run_layer = fused.run_layer
 
     def counted(*args):
         state["calls"] += 1
         state["rows"] = max(state["rows"], args[2].shape[0])
         return run_layer(*args)
 
-    monkeypatch.setattr(fused, "applies", lambda *a: state["on"] and applies(*a))
     monkeypatch.setattr(fused, "run_layer", counted)
-    for name in ("llama_gqa", "qwen2_bias"):
-        results = []
-        for on in (True, False):
-            state["on"] = on
-            with LLM(tiny_models[name], kv_cache_memory=16 << 20) as llm:
-                outs = llm.generate(prompts, params, use_tqdm=False)
-            results.append([(c.token_ids, [{k: v.logprob for k, v in d.items()}
-                                           for d in c.logprobs])
-                            for o in outs for c in o.outputs])
-        for (ta, la), (tb, lb) in zip(*results, strict=True):
+    runs = _fused_and_module_outputs(tiny_models, monkeypatch, prompts, params)
+    for name, (fused_out, modules_out) in runs.items():
+        for (ta, la), (tb, lb) in zip(fused_out, modules_out, strict=True):
             assert ta == tb, name
             for da, db in zip(la, lb, strict=True):
                 assert da.keys() == db.keys()
@@ -243,33 +258,22 @@ def test_fused_layers_past_the_gemv_limit_give_the_modules_bits(tiny_models, mon
     without bf16 packing) run each layer as one C call too, its projections through oneDNN's
     packed weights as the modules' linear() runs them: tokens and logprobs exactly equal to
     the module-by-module path's (biases, GQA; 20 sequences)."""
-    from fleetllm import LLM, SamplingParams
-    from fleetllm.model import fused
+    from fleetllm import SamplingParams
 
-    if not cpu_kernels.available():
-        pytest.skip("no C compiler")
     prompts = [{"prompt_token_ids": list(range(5 + i, 30 + 3 * i))} for i in range(20)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
-    state = {"on": True, "rows": 0}
-    applies, decoder_layer = fused.applies, cpu_kernels.decoder_layer
+    state = {"rows": 0}
+    decoder_layer = cpu_kernels.decoder_layer
 
     def counted(*args):
         if args[-1]:  # packed weights given: oneDNN inside the one-call layer
             state["rows"] = max(state["rows"], args[0].shape[0])
         return decoder_layer(*args)
 
-    monkeypatch.setattr(fused, "applies", lambda *a: state["on"] and applies(*a))
     monkeypatch.setattr(cpu_kernels, "decoder_layer", counted)
-    for name in ("llama_gqa", "qwen2_bias"):
-        results = []
-        for on in (True, False):
-            state["on"] = on
-            with LLM(tiny_models[name], dtype=dtype, kv_cache_memory=16 << 20) as llm:
-                outs = llm.generate(prompts, params, use_tqdm=False)
-            results.append([(c.token_ids, [{k: v.logprob for k, v in d.items()}
-                                           for d in c.logprobs])
-                            for o in outs for c in o.outputs])
-        assert results[0] == results[1], name
+    runs = _fused_and_module_outputs(tiny_models, monkeypatch, prompts, params, dtype=dtype)
+    for name, (fused_out, modules_out) in runs.items():
+        assert fused_out == modules_out, name
     assert state["rows"] == 20  # the packed weights ran inside the one-call layer
 
 

@@ -13,8 +13,9 @@ bandwidth, for decode batches of a few sequences (oneDNN and MKL stream it at ha
 Fused elementwise ops (residual add + RMSNorm, SiLU * up, RoPE of q and k + the K/V cache
 write): one pass and at most one parallel region each instead of 2-6 torch kernels, and no
 parallel region at all for a few rows, where waking a sleeping OpenMP thread costs more than
-the work. And one whole decoder layer of a small decode batch (up to 8 or 16 sequences:
-model/fused.py) as one call.
+the work. And one whole decoder layer of a decode step as one call (model/fused.py): its
+projections through the GEMV for a few sequences, through oneDNN's packed matmul, called from
+C++, for more.
 
 How: `kernel_build.load()` compiles the variant for this CPU's instruction set at first use
 (torch.utils.cpp_extension; see that module for why JIT and how the build is shared) and loads

@@ -84,7 +84,7 @@ def _packed(linears: tuple) -> tuple | None:
 
 def applies(hidden: torch.Tensor, kv_cache: torch.Tensor | None,
             meta: AttentionMetadata) -> bool:
-    """This step can use the fused layers: a small batch of decode tokens only."""
+    """This step can use the fused layers: decode tokens only, at most MAX_ROWS of them."""
     return (kv_cache is not None and hidden.shape[0] <= MAX_ROWS and not meta.prefills
             and meta.decode is not None and meta.decode.num == hidden.shape[0]
             and hidden.is_contiguous() and kv_cache.is_contiguous()
