@@ -2,12 +2,12 @@
 kernels as the module-by-module path (fused norm, RoPE + cache write, paged attention, SiLU *
 up; the projections through the GEMV kernel or oneDNN's packed matmul), minus ~10 Python
 calls, tensors and their glue per layer. Used when it computes exactly what the modules would:
-CPU float32 or bfloat16 (the KV cache in either), no tensor parallelism, no q/k norm, a step
-of decode tokens only and nothing else. Up to a layer's GEMV row limit (8; 16 for bf16
-weights on a CPU without bf16 packing: layers.decode_gemv_rows; 3 for a large bf16 layer on a
-CPU with it: _BF16_PACKED_LAYER_BYTES) the projections take the GEMV kernel (the dense weights
-kept: FLEETLLM_LINEAR=auto); above it, and above the 4 rows from which the modules' linear()
-leaves the kernel, oneDNN's packed weights, as the modules would."""
+CPU float32 or bfloat16 (the KV cache in either), no tensor parallelism, no q/k norm, the
+dense weights kept (FLEETLLM_LINEAR=auto), a step of decode tokens only and nothing else. Up
+to a layer's GEMV row limit (8; 16 for bf16 weights on a CPU without bf16 packing:
+layers.decode_gemv_rows; 3 for a large bf16 layer on a CPU with it: _BF16_PACKED_LAYER_BYTES)
+the projections take the GEMV kernel; above it, and above the 4 rows from which the modules'
+linear() leaves the kernel, oneDNN's packed weights, as the modules would."""
 
 from __future__ import annotations
 
