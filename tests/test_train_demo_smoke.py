@@ -130,3 +130,88 @@ def test_shipped_demo_model_completes_python() -> None:
     assert re.search(
         r'"""|\b(return|if|for|while|def|else|None|self|import|raise|Return)\b', completion
     ), repr(completion)
+
+
+def _copy_windows():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import copy_windows
+    finally:
+        sys.path.pop(0)
+    return copy_windows
+
+
+SOURCE = '''import os
+
+
+def join_all(parts, sep=","):
+    """Join parts with sep, skipping empty ones, and strip the result."""
+    kept = [p for p in parts if p]
+    if not kept:
+        return ""
+    return sep.join(kept).strip()
+
+
+class Box:
+    def describe(self, verbose=False):
+        """Say what is in the box, at length when verbose."""
+        if verbose:
+            return "a box holding " + ", ".join(sorted(self.items)) + " and nothing else"
+        return "a box"
+
+    def tiny(self):
+        return 1
+'''
+
+
+def test_copy_windows_repeat_a_function_under_a_new_name() -> None:
+    """tools/copy_windows.py: functions and methods (dedented, long enough) are found; a
+    copy-edit text is the function, a line asking for it again, its def line and its body
+    (what a copying model predicts from the prompt); span repeats say a span twice."""
+    import random
+
+    import numpy as np
+
+    cw = _copy_windows()
+    found = cw.functions(SOURCE, min_chars=100)
+    assert [f.split("(")[0] for f in found] == ["def join_all", "def describe"]
+    assert found[1].startswith("def describe(self, verbose=False):\n    \"\"\"Say")
+    tok = AutoTokenizer.from_pretrained(str(SHIPPED))
+    pool = cw.copy_edit_pool(tok.backend_tokenizer, [SOURCE], 500, seed=0, variants=8)
+    assert len(pool) == 16
+    for item in pool:
+        text = tok.decode(item.ids)
+        head, body = tok.decode(item.ids[:item.body_start]), tok.decode(item.ids[item.body_start:])
+        source = next(f for f in found if f.partition("\n")[2] + "\n" == body)
+        assert text.startswith(source)  # the function, then its copy
+        copy_line = head.rstrip("\n").rsplit("\n", 1)[1]
+        assert copy_line.startswith("def ") and copy_line.endswith("):")
+    # Renamed copies (their bridge names both) and plain ones both occur.
+    heads = [tok.decode(item.ids[:item.body_start]) for item in pool]
+    assert any("def join_all(" not in h.split("\n\n")[-1] for h in heads)
+    assert any(h.count("def join_all(") == 2 for h in heads)
+    rng = random.Random(0)
+    corpus = np.arange(5, 1000, dtype=np.uint16)
+    for vocab in (0, 4096):
+        ids = cw.span_repeat(corpus, [9], rng, max_span=40, vocab_size=vocab)
+        half = (len(ids) - 1) // 2
+        assert ids[:half] == ids[half + 1:] and ids[half] == 9 and 16 <= half <= 40
+    windows = cw.copy_batch(pool, corpus, 12, 600, 0, [9], rng, 4096)
+    assert len(windows) == 12 and all(len(w) == 600 for w in windows)
+
+
+def test_copy_fraction_trains_on_copy_windows_and_reports_copying(tmp_path: Path) -> None:
+    """--copy-fraction mixes copy windows into the batches (from the previous model's
+    tokenizer, --tokenizer) and the log reports the held-out copy loss and accuracy."""
+    out = tmp_path / "copying"
+    train("--out", str(out), "--tokenizer", str(SHIPPED), "--copy-fraction", "0.5",
+          "--seq-len", "480", "--max-position-embeddings", "512", "--max-files", "60",
+          "--heldout-every", "6")
+    log = json.loads((out / "training_log.json").read_text())
+    assert log["args"]["copy_fraction"] == 0.5
+    assert log["n_heldout_copy_windows"] > 0
+    assert math.isfinite(log["final_heldout_copy_loss"])
+    assert 0.0 <= log["final_heldout_copy_accuracy"] <= 1.0
+    assert "heldout_copy_accuracy" in log["history"][-1]
+    assert (out / "tokenizer.json").read_text() == (SHIPPED / "tokenizer.json").read_text()
+    assert "copy windows" in (out / "README.md").read_text()
