@@ -72,14 +72,15 @@ def test_any_draft_gives_the_targets_tokens(tiny_models, small_draft, reference)
 
 def test_the_demo_models_bundled_draft_is_accepted_often():
     """The bundled draft (tools/train_demo_model.py --teacher) was distilled from the demo
-    model: on code it proposes what the demo model says about half the time (54% on the copy
-    workload when measured; a random draft: under 1%), and the tokens stay the demo model's."""
-    from fleetllm.benchmarks.workload import copy_edit_prompts
+    model: continuing code it proposes what the demo model says 44-46% of the time (a random
+    draft: under 1%), and the tokens stay the demo model's. (On the copy workload it is
+    accepted 8% of the time: the demo model copies there, a one-layer draft cannot.)"""
     from fleetllm.engine.arg_utils import DEMO_DRAFT, DEMO_MODEL
 
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    prompts = ["def fibonacci(n):", "import os\n\n\ndef main():", "class Stack:\n    def",
+               "def add(a, b):"]
     with LLM(DEMO_MODEL) as llm:
-        prompts = [{"prompt_token_ids": p} for p in copy_edit_prompts(llm.get_tokenizer(), 2, 300)]
         plain = llm.generate(prompts, greedy, use_tqdm=False)
     with LLM(DEMO_MODEL, speculative_config=draft(DEMO_DRAFT)) as llm:
         got = llm.generate(prompts, greedy, use_tqdm=False)
