@@ -90,7 +90,10 @@ def copy_edit_text(source: str, rng: random.Random) -> tuple[str, str]:
 
 def copy_edit_pool(tokenizer: Any, texts: list[str], max_len: int, seed: int,
                    variants: int = 2) -> list[CopyText]:
-    """``variants`` copy-edit texts per function of ``texts`` that fit in max_len tokens."""
+    """``variants`` copy-edit texts per function of ``texts`` that fit in max_len tokens.
+    The head (up to the copy's def line and its newline) and the body are tokenized apart,
+    as a prompt that ends with that newline is: byte-level BPE would otherwise merge the
+    newline with the next line's indentation, a token such a prompt never ends with."""
     rng = random.Random(seed)
     heads, bodies = [], []
     for text in texts:

@@ -435,6 +435,7 @@ def greedy_sample(model: Any, hf_tok: Any, prompt: str, new_tokens: int) -> str:
 
     model.eval()
     ids = hf_tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    ids = ids.to(model.device)
     with torch.no_grad():
         out = model.generate(
             ids, max_new_tokens=new_tokens, do_sample=False,
