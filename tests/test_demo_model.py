@@ -75,9 +75,9 @@ def test_generate_defaults_to_the_demo_model():
 def test_the_demo_model_copies_a_function_it_was_shown(demo_llm):
     """Shown a held-out stdlib function, a comment asking for it again and the copy's renamed
     def line, the demo model writes the body again (what n-gram speculative decoding drafts
-    from): it was trained with copy windows (tools/copy_windows.py). Measured: 52% of the first
-    48 body tokens are reproduced before the first difference over held-out functions; the
-    first demo model, trained without copy windows, reproduced none."""
+    from): it was trained with copy windows (tools/copy_windows.py). Measured here: 69% of the
+    first 48 body tokens of 24 held-out functions reproduced before the first difference (52%
+    over 40 with other phrasings); the first demo model, trained without copy windows: 0%."""
     tools = Path(__file__).resolve().parents[1] / "tools"
     sys.path.insert(0, str(tools))
     try:
