@@ -390,7 +390,8 @@ def write_readme(out: Path, info: dict[str, Any], heldout: list[str]) -> None:
         "## Training",
         "",
         f"{a['steps']} steps x batch {a['batch_size']} x {a['seq_len']} tokens "
-        f"({info['tokens_seen']:,} tokens, {info['epochs']:.2f} epochs); AdamW "
+        f"({info['tokens_seen']:,} tokens, {info['epochs']:.2f} epochs of the plain "
+        "windows); AdamW "
         f"(betas 0.9/0.95, weight decay {a['weight_decay']} on matrices), peak LR {a['lr']}, "
         f"{a['warmup']} warmup steps then cosine to {a['min_lr_ratio']}x, grad-norm clip "
         f"{a['grad_clip']}."
@@ -728,7 +729,8 @@ def main(argv: list[str] | None = None) -> int:
         "vocab_size": vocab_size,
         "n_params": n_params,
         "tokens_seen": args.steps * args.batch_size * args.seq_len,
-        "epochs": args.steps * args.batch_size / train_windows.shape[0],
+        # Passes over the corpus's plain windows (copy windows are made anew each step).
+        "epochs": args.steps * (args.batch_size - n_copy) / train_windows.shape[0],
         "train_loss_window": len(recent),
         "final_train_loss": final_train,
         "final_heldout_loss": final_heldout,
