@@ -494,9 +494,15 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("the teacher's tokenizer and model disagree on the vocabulary")
         args.max_position_embeddings = teacher.config.max_position_embeddings
     elif args.tokenizer or args.init:
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(args.tokenizer or args.init).backend_tokenizer
+        if args.init:  # fine-tuning keeps the checkpoint's shape (the README reports it)
+            shape = AutoConfig.from_pretrained(args.init)
+            args.hidden_size, args.intermediate_size = shape.hidden_size, shape.intermediate_size
+            args.num_layers, args.num_heads = shape.num_hidden_layers, shape.num_attention_heads
+            args.num_kv_heads = shape.num_key_value_heads
+            args.max_position_embeddings = shape.max_position_embeddings
     else:
         tok = train_tokenizer([f.text for f in train_files], args.vocab_size)
     eos_id = tok.token_to_id(EOS_TOKEN)
@@ -565,12 +571,6 @@ def main(argv: list[str] | None = None) -> int:
         model = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
         if model.config.vocab_size != vocab_size:
             raise SystemExit("--init's vocabulary differs from the tokenizer's")
-        config = model.config
-        for name in ("hidden_size", "intermediate_size", "num_attention_heads",
-                     "num_key_value_heads", "max_position_embeddings"):
-            setattr(args, name.replace("num_attention_heads", "num_heads").replace(
-                "num_key_value_heads", "num_kv_heads"), getattr(config, name))
-        args.num_layers = config.num_hidden_layers
     else:
         model = LlamaForCausalLM(config)
     model = model.to(args.device)
