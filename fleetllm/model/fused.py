@@ -17,7 +17,7 @@ import torch
 
 from fleetllm.attention import AttentionMetadata, cpu_kernels
 from fleetllm.distributed.parallel_state import get_tp_group
-from fleetllm.model.layers import _GEMV_ROWS, decode_gemv_rows
+from fleetllm.model.layers import GEMV_ROWS, decode_gemv_rows
 
 # The most rows a step takes here (its activations: 76 KiB per row on Qwen2-0.5B shapes).
 MAX_ROWS = 256
@@ -100,7 +100,7 @@ def run_layer(layer, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tens
         return None
     packed = ()
     if hidden.shape[0] > fused.gemv_rows:  # past the GEMV kernel: oneDNN, where modules take it
-        packed = _packed(fused.linears) if hidden.shape[0] > _GEMV_ROWS else None
+        packed = _packed(fused.linears) if hidden.shape[0] > GEMV_ROWS else None
         if packed is None:
             return None
     first = residual is None

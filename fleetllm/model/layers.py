@@ -255,7 +255,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 # run it through the one-call decoder layer (fused.py); here it stays at 4: at 8, a 5-8 token
 # prompt alone in its step took the kernel and in a shared step oneDNN, so two requests for the
 # same embedding differed in the last bits (tests/test_server_embeddings.py caught it).
-_GEMV_ROWS = 4
+GEMV_ROWS = 4
 
 
 def decode_gemv_rows(layer: nn.Module) -> int:
@@ -275,7 +275,7 @@ def decode_gemv_rows(layer: nn.Module) -> int:
 
 
 def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
-           gemv_rows: int = _GEMV_ROWS) -> torch.Tensor:
+           gemv_rows: int = GEMV_ROWS) -> torch.Tensor:
     """x @ layer.weight^T (+ bias): the GEMV kernel for up to `gemv_rows` rows when the dense
     weight is kept, else the packed weight when the layer has one, else F.linear."""
     packed, weight = getattr(layer, "packed_weight", None), layer.weight
