@@ -310,17 +310,9 @@ def pack_linear_weights(model: nn.Module) -> int:
     against F.linear on a few rows. The dense weight stays for the small-batch GEMV kernel
     while all of them weigh at most FLEETLLM_GEMV_MAX_BYTES, else it is freed (unless the
     embedding shares it). Returns the number of layers packed; 0 leaves the model unchanged."""
-    shared = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)
-              and not isinstance(m, ParallelLMHead)}
-    linears = [m for m in model.modules()
-               if isinstance(m, ColumnParallelLinear | RowParallelLinear | ParallelLMHead)]
+    linears, shared, keep_dense = _packing_plan(model)
     if not any(m.weight is not None and _can_pack(m.weight) for m in linears):
         return 0  # CUDA weights (or FLEETLLM_LINEAR=dense): don't build the CPU kernels below
-    # What keeping the dense weights costs: a tied LM head's is the embedding's, kept anyway.
-    dense_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears
-                      if id(m.weight) not in shared)
-    keep_dense = os.environ.get("FLEETLLM_LINEAR", "auto") == "auto" and cpu_kernels.available() \
-        and dense_bytes <= int(float(os.environ.get("FLEETLLM_GEMV_MAX_BYTES", 2 << 30)))
     count = 0
     for module in linears:
         weight = module.weight
@@ -343,6 +335,28 @@ def pack_linear_weights(model: nn.Module) -> int:
             module.dense_dtype = weight.dtype  # what to_dense() gives back (sharded_state)
         count += 1
     return count
+
+
+def dense_weights_kept(model: nn.Module) -> bool:
+    """Whether the projections' dense weights stay after pack_linear_weights (for the GEMV
+    kernel or plain F.linear); computable before loading, from the shapes alone."""
+    linears, _, keep_dense = _packing_plan(model)
+    return keep_dense or not any(m.weight is not None and _can_pack(m.weight) for m in linears)
+
+
+def _packing_plan(model: nn.Module) -> tuple[list[nn.Module], set[int], bool]:
+    """The projections (and LM head), the ids of weights the embedding shares, and whether
+    packing keeps the dense weights beside the packed copies."""
+    shared = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)
+              and not isinstance(m, ParallelLMHead)}
+    linears = [m for m in model.modules()
+               if isinstance(m, ColumnParallelLinear | RowParallelLinear | ParallelLMHead)]
+    # What keeping the dense weights costs: a tied LM head's is the embedding's, kept anyway.
+    dense_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears
+                      if m.weight is not None and id(m.weight) not in shared)
+    keep_dense = os.environ.get("FLEETLLM_LINEAR", "auto") == "auto" and cpu_kernels.available() \
+        and dense_bytes <= int(float(os.environ.get("FLEETLLM_GEMV_MAX_BYTES", 2 << 30)))
+    return linears, shared, keep_dense
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

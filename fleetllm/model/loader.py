@@ -15,7 +15,8 @@ from safetensors import SafetensorError, safe_open
 from fleetllm.config import ArchConfig, EngineConfig, read_json
 from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
 from fleetllm.errors import ModelLoadError
-from fleetllm.model.layers import pack_linear_weights
+from fleetllm.model import huge_pages
+from fleetllm.model.layers import dense_weights_kept, pack_linear_weights
 from fleetllm.model.llama import LlamaForCausalLM
 from fleetllm.progress import ProgressBar
 
@@ -52,6 +53,10 @@ def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
                                      lm_head=not mc.is_pooling)
     finally:
         torch.set_default_dtype(default_dtype)
+    # Before loading (the loaders copy into the parameters in place); not where packing will
+    # free the dense weights: the mapping would stay whole while any parameter lives in it.
+    if device.type == "cpu" and dense_weights_kept(model):
+        huge_pages.place_parameters(model)
     if load_format == "dummy":
         _init_dummy(model, mc.seed)
     elif load_format == "sharded_state":  # this rank's own tensors (Executor.save_sharded_state)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from fleetllm.config import EngineConfig
+from fleetllm.model import huge_pages
 
 
 def kv_block_shape(config: EngineConfig, num_blocks: int, num_kv_heads: int, head_dim: int
@@ -21,8 +22,10 @@ class CacheEngine:
         self.args = (num_layers, num_kv_heads, head_dim, dtype, device, num_gpu_blocks,
                      num_cpu_blocks)
         pin = device.type == "cuda"
-        self.gpu_cache = [torch.zeros(kv_block_shape(config, num_gpu_blocks, num_kv_heads,
-                                                     head_dim), dtype=dtype, device=device)
+        shape = kv_block_shape(config, num_gpu_blocks, num_kv_heads, head_dim)
+        # On the CPU in huge pages: a decode step's attention reads blocks all over the cache.
+        self.gpu_cache = [huge_pages.zeros(shape, dtype) if device.type == "cpu"
+                          else torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(num_layers)]
         self.cpu_cache = [torch.zeros(kv_block_shape(config, num_cpu_blocks, num_kv_heads,
                                                      head_dim), dtype=dtype, pin_memory=pin)

@@ -1,0 +1,123 @@
+"""The CPU weights and KV cache live in memory advised for transparent huge pages
+(fleetllm/model/huge_pages.py): the same tokens either way, nothing kept alive that packing or
+sleep frees, and FLEETLLM_HUGE_PAGES=0 leaves both to torch's allocator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fleetllm import LLM, SamplingParams
+from fleetllm.model import huge_pages
+
+PROMPTS = [{"prompt_token_ids": [5 + i, 17, 99, 300 + 7 * i, 42, 8 + i]} for i in range(3)]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+KV = 64 << 20
+
+needs_thp = pytest.mark.skipif(not huge_pages.enabled(),
+                               reason="transparent huge pages are off on this machine")
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "none"
+
+
+# With THP "always" every mapping is eligible; the tests of what is NOT placed need "madvise".
+needs_madvise_thp = pytest.mark.skipif(_thp_mode() != "madvise",
+                                       reason="THP is not in 'madvise' mode here")
+
+
+def mapping_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps entry (its range and fields) of the mapping holding address."""
+    entry: dict[str, str] = {}
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+                if entry.get("hit"):
+                    break
+                start, end = (int(x, 16) for x in head.split("-"))
+                entry = {"range": head, "hit": "1" if start <= address < end else ""}
+            elif entry.get("hit"):
+                key, _, value = line.partition(":")
+                entry[key] = value.strip()
+    assert entry.get("hit"), f"{address:#x} is in no mapping"
+    return entry
+
+
+def worker(llm: LLM):
+    return llm.llm_engine.model_executor.driver_worker.worker
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@needs_thp
+def test_weights_and_kv_cache_are_in_huge_page_mappings(tiny_models, monkeypatch):
+    monkeypatch.delenv("FLEETLLM_HUGE_PAGES", raising=False)
+    with LLM(tiny_models["llama_gqa"], kv_cache_memory=KV) as llm:
+        w = worker(llm)
+        params = list(w.model_runner.model.parameters())
+        first = mapping_of(params[0].data_ptr())
+        # one mapping for all of them, eligible for huge pages, starting on a 2 MiB boundary
+        assert {mapping_of(p.data_ptr())["range"] for p in params} == {first["range"]}
+        assert first["THPeligible"] == "1"
+        assert params[0].data_ptr() % huge_pages.HUGE_PAGE == 0
+        for cache in w.cache_engine.gpu_cache:  # each layer's cache: its own such mapping
+            assert mapping_of(cache.data_ptr())["THPeligible"] == "1"
+            assert cache.data_ptr() % huge_pages.HUGE_PAGE == 0
+            assert not cache.any()  # zeroed, as torch.zeros was
+        placed = greedy(llm)
+    monkeypatch.setenv("FLEETLLM_HUGE_PAGES", "0")
+    with LLM(tiny_models["llama_gqa"], kv_cache_memory=KV) as llm:
+        assert greedy(llm) == placed  # the same tokens with torch's own memory
+
+
+@needs_madvise_thp
+def test_off_leaves_the_weights_and_cache_to_torch(tiny_models, monkeypatch):
+    monkeypatch.setenv("FLEETLLM_HUGE_PAGES", "0")
+    assert not huge_pages.enabled()
+    with LLM(tiny_models["llama_gqa"], kv_cache_memory=KV) as llm:
+        w = worker(llm)
+        addresses = [p.data_ptr() for p in w.model_runner.model.parameters()]
+        addresses += [c.data_ptr() for c in w.cache_engine.gpu_cache]
+        assert all(mapping_of(a).get("THPeligible") == "0" for a in addresses)
+
+
+@needs_madvise_thp
+def test_no_mapping_where_packing_frees_the_dense_weights(tiny_models, monkeypatch):
+    """Past FLEETLLM_GEMV_MAX_BYTES the packed copies replace the dense weights; a shared
+    mapping would stay whole while the norms and embedding live in it, so there is none."""
+    monkeypatch.setenv("FLEETLLM_GEMV_MAX_BYTES", "1")
+    with LLM(tiny_models["llama_gqa"], kv_cache_memory=KV) as llm:
+        model = worker(llm).model_runner.model
+        if not any(getattr(m, "packed_weight", None) is not None for m in model.modules()):
+            pytest.skip("oneDNN packing is unavailable here: the dense weights stay")
+        embed = model.embed_tokens.weight
+        assert mapping_of(embed.data_ptr())["THPeligible"] == "0"
+
+
+@needs_thp
+def test_placement_and_zeros_directly(monkeypatch):
+    monkeypatch.delenv("FLEETLLM_HUGE_PAGES", raising=False)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.LayerNorm(200))
+    model = model.to(torch.bfloat16)
+    shapes = [(n, p.shape, p.dtype) for n, p in model.named_parameters()]
+    placed = huge_pages.place_parameters(model)
+    params = list(model.parameters())
+    assert placed == sum(-(-p.numel() * 2 // 64) * 64 for p in params)
+    assert [(n, p.shape, p.dtype) for n, p in model.named_parameters()] == shapes
+    assert all(p.data_ptr() % 64 == 0 for p in params)
+    for p in params:  # writable, and not overlapping one another
+        p.data.fill_(1.0)
+    assert sum(int(p.float().sum()) for p in params) == sum(p.numel() for p in params)
+    cache = huge_pages.zeros((2, 1024, 16, 4, 16), torch.bfloat16)
+    assert cache.shape == (2, 1024, 16, 4, 16) and cache.dtype == torch.bfloat16
+    assert mapping_of(cache.data_ptr())["THPeligible"] == "1" and not cache.any()
+    small = huge_pages.zeros((4, 4), torch.float32)  # under one huge page: torch's own
+    assert small.shape == (4, 4) and not small.any()
