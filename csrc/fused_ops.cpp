@@ -398,13 +398,9 @@ void gemv(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, floa
           int nthreads)
 {
     const long tiles = (N + 3) / 4;
-    // ~16 chunks per thread, claimed as they come: a thread that ends early waits at most
-    // one short chunk for the other, while both share the memory's bandwidth (4 per thread
-    // left ~1/8 of a call to one thread: batch-1 bf16 decode on the 125M preset, taking
-    // turns, 132.2 -> 136.0 and 134.0 -> 139.7 tokens/s, docs/perf.md item 18); a chunk
-    // still streams tens of KiB (28 rows of a 768 x 768 bf16 projection: 42 KiB). Inline if small.
+    // ~4 chunks per thread: long sequential streams, some balance; inline if small
     const long chunk = static_cast<long>(N) * K < 4 * PAR_MIN
-                           ? tiles : 1 + tiles / (16 * (nthreads > 0 ? nthreads : 1));
+                           ? tiles : 1 + tiles / (4 * (nthreads > 0 ? nthreads : 1));
     // A bfloat16 x is widened once per call, not once per tile of 4 weight rows (as many
     // conversions as the weight's, at 1 row). With gemv_tile_split: tools/cpu_gemv_bench.py,
     // weight in cache, 1.1-2x at 1-8 rows on an AVX2 EPYC (docs/performance.md).
