@@ -121,3 +121,17 @@ def test_placement_and_zeros_directly(monkeypatch):
     assert mapping_of(cache.data_ptr())["THPeligible"] == "1" and not cache.any()
     small = huge_pages.zeros((4, 4), torch.float32)  # under one huge page: torch's own
     assert small.shape == (4, 4) and not small.any()
+
+
+@needs_thp
+def test_a_refused_mapping_falls_back_to_torch(monkeypatch):
+    """mmap failing (a memory limit, an odd kernel) leaves the tensors to torch: the engine
+    starts as it did before, and fails as it did if memory is really short."""
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refuse)
+    model = torch.nn.Linear(300, 200)
+    assert huge_pages.place_parameters(model) == 0
+    cache = huge_pages.zeros((2, 1024, 16, 4, 16), torch.bfloat16)
+    assert cache.shape == (2, 1024, 16, 4, 16) and not cache.any()

@@ -44,11 +44,15 @@ def enabled() -> bool:
 
 def _mapping(nbytes: int) -> torch.Tensor | None:
     """nbytes of fresh zeroed memory advised MADV_HUGEPAGE, as a uint8 tensor starting on a
-    huge-page boundary; None if the kernel refuses the advice. The mapping covers whole huge
-    pages from that boundary on (the kernel gives one only where 2 aligned MiB are mapped), so
-    the last one is huge too: at most 2 MiB more than asked for."""
+    huge-page boundary; None if the kernel refuses the mapping or the advice (the caller then
+    allocates as before, and fails as before if memory is short). The mapping covers whole
+    huge pages from that boundary on (the kernel gives one only where 2 aligned MiB are
+    mapped), so the last one is huge too: at most 2 MiB more than asked for."""
     whole_pages = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    mm = mmap.mmap(-1, whole_pages + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mm = mmap.mmap(-1, whole_pages + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return None
     try:
         mm.madvise(mmap.MADV_HUGEPAGE)
     except OSError:
