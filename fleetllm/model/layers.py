@@ -310,8 +310,8 @@ def pack_linear_weights(model: nn.Module) -> int:
     against F.linear on a few rows. The dense weight stays for the small-batch GEMV kernel
     while all of them weigh at most FLEETLLM_GEMV_MAX_BYTES, else it is freed (unless the
     embedding shares it). Returns the number of layers packed; 0 leaves the model unchanged."""
-    linears, shared, keep_dense = _packing_plan(model)
-    if not any(m.weight is not None and _can_pack(m.weight) for m in linears):
+    linears, shared, packable, keep_dense = _packing_plan(model)
+    if not packable:
         return 0  # CUDA weights (or FLEETLLM_LINEAR=dense): don't build the CPU kernels below
     count = 0
     for module in linears:
@@ -340,13 +340,13 @@ def pack_linear_weights(model: nn.Module) -> int:
 def dense_weights_kept(model: nn.Module) -> bool:
     """Whether the projections' dense weights stay after pack_linear_weights (for the GEMV
     kernel or plain F.linear); computable before loading, from the shapes alone."""
-    linears, _, keep_dense = _packing_plan(model)
-    return keep_dense or not any(m.weight is not None and _can_pack(m.weight) for m in linears)
+    _, _, packable, keep_dense = _packing_plan(model)
+    return keep_dense or not packable
 
 
-def _packing_plan(model: nn.Module) -> tuple[list[nn.Module], set[int], bool]:
-    """The projections (and LM head), the ids of weights the embedding shares, and whether
-    packing keeps the dense weights beside the packed copies."""
+def _packing_plan(model: nn.Module) -> tuple[list[nn.Module], set[int], bool, bool]:
+    """The projections (and LM head), the ids of weights the embedding shares, whether any of
+    them can be packed, and whether packing keeps the dense weights beside the packed copies."""
     shared = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)
               and not isinstance(m, ParallelLMHead)}
     linears = [m for m in model.modules()
@@ -356,7 +356,8 @@ def _packing_plan(model: nn.Module) -> tuple[list[nn.Module], set[int], bool]:
                       if m.weight is not None and id(m.weight) not in shared)
     keep_dense = os.environ.get("FLEETLLM_LINEAR", "auto") == "auto" and cpu_kernels.available() \
         and dense_bytes <= int(float(os.environ.get("FLEETLLM_GEMV_MAX_BYTES", 2 << 30)))
-    return linears, shared, keep_dense
+    packable = any(m.weight is not None and _can_pack(m.weight) for m in linears)
+    return linears, shared, packable, keep_dense
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
