@@ -18,16 +18,8 @@ needs_thp = pytest.mark.skipif(not huge_pages.enabled(),
                                reason="transparent huge pages are off on this machine")
 
 
-def _thp_mode() -> str:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return "none"
-
-
 # With THP "always" every mapping is eligible; the tests of what is NOT placed need "madvise".
-needs_madvise_thp = pytest.mark.skipif(_thp_mode() != "madvise",
+needs_madvise_thp = pytest.mark.skipif(huge_pages.thp_mode() != "madvise",
                                        reason="THP is not in 'madvise' mode here")
 
 

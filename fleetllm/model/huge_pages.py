@@ -31,15 +31,20 @@ HUGE_PAGE = 2 << 20
 _ALIGN = 64  # each tensor's start in a shared mapping: a cache line, as torch's allocator
 
 
+def thp_mode() -> str:
+    """The kernel's THP mode ("always", "madvise" or "never"); "" where it has none."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return ""
+    return text.partition("[")[2].partition("]")[0]
+
+
 def enabled() -> bool:
     """Huge-page placement applies here: not turned off, and the kernel has THP on."""
     if os.environ.get("FLEETLLM_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
-    try:
-        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return False
-    return "[never]" not in mode
+    return thp_mode() in ("always", "madvise")
 
 
 def _mapping(nbytes: int) -> torch.Tensor | None:
@@ -72,15 +77,15 @@ def place_parameters(model: nn.Module) -> int:
     if not params or not enabled():
         return 0
     sizes = [p.numel() * p.element_size() for p in params]
-    total = sum(-(-n // _ALIGN) * _ALIGN for n in sizes)
-    arena = _mapping(total)
+    spans = [-(-n // _ALIGN) * _ALIGN for n in sizes]  # each rounded up to the next start
+    arena = _mapping(sum(spans))
     if arena is None:
         return 0
     offset = 0
-    for param, n in zip(params, sizes, strict=True):
+    for param, n, span in zip(params, sizes, spans, strict=True):
         param.data = arena[offset:offset + n].view(param.dtype).view(param.shape)
-        offset += -(-n // _ALIGN) * _ALIGN
-    return total
+        offset += span
+    return offset
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
