@@ -90,6 +90,11 @@ void add_rmsnorm(const T *x, T *residual, const T *w, T *out, int rows, int H, f
 template <class T>
 void silu_mul(const T *gu, T *out, int rows, int I, int nthreads);
 
+// out[r] = the index of row r's largest value, as torch.argmax (argmax.cpp): the first of equal
+// maxima, the first NaN of a row with one. x: [rows, n], rows `stride` elements apart.
+template <class T>
+void argmax(const T *x, long stride, int rows, int n, int64_t *out, int nthreads);
+
 // Neox RoPE of q and k from the fused qkv rows ([T] rows of (H + 2 KVH) * D, row_stride
 // apart): q -> q_out [T, H, D], k -> k_out [T, KVH, D]; with caches (not null), k (rotated)
 // and v are also written at each token's slot of the [num_slots, KVH, D] caches. cos, sin:

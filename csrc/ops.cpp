@@ -452,6 +452,22 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
     return out;
 }
 
+Tensor argmax(const Tensor &x)
+{
+    check_float(x, "x", 2);
+    const int rows = to_int(x.size(0), "rows"), n = to_int(x.size(1), "columns");
+    TORCH_CHECK(n > 0, "argmax of rows of no elements");
+    TORCH_CHECK(x.stride(1) == 1 && (rows <= 1 || x.stride(0) >= n), "x's rows must be "
+                "contiguous (rows may be strided)");
+    Tensor out = at::empty({rows}, at::TensorOptions().dtype(at::kLong));
+    dispatch(x.scalar_type(), [&](auto t) {
+        using T = decltype(t);
+        kernels::argmax<T>(cptr<T>(x), x.stride(0), rows, n, mptr<int64_t>(out),
+                           at::get_num_threads());
+    });
+    return out;
+}
+
 // What this library was built as: its instruction sets, sanitizers and thread mode (tests
 // check that the variant asked for is the one loaded).
 std::string build_info()
@@ -491,6 +507,7 @@ TORCH_LIBRARY(fleetllm, m)
           "Tensor? b_gu, Tensor w_down, Tensor? b_down, int heads, int window, float scale, "
           "Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slots, Tensor tables, "
           "Tensor table_start, Tensor ctx_lens, Tensor?[] packed) -> Tensor");
+    m.def("argmax(Tensor x) -> Tensor");
     m.def("build_info() -> str", &fleetllm::build_info);
 }
 
@@ -503,6 +520,7 @@ TORCH_LIBRARY_IMPL(fleetllm, CPU, m)
     m.impl("rope_qk_kv", &fleetllm::rope_qk_kv);
     m.impl("gemv", &fleetllm::gemv);
     m.impl("decoder_layer", &fleetllm::decoder_layer);
+    m.impl("argmax", &fleetllm::argmax);
 }
 
 // oneDNN's packed float32 weights are opaque MkldnnCPU tensors; given as decoder_layer's

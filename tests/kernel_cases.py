@@ -63,6 +63,9 @@ def op_outputs(seed: int = 0) -> dict[str, object]:
     out["rope_qk_kv"] = (*cpu_kernels.rope_qk_kv(qkv, cos, sin, h, kvh, c, slots), c)
     y, residual, cache = decoder_layer_call(g, cos, sin)
     out["decoder_layer"] = (y, residual, cache)
+    x = torch.randint(-4, 5, (70, 1000), generator=g).float()  # ties in every row
+    x[3, 500] = float("nan")
+    out["argmax"] = (cpu_kernels.argmax(x), cpu_kernels.argmax(x.bfloat16()))
     return out
 
 

@@ -39,12 +39,13 @@ def python(code: str, env: dict[str, str] | None = None, timeout: float = 300
 def test_ops_have_schemas():
     schemas = {n: str(getattr(torch.ops.fleetllm, n).default._schema)
                for n in ("gemv", "paged_decode", "prefill_attention", "rope_qk_kv",
-                         "decoder_layer")}
+                         "decoder_layer", "argmax")}
     assert schemas["gemv"] == "fleetllm::gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
     assert "Tensor(a!) out) -> ()" in schemas["paged_decode"]
     assert "Tensor(a!) out) -> ()" in schemas["prefill_attention"]
     assert "Tensor(a!)? kv_cache, Tensor? slots) -> (Tensor, Tensor)" in schemas["rope_qk_kv"]
     assert "Tensor(b!) kv_cache" in schemas["decoder_layer"]
+    assert schemas["argmax"] == "fleetllm::argmax(Tensor x) -> Tensor"
     assert kernel_build.best_variant() in kernel_build.variants()
     assert ("sanitize: address,undefined" in cpu_kernels.build_info()) == SANITIZE
 
@@ -107,10 +108,37 @@ def test_other_ops_check_their_arguments():
                   "b_o must have shape"))
     cases.append((lambda: cpu_kernels.decoder_layer(**{**args, "heads": 6}), "w_qkv must have"))
     cases.append((lambda: cpu_kernels.decoder_layer(**{**args, "cos": rope[:2]}), "cos and sin"))
+    cases += [(lambda: cpu_kernels.argmax(x[0]), "x must have 2 dimensions"),
+              (lambda: cpu_kernels.argmax(x[:, :0]), "rows of no elements"),
+              (lambda: cpu_kernels.argmax(w.t()), "rows must be contiguous"),
+              (lambda: cpu_kernels.argmax(x.double()), "x must be float32 or bfloat16")]
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
             call()
     cpu_kernels.decoder_layer(**args)  # the unchanged call is fine
+
+
+@needs_kernels
+def test_argmax_gives_torchs_indices():
+    """The first of equal maxima, the first NaN of a row with one, -inf rows, strided rows,
+    rows shorter than a vector and longer, split across threads or not."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(600):
+        rows, n = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 300, (1,),
+                                                                                 generator=g))
+        x = torch.randint(-3, 4, (rows, n + 7), generator=g).float()[:, 7 * (trial % 2):][:, :n]
+        u = torch.rand(rows, n, generator=g)
+        x[u < 0.05], x[u > 0.99] = float("-inf"), float("inf")
+        if trial % 5 == 0:
+            x[u < 0.01] = float("nan")
+        if trial % 9 == 0:
+            x[0] = float("-inf")
+        for t in (x, x.bfloat16()):
+            assert torch.equal(cpu_kernels.argmax(t), t.argmax(dim=-1)), (trial, t)
+    big = torch.randn(300, 32000, generator=g)  # a vocabulary, rows over the threads
+    big[7, 31999] = big[7].max() + 1
+    assert torch.equal(cpu_kernels.argmax(big), big.argmax(dim=-1))
+    assert cpu_kernels.argmax(torch.empty(0, 5)).shape == (0,)
 
 
 @needs_kernels

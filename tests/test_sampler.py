@@ -196,3 +196,28 @@ def test_penalty_state_is_incremental_and_matches_the_history():
     assert state.entries[7][2].sum() == len(outputs) - 1
     state.drop(["r"])
     assert not state.entries and not state.by_request
+
+
+def test_greedy_bf16_rows_take_the_kernels_argmax_without_a_float32_copy(monkeypatch):
+    """Greedy rows without penalties or logprobs: one argmax over the model's own logits (the
+    C kernel on the CPU), the same tokens as a float32 argmax; rows that need float32 math
+    still get it."""
+    from fleetllm.attention import cpu_kernels
+
+    if not cpu_kernels.available():
+        import pytest
+        pytest.skip("no C++ compiler here")
+    seen = []
+    real = cpu_kernels.argmax
+    monkeypatch.setattr(cpu_kernels, "argmax", lambda x: seen.append(x.dtype) or real(x))
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 32000, generator=g).bfloat16()
+    logits[2, 7], logits[2, 9] = 50, 50  # a tie: the first wins, as in torch.argmax
+    greedy = [SampleRow(i, SamplingParams(temperature=0), [], [], None) for i in range(6)]
+    assert sample(logits, greedy).token_ids == logits.float().argmax(dim=-1).tolist()
+    assert seen == [torch.bfloat16]
+    seen.clear()
+    penalized = SamplingParams(temperature=0, repetition_penalty=1.5)
+    rows = greedy[:5] + [SampleRow(5, penalized, [], [3], None)]
+    sample(logits, rows, PenaltyState(), ["r"] * 6)
+    assert seen == [torch.float32]

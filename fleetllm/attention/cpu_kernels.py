@@ -17,6 +17,9 @@ the work. And one whole decoder layer of a decode step as one call (model/fused.
 projections through the GEMV for a few sequences, through oneDNN's packed matmul, called from
 C++, for more.
 
+Each row's argmax for the sampler, read in place in float32 or bfloat16 (torch's CPU argmax
+runs ~1 ns an element, ten times its max).
+
 How: `kernel_build.load()` compiles the variant for this CPU's instruction set at first use
 (torch.utils.cpp_extension; see that module for why JIT and how the build is shared) and loads
 it. Each op has a schema (torch.ops.fleetllm.gemv.default._schema) and checks dtype, device,
@@ -50,7 +53,7 @@ _ops: SimpleNamespace | None = None
 _tried = False
 _lock = threading.Lock()
 _OPS = ("paged_decode", "prefill_attention", "add_rmsnorm", "silu_mul", "rope_qk_kv", "gemv",
-        "decoder_layer", "build_info")
+        "decoder_layer", "argmax", "build_info")
 
 
 def _load() -> SimpleNamespace | None:
@@ -152,6 +155,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     """x @ weight.T (+ bias) for a few rows of x: contiguous x [M, K], weight [N, K] of one
     dtype; float32 sums, rounded once."""
     return _ops.gemv(x, weight, bias)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of a [rows, n] x whose rows are contiguous (int64 [rows]):
+    the first of equal maxima, the first NaN of a row with one."""
+    return _ops.argmax(x)
 
 
 def decoder_layer(x: torch.Tensor, residual: torch.Tensor, first: bool,
