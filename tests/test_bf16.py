@@ -108,7 +108,8 @@ def test_projections_take_the_gemv_kernel_up_to_their_row_limit(monkeypatch):
     """linear() runs the GEMV kernel on the dense weight for up to 4 rows (a prompt's bits must
     not depend on whether it shares its step) and oneDNN's packed copy beyond; with
     decode_gemv_rows (the LM head, the fused decode layers) up to 16 rows for a bf16 weight
-    whose packed copy is float32 (twice the bytes), 8 for the others."""
+    whose packed copy is float32 (twice the bytes), 8 for the others (4 for float32 where
+    oneDNN runs AVX-512: it wins from 5 rows there)."""
     from fleetllm.model import layers
 
     calls = []
@@ -116,7 +117,7 @@ def test_projections_take_the_gemv_kernel_up_to_their_row_limit(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "gemv", lambda *a: calls.append(a[0].shape[0]) or gemv(*a))
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g)
-    for weight, decode_rows in ((w.to(BF16), 16), (w, 8)):
+    for weight, decode_rows in ((w.to(BF16), 16), (w, 4 if layers._avx512() else 8)):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.float(), None)
         layer = SimpleNamespace(weight=weight, packed_weight=packed)
         assert layers.decode_gemv_rows(layer) == decode_rows
@@ -129,6 +130,28 @@ def test_projections_take_the_gemv_kernel_up_to_their_row_limit(monkeypatch):
                                                                             gemv_rows=limit)
             assert calls == ([rows] if kernel else []), (weight.dtype, rows, limit)
             _close_in_bf16(y.to(BF16), (x.float() @ weight.float().T).to(BF16), 1e-2)
+
+
+def test_float32_decode_steps_leave_the_gemv_kernel_after_4_rows_with_avx512(monkeypatch):
+    """With AVX-512, oneDNN's float32 matmul beats the GEMV kernel from 5 rows (the 125M
+    preset's decode steps of 5-8 rows: 21-27 ms through the kernel, 15-20 through oneDNN);
+    without it the kernel keeps 8. bf16 weights keep their limits."""
+    from fleetllm.model import layers
+
+    def rows(capability, dtype, packed_dtype):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        layers._avx512.cache_clear()
+        return layers.decode_gemv_rows(SimpleNamespace(
+            weight=torch.zeros(1, dtype=dtype), packed_weight=torch.zeros(1, dtype=packed_dtype)))
+
+    try:
+        assert rows("AVX512", torch.float32, torch.float32) == 4
+        assert rows("AVX2", torch.float32, torch.float32) == 8
+        assert rows("AVX512", BF16, BF16) == 8
+        assert rows("AVX2", BF16, torch.float32) == 16
+    finally:
+        monkeypatch.undo()
+        layers._avx512.cache_clear()
 
 
 @needs_kernels
@@ -148,10 +171,11 @@ def test_a_gemv_row_does_not_depend_on_the_rows_beside_it(dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
-def test_the_lm_head_gives_a_sequence_the_same_logits_in_batches_of_1_to_8(dtype):
-    """A decode step's 1-8 sequences get their logits from the GEMV kernel (as the fused
-    layers under them), so a sequence's logits are the same bits in any such batch; at 5-8
-    rows they came from oneDNN's packed matmul, which sums in another order."""
+def test_the_lm_head_gives_a_sequence_the_same_logits_in_batches_up_to_its_gemv_limit(dtype):
+    """A decode step's sequences up to decode_gemv_rows (8; 4 for float32 with AVX-512) get
+    their logits from the GEMV kernel (as the fused layers under them), so a sequence's
+    logits are the same bits in any such batch; oneDNN's packed matmul, past it, sums in
+    another order."""
     from torch import nn
 
     from fleetllm.model import layers
@@ -160,9 +184,11 @@ def test_the_lm_head_gives_a_sequence_the_same_logits_in_batches_of_1_to_8(dtype
     head = layers.ParallelLMHead(1000, 256)
     head.weight.data = torch.randn(1000, 256, generator=g).to(dtype)
     layers.pack_linear_weights(nn.ModuleList([head]))  # as a loaded model's (where oneDNN is)
-    hidden = torch.randn(8, 256, generator=g).to(dtype)
-    alone = torch.cat([head.logits(hidden[i:i + 1]) for i in range(8)])
-    for m in range(2, 9):
+    limit = layers.decode_gemv_rows(head)
+    assert limit in (4, 8, 16)
+    hidden = torch.randn(limit, 256, generator=g).to(dtype)
+    alone = torch.cat([head.logits(hidden[i:i + 1]) for i in range(limit)])
+    for m in range(2, limit + 1):
         assert torch.equal(head.logits(hidden[:m]), alone[:m]), m
 
 

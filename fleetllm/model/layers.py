@@ -26,6 +26,7 @@ still reads the bf16 weight (half the bytes).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -265,13 +266,25 @@ def decode_gemv_rows(layer: nn.Module) -> int:
     2-core AVX2 EPYC, the 125M preset's weights (`tools/cpu_gemv_bench.py --setting model
     --rows 8 12 16 24 --onednn`), kernel vs oneDNN: bf16 8 rows 33.2 vs 52.3 ms, 12 rows
     42.7 vs 54.9, 16 rows 53.7 vs 62.3, 24 rows 71.9 vs 79.6; float32 8 rows 43.0 vs 53.9, 12
-    rows 75.9 vs 55.2. A sequence's logits are then the same bits in any decode batch up to
-    this size (the kernel's rows are independent), given the same hidden states: large bf16
-    layers on a CPU that packs bf16 take the kernel up to 3 rows only (fused.py)."""
+    rows 75.9 vs 55.2. With AVX-512 oneDNN's float32 matmul wins from 5 rows (2-core Zen 4,
+    the same command: 4 rows 15.3-15.9 vs 13.4-15.4 ms, 5 rows 20.7 vs 13.5-15.2, 8 rows 26.7
+    vs 16.3-18.5), so there float32 weights stop at 4. A sequence's logits are then the same
+    bits in any decode batch up to this size (the kernel's rows are independent), given the
+    same hidden states: large bf16 layers on a CPU that packs bf16 take the kernel up to 3
+    rows only (fused.py)."""
     packed, weight = getattr(layer, "packed_weight", None), layer.weight
     if packed is not None and weight is not None and packed.dtype != weight.dtype:
         return 16
+    if weight is not None and weight.dtype == torch.float32 and _avx512():
+        return GEMV_ROWS
     return 8
+
+
+@functools.cache
+def _avx512() -> bool:
+    """This CPU runs AVX-512 code, as torch sees it (ATEN_CPU_CAPABILITY may say less; oneDNN
+    asks the CPU itself)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
