@@ -108,8 +108,8 @@ def test_projections_take_the_gemv_kernel_up_to_their_row_limit(monkeypatch):
     """linear() runs the GEMV kernel on the dense weight for up to 4 rows (a prompt's bits must
     not depend on whether it shares its step) and oneDNN's packed copy beyond; with
     decode_gemv_rows (the LM head, the fused decode layers) up to 16 rows for a bf16 weight
-    whose packed copy is float32 (twice the bytes), 8 for the others (4 for float32 where
-    oneDNN runs AVX-512: it wins from 5 rows there)."""
+    whose packed copy is float32 (twice the bytes), 8 for the others (small ones: large
+    float32 weights stop at 4 with AVX-512, the next test)."""
     from fleetllm.model import layers
 
     calls = []
@@ -117,7 +117,7 @@ def test_projections_take_the_gemv_kernel_up_to_their_row_limit(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "gemv", lambda *a: calls.append(a[0].shape[0]) or gemv(*a))
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g)
-    for weight, decode_rows in ((w.to(BF16), 16), (w, 4 if layers._avx512() else 8)):
+    for weight, decode_rows in ((w.to(BF16), 16), (w, 8)):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.float(), None)
         layer = SimpleNamespace(weight=weight, packed_weight=packed)
         assert layers.decode_gemv_rows(layer) == decode_rows
@@ -132,23 +132,48 @@ def test_projections_take_the_gemv_kernel_up_to_their_row_limit(monkeypatch):
             _close_in_bf16(y.to(BF16), (x.float() @ weight.float().T).to(BF16), 1e-2)
 
 
-def test_float32_decode_steps_leave_the_gemv_kernel_after_4_rows_with_avx512(monkeypatch):
-    """With AVX-512, oneDNN's float32 matmul beats the GEMV kernel from 5 rows (the 125M
-    preset's decode steps of 5-8 rows: 21-27 ms through the kernel, 15-20 through oneDNN);
-    without it the kernel keeps 8. bf16 weights keep their limits."""
-    from fleetllm.model import layers
+def test_large_float32_weights_leave_the_gemv_kernel_after_4_rows_with_avx512(monkeypatch):
+    """With AVX-512, oneDNN's float32 matmul beats the GEMV kernel from 5 rows on weights that
+    stream from memory (the 125M preset's decode steps of 5-8 rows: 21-27 ms through the
+    kernel, 15-20 through oneDNN); small weights, which stay in the caches, keep 8, and so
+    does every float32 weight without AVX-512. bf16 weights keep their limits. The one-call
+    layers follow their whole layer's size."""
+    from fleetllm.model import fused, layers
 
-    def rows(capability, dtype, packed_dtype):
+    def weight(dtype, nbytes):  # as large as nbytes, without the memory
+        return torch.zeros(1, dtype=dtype).expand(nbytes // torch.tensor([], dtype=dtype)
+                                                  .element_size())
+
+    def rows(capability, dtype, packed_dtype, nbytes):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
         layers._avx512.cache_clear()
         return layers.decode_gemv_rows(SimpleNamespace(
-            weight=torch.zeros(1, dtype=dtype), packed_weight=torch.zeros(1, dtype=packed_dtype)))
+            weight=weight(dtype, nbytes), packed_weight=torch.zeros(1, dtype=packed_dtype)))
 
+    def layer_rows(capability, nbytes_each):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        layers._avx512.cache_clear()
+        proj = [SimpleNamespace(packed_weight=torch.zeros(1), bias=None) for _ in range(4)]
+        layer = SimpleNamespace(
+            self_attn=SimpleNamespace(qkv_proj=proj[0], o_proj=proj[1], q_norm=None,
+                                      num_heads=1, sliding_window=None, scale=0.5),
+            mlp=SimpleNamespace(gate_up_proj=proj[2], down_proj=proj[3]),
+            input_layernorm=SimpleNamespace(weight=torch.ones(4), eps=1e-6),
+            post_attention_layernorm=SimpleNamespace(weight=torch.ones(4), eps=1e-6))
+        for p in proj:  # each below the limit, the four together maybe not
+            p.weight = torch.empty(1, nbytes_each // 4)  # (contiguous, as the fused path asks)
+        return fused._weights(layer).gemv_rows
+
+    large, small = layers.LARGE_WEIGHT_BYTES + 4, 4 << 20
     try:
-        assert rows("AVX512", torch.float32, torch.float32) == 4
-        assert rows("AVX2", torch.float32, torch.float32) == 8
-        assert rows("AVX512", BF16, BF16) == 8
-        assert rows("AVX2", BF16, torch.float32) == 16
+        assert rows("AVX512", torch.float32, torch.float32, large) == 4
+        assert rows("AVX512", torch.float32, torch.float32, small) == 8
+        assert rows("AVX2", torch.float32, torch.float32, large) == 8
+        assert rows("AVX512", BF16, BF16, large) == 8
+        assert rows("AVX2", BF16, torch.float32, large) == 16
+        assert layer_rows("AVX512", 6 << 20) == 4  # 24 MiB in all: the 125M preset's
+        assert layer_rows("AVX512", 1 << 20) == 8
+        assert layer_rows("AVX2", 6 << 20) == 8
     finally:
         monkeypatch.undo()
         layers._avx512.cache_clear()

@@ -266,18 +266,33 @@ def decode_gemv_rows(layer: nn.Module) -> int:
     2-core AVX2 EPYC, the 125M preset's weights (`tools/cpu_gemv_bench.py --setting model
     --rows 8 12 16 24 --onednn`), kernel vs oneDNN: bf16 8 rows 33.2 vs 52.3 ms, 12 rows
     42.7 vs 54.9, 16 rows 53.7 vs 62.3, 24 rows 71.9 vs 79.6; float32 8 rows 43.0 vs 53.9, 12
-    rows 75.9 vs 55.2. With AVX-512 oneDNN's float32 matmul wins from 5 rows (2-core Zen 4,
-    the same command: 4 rows 15.3-15.9 vs 13.4-15.4 ms, 5 rows 20.7 vs 13.5-15.2, 8 rows 26.7
-    vs 16.3-18.5), so there float32 weights stop at 4. A sequence's logits are then the same
-    bits in any decode batch up to this size (the kernel's rows are independent), given the
-    same hidden states: large bf16 layers on a CPU that packs bf16 take the kernel up to 3
-    rows only (fused.py)."""
+    rows 75.9 vs 55.2. With AVX-512, oneDNN's float32 matmul wins from 5 rows where the
+    weights come from memory (2-core Zen 4, the same command: 4 rows 15.3-15.9 vs 13.4-15.4
+    ms, 5 rows 20.7 vs 13.5-15.2, 8 rows 26.7 vs 16.3-18.5), so there a large float32 weight
+    stops at 4; small ones, which stay in the caches from step to step, keep 8 (the demo
+    model's 5-row speculative steps: 1.72-1.75x with the kernel, 1.54-1.56x with oneDNN). A
+    sequence's logits are then the same bits in any decode batch up to this size (the
+    kernel's rows are independent), given the same hidden states; fused.py applies the same
+    rules to whole layers (and large bf16 layers on a CPU that packs bf16 take the kernel up
+    to 3 rows)."""
     packed, weight = getattr(layer, "packed_weight", None), layer.weight
     if packed is not None and weight is not None and packed.dtype != weight.dtype:
         return 16
-    if weight is not None and weight.dtype == torch.float32 and _avx512():
+    if weight is not None and float32_streams(weight.numel() * weight.element_size(),
+                                              weight.dtype):
         return GEMV_ROWS
     return 8
+
+
+# A weight (or a decoder layer's weights) above this size streams from memory at every
+# decode step rather than staying in the caches.
+LARGE_WEIGHT_BYTES = 16 << 20
+
+
+def float32_streams(nbytes: int, dtype: torch.dtype) -> bool:
+    """float32 weights of nbytes, streamed from memory, on a CPU where oneDNN's float32
+    matmul beats the GEMV kernel past 4 rows (AVX-512)."""
+    return dtype == torch.float32 and nbytes > LARGE_WEIGHT_BYTES and _avx512()
 
 
 @functools.cache
