@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fleetllm.attention import cpu_kernels
+from fleetllm.attention import cpu_kernels, kernel_build
 from fleetllm.distributed.parallel_state import get_tp_group
 from fleetllm.lora.layers import lora_delta
 
@@ -298,8 +298,8 @@ def float32_streams(nbytes: int, dtype: torch.dtype) -> bool:
 @functools.cache
 def _avx512() -> bool:
     """This CPU runs AVX-512 code, as torch sees it (ATEN_CPU_CAPABILITY may say less; oneDNN
-    asks the CPU itself)."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    asks the CPU itself). Cached: the LM head asks at every decode step."""
+    return kernel_build.best_variant() == "avx512"
 
 
 def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
