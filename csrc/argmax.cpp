@@ -15,9 +15,9 @@ namespace fleetllm::kernels {
 namespace {
 
 template <class T>
-int64_t first_nan(const T *x, int from, int n)
+int64_t first_nan(const T *x, int n)
 {
-    for (int i = from; i < n; i++)
+    for (int i = 0; i < n; i++)
         if (std::isnan(to_f32(x[i])))
             return i;
     return -1;
@@ -56,7 +56,7 @@ int64_t argmax_row(const T *x, int n)
         }
         for (int l = 0; l < VEC_LANES; l++)
             if (nan[l])
-                return first_nan(x, 0, i);  // one is in x[0:i]
+                return first_nan(x, i);  // one is in x[0:i]
         for (int u = 0; u < U; u++)
             for (int l = 0; l < VEC_LANES; l++)
                 if (top[u][l] > best || (top[u][l] == best && where[u][l] < at)) {
