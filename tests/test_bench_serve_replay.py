@@ -96,3 +96,47 @@ def test_what_cannot_be_replayed_is_refused_before_anything_starts(extra, capsys
     with pytest.raises(SystemExit):
         serve.main(["--offline-replay", *extra])
     assert "--offline-replay" in capsys.readouterr().err
+
+
+def _figures(tpot_ms: float, replay_ms: float) -> dict:
+    overhead = {"tpot": tpot_ms / replay_ms - 1, "itl": 0.0, "ttft": 0.0}
+    return {"mean_tpot_ms": tpot_ms, "offline_replay": {"mean_tpot_ms": replay_ms},
+            "serving_overhead": overhead}
+
+
+def test_repeat_runs_whole_rounds_in_turn_and_reports_the_median_overhead(monkeypatch,
+                                                                           tmp_path):
+    # Each round: a fresh server (base_url None again), the first round's prompts reused.
+    calls, figures = [], [_figures(13.0, 10.0), _figures(10.5, 10.0), _figures(11.0, 10.0)]
+
+    def fake_round(args, server_args, prompts):
+        calls.append((args.base_url, prompts, server_args))
+        args.base_url = "http://127.0.0.1:1"  # what starting a server sets
+        return figures[len(calls) - 1], ["the prompts"]
+
+    monkeypatch.setattr(serve, "_round", fake_round)
+    out = serve.main(["--offline-replay", "--repeat", "3", "--quiet", "/ckpt",
+                      "--json", str(tmp_path / "r.json")])
+    assert calls == [(None, None, ["/ckpt"]), (None, ["the prompts"], ["/ckpt"]),
+                     (None, ["the prompts"], ["/ckpt"])]
+    assert out["rounds"] == figures
+    assert out["serving_overhead"]["tpot"] == pytest.approx(0.1)  # not the mean (0.15)
+    assert "ratios" not in out
+    assert (tmp_path / "r.json").exists()
+
+
+def test_medians_of_compare_ratios_and_printed_rounds(capsys):
+    rounds = [{"fleetllm": _figures(tpot, 10.0),
+               "ratios": {key: r for key, _ in serve.RATIOS}}
+              for tpot, r in ((12.0, 0.9), (11.0, 1.2), (10.2, 0.95))]
+    out = serve_replay.medians(rounds)
+    assert out["ratios"] == {key: 0.95 for key, _ in serve.RATIOS}
+    assert out["serving_overhead"]["tpot"] == pytest.approx(0.1)
+    printed = capsys.readouterr().out
+    assert "median of the rounds" in printed and "+20.0%" in printed and "+2.0%" in printed
+
+
+def test_repeat_below_one_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        serve.main(["--repeat", "0", "/ckpt"])
+    assert "--repeat" in capsys.readouterr().err

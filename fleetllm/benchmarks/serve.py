@@ -26,6 +26,7 @@ before its output length, when the model closes the JSON.
 --offline-replay (with a server it starts) then runs the same requests, arriving at the same
 moments, through an LLMEngine in this process (serve_replay.py) and prints the serving
 overhead: how much longer each token took through the server (TPOT and TTFT, server / replay).
+--repeat N runs everything N times in turn and prints the medians (serve_replay.medians).
 main() returns the figures as a dict (also written by --json).
 """
 
@@ -39,6 +40,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from fleetllm.benchmarks import serve_replay
 
 _WORDS = ("the of and to in is was for on that with as by at from his her which an be this "
           "are were had have not but all they one can there their been has more if will "
@@ -104,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="after the server run, replay the same requests at the same "
                         "moments through an in-process LLMEngine with the same engine flags "
                         "and print the serving overhead (needs a server this command starts)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run it all N times, taking turns (server, replay, peer; each "
+                        "server started afresh) and print the medians of the serving "
+                        "overhead and of the ratios: the machine's speed drifts between runs")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the figures here")
     parser.add_argument("--quiet", action="store_true")
     return parser
@@ -126,17 +133,41 @@ def main(argv: list[str] | None = None) -> int | dict:
         parser.error("--offline-replay replays plain /v1/completions requests on the engine "
                      "of a server this command starts: drop --base-url, the chat endpoint and "
                      "--structured-fraction")
+    if args.repeat < 1:
+        parser.error("--repeat: must be at least 1")
+    if args.base_url is None:
+        url = None
+    elif server_args:
+        parser.error(f"unrecognized arguments: {' '.join(server_args)}")
+    else:
+        url = args.base_url
+    rounds: list[dict[str, Any]] = []
+    prompts = None
+    for k in range(args.repeat):
+        if args.repeat > 1 and not args.quiet:
+            print(f"{f' round {k + 1} of {args.repeat} ':#^60}")
+        args.base_url = url
+        result, prompts = _round(args, server_args, prompts)
+        rounds.append(result)
+    result = rounds[0] if len(rounds) == 1 else serve_replay.medians(rounds, args.quiet)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def _round(args: argparse.Namespace, server_args: list[str], prompts: list | None
+           ) -> tuple[dict[str, Any], list]:
+    """One run of the requests against fleetllm's server (one this command starts and stops
+    unless --base-url), then the replay and the peer where asked; (figures, prompts)."""
     server = None
     if args.base_url is None:
         from fleetllm.entrypoints.openai.local_server import LocalServer
 
         server = LocalServer(server_args)
         args.base_url = server.url
-    elif server_args:
-        parser.error(f"unrecognized arguments: {' '.join(server_args)}")
-    prompts = None
     try:
-        result = asyncio.run(_run(args))
+        result = asyncio.run(_run(args, prompts))
         prompts, arrivals = result.pop("prompts"), result.pop("arrivals")
     finally:
         if server is not None:
@@ -144,7 +175,7 @@ def main(argv: list[str] | None = None) -> int | dict:
     if not args.quiet:
         _print(result)
     if args.offline_replay:
-        result = _with_replay(result, server_args, prompts, arrivals, args)
+        result = serve_replay.with_replay(result, server_args, prompts, arrivals, args)
     if args.compare:
         from fleetllm.benchmarks.serve_peer import start_vllm_server
 
@@ -155,12 +186,9 @@ def main(argv: list[str] | None = None) -> int | dict:
             del result["prompts"], result["arrivals"]
         if not args.quiet:
             _print(result, "vllm serve")
-            _print_ratios(fleet, result)
-        result = {"fleetllm": fleet, "vllm": result}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+            _print_ratios(ratios(fleet, result))
+        result = {"fleetllm": fleet, "vllm": result, "ratios": ratios(fleet, result)}
+    return result, prompts
 
 
 async def _run(args: argparse.Namespace, prompts: list | None = None) -> dict[str, Any]:
@@ -357,39 +385,24 @@ def _print(result: dict[str, Any], title: str = "Serving Benchmark Result") -> N
     print("=" * 60)
 
 
-def _with_replay(served: dict[str, Any], server_args: list[str], prompts: list,
-                 arrivals: list[float], args: argparse.Namespace) -> dict[str, Any]:
-    """served + {"offline_replay": the replay's figures, "serving_overhead": server / replay
-    - 1 for mean TPOT, ITL and TTFT}."""
-    from fleetllm.benchmarks.serve_replay import replay
-
-    results = [RequestResult() for _ in prompts]
-    duration = replay(server_args, prompts, arrivals, args.temperature, args.max_concurrency,
-                      results)
-    offline = {**_summarize(results, duration, args), "base_url": "offline replay"}
-    overhead = {key: served[f"mean_{key}_ms"] / offline[f"mean_{key}_ms"] - 1
-                if offline[f"mean_{key}_ms"] else float("nan") for key in ("tpot", "itl", "ttft")}
-    if not args.quiet:
-        _print(offline, "offline replay (same engine, same arrivals)")
-        print(f"{' serving overhead (server / replay - 1) ':=^60}")
-        for key in ("tpot", "itl", "ttft"):
-            print(f"{'mean ' + key.upper():<40}{overhead[key]:>19.1%} ")
-        print("=" * 60)
-    return {**served, "offline_replay": offline, "serving_overhead": overhead}
+RATIOS = (("request_throughput", "request throughput (higher: better)"),
+          ("output_throughput", "output tokens/s (higher: better)"),
+          ("mean_ttft_ms", "mean TTFT (lower: better)"),
+          ("mean_tpot_ms", "mean TPOT (lower: better)"),
+          ("mean_itl_ms", "mean ITL (lower: better)"))
 
 
-def _print_ratios(fleet: dict[str, Any], peer: dict[str, Any]) -> None:
+def ratios(fleet: dict[str, Any], peer: dict[str, Any]) -> dict[str, float]:
     """fleetllm / vLLM: above 1 is better for throughput, below 1 for latencies."""
-    print(f"{' fleetllm / vllm serve (same requests) ':=^60}")
-    for key, label in (("request_throughput", "request throughput (higher: better)"),
-                       ("output_throughput", "output tokens/s (higher: better)"),
-                       ("mean_ttft_ms", "mean TTFT (lower: better)"),
-                       ("mean_tpot_ms", "mean TPOT (lower: better)"),
-                       ("mean_itl_ms", "mean ITL (lower: better)")):
-        ratio = fleet[key] / peer[key] if peer[key] else float("nan")
-        print(f"{label:<40}{ratio:>19.2f}x")
-    print("=" * 60)
+    return {key: fleet[key] / peer[key] if peer[key] else float("nan") for key, _ in RATIOS}
 
+
+def _print_ratios(values: dict[str, float], title: str = "fleetllm / vllm serve (same requests)"
+                  ) -> None:
+    print(f"{f' {title} ':=^60}")
+    for key, label in RATIOS:
+        print(f"{label:<40}{values[key]:>19.2f}x")
+    print("=" * 60)
 
 if __name__ == "__main__":
     main()

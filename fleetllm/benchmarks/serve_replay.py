@@ -15,14 +15,71 @@ client and the API process take from the engine; not the model, which both runs 
 
 What it cannot replay: chat prompts (the server's chat template) and grammar requests; it
 refuses them before the benchmark starts.
+
+The machine's speed drifts between runs (here a batch-1 step is bound by memory bandwidth,
+which moves by 10-15% from minute to minute), so one pair of runs can show any overhead within
+that noise: --repeat N runs N rounds, server then replay taking turns, and medians() reports
+each round's figures and the median of the overheads (and of the --compare ratios).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections import deque
 from typing import Any
+
+OVERHEADS = ("tpot", "itl", "ttft")  # mean of each: server / replay - 1
+
+
+def with_replay(served: dict[str, Any], server_args: list[str], prompts: list,
+                arrivals: list[float], args: argparse.Namespace) -> dict[str, Any]:
+    """served + {"offline_replay": the replay's figures, "serving_overhead": server / replay
+    - 1 for mean TPOT, ITL and TTFT}."""
+    from fleetllm.benchmarks.serve import RequestResult, _print, _summarize
+
+    results = [RequestResult() for _ in prompts]
+    duration = replay(server_args, prompts, arrivals, args.temperature, args.max_concurrency,
+                      results)
+    offline = {**_summarize(results, duration, args), "base_url": "offline replay"}
+    overhead = {key: served[f"mean_{key}_ms"] / offline[f"mean_{key}_ms"] - 1
+                if offline[f"mean_{key}_ms"] else float("nan") for key in OVERHEADS}
+    if not args.quiet:
+        _print(offline, "offline replay (same engine, same arrivals)")
+        _print_overhead(overhead, "serving overhead (server / replay - 1)")
+    return {**served, "offline_replay": offline, "serving_overhead": overhead}
+
+
+def medians(rounds: list[dict[str, Any]], quiet: bool = False) -> dict[str, Any]:
+    """{"rounds": each round's figures, "serving_overhead" / "ratios": the median over the
+    rounds of each overhead / --compare ratio (where the rounds have them)}."""
+    from fleetllm.benchmarks.serve import _print_ratios
+
+    out: dict[str, Any] = {"rounds": rounds}
+    fleet = [r.get("fleetllm", r) for r in rounds]
+    if "serving_overhead" in fleet[0]:
+        out["serving_overhead"] = {k: statistics.median(f["serving_overhead"][k] for f in fleet)
+                                   for k in OVERHEADS}
+        if not quiet:
+            print(f"{' mean TPOT: server / replay (ms), overhead ':=^60}")
+            for i, f in enumerate(fleet):
+                tpots = f"{f['mean_tpot_ms']:.2f} / {f['offline_replay']['mean_tpot_ms']:.2f}"
+                print(f"round {i + 1:<10}{tpots:>30}{f['serving_overhead']['tpot']:>+14.1%}")
+            _print_overhead(out["serving_overhead"], "serving overhead, median of the rounds")
+    if "ratios" in rounds[0]:
+        out["ratios"] = {k: statistics.median(r["ratios"][k] for r in rounds)
+                         for k in rounds[0]["ratios"]}
+        if not quiet:
+            _print_ratios(out["ratios"], f"fleetllm / vllm serve, median of {len(rounds)}")
+    return out
+
+
+def _print_overhead(overhead: dict[str, float], title: str) -> None:
+    print(f"{f' {title} ':=^60}")
+    for key in OVERHEADS:
+        print(f"{'mean ' + key.upper():<40}{overhead[key]:>19.1%} ")
+    print("=" * 60)
 
 
 def replay(server_args: list[str], prompts: list[tuple[Any, int]], arrivals: list[float],
