@@ -35,7 +35,7 @@ Control socket (a thread of the core answers it, never queued behind a step):
 from __future__ import annotations
 
 import socket
-from dataclasses import astuple, fields
+from dataclasses import fields
 from typing import Any
 
 import msgspec
@@ -139,7 +139,13 @@ def load_lora(msg: list[Any] | None) -> LoRARequest | None:
 
 
 def load_msg(load: EngineLoad) -> list[Any]:
-    return list(astuple(load))
+    return _flat(load)
+
+
+def _flat(obj: Any) -> list[Any]:
+    """A dataclass of plain values as a list, in field order: sent on every step, where
+    dataclasses.astuple (a deep copy) took 11 us."""
+    return [getattr(obj, f.name) for f in fields(obj)]
 
 
 # ------------------------------------------------------------------ outputs
@@ -193,7 +199,7 @@ class DeltaEncoder:
 def _metrics_msg(out: RequestOutput | PoolingRequestOutput) -> list[float] | None:
     if not out.finished or out.metrics is None:
         return None
-    return list(astuple(out.metrics))
+    return _flat(out.metrics)
 
 
 class RequestState:
