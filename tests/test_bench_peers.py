@@ -336,6 +336,8 @@ def test_bench_serve_compares_with_a_vllm_server_on_the_same_requests(tiny_model
     for r in (result["fleetllm"], result["vllm"], result["fleetllm"]["offline_replay"]):
         assert r["completed"] == 4 and r["total_output_tokens"] == 16, r
         assert r["mean_tpot_ms"] > 0 and r["mean_ttft_ms"] > 0
+    assert result["ratios"]["mean_tpot_ms"] == pytest.approx(
+        result["fleetllm"]["mean_tpot_ms"] / result["vllm"]["mean_tpot_ms"])
     overhead = result["fleetllm"]["serving_overhead"]
     assert set(overhead) == {"tpot", "itl", "ttft"} and overhead["tpot"] > -1
     argv = json.loads(argv_file.read_text())
