@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PROMPT ?= def fibonacci(n):
 
 # docs is also a directory: without .PHONY, make would take the target as built and skip it.
-.PHONY: setup run test lint docs sanitize peers clean
+.PHONY: setup run test lint docs sanitize peers llamacpp clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,28 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c 'import vllm; print("vllm", vllm.__version__)'
 	touch $(VLLM_STAMP)
+
+# llama.cpp as a batch-1 peer (tools/llamacpp_bench.py): llama-bench built from the llama.cpp
+# tree that llama-cpp-python's source package vendors (a registry package; ~8 minutes with
+# cmake on 2 cores), tuned for this CPU (GGML_NATIVE).
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP := .peers/llama.cpp
+LLAMACPP_BENCH := $(LLAMACPP)/build/bin/llama-bench
+
+llamacpp: $(LLAMACPP_BENCH)
+
+$(LLAMACPP_BENCH):
+	mkdir -p .peers
+	python3 -m pip download -q --no-deps --no-binary :all: -d .peers \
+	    llama-cpp-python==$(LLAMACPP_VERSION)
+	rm -rf $(LLAMACPP) .peers/llama_cpp_python-$(LLAMACPP_VERSION)
+	tar xzf .peers/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C .peers
+	mv .peers/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp $(LLAMACPP)
+	rm -rf .peers/llama_cpp_python-$(LLAMACPP_VERSION)
+	cmake -S $(LLAMACPP) -B $(LLAMACPP)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+	    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	    -DLLAMA_BUILD_SERVER=OFF
+	cmake --build $(LLAMACPP)/build --target llama-bench -j
 
 run: setup
 	$(VENV)/bin/fleetllm generate --max-tokens 64 "$(PROMPT)"
@@ -85,4 +107,4 @@ sanitize: setup
 	fi
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache *.egg-info build dist site
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache *.egg-info build dist site .peers
