@@ -404,5 +404,6 @@ def _print_ratios(values: dict[str, float], title: str = "fleetllm / vllm serve 
         print(f"{label:<40}{values[key]:>19.2f}x")
     print("=" * 60)
 
+
 if __name__ == "__main__":
     main()
