@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from fleetllm.benchmarks import serve, serve_replay
+from fleetllm.benchmarks import serve, serve_figures, serve_replay
 
 
 @dataclass
@@ -77,7 +77,7 @@ def test_max_concurrency_holds_requests_back_as_the_clients_gate_does():
     # its first token comes one step later, sooner than the first pair's last (clocked from
     # the arrival, the last pair's would come six steps after that).
     assert all(r.ttft < results[0].e2e for r in results), [r.ttft for r in results]
-    summary = serve._summarize(results, 1.0, serve.build_parser().parse_args([]))
+    summary = serve.summarize(results, 1.0, serve.build_parser().parse_args([]))
     assert summary["completed"] == 6 and summary["total_output_tokens"] == 18
 
 
@@ -127,10 +127,10 @@ def test_repeat_runs_whole_rounds_in_turn_and_reports_the_median_overhead(monkey
 
 def test_medians_of_compare_ratios_and_printed_rounds(capsys):
     rounds = [{"fleetllm": _figures(tpot, 10.0),
-               "ratios": {key: r for key, _ in serve.RATIOS}}
+               "ratios": {key: r for key, _ in serve_figures.RATIOS}}
               for tpot, r in ((12.0, 0.9), (11.0, 1.2), (10.2, 0.95))]
     out = serve_replay.medians(rounds)
-    assert out["ratios"] == {key: 0.95 for key, _ in serve.RATIOS}
+    assert out["ratios"] == {key: 0.95 for key, _ in serve_figures.RATIOS}
     assert out["serving_overhead"]["tpot"] == pytest.approx(0.1)
     printed = capsys.readouterr().out
     assert "median of the rounds" in printed and "+20.0%" in printed and "+2.0%" in printed

@@ -30,6 +30,8 @@ import time
 from collections import deque
 from typing import Any
 
+from fleetllm.benchmarks.serve_figures import RequestResult, print_ratios, print_result, summarize
+
 OVERHEADS = ("tpot", "itl", "ttft")  # mean of each: server / replay - 1
 
 
@@ -37,16 +39,14 @@ def with_replay(served: dict[str, Any], server_args: list[str], prompts: list,
                 arrivals: list[float], args: argparse.Namespace) -> dict[str, Any]:
     """served + {"offline_replay": the replay's figures, "serving_overhead": server / replay
     - 1 for mean TPOT, ITL and TTFT}."""
-    from fleetllm.benchmarks.serve import RequestResult, _print, _summarize
-
     results = [RequestResult() for _ in prompts]
     duration = replay(server_args, prompts, arrivals, args.temperature, args.max_concurrency,
                       results)
-    offline = {**_summarize(results, duration, args), "base_url": "offline replay"}
+    offline = {**summarize(results, duration, args), "base_url": "offline replay"}
     overhead = {key: served[f"mean_{key}_ms"] / offline[f"mean_{key}_ms"] - 1
                 if offline[f"mean_{key}_ms"] else float("nan") for key in OVERHEADS}
     if not args.quiet:
-        _print(offline, "offline replay (same engine, same arrivals)")
+        print_result(offline, "offline replay (same engine, same arrivals)")
         _print_overhead(overhead, "serving overhead (server / replay - 1)")
     return {**served, "offline_replay": offline, "serving_overhead": overhead}
 
@@ -54,8 +54,6 @@ def with_replay(served: dict[str, Any], server_args: list[str], prompts: list,
 def medians(rounds: list[dict[str, Any]], quiet: bool = False) -> dict[str, Any]:
     """{"rounds": each round's figures, "serving_overhead" / "ratios": the median over the
     rounds of each overhead / --compare ratio (where the rounds have them)}."""
-    from fleetllm.benchmarks.serve import _print_ratios
-
     out: dict[str, Any] = {"rounds": rounds}
     fleet = [r.get("fleetllm", r) for r in rounds]
     if "serving_overhead" in fleet[0]:
@@ -71,7 +69,7 @@ def medians(rounds: list[dict[str, Any]], quiet: bool = False) -> dict[str, Any]
         out["ratios"] = {k: statistics.median(r["ratios"][k] for r in rounds)
                          for k in rounds[0]["ratios"]}
         if not quiet:
-            _print_ratios(out["ratios"], f"fleetllm / vllm serve, median of {len(rounds)}")
+            print_ratios(out["ratios"], f"fleetllm / vllm serve, median of {len(rounds)}")
     return out
 
 
