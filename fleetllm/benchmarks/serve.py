@@ -129,12 +129,9 @@ def main(argv: list[str] | None = None) -> int | dict:
                      "--structured-fraction")
     if args.repeat < 1:
         parser.error("--repeat: must be at least 1")
-    if args.base_url is None:
-        url = None
-    elif server_args:
+    url = args.base_url  # None: each round starts a server of its own
+    if url is not None and server_args:
         parser.error(f"unrecognized arguments: {' '.join(server_args)}")
-    else:
-        url = args.base_url
     rounds: list[dict[str, Any]] = []
     prompts = None
     for k in range(args.repeat):

@@ -36,7 +36,7 @@ def _tpots(results: list[RequestResult]) -> list[float]:
 
 
 def summarize(results: list[RequestResult], duration: float, args: argparse.Namespace
-               ) -> dict[str, Any]:
+              ) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in ok)
     by_class = {}
@@ -106,7 +106,7 @@ def ratios(fleet: dict[str, Any], peer: dict[str, Any]) -> dict[str, float]:
 
 
 def print_ratios(values: dict[str, float], title: str = "fleetllm / vllm serve (same requests)"
-                  ) -> None:
+                 ) -> None:
     print(f"{f' {title} ':=^60}")
     for key, label in RATIOS:
         print(f"{label:<40}{values[key]:>19.2f}x")
