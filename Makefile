@@ -59,7 +59,7 @@ $(LLAMACPP_BENCH):
 	cmake -S $(LLAMACPP) -B $(LLAMACPP)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
 	    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 	    -DLLAMA_BUILD_SERVER=OFF
-	cmake --build $(LLAMACPP)/build --target llama-bench -j
+	cmake --build $(LLAMACPP)/build --target llama-bench -j $$(nproc)
 
 run: setup
 	$(VENV)/bin/fleetllm generate --max-tokens 64 "$(PROMPT)"

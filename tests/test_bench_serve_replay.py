@@ -140,3 +140,9 @@ def test_repeat_below_one_is_refused(capsys):
     with pytest.raises(SystemExit):
         serve.main(["--repeat", "0", "/ckpt"])
     assert "--repeat" in capsys.readouterr().err
+
+
+def test_server_flags_beside_base_url_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        serve.main(["--base-url", "http://127.0.0.1:1", "--dtype", "float32"])
+    assert "unrecognized arguments: --dtype float32" in capsys.readouterr().err

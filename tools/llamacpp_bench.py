@@ -15,6 +15,7 @@ prints its mean and standard deviation over --repetitions.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -36,7 +37,7 @@ def write_gguf(src: Path, out: Path) -> None:
         raise SystemExit(f"{src}: model_type {cfg.get('model_type')!r}: only Llama-shaped "
                          "checkpoints (llama, mistral) are written")
     weights: dict[str, torch.Tensor] = {}
-    for f in sorted(src.glob("*.safetensors")):
+    for f in sorted(src.glob("*.safetensors")):  # the shards main() found
         weights.update(load_file(f))
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     layers, vocab = cfg["num_hidden_layers"], cfg["vocab_size"]
@@ -103,9 +104,15 @@ def main() -> None:
     bench = LLAMACPP / "build" / "bin" / "llama-bench"
     if not bench.exists():
         raise SystemExit(f"{bench} is missing: run `make llamacpp` first")
-    out = ROOT / ".peers" / "gguf" / f"{args.model.resolve().name}-bf16.gguf"
-    if not out.exists() or out.stat().st_mtime < max(
-            f.stat().st_mtime for f in args.model.glob("*.safetensors")):
+    shards = sorted(args.model.glob("*.safetensors"))
+    if not shards:
+        raise SystemExit(f"{args.model}: no *.safetensors files")
+    # One GGUF per checkpoint directory (its path, not only its name: two `model/` folders
+    # must not share one), written again when a shard is newer.
+    source = args.model.resolve()
+    tag = hashlib.sha256(str(source).encode()).hexdigest()[:12]
+    out = ROOT / ".peers" / "gguf" / f"{source.name}-{tag}-bf16.gguf"
+    if not out.exists() or out.stat().st_mtime < max(f.stat().st_mtime for f in shards):
         out.parent.mkdir(parents=True, exist_ok=True)
         write_gguf(args.model, out)
     run = subprocess.run([str(bench), "-m", str(out), "-p", "0", "-n", str(args.output_len),
