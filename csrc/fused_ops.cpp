@@ -127,7 +127,8 @@ void rope_body(void *arg, long begin, long end, int)
 // of 4 over the same tile, from L1): the tile's weight rows one after the other (one
 // sequential stream per thread; two FMA chains per row of x), float32 sums (a bfloat16 weight
 // is widened in registers: a shift, no memory traffic). Memory-bound: it runs at the machine's
-// read bandwidth where a GEMM library re-packs or underuses it.
+// read bandwidth where a GEMM library re-packs or underuses it. (float32 with AVX-512 takes
+// gemv_tile_f32 below instead.)
 template <int MT, class T>
 void gemv_tile(const T *x, const T *w, const T *bias, T *y, long n0, int N, int K)
 {
@@ -293,6 +294,71 @@ __attribute__((target("avx512bf16"))) void gemv_tile_dp(const bf16 *x, const bf1
 }
 
 const bool has_bf16_dot = __builtin_cpu_supports("avx512bf16");
+
+// float32 with AVX-512. Each output sums in one 16-lane accumulator, 16 elements of k at a
+// time in order, then one shuffle tree for the tile's 4 outputs of a row of x (sum4), the bias
+// and the scalar tail: the same arithmetic whatever the loop order, so a row of x gets the
+// same bits alone or in a batch (a short last tile repeats its last weight row and drops the
+// copies). The loop order follows MT. From 3 rows of x, the 4 weight rows at once: each x
+// vector loaded feeds 4 FMAs (gemv_tile's order, a weight row at a time with a 16-step scalar
+// sum per output, spent a load per FMA and ran a speculative step's 5 rows on the demo model
+// at a third of the FMA rate; tools/cpu_gemv_bench.py --setting cache: 5 rows 44 -> 56 GB/s,
+// 8 rows 30 -> 34). Up to 2 rows, memory-bound where the weight is not cached, a weight row
+// at a time: one sequential stream (4 rows interleaved read 10-25% slower from memory at 1-2
+// rows, --setting model; in cache, 1 row runs ~5% slower than gemv_tile's two chains).
+inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3)
+{
+    // 16 -> 8 lanes each, two accumulators per register: lanes i and i + 8 of each added
+    const __m512 lo01 = _mm512_shuffle_f32x4(a0, a1, 0x44), hi01 = _mm512_shuffle_f32x4(a0, a1, 0xEE);
+    const __m512 lo23 = _mm512_shuffle_f32x4(a2, a3, 0x44), hi23 = _mm512_shuffle_f32x4(a2, a3, 0xEE);
+    const __m512 s01 = _mm512_add_ps(lo01, hi01), s23 = _mm512_add_ps(lo23, hi23);
+    // 8 -> 4 lanes each: quarters 0 and 1 of every accumulator's 8 added
+    const __m512 even = _mm512_shuffle_f32x4(s01, s23, 0x88), odd = _mm512_shuffle_f32x4(s01, s23, 0xDD);
+    const __m512 q = _mm512_add_ps(even, odd);  // quarter r: accumulator r's 4 partial sums
+    const __m128 h01 = _mm_hadd_ps(_mm512_castps512_ps128(q), _mm512_extractf32x4_ps(q, 1));
+    const __m128 h23 = _mm_hadd_ps(_mm512_extractf32x4_ps(q, 2), _mm512_extractf32x4_ps(q, 3));
+    return _mm_hadd_ps(h01, h23);
+}
+
+template <int MT>
+void gemv_tile_f32(const float *x, const float *w, const float *bias, float *y, long n0,
+                    int N, int K)
+{
+    const int rows = N - n0 < 4 ? static_cast<int>(N - n0) : 4, kv = K & ~15;
+    const float *wr[4];
+    for (int r = 0; r < 4; r++) wr[r] = w + (n0 + std::min(r, rows - 1)) * K;
+    __m512 acc[MT][4];
+    for (int m = 0; m < MT; m++)
+        for (int r = 0; r < 4; r++) acc[m][r] = _mm512_setzero_ps();
+    if constexpr (MT <= 2) {
+        for (int r = 0; r < 4; r++)
+            for (int k = 0; k < kv; k += 16) {
+                const __m512 wv = _mm512_loadu_ps(wr[r] + k);
+                for (int m = 0; m < MT; m++)
+                    acc[m][r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + static_cast<long>(m) * K + k),
+                                                wv, acc[m][r]);
+            }
+    } else {
+        for (int k = 0; k < kv; k += 16) {
+            __m512 wv[4];
+            for (int r = 0; r < 4; r++) wv[r] = _mm512_loadu_ps(wr[r] + k);
+            for (int m = 0; m < MT; m++) {
+                const __m512 xv = _mm512_loadu_ps(x + static_cast<long>(m) * K + k);
+                for (int r = 0; r < 4; r++) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+            }
+        }
+    }
+    for (int m = 0; m < MT; m++) {
+        alignas(16) float s[4];
+        _mm_store_ps(s, sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+        const float *xm = x + static_cast<long>(m) * K;
+        for (int r = 0; r < rows; r++) {
+            float v = s[r] + (bias ? bias[n0 + r] : 0.f);
+            for (int k = kv; k < K; k++) v += xm[k] * wr[r][k];
+            y[static_cast<long>(m) * N + n0 + r] = v;
+        }
+    }
+}
 #endif
 
 template <class T>
@@ -320,6 +386,12 @@ void gemv_rows(const GemvCtx<T> *c, const T *x, const float *xf, T *y, long n0)
 #endif
     }
     (void)xf;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {
+        gemv_tile_f32<MT>(x, c->w, c->bias, y, n0, c->N, c->K);
+        return;
+    }
+#endif
     gemv_tile<MT>(x, c->w, c->bias, y, n0, c->N, c->K);
 }
 
@@ -331,16 +403,30 @@ void gemv_body(void *arg, long begin, long end, int)
     const auto *c = static_cast<const GemvCtx<T> *>(arg);
     for (long tile = begin; tile < end; tile++) {
         const long n0 = tile * 4;
-        for (int m0 = 0; m0 < c->M; m0 += 4) {
+        for (int m0 = 0; m0 < c->M;) {
             const T *x = c->x + static_cast<long>(m0) * c->K;
             const float *xf = c->xf ? c->xf + static_cast<long>(m0) * c->K : nullptr;
             T *y = c->y + static_cast<long>(m0) * c->N;
-            switch (c->M - m0) {
+            const int left = c->M - m0;
+#if defined(__AVX512F__)
+            // gemv_tile_f32 keeps 4 accumulators per row of x: 6 rows' fit the 32 registers,
+            // so 5 or 6 rows (a speculative step's k + 1) take one pass, not 4 + 1.
+            if constexpr (std::is_same_v<T, float>) {
+                if (left == 5 || left == 6) {
+                    if (left == 5) gemv_rows<5>(c, x, xf, y, n0);
+                    else gemv_rows<6>(c, x, xf, y, n0);
+                    m0 += left;
+                    continue;
+                }
+            }
+#endif
+            switch (left) {
             case 1: gemv_rows<1>(c, x, xf, y, n0); break;
             case 2: gemv_rows<2>(c, x, xf, y, n0); break;
             case 3: gemv_rows<3>(c, x, xf, y, n0); break;
             default: gemv_rows<4>(c, x, xf, y, n0);
             }
+            m0 += 4;
         }
     }
 }

@@ -186,12 +186,28 @@ def test_a_gemv_row_does_not_depend_on_the_rows_beside_it(dtype):
     it with up to 12 others (a prompt alone in its step or in a shared one; the decode batch):
     the kernel's sums for one row never mix in how many rows are grouped with it."""
     g = torch.Generator().manual_seed(5)
-    for n, k in ((300, 200), (64, 17), (1280, 768), (96, 2051)):
+    for n, k in ((300, 200), (64, 17), (1280, 768), (96, 2051), (301, 48), (7, 264)):
         x = torch.randn(13, k, generator=g).to(dtype)
         w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
         alone = torch.cat([cpu_kernels.gemv(x[i:i + 1], w, b) for i in range(13)])
         for m in range(2, 14):
             assert torch.equal(cpu_kernels.gemv(x[:m], w, b), alone[:m]), (n, k, m)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", range(1, 9))
+def test_float32_gemv_matches_a_float64_matmul_at_every_row_count(m):
+    """The float32 tile changes its loop with the rows of x (one weight row at a time up to 2,
+    four at once from 3, 5 and 6 rows in one pass): every count, a short last tile (N not a
+    multiple of 4), a last half block of 16 and a scalar tail of K, with and without a bias."""
+    g = torch.Generator().manual_seed(m)
+    for n, k in ((301, 200), (5, 33), (1027, 768), (64, 2051), (3, 16)):
+        x, w, b = (torch.randn(*s, generator=g) for s in ((m, k), (n, k), (n,)))
+        want = x.double() @ w.double().T
+        torch.testing.assert_close(cpu_kernels.gemv(x, w, None).double(), want,
+                                   rtol=1e-5, atol=1e-4 * k ** 0.5)
+        torch.testing.assert_close(cpu_kernels.gemv(x, w, b).double(), want + b.double(),
+                                   rtol=1e-5, atol=1e-4 * k ** 0.5)
 
 
 @needs_kernels
