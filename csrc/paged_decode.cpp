@@ -86,6 +86,38 @@ inline __attribute__((always_inline)) void accumulate_pv(
     int G, int KVH, const int D, int bs, int n, const float *scores)
 {
     const long tok = static_cast<long>(KVH) * D;
+#if defined(__AVX512F__)
+    if (D % 16 == 0 && D <= 128) {
+        // A head at a time, its D accumulators in registers over every position: the same
+        // FMAs in the same order as the loop below, whose accumulators in memory made each
+        // position wait on the previous one's store (a third of a decode item's time).
+        for (int kh = 0; kh < nkv; kh++)
+            for (int g = 0; g < G; g++) {
+                const int h = kh * G + g;
+                float *ah = acc + static_cast<long>(h) * D;
+                const float *sh = scores + static_cast<long>(h) * n;
+                v16 a[8];
+                for (int d = 0; d < D / 16; d++) load16(ah + 16 * d, a[d]);
+                for (int blk = b0 + lo / bs; blk * bs - b0 * bs < hi; blk++) {
+                    const C *vb = v + static_cast<long>(table[blk]) * bs * tok
+                                  + static_cast<long>(kh0 + kh) * D;
+                    const int base = (blk - b0) * bs;
+                    const int o0 = base < lo ? lo - base : 0;
+                    const int o1 = base + bs <= hi ? bs : hi - base;
+                    for (int o = o0; o < o1; o++) {
+                        const float w = sh[base + o];
+                        for (int d = 0; d < D / 16; d++) {
+                            v16 x;
+                            load16(vb + o * tok + 16 * d, x);
+                            a[d] += w * x;
+                        }
+                    }
+                }
+                for (int d = 0; d < D / 16; d++) *reinterpret_cast<v16u *>(ah + 16 * d) = a[d];
+            }
+        return;
+    }
+#endif
     for (int blk = b0 + lo / bs; blk * bs - b0 * bs < hi; blk++) {
         const C *vb = v + static_cast<long>(table[blk]) * bs * tok + static_cast<long>(kh0) * D;
         const int base = (blk - b0) * bs;
