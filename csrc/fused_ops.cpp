@@ -299,13 +299,17 @@ const bool has_bf16_dot = __builtin_cpu_supports("avx512bf16");
 // time in order, then one shuffle tree for the tile's 4 outputs of a row of x (sum4), the bias
 // and the scalar tail: the same arithmetic whatever the loop order, so a row of x gets the
 // same bits alone or in a batch (a short last tile repeats its last weight row and drops the
-// copies). The loop order follows MT. From 3 rows of x, the 4 weight rows at once: each x
-// vector loaded feeds 4 FMAs (gemv_tile's order, a weight row at a time with a 16-step scalar
-// sum per output, spent a load per FMA and ran a speculative step's 5 rows on the demo model
-// at a third of the FMA rate; tools/cpu_gemv_bench.py --setting cache: 5 rows 44 -> 56 GB/s,
-// 8 rows 30 -> 34). Up to 2 rows, memory-bound where the weight is not cached, a weight row
-// at a time: one sequential stream (4 rows interleaved read 10-25% slower from memory at 1-2
-// rows, --setting model; in cache, 1 row runs ~5% slower than gemv_tile's two chains).
+// copies). The loop order follows MT. At 1, 2 and 4 rows of x, a weight row at a time: one
+// sequential stream, as gemv_tile, for the steps that stream a large model's weights from
+// memory (its float32 layers leave the kernel past 4 rows: layers.decode_gemv_rows; with 4
+// rows interleaved such weights read 5-25% slower); 4 rows are also 4 independent sums, as
+// many as the FMA's latency needs. At 3 rows (3 sums: a third of the time waiting) and at 5
+// and 6 (cache-resident weights: a small model's decode or speculative steps), the 4 weight
+// rows at once, each x vector feeding 4 FMAs, 5 and 6 rows in one pass instead of 4 + 1 or
+// 4 + 2. (gemv_tile, a weight row at a time with two accumulators and a 16-step scalar sum
+// per output, ran a 5-row speculative step on the demo model at a third of the FMA rate;
+// tools/cpu_gemv_bench.py --setting cache: 5 rows 39-45 -> 54-57 GB/s, 4 rows 51-60 -> 64-67,
+// 3 rows 71-74 -> 78; 1 and 2 rows, and from memory at 1-4 rows, the same within the noise.)
 inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3)
 {
     // 16 -> 8 lanes each, two accumulators per register: lanes i and i + 8 of each added
@@ -322,7 +326,7 @@ inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3)
 
 template <int MT>
 void gemv_tile_f32(const float *x, const float *w, const float *bias, float *y, long n0,
-                    int N, int K)
+                   int N, int K)
 {
     const int rows = N - n0 < 4 ? static_cast<int>(N - n0) : 4, kv = K & ~15;
     const float *wr[4];
@@ -330,7 +334,7 @@ void gemv_tile_f32(const float *x, const float *w, const float *bias, float *y, 
     __m512 acc[MT][4];
     for (int m = 0; m < MT; m++)
         for (int r = 0; r < 4; r++) acc[m][r] = _mm512_setzero_ps();
-    if constexpr (MT <= 2) {
+    if constexpr (MT <= 2 || MT == 4) {
         for (int r = 0; r < 4; r++)
             for (int k = 0; k < kv; k += 16) {
                 const __m512 wv = _mm512_loadu_ps(wr[r] + k);
