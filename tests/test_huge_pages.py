@@ -127,3 +127,21 @@ def test_a_refused_mapping_falls_back_to_torch(monkeypatch):
     assert huge_pages.place_parameters(model) == 0
     cache = huge_pages.zeros((2, 1024, 16, 4, 16), torch.bfloat16)
     assert cache.shape == (2, 1024, 16, 4, 16) and not cache.any()
+
+
+@needs_thp
+def test_the_gemv_tool_places_its_weights_as_the_loader_does(monkeypatch):
+    """tools/cpu_gemv_bench.py --huge-pages: the same weights, in a huge-page mapping (its
+    "model" setting then streams them as a loaded model's are streamed)."""
+    import importlib.util
+    from pathlib import Path
+
+    monkeypatch.delenv("FLEETLLM_HUGE_PAGES", raising=False)
+    path = Path(__file__).parent.parent / "tools" / "cpu_gemv_bench.py"
+    spec = importlib.util.spec_from_file_location("cpu_gemv_bench", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    plain = tool.weights("cache", torch.float32)
+    placed = tool.weights("cache", torch.float32, huge=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, placed, strict=True))
+    assert mapping_of(placed[0].data_ptr())["THPeligible"] == "1"

@@ -10,6 +10,8 @@ Per dtype and number of rows of x (the decode batch): the best of 7 passes, as w
 read per second. `--onednn` also times oneDNN's packed copy of the same weights (what
 layers.linear runs beyond the kernel's rows; float32 for a bf16 weight where oneDNN packs no
 bf16), in milliseconds per pass next to the kernel's: where layers.decode_gemv_rows comes from.
+`--huge-pages` places the weights in one huge-page mapping, as the loader places a model's
+(model/huge_pages.py; the "model" setting then streams as a decode step does).
 
     .venv/bin/python tools/cpu_gemv_bench.py --setting model --rows 8 12 16 24 --onednn
 """
@@ -21,18 +23,31 @@ import time
 from types import SimpleNamespace
 
 import torch
+from torch import nn
 
 from fleetllm.attention import cpu_kernels
-from fleetllm.model import layers
+from fleetllm.model import huge_pages, layers
 
 ROWS = (1, 2, 4, 8)
 LAYER = [(1280, 768), (768, 768), (4096, 768), (768, 2048)]  # qkv, o, gate/up, down
 
 
-def weights(setting: str, dtype: torch.dtype) -> list[torch.Tensor]:
+def weights(setting: str, dtype: torch.dtype, huge: bool = False) -> list[torch.Tensor]:
+    """The setting's weights; huge: in one huge-page mapping, as the loader places a model's
+    parameters (model/huge_pages.py), instead of torch's own allocations."""
     g = torch.Generator().manual_seed(0)
     shapes = [(4096, 768)] if setting == "cache" else LAYER * 12 + [(32000, 768)]
-    return [(torch.randn(n, k, generator=g) * 0.05).to(dtype) for n, k in shapes]
+    ws = [(torch.randn(n, k, generator=g) * 0.05).to(dtype) for n, k in shapes]
+    if huge:
+        holder = nn.Module()
+        holder.ws = nn.ParameterList(nn.Parameter(w.clone(), requires_grad=False) for w in ws)
+        if not huge_pages.place_parameters(holder):
+            raise SystemExit("--huge-pages: no huge pages here (THP off or refused)")
+        with torch.no_grad():
+            for p, w in zip(holder.ws, ws, strict=True):
+                p.copy_(w)
+        ws = [p.data for p in holder.ws]
+    return ws
 
 
 def seconds(ws: list, dtype: torch.dtype, rows: int, calls: int, fn) -> float:
@@ -56,6 +71,8 @@ def main() -> None:
     parser.add_argument("--setting", choices=["cache", "model"], nargs="+",
                         default=["cache", "model"])
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="place the weights in huge pages, as a loaded model's are")
     parser.add_argument("--onednn", action="store_true",
                         help="also time oneDNN's packed copy (ms per pass)")
     args = parser.parse_args()
@@ -65,7 +82,7 @@ def main() -> None:
     for setting in args.setting:
         for name in args.dtype:
             dtype = getattr(torch, name)
-            ws = weights(setting, dtype)
+            ws = weights(setting, dtype, args.huge_pages)
             calls = 100 if setting == "cache" else 1
             nbytes = calls * sum(w.numel() * w.element_size() for w in ws)
             kernel = {m: seconds(ws, dtype, m, calls, lambda x, w: cpu_kernels.gemv(x, w, None))
