@@ -413,8 +413,8 @@ void gemv_body(void *arg, long begin, long end, int)
             T *y = c->y + static_cast<long>(m0) * c->N;
             const int left = c->M - m0;
 #if defined(__AVX512F__)
-            // gemv_tile_f32 keeps 4 accumulators per row of x: 6 rows' fit the 32 registers,
-            // so 5 or 6 rows (a speculative step's k + 1) take one pass, not 4 + 1.
+            // gemv_tile_f32 keeps 4 accumulators per row of x: 6 rows' 24 fit the 32
+            // registers, so 5 or 6 rows (a speculative step's k + 1) take one pass, not 4 + 1.
             if constexpr (std::is_same_v<T, float>) {
                 if (left == 5 || left == 6) {
                     if (left == 5) gemv_rows<5>(c, x, xf, y, n0);
