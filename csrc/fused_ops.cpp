@@ -374,7 +374,7 @@ struct GemvCtx {
 };
 
 // One tile of 4 weight rows against MT rows of x: the bf16 dot-product tile where the CPU has
-// AVX-512 BF16, the widening one otherwise.
+// AVX-512 BF16, the widening one otherwise; float32 with AVX-512, gemv_tile_f32.
 template <int MT, class T>
 void gemv_rows(const GemvCtx<T> *c, const T *x, const float *xf, T *y, long n0)
 {
@@ -391,12 +391,11 @@ void gemv_rows(const GemvCtx<T> *c, const T *x, const float *xf, T *y, long n0)
     }
     (void)xf;
 #if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<T, float>)
         gemv_tile_f32<MT>(x, c->w, c->bias, y, n0, c->N, c->K);
-        return;
-    }
+    else  // gemv_tile's float32 form: the builds without AVX-512 only
 #endif
-    gemv_tile<MT>(x, c->w, c->bias, y, n0, c->N, c->K);
+        gemv_tile<MT>(x, c->w, c->bias, y, n0, c->N, c->K);
 }
 
 // Each tile of 4 weight rows meets every group of 4 rows of x while it is in L1: the weight

@@ -77,7 +77,7 @@ def test_max_concurrency_holds_requests_back_as_the_clients_gate_does():
     # its first token comes one step later, sooner than the first pair's last (clocked from
     # the arrival, the last pair's would come six steps after that).
     assert all(r.ttft < results[0].e2e for r in results), [r.ttft for r in results]
-    summary = serve.summarize(results, 1.0, serve.build_parser().parse_args([]))
+    summary = serve_figures.summarize(results, 1.0, serve.build_parser().parse_args([]))
     assert summary["completed"] == 6 and summary["total_output_tokens"] == 18
 
 

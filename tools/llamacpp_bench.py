@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LLAMACPP = ROOT / ".peers" / "llama.cpp"
 
 
-def write_gguf(src: Path, out: Path) -> None:
+def write_gguf(src: Path, shards: list[Path], out: Path) -> None:
     sys.path.insert(0, str(LLAMACPP / "gguf-py"))
     import gguf
 
@@ -37,7 +37,7 @@ def write_gguf(src: Path, out: Path) -> None:
         raise SystemExit(f"{src}: model_type {cfg.get('model_type')!r}: only Llama-shaped "
                          "checkpoints (llama, mistral) are written")
     weights: dict[str, torch.Tensor] = {}
-    for f in sorted(src.glob("*.safetensors")):  # the shards main() found
+    for f in shards:
         weights.update(load_file(f))
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     layers, vocab = cfg["num_hidden_layers"], cfg["vocab_size"]
@@ -114,7 +114,7 @@ def main() -> None:
     out = ROOT / ".peers" / "gguf" / f"{source.name}-{tag}-bf16.gguf"
     if not out.exists() or out.stat().st_mtime < max(f.stat().st_mtime for f in shards):
         out.parent.mkdir(parents=True, exist_ok=True)
-        write_gguf(args.model, out)
+        write_gguf(args.model, shards, out)
     run = subprocess.run([str(bench), "-m", str(out), "-p", "0", "-n", str(args.output_len),
                           "-d", str(args.input_len), "-t", str(args.threads), "-ctk", "bf16",
                           "-ctv", "bf16", "-r", str(args.repetitions), "-o", "json"],
