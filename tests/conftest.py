@@ -11,6 +11,19 @@ import fleetllm  # noqa: F401  (first: it sets OpenMP's wait before torch loads,
 import pytest
 import torch
 
+# `make test` runs the suite in two pytest-xdist workers. Each gets a temp dir of its own
+# (TMPDIR, which the processes tests start and Ray's session files follow): tests that look
+# for leftovers in it (the mp executor's fleetllm-mp-* dirs) then see their own worker's only.
+# Short (/tmp/t-gw0-XXXXXXXX): Unix socket paths under it are limited to 107 bytes.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import atexit
+    import shutil
+    import tempfile
+
+    _tmp = tempfile.mkdtemp(prefix=f"t-{os.environ['PYTEST_XDIST_WORKER']}-", dir="/tmp")
+    os.environ["TMPDIR"] = tempfile.tempdir = _tmp
+    atexit.register(shutil.rmtree, _tmp, True)
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download; fail fast if tried
 torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -14,7 +14,15 @@ import time
 
 import pytest
 from helpers import greedy_run
-from test_multiproc import MAX_TOKENS, alive, assert_same, make_executor, prompts, shm_entries
+from test_multiproc import (
+    MAX_TOKENS,
+    alive,
+    assert_same,
+    make_executor,
+    no_new_shm,
+    prompts,
+    shm_entries,
+)
 
 from fleetllm.config import EngineConfig
 from fleetllm.errors import (
@@ -95,7 +103,7 @@ def test_rank_error_inside_execute_model_fails_the_executor(model, inject):
     # stopped before the error was raised: nothing left running or on disk
     assert not any(alive(p) for p in pids)
     assert not os.path.exists(tmpdir)
-    assert shm_entries() <= shm_before
+    assert no_new_shm(shm_before)
     for call in (lambda: ex.execute_model(ExecuteModelRequest([])),
                  lambda: ex.collective_rpc("check_health")):
         start = time.monotonic()

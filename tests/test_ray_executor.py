@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers import greedy_run
 from test_mp_failures import raise_after_first_all_reduce
-from test_multiproc import MAX_TOKENS, assert_same, make_executor, prompts, shm_entries
+from test_multiproc import MAX_TOKENS, assert_same, make_executor, no_new_shm, prompts, shm_entries
 
 from fleetllm import LLM, SamplingParams
 from fleetllm.config import EngineConfig
@@ -98,7 +98,7 @@ def check_all_gone(started: set[int], shm_before: set[str]) -> None:
         time.sleep(0.1)
     left = {p: cmdline(p) for p in started if alive(p)}
     assert not left, f"processes still running after ray.shutdown(): {left}"
-    assert shm_entries() <= shm_before
+    assert no_new_shm(shm_before)
 
 
 @pytest.fixture(scope="module")
