@@ -14,15 +14,24 @@ import torch
 # `make test` runs the suite in two pytest-xdist workers. Each gets a temp dir of its own
 # (TMPDIR, which the processes tests start and Ray's session files follow): tests that look
 # for leftovers in it (the mp executor's fleetllm-mp-* dirs) then see their own worker's only.
-# Short (/tmp/t-gw0-XXXXXXXX): Unix socket paths under it are limited to 107 bytes.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    import atexit
-    import shutil
+# Short (/tmp/t-gw0-XXXXXXXX): Unix socket paths under it are limited to 107 bytes. Processes
+# the tests spawn import this module too (their test module's imports): they inherit the
+# worker's dir (FLEETLLM_TEST_TMPDIR) instead of making one.
+_WORKER_TMP = None
+if os.environ.get("PYTEST_XDIST_WORKER") and "FLEETLLM_TEST_TMPDIR" not in os.environ:
     import tempfile
 
-    _tmp = tempfile.mkdtemp(prefix=f"t-{os.environ['PYTEST_XDIST_WORKER']}-", dir="/tmp")
-    os.environ["TMPDIR"] = tempfile.tempdir = _tmp
-    atexit.register(shutil.rmtree, _tmp, True)
+    _WORKER_TMP = tempfile.mkdtemp(prefix=f"t-{os.environ['PYTEST_XDIST_WORKER']}-",
+                                   dir="/tmp")
+    os.environ["TMPDIR"] = os.environ["FLEETLLM_TEST_TMPDIR"] = tempfile.tempdir = _WORKER_TMP
+
+
+def pytest_unconfigure(config):
+    if _WORKER_TMP is not None:
+        import shutil
+
+        shutil.rmtree(_WORKER_TMP, ignore_errors=True)
+
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download; fail fast if tried
