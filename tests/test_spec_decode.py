@@ -234,3 +234,21 @@ def test_prometheus_counters_follow_the_engine(demo_pair):
                         ("emitted", m.emitted_tokens)):
         line = f'fleetllm:spec_decode_num_{name}_tokens_total{{model_name="demo"}} {value}.0'
         assert line in text, line
+
+
+def test_the_per_prompt_tool_runs_every_copy_prompt_with_and_without_speculation(capsys):
+    """tools/spec_per_prompt.py: each distinct copy-edit prompt (here two held-out stdlib
+    functions, the demo model's) alone, speculation on and off, and their summed ratio."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "tools" / "spec_per_prompt.py"
+    spec = importlib.util.spec_from_file_location("spec_per_prompt", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--source", "stdlib-heldout", "--max-prompts", "2", "--output-len", "8",
+                      "--repeat", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines[:2]] == ["prompt 0", "prompt 1"]
+    assert "decode steps with speculation" in lines[0]
+    assert lines[-1].startswith("2 prompts (stdlib-heldout): ")

@@ -104,25 +104,27 @@ def _read_dataset(path: Path, tokenizer, output_len: tuple[int, int] | None) -> 
 # ------------------------------------------------------------------------------- FLOPs
 
 
-def copy_edit_prompts(tokenizer, count: int, max_len: int, seed: int = 0) -> list[list[int]]:
+def copy_edit_prompts(tokenizer, count: int, max_len: int, seed: int = 0,
+                      sources: list[str] | None = None) -> list[list[int]]:
     """A copy-heavy workload (code editing): each prompt holds a Python function, then asks
     for it again under a new name, and starts the copy. A model that copies repeats long
     spans of its prompt: what n-gram speculative decoding drafts. The functions are
-    fleetllm's own (not the demo model's training text) whose prompt has at most max_len
-    tokens, one per prompt, cycling."""
+    `sources` (their source texts), by default fleetllm's own (not the demo model's training
+    text); those whose prompt has at most max_len tokens, one per prompt, cycling."""
     import inspect
 
-    from fleetllm.core import block_manager, scheduler
-    from fleetllm.engine import detokenizer
-    from fleetllm.worker import sampler
+    if sources is None:
+        from fleetllm.core import block_manager, scheduler
+        from fleetllm.engine import detokenizer
+        from fleetllm.worker import sampler
 
-    functions = [f for module in (sampler, scheduler, block_manager, detokenizer)
-                 for f in vars(module).values()
-                 if inspect.isfunction(f) and f.__module__ == module.__name__
-                 and 300 < len(inspect.getsource(f)) < 1500]
+        sources = [inspect.getsource(f).strip()
+                   for module in (sampler, scheduler, block_manager, detokenizer)
+                   for f in vars(module).values()
+                   if inspect.isfunction(f) and f.__module__ == module.__name__
+                   and 300 < len(inspect.getsource(f)) < 1500]
     candidates = []
-    for function in functions:
-        source = inspect.getsource(function).strip()
+    for source in sources:
         old = source.split("(", 1)[0].removeprefix("def ")
         new = f"{old}_v2"
         text = (f"{source}\n\n\n# The same function, renamed to {new}:\n"
