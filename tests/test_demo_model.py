@@ -84,10 +84,7 @@ def test_the_demo_model_copies_a_function_it_was_shown(demo_llm):
         import copy_windows
     finally:
         sys.path.pop(0)
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    sources = [f for rel in (DEMO / "heldout_files.txt").read_text().split()
-               if (stdlib / rel).is_file()
-               for f in copy_windows.functions((stdlib / rel).read_text(encoding="utf-8"))]
+    sources = copy_windows.heldout_functions(DEMO)
     tokenizer = demo_llm.get_tokenizer()
     prompts, bodies = [], []
     for source in sources:

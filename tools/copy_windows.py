@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import random
 import re
+import sysconfig
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 DEF_RE = re.compile(r"([ \t]*)def (\w+)\(")
@@ -70,6 +72,15 @@ def functions(text: str, min_chars: int = 200, max_chars: int = 1500) -> list[st
         if min_chars <= len(source) <= max_chars:
             found.append(source)
     return found
+
+
+def heldout_functions(model: Path) -> list[str]:
+    """The functions (as `functions` finds them) of the stdlib files a model was held out
+    from: its heldout_files.txt, those of them this Python has."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    names = (model / "heldout_files.txt").read_text().split()
+    return [f for rel in names if (stdlib / rel).is_file()
+            for f in functions((stdlib / rel).read_text(encoding="utf-8"))]
 
 
 def copy_edit_text(source: str, rng: random.Random) -> tuple[str, str]:

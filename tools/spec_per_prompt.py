@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -36,10 +35,7 @@ def stdlib_heldout_sources(model: Path) -> list[str]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import copy_windows
 
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    names = (model / "heldout_files.txt").read_text().split()
-    return [f for rel in names if (stdlib / rel).is_file()
-            for f in copy_windows.functions((stdlib / rel).read_text(encoding="utf-8"))]
+    return copy_windows.heldout_functions(model)
 
 
 def decode_time(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[float, int, list]:
@@ -72,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         room = on.llm_engine.model_config.max_model_len - args.output_len
         sources = None if args.source == "fleetllm" else stdlib_heldout_sources(args.model)
         prompts: list[list[int]] = []
-        for p in workload.copy_edit_prompts(tokenizer, 1000, room, 0, sources):
-            if p not in prompts and len(prompts) < args.max_prompts:
+        # the first max_prompts after the shuffle; fewer candidates come back cycled
+        for p in workload.copy_edit_prompts(tokenizer, args.max_prompts, room, 0, sources):
+            if p not in prompts:
                 prompts.append(p)
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         decode_time(on, prompts[0], params)  # warm-up
