@@ -299,17 +299,18 @@ const bool has_bf16_dot = __builtin_cpu_supports("avx512bf16");
 // time in order, then one shuffle tree for the tile's 4 outputs of a row of x (sum4), the bias
 // and the scalar tail: the same arithmetic whatever the loop order, so a row of x gets the
 // same bits alone or in a batch (a short last tile repeats its last weight row and drops the
-// copies). The loop order follows MT. At 1, 2 and 4 rows of x, a weight row at a time: one
-// sequential stream, as gemv_tile, for the steps that stream a large model's weights from
-// memory (its float32 layers leave the kernel past 4 rows: layers.decode_gemv_rows; with 4
-// rows interleaved such weights read 5-25% slower); 4 rows are also 4 independent sums, as
-// many as the FMA's latency needs. At 3 rows (3 sums: a third of the time waiting) and at 5
-// and 6 (cache-resident weights: a small model's decode or speculative steps), the 4 weight
+// copies). The loop order follows MT. At 1 and 2 rows of x, a weight row at a time: one
+// sequential stream, as gemv_tile, which the hardware prefetcher follows at the memory's full
+// speed when a large model's weights stream from memory (the batch-1 decode step). From 3 rows
+// (more arithmetic per byte: a decode batch, a speculative step's k + 1 rows), the 4 weight
 // rows at once, each x vector feeding 4 FMAs, 5 and 6 rows in one pass instead of 4 + 1 or
-// 4 + 2. (gemv_tile, a weight row at a time with two accumulators and a 16-step scalar sum
-// per output, ran a 5-row speculative step on the demo model at a third of the FMA rate;
-// tools/cpu_gemv_bench.py --setting cache: 5 rows 39-45 -> 54-57 GB/s, 4 rows 51-60 -> 64-67,
-// 3 rows 71-74 -> 78; 1 and 2 rows, and from memory at 1-4 rows, the same within the noise.)
+// 4 + 2, with the weight rows two tiles ahead prefetched into L2 (below). On a 2-core Zen 4,
+// `tools/cpu_gemv_bench.py --setting model` (the 125M preset's weights from memory), GB/s of
+// weights: 3 rows 21-22 -> 26-28, 4 rows 15-24 -> 26-27 (a row at a time before), 5 rows
+// 18-20 -> 24-27, 6 rows 16-19 -> 24; at 1 and 2 rows the interleaved form read 27-28 where
+// one stream reads 23-38 as the machine's bandwidth goes. (gemv_tile, a weight row at a time
+// with two accumulators and a 16-step scalar sum per output, ran a 5-row speculative step on
+// the demo model at a third of the FMA rate.)
 inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3)
 {
     // 16 -> 8 lanes each, two accumulators per register: lanes i and i + 8 of each added
@@ -334,7 +335,7 @@ void gemv_tile_f32(const float *x, const float *w, const float *bias, float *y, 
     __m512 acc[MT][4];
     for (int m = 0; m < MT; m++)
         for (int r = 0; r < 4; r++) acc[m][r] = _mm512_setzero_ps();
-    if constexpr (MT <= 2 || MT == 4) {
+    if constexpr (MT <= 2) {
         for (int r = 0; r < 4; r++)
             for (int k = 0; k < kv; k += 16) {
                 const __m512 wv = _mm512_loadu_ps(wr[r] + k);
@@ -343,19 +344,18 @@ void gemv_tile_f32(const float *x, const float *w, const float *bias, float *y, 
                                                 wv, acc[m][r]);
             }
     } else {
-        // The next tile's 4 weight rows (contiguous) are asked for while this one is summed,
-        // 4 cache lines per step of k: 4 rows read at once are 4 short streams that the
-        // hardware prefetcher does not run ahead of, so without it a weight that is not in L2
-        // (the demo model's 16 MB between its steps) is read at the FMAs' pace, one miss after
-        // another. Demo model, 5-row speculative steps (2-core Zen 4): the LM head 280 -> 162
-        // us, a decoder layer 284 -> 205 us (medians over a run); one core cycling through its
-        // weights, 5 rows: 990-2,100 -> 540-1,160 us a pass. Two tiles ahead was no better than
-        // none there.
-        const long next = (n0 + 4) * K, size = static_cast<long>(N) * K;  // in floats
+        // The weight rows two tiles ahead (contiguous) are asked for into L2 while this tile
+        // is summed, 4 cache lines per step of k: 4 rows read at once are 4 short streams that
+        // the hardware prefetcher does not run ahead of, so without it a weight that is not in
+        // L2 (the demo model's 16 MB between its steps) is read one miss after another at the
+        // FMAs' pace. One core, 5 rows, the demo model's weights cycled through (2-core Zen 4):
+        // from L3 (16 MB) 960-1,290 -> 525-560 us a pass; from memory (4 copies, 63 MB)
+        // 8.6-10.1 -> 3.0-3.6 ms, where the next tile into L1 gave 6.1-6.4 ms.
+        const long ahead = (n0 + 8) * K, size = static_cast<long>(N) * K;  // in floats
         for (int k = 0; k < kv; k += 16) {
-            if (next + 4L * k < size) {
-                const char *ahead = reinterpret_cast<const char *>(w + next + 4L * k);
-                for (int r = 0; r < 4; r++) _mm_prefetch(ahead + 64 * r, _MM_HINT_T0);
+            if (ahead + 4L * k < size) {
+                const char *p = reinterpret_cast<const char *>(w + ahead + 4L * k);
+                for (int r = 0; r < 4; r++) _mm_prefetch(p + 64 * r, _MM_HINT_T1);
             }
             __m512 wv[4];
             for (int r = 0; r < 4; r++) wv[r] = _mm512_loadu_ps(wr[r] + k);
