@@ -198,9 +198,10 @@ def test_a_gemv_row_does_not_depend_on_the_rows_beside_it(dtype):
 @pytest.mark.parametrize("m", range(1, 9))
 def test_float32_gemv_matches_a_float64_matmul_at_every_row_count(m):
     """The float32 tile changes its loop with the rows of x (with AVX-512: one weight row at a
-    time at 1, 2 and 4 rows, four at once at 3, 5 and 6, 7 and 8 as 4 + 3 and 4 + 4): every
-    count, a short last tile (N not a multiple of 4), a last half block of 16 and a scalar
-    tail of K, with and without a bias."""
+    time at 1 and 2 rows, four at once at 3 to 6, 7 and 8 as 4 + 3 and 4 + 4) and its ending
+    (a whole tile and K a multiple of 16 stores 4 outputs at once): every count, a short last
+    tile (N not a multiple of 4), a last half block of 16 and a scalar tail of K, with and
+    without a bias."""
     g = torch.Generator().manual_seed(m)
     for n, k in ((301, 200), (5, 33), (1027, 768), (64, 2051), (3, 16)):
         x, w, b = (torch.randn(*s, generator=g) for s in ((m, k), (n, k), (n,)))
