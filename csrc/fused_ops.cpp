@@ -348,9 +348,10 @@ void gemv_tile_f32(const float *x, const float *w, const float *bias, float *y, 
         // is summed, 4 cache lines per step of k: 4 rows read at once are 4 short streams that
         // the hardware prefetcher does not run ahead of, so without it a weight that is not in
         // L2 (the demo model's 16 MB between its steps) is read one miss after another at the
-        // FMAs' pace. One core, 5 rows, the demo model's weights cycled through (2-core Zen 4):
-        // from L3 (16 MB) 960-1,290 -> 525-560 us a pass; from memory (4 copies, 63 MB)
-        // 8.6-10.1 -> 3.0-3.6 ms, where the next tile into L1 gave 6.1-6.4 ms.
+        // FMAs' pace. `tools/cpu_gemv_bench.py --setting demo` (2-core Zen 4), 5 rows: 18-26
+        // -> 30-38 GB/s. By hand, one core cycling through 4 copies of the demo model's
+        // weights (63 MB, from memory): 8.6-10.1 -> 3.0-3.6 ms a pass, where the next tile
+        // into L1 gave 6.1-6.4 ms.
         const long ahead = (n0 + 8) * K, size = static_cast<long>(N) * K;  // in floats
         for (int k = 0; k < kv; k += 16) {
             if (ahead + 4L * k < size) {

@@ -145,3 +145,25 @@ def test_the_gemv_tool_places_its_weights_as_the_loader_does(monkeypatch):
     placed = tool.weights("cache", torch.float32, huge=True)
     assert all(torch.equal(a, b) for a, b in zip(plain, placed, strict=True))
     assert mapping_of(placed[0].data_ptr())["THPeligible"] == "1"
+
+
+def test_the_gemv_tools_demo_setting_holds_the_demo_models_projections():
+    """tools/cpu_gemv_bench.py --setting demo times the kernel on the weights the demo model's
+    decode and speculative steps read: one layer's fused qkv, o, gate/up and down per layer,
+    then the (tied) LM head, in the checkpoint's shapes."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    spec = importlib.util.spec_from_file_location("cpu_gemv_bench",
+                                                  root / "tools" / "cpu_gemv_bench.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    c = json.loads((root / "fleetllm" / "demo_model" / "config.json").read_text())
+    hid, d = c["hidden_size"], c["head_dim"]
+    layer = [((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * d, hid),
+             (hid, c["num_attention_heads"] * d), (2 * c["intermediate_size"], hid),
+             (hid, c["intermediate_size"])]
+    assert tool.SHAPES["demo"] == layer * c["num_hidden_layers"] + [(c["vocab_size"], hid)]
+    assert [tuple(w.shape) for w in tool.weights("demo", torch.float32)] == tool.SHAPES["demo"]

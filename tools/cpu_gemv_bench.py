@@ -6,6 +6,8 @@
 in float32) called over and over, so it stays in the last-level cache and the kernel's own
 arithmetic is what is timed. "model": the preset's 48 layer projections and its LM head
 (100M parameters), one call each per pass, read from memory as a decode step reads them.
+"demo": the demo model's 16 projections and LM head (16 MB in float32: more than L2, within
+L3), one call each per pass, as its decode and speculative steps read them.
 Per dtype and number of rows of x (the decode batch): the best of 7 passes, as weight bytes
 read per second. `--onednn` also times oneDNN's packed copy of the same weights (what
 layers.linear runs beyond the kernel's rows; float32 for a bf16 weight where oneDNN packs no
@@ -30,14 +32,17 @@ from fleetllm.model import huge_pages, layers
 
 ROWS = (1, 2, 4, 8)
 LAYER = [(1280, 768), (768, 768), (4096, 768), (768, 2048)]  # qkv, o, gate/up, down
+DEMO_LAYER = [(512, 256), (256, 256), (1376, 256), (256, 688)]  # fleetllm/demo_model's
+SHAPES = {"cache": [(4096, 768)], "model": LAYER * 12 + [(32000, 768)],
+          "demo": DEMO_LAYER * 4 + [(4096, 256)]}
+CALLS = {"cache": 100, "model": 1, "demo": 10}  # passes per timed run
 
 
 def weights(setting: str, dtype: torch.dtype, huge: bool = False) -> list[torch.Tensor]:
     """The setting's weights; huge: in one huge-page mapping, as the loader places a model's
     parameters (model/huge_pages.py), instead of torch's own allocations."""
     g = torch.Generator().manual_seed(0)
-    shapes = [(4096, 768)] if setting == "cache" else LAYER * 12 + [(32000, 768)]
-    ws = [(torch.randn(n, k, generator=g) * 0.05).to(dtype) for n, k in shapes]
+    ws = [(torch.randn(n, k, generator=g) * 0.05).to(dtype) for n, k in SHAPES[setting]]
     if huge:
         holder = nn.Module()
         holder.ws = nn.ParameterList(nn.Parameter(w.clone(), requires_grad=False) for w in ws)
@@ -68,7 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], nargs="+",
                         default=["bfloat16", "float32"])
-    parser.add_argument("--setting", choices=["cache", "model"], nargs="+",
+    parser.add_argument("--setting", choices=list(SHAPES), nargs="+",
                         default=["cache", "model"])
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     parser.add_argument("--huge-pages", action="store_true",
@@ -83,7 +88,7 @@ def main() -> None:
         for name in args.dtype:
             dtype = getattr(torch, name)
             ws = weights(setting, dtype, args.huge_pages)
-            calls = 100 if setting == "cache" else 1
+            calls = CALLS[setting]
             nbytes = calls * sum(w.numel() * w.element_size() for w in ws)
             kernel = {m: seconds(ws, dtype, m, calls, lambda x, w: cpu_kernels.gemv(x, w, None))
                       for m in args.rows}
