@@ -5,8 +5,7 @@ calls, tensors and their glue per layer. Used when it computes exactly what the 
 CPU float32 or bfloat16 (the KV cache in either), no tensor parallelism, no q/k norm, the
 dense weights kept (FLEETLLM_LINEAR=auto), a step of decode tokens only and nothing else. Up
 to a layer's GEMV row limit (8; 16 for bf16 weights on a CPU without bf16 packing:
-layers.decode_gemv_rows; for a large layer, 3 in bf16 on a CPU that packs bf16, 4 in float32
-with AVX-512)
+layers.decode_gemv_rows; for a large layer, 3 in bf16 on a CPU that packs bf16)
 the projections take the GEMV kernel; above it, and above the 4 rows from which the modules'
 linear() leaves the kernel, oneDNN's packed weights, as the modules would."""
 
@@ -22,7 +21,6 @@ from fleetllm.model.layers import (
     GEMV_ROWS,
     LARGE_WEIGHT_BYTES,
     decode_gemv_rows,
-    float32_streams,
 )
 
 # The most rows a step takes here (its activations: 76 KiB per row on Qwen2-0.5B shapes).
@@ -37,10 +35,7 @@ MAX_ROWS = 256
 # up to 3 rows, then oneDNN (Qwen2-0.5B shapes, 28 MiB per layer: 6-8-row decode steps 57-70
 # ms through the kernel, 50-58 ms through the modules and oneDNN, the LM head's limit set to 3
 # as well in that measurement). Their hidden states are then the same bits for a sequence only
-# in decode batches of up to 3 (oneDNN sums in another order than the kernel). Large float32
-# layers with AVX-512 stop at 4 rows (layers.decode_gemv_rows: the 125M preset's 24 MiB
-# float32 layers, decode steps of 5-8 rows 21-27 ms through the kernel, 15-20 ms with oneDNN
-# inside the one call).
+# in decode batches of up to 3 (oneDNN sums in another order than the kernel).
 _BF16_PACKED_ROWS = 3
 
 
@@ -74,8 +69,6 @@ def _weights(layer) -> _Layer | None:
                           and m.packed_weight.dtype == torch.bfloat16 for m in linears)
         if bf16_packed and nbytes > LARGE_WEIGHT_BYTES:
             rows = min(rows, _BF16_PACKED_ROWS)
-        elif float32_streams(nbytes, linears[0].weight.dtype):
-            rows = min(rows, GEMV_ROWS)
         bias = [getattr(m, "bias", None) for m in linears]
         layer._fused = _Layer(
             (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,

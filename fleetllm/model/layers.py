@@ -26,7 +26,6 @@ still reads the bf16 weight (half the bytes).
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -37,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fleetllm.attention import cpu_kernels, kernel_build
+from fleetllm.attention import cpu_kernels
 from fleetllm.distributed.parallel_state import get_tp_group
 from fleetllm.lora.layers import lora_delta
 
@@ -266,11 +265,10 @@ def decode_gemv_rows(layer: nn.Module) -> int:
     2-core AVX2 EPYC, the 125M preset's weights (`tools/cpu_gemv_bench.py --setting model
     --rows 8 12 16 24 --onednn`), kernel vs oneDNN: bf16 8 rows 33.2 vs 52.3 ms, 12 rows
     42.7 vs 54.9, 16 rows 53.7 vs 62.3, 24 rows 71.9 vs 79.6; float32 8 rows 43.0 vs 53.9, 12
-    rows 75.9 vs 55.2. With AVX-512, oneDNN's float32 matmul wins from 5 rows where the
-    weights come from memory (2-core Zen 4, the same command: 4 rows 15.3-15.9 vs 13.4-15.4
-    ms, 5 rows 20.7 vs 13.5-15.2, 8 rows 26.7 vs 16.3-18.5), so there a large float32 weight
-    stops at 4; small ones, which stay in the caches from step to step, keep 8 (the demo
-    model's 5-row speculative steps: 1.72-1.75x with the kernel, 1.54-1.56x with oneDNN). A
+    rows 75.9 vs 55.2. With AVX-512 (2-core Zen 4, the same command), float32 weights from
+    memory keep 8 rows too since the kernel prefetches its 4 weight rows into L2 (kernel vs
+    oneDNN: 5 rows 12.9-14.0 vs 14.7-17.4 ms, 6 rows 12.9-15.0 vs 14.2-17.6, 8 rows 15.3-18.4
+    vs 17.1-22.8; without the prefetch oneDNN won from 5 rows and such weights stopped at 4). A
     sequence's logits are then the same bits in any decode batch up to this size (the
     kernel's rows are independent), given the same hidden states; fused.py applies the same
     rules to whole layers (and large bf16 layers on a CPU that packs bf16 take the kernel up
@@ -278,28 +276,12 @@ def decode_gemv_rows(layer: nn.Module) -> int:
     packed, weight = getattr(layer, "packed_weight", None), layer.weight
     if packed is not None and weight is not None and packed.dtype != weight.dtype:
         return 16
-    if weight is not None and float32_streams(weight.numel() * weight.element_size(),
-                                              weight.dtype):
-        return GEMV_ROWS
     return 8
 
 
 # A weight (or a decoder layer's weights) above this size streams from memory at every
 # decode step rather than staying in the caches.
 LARGE_WEIGHT_BYTES = 16 << 20
-
-
-def float32_streams(nbytes: int, dtype: torch.dtype) -> bool:
-    """float32 weights of nbytes, streamed from memory, on a CPU where oneDNN's float32
-    matmul beats the GEMV kernel past 4 rows (AVX-512)."""
-    return dtype == torch.float32 and nbytes > LARGE_WEIGHT_BYTES and _avx512()
-
-
-@functools.cache
-def _avx512() -> bool:
-    """This CPU runs AVX-512 code, as torch sees it (ATEN_CPU_CAPABILITY may say less; oneDNN
-    asks the CPU itself). Cached: the LM head asks at every decode step."""
-    return kernel_build.best_variant() == "avx512"
 
 
 def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
