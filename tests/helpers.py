@@ -1,13 +1,28 @@
-"""Test helpers: drive an executor with hand-built requests, and run HF as the reference."""
+"""Test helpers: drive an executor with hand-built requests, run HF as the reference, and load
+the repository's tools/ scripts."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
+from pathlib import Path
 
 import torch
 
 from fleetllm.sampling_params import SamplingParams
 from fleetllm.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMetadata
+
+
+def load_tool(name: str):
+    """tools/<name>.py as a module (the tools are scripts, not a package). Registered in
+    sys.modules before it runs, as an import would be: dataclasses look their module up."""
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules[name] = tool
+    spec.loader.exec_module(tool)
+    return tool
 
 
 class BlockAllocator:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_tool
 
 from fleetllm import LLM, SamplingParams
 
@@ -78,13 +79,7 @@ def test_the_demo_model_copies_a_function_it_was_shown(demo_llm):
     from): it was trained with copy windows (tools/copy_windows.py). Measured here: 69% of the
     first 48 body tokens of 24 held-out functions reproduced before the first difference (52%
     over 40 with other phrasings); the first demo model, trained without copy windows: 0%."""
-    tools = Path(__file__).resolve().parents[1] / "tools"
-    sys.path.insert(0, str(tools))
-    try:
-        import copy_windows
-    finally:
-        sys.path.pop(0)
-    sources = copy_windows.heldout_functions(DEMO)
+    sources = load_tool("copy_windows").heldout_functions(DEMO)
     tokenizer = demo_llm.get_tokenizer()
     prompts, bodies = [], []
     for source in sources:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import load_tool
 
 from fleetllm import LLM, SamplingParams
 from fleetllm.model import huge_pages
@@ -133,14 +134,8 @@ def test_a_refused_mapping_falls_back_to_torch(monkeypatch):
 def test_the_gemv_tool_places_its_weights_as_the_loader_does(monkeypatch):
     """tools/cpu_gemv_bench.py --huge-pages: the same weights, in a huge-page mapping (its
     "model" setting then streams them as a loaded model's are streamed)."""
-    import importlib.util
-    from pathlib import Path
-
     monkeypatch.delenv("FLEETLLM_HUGE_PAGES", raising=False)
-    path = Path(__file__).parent.parent / "tools" / "cpu_gemv_bench.py"
-    spec = importlib.util.spec_from_file_location("cpu_gemv_bench", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("cpu_gemv_bench")
     plain = tool.weights("cache", torch.float32)
     placed = tool.weights("cache", torch.float32, huge=True)
     assert all(torch.equal(a, b) for a, b in zip(plain, placed, strict=True))
@@ -151,16 +146,12 @@ def test_the_gemv_tools_demo_setting_holds_the_demo_models_projections():
     """tools/cpu_gemv_bench.py --setting demo times the kernel on the weights the demo model's
     decode and speculative steps read: one layer's fused qkv, o, gate/up and down per layer,
     then the (tied) LM head, in the checkpoint's shapes."""
-    import importlib.util
     import json
     from pathlib import Path
 
-    root = Path(__file__).parent.parent
-    spec = importlib.util.spec_from_file_location("cpu_gemv_bench",
-                                                  root / "tools" / "cpu_gemv_bench.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    c = json.loads((root / "fleetllm" / "demo_model" / "config.json").read_text())
+    tool = load_tool("cpu_gemv_bench")
+    demo = Path(__file__).resolve().parents[1] / "fleetllm" / "demo_model"
+    c = json.loads((demo / "config.json").read_text())
     hid, d = c["hidden_size"], c["head_dim"]
     layer = [((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * d, hid),
              (hid, c["num_attention_heads"] * d), (2 * c["intermediate_size"], hid),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import load_tool
 
 from fleetllm import LLM, SamplingParams
 from fleetllm.config import EngineConfig
@@ -239,13 +240,7 @@ def test_prometheus_counters_follow_the_engine(demo_pair):
 def test_the_per_prompt_tool_runs_every_copy_prompt_with_and_without_speculation(capsys):
     """tools/spec_per_prompt.py: each distinct copy-edit prompt (here two held-out stdlib
     functions, the demo model's) alone, speculation on and off, and their summed ratio."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parent.parent / "tools" / "spec_per_prompt.py"
-    spec = importlib.util.spec_from_file_location("spec_per_prompt", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("spec_per_prompt")
     assert tool.main(["--source", "stdlib-heldout", "--max-prompts", "2", "--output-len", "8",
                       "--repeat", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()

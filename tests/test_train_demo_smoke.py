@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_tool
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,15 +133,6 @@ def test_shipped_demo_model_completes_python() -> None:
     ), repr(completion)
 
 
-def _copy_windows():
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import copy_windows
-    finally:
-        sys.path.pop(0)
-    return copy_windows
-
-
 SOURCE = '''import os
 
 
@@ -172,7 +164,7 @@ def test_copy_windows_repeat_a_function_under_a_new_name() -> None:
 
     import numpy as np
 
-    cw = _copy_windows()
+    cw = load_tool("copy_windows")
     found = cw.functions(SOURCE, min_chars=100)
     assert [f.split("(")[0] for f in found] == ["def join_all", "def describe"]
     assert found[1].startswith("def describe(self, verbose=False):\n    \"\"\"Say")
