@@ -6,6 +6,7 @@
 // small decode batch as one call: about 3 of the 21 ms of a batch-1 step on the 125M preset
 // were the ~10 Python calls per layer it replaces. Each in float32 and bfloat16 (kernels.h).
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -293,8 +294,6 @@ __attribute__((target("avx512bf16"))) void gemv_tile_dp(const bf16 *x, const bf1
     }
 }
 
-const bool has_bf16_dot = __builtin_cpu_supports("avx512bf16");
-
 // float32 with AVX-512. Each output sums in one 16-lane accumulator, 16 elements of k at a
 // time in order, then one shuffle tree for the tile's 4 outputs of a row of x (sum4), the bias
 // and the scalar tail: the same arithmetic whatever the loop order, so a row of x gets the
@@ -404,7 +403,7 @@ void gemv_rows(const GemvCtx<T> *c, const T *x, const float *xf, T *y, long n0)
 {
     if constexpr (std::is_same_v<T, bf16>) {
 #if defined(__AVX512F__)
-        if (has_bf16_dot) {
+        if (bf16_dot) {
             gemv_tile_dp<MT>(x, c->w, c->bias, y, n0, c->N, c->K);
             return;
         }
@@ -459,6 +458,17 @@ void gemv_body(void *arg, long begin, long end, int)
 }
 
 }  // namespace
+
+const bool bf16_dot = []
+{
+#if defined(__AVX512F__)
+    __builtin_cpu_init();  // among the library's constructors, perhaps before libgcc's own
+    const char *v = std::getenv("FLEETLLM_CPU_BF16_DOT");
+    return __builtin_cpu_supports("avx512bf16") && !(v && std::strcmp(v, "0") == 0);
+#else
+    return false;
+#endif
+}();
 
 template <class T>
 void add_rmsnorm(const T *x, T *residual, const T *w, T *out, int rows, int H, float eps,

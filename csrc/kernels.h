@@ -20,6 +20,12 @@
 
 namespace fleetllm::kernels {
 
+// Whether the kernels use AVX-512 BF16's dot product of bf16 pairs (vdpbf16ps: the GEMV's bf16
+// tile, decode attention's P . V): where the CPU has it (the avx512 variant also runs on
+// AVX-512 CPUs without it, such as Ice Lake), unless FLEETLLM_CPU_BF16_DOT=0, which runs
+// those CPUs' paths here (tests compare the two).
+extern const bool bf16_dot;
+
 // A bfloat16 as stored: the top 16 bits of a float32. A type of its own (not uint16_t), so
 // that templates and overloads tell it apart from integers.
 enum class bf16 : uint16_t {};

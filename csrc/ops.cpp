@@ -482,6 +482,8 @@ std::string build_info()
 #if defined(__FMA__)
     s += " fma";
 #endif
+    if (kernels::bf16_dot)
+        s += " avx512bf16";
 #if defined(__SANITIZE_ADDRESS__)
     s += "; sanitize: address,undefined";
 #endif

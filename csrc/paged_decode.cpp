@@ -136,6 +136,97 @@ inline __attribute__((always_inline)) void accumulate_pv(
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// acc[h] += P[h, t] * V[t] for t in [lo, hi) (relative to block b0's start), for a bfloat16
+// model with a bfloat16 cache where bf16_dot holds (kernels.h): accumulate_pv's sums by dot
+// products of bf16 pairs (vdpbf16ps), two positions per instruction. accumulate_pv widens each
+// V row once per query head and runs one FMA per element and position; this reads a V row
+// once for up to 4 heads (2 at D = 128). P is already rounded to bf16 (softmax_pv_as_torch)
+// and V is bf16, so every product is exact, and vdpbf16ps adds the pair's upper product, then
+// its lower one, each rounded (the order Intel's manual gives; measured on Zen 4): with
+// position t in the upper half and t + 1 in the lower, the float32 sums are accumulate_pv's
+// bit for bit (but for denormals, which vdpbf16ps reads and writes as zeros). An odd last
+// position pairs with zeros. Interleaving the two V rows element by element
+// (unpacklo/hi_epi16) leaves each 32-element part's sums in two vectors in the order
+// (0-3, 8-11, 16-19, 24-27) and (4-7, ..., 28-31): permuted from acc on entry, back on exit.
+template <int D>
+__attribute__((target("avx512bf16"))) void accumulate_pv_dp(
+    const bf16 *v, const int32_t *table, int lo, int hi, int b0, int kh0, int nkv, float *acc,
+    int G, int KVH, int bs, int n, const float *scores)
+{
+    constexpr int V = D / 16, HG = 16 / V;  // vectors per head; heads per pass (16 sums)
+    const long tok = static_cast<long>(KVH) * D;
+    const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
+                                            26, 27);
+    const __m512i to_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29,
+                                            30, 31);
+    const __m512i from_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21,
+                                              22, 23);
+    const __m512i from_hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28,
+                                              29, 30, 31);
+    alignas(64) uint16_t pb[HG][TORCH_CHUNK + 32];
+    for (int c0 = lo; c0 < hi; c0 += TORCH_CHUNK) {
+        const int c1 = c0 + TORCH_CHUNK < hi ? c0 + TORCH_CHUNK : hi, m = c1 - c0;
+        for (int kh = 0; kh < nkv; kh++)
+            for (int g0 = 0; g0 < G; g0 += HG) {
+                const int gn = G - g0 < HG ? G - g0 : HG;
+                __m512 a[HG][V];
+                for (int g = 0; g < gn; g++) {
+                    const int h = kh * G + g0 + g;
+                    const float *sh = scores + static_cast<long>(h) * n + c0;
+                    for (int t = 0; t < m; t += 16) {  // P as bf16 (exact: already rounded)
+                        const __mmask16 k = m - t >= 16 ? 0xffff : (1u << (m - t)) - 1;
+                        _mm256_storeu_si256(reinterpret_cast<__m256i *>(pb[g] + t),
+                                            (__m256i)_mm512_cvtneps_pbh(
+                                                _mm512_maskz_loadu_ps(k, sh + t)));
+                    }
+                    pb[g][m] = 0;  // an odd last position's partner
+                    float *ah = acc + static_cast<long>(h) * D;
+                    for (int p = 0; p < D / 32; p++) {
+                        const __m512 n0 = _mm512_loadu_ps(ah + 32 * p);
+                        const __m512 n1 = _mm512_loadu_ps(ah + 32 * p + 16);
+                        a[g][2 * p] = _mm512_permutex2var_ps(n0, to_lo, n1);
+                        a[g][2 * p + 1] = _mm512_permutex2var_ps(n0, to_hi, n1);
+                    }
+                }
+                int blk = b0 + c0 / bs, o = c0 % bs;
+                const bf16 *base = v + static_cast<long>(kh0 + kh) * D;
+                for (int t = 0; t < m; t += 2) {
+                    const bf16 *r0 = base + (static_cast<long>(table[blk]) * bs + o) * tok;
+                    if (++o == bs) { o = 0; blk++; }
+                    const bf16 *r1 = t + 1 < m
+                        ? base + (static_cast<long>(table[blk]) * bs + o) * tok : nullptr;
+                    if (++o == bs) { o = 0; blk++; }
+                    for (int p = 0; p < D / 32; p++) {
+                        const __m512i x0 = _mm512_loadu_si512(r0 + 32 * p);
+                        const __m512i x1 = r1 ? _mm512_loadu_si512(r1 + 32 * p)
+                                              : _mm512_setzero_si512();
+                        const __m512bh l = (__m512bh)_mm512_unpacklo_epi16(x1, x0);
+                        const __m512bh u = (__m512bh)_mm512_unpackhi_epi16(x1, x0);
+                        for (int g = 0; g < gn; g++) {
+                            uint32_t pair;  // P[t] upper, P[t + 1] lower
+                            std::memcpy(&pair, pb[g] + t, sizeof pair);
+                            const __m512bh w = (__m512bh)_mm512_set1_epi32(
+                                static_cast<int>(pair << 16 | pair >> 16));
+                            a[g][2 * p] = _mm512_dpbf16_ps(a[g][2 * p], l, w);
+                            a[g][2 * p + 1] = _mm512_dpbf16_ps(a[g][2 * p + 1], u, w);
+                        }
+                    }
+                }
+                for (int g = 0; g < gn; g++) {
+                    float *ah = acc + static_cast<long>(kh * G + g0 + g) * D;
+                    for (int p = 0; p < D / 32; p++) {
+                        _mm512_storeu_ps(ah + 32 * p, _mm512_permutex2var_ps(
+                            a[g][2 * p], from_lo, a[g][2 * p + 1]));
+                        _mm512_storeu_ps(ah + 32 * p + 16, _mm512_permutex2var_ps(
+                            a[g][2 * p], from_hi, a[g][2 * p + 1]));
+                    }
+                }
+            }
+    }
+}
+#endif
+
 // A bfloat16 model's softmax and P . V as PyTorch's CPU flash attention computes a decode
 // query (the kernel transformers' bf16 models run), so that greedy tokens follow theirs: keys
 // in chunks of 512 from position 0, a running max and sum; per chunk fexp_u20 on whole vectors
@@ -145,7 +236,8 @@ inline __attribute__((always_inline)) void accumulate_pv(
 template <class C>
 inline __attribute__((always_inline)) void softmax_pv_as_torch(
     const C *v, const int32_t *table, int start, int len, int kh0, int nkv, float *acc, int G,
-    int KVH, const int D, int bs, int b0, int n, float *scores, float *state)
+    int KVH, const int D, int bs, int b0, int n, float *scores, float *state,
+    [[maybe_unused]] bool dot_pairs)
 {
     const int nh = nkv * G, p0 = b0 * bs;
     float *run_max = state, *run_sum = state + nh;
@@ -158,6 +250,14 @@ inline __attribute__((always_inline)) void softmax_pv_as_torch(
             chunk_softmax<true>(scores + static_cast<long>(h) * n, p0, c0, c1, vis, c1,
                                 run_max[h], run_sum[h], acc + static_cast<long>(h) * D, D,
                                 c0 <= start / TORCH_CHUNK * TORCH_CHUNK);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        if constexpr (std::is_same_v<C, bf16>)
+            if (dot_pairs) {
+                (D == 64 ? accumulate_pv_dp<64> : accumulate_pv_dp<128>)(
+                    v, table, vis - p0, c1 - p0, b0, kh0, nkv, acc, G, KVH, bs, n, scores);
+                continue;
+            }
+#endif
         accumulate_pv(v, table, vis - p0, c1 - p0, b0, kh0, nkv, acc, G, KVH, D, bs, n, scores);
     }
     for (int h = 0; h < nh; h++) {
@@ -174,7 +274,7 @@ template <class C, bool RoundP>
 inline __attribute__((always_inline)) void decode_item(
     const float *q, const C *k, const C *v, const int32_t *table, int start, int len, int kh0,
     int nkv, float *acc, int H, int KVH, const int D, int bs, float scale, float *scores,
-    float *state)
+    float *state, bool pv_pairs)
 {
     const int G = H / KVH, nh = nkv * G;
     const long tok = static_cast<long>(KVH) * D;  // elements per token slot in a block
@@ -198,7 +298,7 @@ inline __attribute__((always_inline)) void decode_item(
     }
     if constexpr (RoundP) {
         softmax_pv_as_torch(v, table, start, len, kh0, nkv, acc, G, KVH, D, bs, b0, n, scores,
-                            state);
+                            state, pv_pairs);
         return;
     }
     for (int h = 0; h < nh; h++) {  // softmax over the visible positions
@@ -256,15 +356,20 @@ void decode_body(void *arg, long begin, long end, int tid)
         }
         const int32_t *table = c->batch->tables + c->batch->table_start[b];
         constexpr bool round_p = !std::is_same_v<T, float>;
+        bool pv_pairs = false;  // P . V by bf16 pairs (accumulate_pv_dp)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>)
+            pv_pairs = bf16_dot && (D == 64 || D == 128);
+#endif
         if (D == 64)
             decode_item<C, round_p>(qv, c->k, c->v, table, start, len, kh0, c->nkv, ov, H, c->KVH, 64,
-                        c->bs, c->scale, scores, state);
+                        c->bs, c->scale, scores, state, pv_pairs);
         else if (D == 128)
             decode_item<C, round_p>(qv, c->k, c->v, table, start, len, kh0, c->nkv, ov, H, c->KVH, 128,
-                        c->bs, c->scale, scores, state);
+                        c->bs, c->scale, scores, state, pv_pairs);
         else
             decode_item<C, round_p>(qv, c->k, c->v, table, start, len, kh0, c->nkv, ov, H, c->KVH, D,
-                        c->bs, c->scale, scores, state);
+                        c->bs, c->scale, scores, state, pv_pairs);
         if constexpr (!std::is_same_v<T, float>)
             convert(acc, ob + h0, nhd);
     }

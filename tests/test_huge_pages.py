@@ -9,6 +9,7 @@ import torch
 from helpers import load_tool
 
 from fleetllm import LLM, SamplingParams
+from fleetllm.attention import cpu_kernels
 from fleetllm.model import huge_pages
 
 PROMPTS = [{"prompt_token_ids": [5 + i, 17, 99, 300 + 7 * i, 42, 8 + i]} for i in range(3)]
@@ -158,3 +159,18 @@ def test_the_gemv_tools_demo_setting_holds_the_demo_models_projections():
              (hid, c["intermediate_size"])]
     assert tool.SHAPES["demo"] == layer * c["num_hidden_layers"] + [(c["vocab_size"], hid)]
     assert [tuple(w.shape) for w in tool.weights("demo", torch.float32)] == tool.SHAPES["demo"]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler here")
+def test_the_decode_tool_cold_gives_every_layer_its_own_cache_in_huge_pages(monkeypatch):
+    """tools/cpu_decode_bench.py --cold: 12 layers' caches called in turn (a large batch's K/V
+    then comes from memory, as in a decode step), each placed as the engine's cache is
+    (huge_pages.zeros)."""
+    tool = load_tool("cpu_decode_bench")
+    placed = []
+    real_zeros = tool.huge_pages.zeros
+    monkeypatch.setattr(tool.huge_pages, "zeros",
+                        lambda *a: placed.append(real_zeros(*a)) or placed[-1])
+    ms, gflops, gbs = tool.time_one(torch.bfloat16, 2, 40, 14, 2, 64, cold=True)
+    assert len(placed) == tool.LAYERS and placed[0].shape == (2, 2 * 3 + 8, 16, 2, 64)
+    assert ms > 0 and gflops > 0 and gbs > 0

@@ -252,6 +252,55 @@ def test_torch_threads_give_identical_results(tmp_path):
     _compare(other)
 
 
+_BF16_CASES = """
+import random, sys, torch
+from fleetllm.attention import cpu_kernels
+assert cpu_kernels.available(), "the kernels did not load"
+rng, outs = random.Random(7), []
+for case in range(40):  # odd lengths, blocks of 1-32, windows, 1-8 query heads per KV head
+    bs, d = rng.choice([1, 4, 16, 32]), rng.choice([64, 128])
+    kvh, group, batch = rng.choice([1, 2, 4]), rng.choice([1, 2, 3, 5, 8]), rng.choice([1, 3, 9])
+    lens = [rng.randint(1, 1100) for _ in range(batch)]  # past a 512-key chunk, too
+    per = [-(-n // bs) for n in lens]
+    g = torch.Generator().manual_seed(case)
+    cache = torch.randn(2, sum(per) + 2, bs, kvh, d, generator=g).bfloat16()
+    tables = torch.randperm(sum(per) + 2, generator=g)[:sum(per)].int()
+    starts = torch.tensor([sum(per[:i]) for i in range(batch)], dtype=torch.int32)
+    q = (torch.randn(batch, kvh * group, d, generator=g) * 2).bfloat16()
+    out = torch.empty_like(q)
+    cpu_kernels.paged_decode(q, cache, tables, starts, torch.tensor(lens, dtype=torch.int32),
+                             rng.choice([0, 0, 100]), d ** -0.5, out)
+    outs.append(out)
+g = torch.Generator().manual_seed(0)
+x, w = torch.randn(5, 1000, generator=g).bfloat16(), torch.randn(300, 1000, generator=g).bfloat16()
+torch.save({"decode": outs, "gemv": [cpu_kernels.gemv(x[:m], w, None) for m in (1, 3, 5)],
+            "build_info": cpu_kernels.build_info()}, sys.argv[1])
+"""
+
+
+@needs_kernels
+@not_under_sanitizer
+def test_bf16_dot_products_and_the_loops_they_replace_agree(tmp_path):
+    """Where the CPU has AVX-512 BF16, the avx512 variant multiplies bf16 pairs with vdpbf16ps:
+    the GEMV's bf16 tile, and a bf16 model's decode attention P . V (two positions per
+    instruction). The loops they replace run on AVX-512 CPUs without it (Ice Lake), here with
+    FLEETLLM_CPU_BF16_DOT=0: decode attention gives the same bits either way (the pairs are
+    summed in the loop's order), the GEMV the same values to bf16 rounding."""
+    runs = {}
+    for flag in ("1", "0"):
+        out = tmp_path / f"dot{flag}.pt"
+        python(f"import sys; sys.argv = ['', {str(out)!r}]; exec({_BF16_CASES!r})",
+               env={"FLEETLLM_CPU_BF16_DOT": flag})
+        runs[flag] = torch.load(out)
+    assert "avx512bf16" not in runs["0"]["build_info"]
+    if "avx512bf16" not in runs["1"]["build_info"]:
+        pytest.skip("this CPU has no AVX-512 BF16: both runs took the same loops")
+    for a, b in zip(runs["1"]["decode"], runs["0"]["decode"], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(runs["1"]["gemv"], runs["0"]["gemv"], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-2)
+
+
 @needs_kernels
 @not_under_sanitizer
 @pytest.mark.parametrize("variant", ["portable", "avx2"])
