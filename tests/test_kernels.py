@@ -430,3 +430,19 @@ def test_without_a_compiler_the_pytorch_path_gives_the_same_tokens(how, tiny_mod
         for got, exp in zip(logprobs, want_logprobs, strict=True):
             assert got.keys() == exp.keys()
             assert all(abs(got[k] - exp[k]) < 1e-4 for k in got)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler here")
+def test_the_peak_tool_builds_and_prints_a_rate_per_instruction(tmp_path):
+    """tools/fma_peak.c, the arithmetic bound the docs quote beside the matmul rates: built as
+    its header says and run briefly, it prints a rate per instruction (or says why not)."""
+    exe = tmp_path / "fma_peak"
+    subprocess.run(["cc", "-O2", "-march=native", "-Wall", "-Wextra", "-Werror",
+                    str(REPO / "tools" / "fma_peak.c"), "-o", str(exe)], check=True, timeout=120)
+    out = subprocess.run([str(exe), "0.02"], capture_output=True, text=True, check=True,
+                         timeout=60).stdout.splitlines()
+    names = [line.split(":")[0].split(" (")[0] for line in out]
+    assert names == ["float32 FMA", "bf16 dot product"], out
+    for line in out:
+        if "GFLOP/s" in line:
+            assert float(line.split(": ")[1].split()[0]) > 0, line

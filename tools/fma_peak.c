@@ -1,0 +1,89 @@
+/* The CPU's arithmetic peak on one core, as a bound for the matmul rates the benchmarks print:
+ * float32 FMA (vfmadd231ps) and, where the CPU has AVX-512 BF16, the dot product of bf16
+ * pairs (vdpbf16ps: 32 multiply-adds per 512-bit instruction), each with 12 independent
+ * accumulators in registers (unrolled: GCC -O2 kept them in memory, at half the rate) so that
+ * only the instruction's throughput counts.
+ *
+ *     cc -O2 -march=native tools/fma_peak.c -o /tmp/fma_peak && /tmp/fma_peak [seconds]
+ *
+ * Prints GFLOP/s per core (2 FLOPs per multiply-add). On the 2-core Zen 4 of docs/perf.md:
+ * float32 ~115 GFLOP/s (one 16-lane FMA a cycle at ~3.6 GHz), bf16 ~234. -march=native
+ * suits a measurement run on the machine measured; the engine's kernels never use it. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+static double now(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+#define ACC 12
+
+#if defined(__AVX512F__)
+static double fp32_peak(double seconds)
+{
+    __m512 acc[ACC], a = _mm512_set1_ps(1e-8f), b = _mm512_set1_ps(1.f);
+    for (int j = 0; j < ACC; j++) acc[j] = _mm512_setzero_ps();
+    long iters = 0;
+    const double t0 = now();
+    double t;
+    do {
+        for (int i = 0; i < 100000; i++) {
+#pragma GCC unroll 12
+            for (int j = 0; j < ACC; j++) acc[j] = _mm512_fmadd_ps(a, b, acc[j]);
+            __asm__ volatile("" : "+v"(a));
+        }
+        iters += 100000;
+    } while ((t = now() - t0) < seconds);
+    float sink = 0.f;
+    for (int j = 0; j < ACC; j++) sink += _mm512_reduce_add_ps(acc[j]);
+    if (sink < 0.f) puts("");  /* keep the sums alive */
+    return iters * ACC * 16.0 * 2 / t / 1e9;
+}
+#endif
+
+#if defined(__AVX512BF16__)
+static double bf16_peak(double seconds)
+{
+    __m512 acc[ACC];
+    __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3f80);
+    for (int j = 0; j < ACC; j++) acc[j] = _mm512_setzero_ps();
+    long iters = 0;
+    const double t0 = now();
+    double t;
+    do {
+        for (int i = 0; i < 100000; i++) {
+#pragma GCC unroll 12
+            for (int j = 0; j < ACC; j++) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
+            __asm__ volatile("" : "+v"(a));
+        }
+        iters += 100000;
+    } while ((t = now() - t0) < seconds);
+    float sink = 0.f;
+    for (int j = 0; j < ACC; j++) sink += _mm512_reduce_add_ps(acc[j]);
+    if (sink < 0.f) puts("");
+    return iters * ACC * 32.0 * 2 / t / 1e9;
+}
+#endif
+
+int main(int argc, char **argv)
+{
+    const double seconds = argc > 1 ? atof(argv[1]) : 1.0;
+#if defined(__AVX512F__)
+    printf("float32 FMA (AVX-512): %.1f GFLOP/s per core\n", fp32_peak(seconds));
+#else
+    puts("float32 FMA: built without AVX-512 (this tool measures the AVX-512 instructions)");
+#endif
+#if defined(__AVX512BF16__)
+    printf("bf16 dot product (AVX-512 BF16): %.1f GFLOP/s per core\n", bf16_peak(seconds));
+#else
+    puts("bf16 dot product: this CPU (or compiler) has no AVX-512 BF16");
+#endif
+    return 0;
+}
