@@ -25,26 +25,34 @@ static double now(void)
 
 #define ACC 12
 
+/* GFLOP/s of STEP(j) (one instruction into acc[j] of MACS multiply-adds) run on ACC
+ * accumulators, in blocks of 100,000 rounds until `seconds` have passed. The empty asm keeps
+ * GCC from hoisting the operand `a` out of the loop; the final sum keeps the results alive. */
+#define PEAK(seconds, MACS, STEP)                                                       \
+    do {                                                                                \
+        for (int j = 0; j < ACC; j++) acc[j] = _mm512_setzero_ps();                     \
+        long rounds = 0;                                                                \
+        const double t0 = now();                                                        \
+        double t;                                                                       \
+        do {                                                                            \
+            for (int i = 0; i < 100000; i++) {                                          \
+                _Pragma("GCC unroll 12") for (int j = 0; j < ACC; j++) STEP(j);         \
+                __asm__ volatile("" : "+v"(a));                                         \
+            }                                                                           \
+            rounds += 100000;                                                           \
+        } while ((t = now() - t0) < (seconds));                                         \
+        float sink = 0.f;                                                               \
+        for (int j = 0; j < ACC; j++) sink += _mm512_reduce_add_ps(acc[j]);             \
+        if (sink < 0.f) puts("");                                                       \
+        return rounds * ACC * (MACS) * 2.0 / t / 1e9;                                   \
+    } while (0)
+
 #if defined(__AVX512F__)
 static double fp32_peak(double seconds)
 {
     __m512 acc[ACC], a = _mm512_set1_ps(1e-8f), b = _mm512_set1_ps(1.f);
-    for (int j = 0; j < ACC; j++) acc[j] = _mm512_setzero_ps();
-    long iters = 0;
-    const double t0 = now();
-    double t;
-    do {
-        for (int i = 0; i < 100000; i++) {
-#pragma GCC unroll 12
-            for (int j = 0; j < ACC; j++) acc[j] = _mm512_fmadd_ps(a, b, acc[j]);
-            __asm__ volatile("" : "+v"(a));
-        }
-        iters += 100000;
-    } while ((t = now() - t0) < seconds);
-    float sink = 0.f;
-    for (int j = 0; j < ACC; j++) sink += _mm512_reduce_add_ps(acc[j]);
-    if (sink < 0.f) puts("");  /* keep the sums alive */
-    return iters * ACC * 16.0 * 2 / t / 1e9;
+#define FMA(j) acc[j] = _mm512_fmadd_ps(a, b, acc[j])
+    PEAK(seconds, 16, FMA);
 }
 #endif
 
@@ -53,22 +61,8 @@ static double bf16_peak(double seconds)
 {
     __m512 acc[ACC];
     __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3f80);
-    for (int j = 0; j < ACC; j++) acc[j] = _mm512_setzero_ps();
-    long iters = 0;
-    const double t0 = now();
-    double t;
-    do {
-        for (int i = 0; i < 100000; i++) {
-#pragma GCC unroll 12
-            for (int j = 0; j < ACC; j++) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
-            __asm__ volatile("" : "+v"(a));
-        }
-        iters += 100000;
-    } while ((t = now() - t0) < seconds);
-    float sink = 0.f;
-    for (int j = 0; j < ACC; j++) sink += _mm512_reduce_add_ps(acc[j]);
-    if (sink < 0.f) puts("");
-    return iters * ACC * 32.0 * 2 / t / 1e9;
+#define DOT(j) acc[j] = _mm512_dpbf16_ps(acc[j], a, b)
+    PEAK(seconds, 32, DOT);
 }
 #endif
 
