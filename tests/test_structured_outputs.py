@@ -122,6 +122,26 @@ def test_ebnf_and_lark_grammars(tiny_models, backend):
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+@pytest.mark.parametrize("constraint", [dict(regex=".[^a]{1,3}"), dict(regex="[^b][^a]{1,3}"),
+                                        dict(grammar="root ::= [^b] [^a]{1, 3}")])
+def test_no_grammar_ends_before_its_first_character(tiny_models, backend, constraint):
+    """xgrammar 0.2.9 let `[^b] [^a]{1, 3}` end before any character (EOS allowed and accepted
+    from the start: a sampled request once came back '' with finish reason "stop"); the
+    package pins it out (pyproject.toml). Each backend's fresh matcher must refuse EOS."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["llama_gqa"])
+    eos = tokenizer.eos_token_id
+    backend_ = backends.make_backend(backend, tokenizer, len(tokenizer), [eos])
+    matcher = backend_.matcher(backend_.compile(backend_.parse(
+        StructuredOutputsParams(**constraint))))
+    bitmask = torch.full((1, (len(tokenizer) + 31) // 32), -1, dtype=torch.int32)
+    matcher.fill(bitmask, 0)
+    assert not bool(unpack_bitmask(bitmask, len(tokenizer))[0, eos])
+    assert not matcher.accept(eos)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
 def test_sampled_strings_are_valid_utf8_and_valid_json(tiny_models, backend):
     """A byte-level tokenizer's one-byte tokens can spell UTF-8 surrogates and control
     characters: xgrammar's own classes let both into strings (backends.py closes them)."""
