@@ -236,8 +236,7 @@ __attribute__((target("avx512bf16"))) void accumulate_pv_dp(
 template <class C>
 inline __attribute__((always_inline)) void softmax_pv_as_torch(
     const C *v, const int32_t *table, int start, int len, int kh0, int nkv, float *acc, int G,
-    int KVH, const int D, int bs, int b0, int n, float *scores, float *state,
-    [[maybe_unused]] bool dot_pairs)
+    int KVH, const int D, int bs, int b0, int n, float *scores, float *state)
 {
     const int nh = nkv * G, p0 = b0 * bs;
     float *run_max = state, *run_sum = state + nh;
@@ -251,8 +250,8 @@ inline __attribute__((always_inline)) void softmax_pv_as_torch(
                                 run_max[h], run_sum[h], acc + static_cast<long>(h) * D, D,
                                 c0 <= start / TORCH_CHUNK * TORCH_CHUNK);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-        if constexpr (std::is_same_v<C, bf16>)
-            if (dot_pairs) {
+        if constexpr (std::is_same_v<C, bf16>)  // a bf16 model's bf16 cache (kernels.h)
+            if (bf16_dot && (D == 64 || D == 128)) {
                 (D == 64 ? accumulate_pv_dp<64> : accumulate_pv_dp<128>)(
                     v, table, vis - p0, c1 - p0, b0, kh0, nkv, acc, G, KVH, bs, n, scores);
                 continue;
@@ -274,7 +273,7 @@ template <class C, bool RoundP>
 inline __attribute__((always_inline)) void decode_item(
     const float *q, const C *k, const C *v, const int32_t *table, int start, int len, int kh0,
     int nkv, float *acc, int H, int KVH, const int D, int bs, float scale, float *scores,
-    float *state, bool pv_pairs)
+    float *state)
 {
     const int G = H / KVH, nh = nkv * G;
     const long tok = static_cast<long>(KVH) * D;  // elements per token slot in a block
@@ -298,7 +297,7 @@ inline __attribute__((always_inline)) void decode_item(
     }
     if constexpr (RoundP) {
         softmax_pv_as_torch(v, table, start, len, kh0, nkv, acc, G, KVH, D, bs, b0, n, scores,
-                            state, pv_pairs);
+                            state);
         return;
     }
     for (int h = 0; h < nh; h++) {  // softmax over the visible positions
@@ -356,20 +355,15 @@ void decode_body(void *arg, long begin, long end, int tid)
         }
         const int32_t *table = c->batch->tables + c->batch->table_start[b];
         constexpr bool round_p = !std::is_same_v<T, float>;
-        bool pv_pairs = false;  // P . V by bf16 pairs (accumulate_pv_dp)
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-        if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>)
-            pv_pairs = bf16_dot && (D == 64 || D == 128);
-#endif
         if (D == 64)
             decode_item<C, round_p>(qv, c->k, c->v, table, start, len, kh0, c->nkv, ov, H, c->KVH, 64,
-                        c->bs, c->scale, scores, state, pv_pairs);
+                        c->bs, c->scale, scores, state);
         else if (D == 128)
             decode_item<C, round_p>(qv, c->k, c->v, table, start, len, kh0, c->nkv, ov, H, c->KVH, 128,
-                        c->bs, c->scale, scores, state, pv_pairs);
+                        c->bs, c->scale, scores, state);
         else
             decode_item<C, round_p>(qv, c->k, c->v, table, start, len, kh0, c->nkv, ov, H, c->KVH, D,
-                        c->bs, c->scale, scores, state, pv_pairs);
+                        c->bs, c->scale, scores, state);
         if constexpr (!std::is_same_v<T, float>)
             convert(acc, ob + h0, nhd);
     }
