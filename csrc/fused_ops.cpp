@@ -252,45 +252,185 @@ void spread_x(const bf16 *x, float *xf, int M, int K)
 }
 #endif
 
+template <class T>
+struct GemvCtx {
+    const T *x, *w, *bias;
+    T *y;
+    const float *xf;  // x spread to float32 (bfloat16 without AVX-512), else null
+    int M, N, K;
+};
+
 #if defined(__AVX512F__)
-// The same tile for bf16 with AVX-512 BF16's dot product of bf16 pairs (vdpbf16ps: 32 weights
-// per instruction, straight from memory), on CPUs that have it (checked at run time: the
-// avx512 variant also runs on CPUs without it). Pairs are summed in another order than above,
-// so the two differ in the last bits of the float32 sum.
-template <int MT>
-__attribute__((target("avx512bf16"))) void gemv_tile_dp(const bf16 *x, const bf16 *w,
-                                                        const bf16 *bias, bf16 *y, long n0,
-                                                        int N, int K)
+inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3);
+
+// bf16 with AVX-512 BF16's dot product of bf16 pairs (vdpbf16ps: 32 weights per instruction),
+// on CPUs that have it (checked at run time: the avx512 variant also runs on CPUs without it).
+// Each output sums in two 16-lane accumulators (the first and second 32 elements of every 64
+// of k, in order: two chains, as a single stream of one row of x needs to keep the memory
+// busy), added at the end, then sum4 for a tile's 4 outputs of a row of x, the bias and the
+// scalar tail: the same arithmetic whatever the loop order or the rows beside it, so a row of
+// x gets the same bits alone or in a batch. From 3 rows of x a tile's weight rows are read
+// two at a time, each x vector feeding both (tools/cpu_gemv_bench.py, weights from memory,
+// 2-core Zen 4: 6-16 rows 1.3-1.7x the one-row-at-a-time tile before it, which oneDNN beat
+// from 4 rows on large layers). k goes in blocks of DP_BLOCK where more than DP_ROWS rows of
+// x take turns on a tile, so that each finds the block in L1.
+
+// Where a group's sums end: its outputs, the tile's bias and the scalar tail of k.
+struct DpEnd {
+    bf16 *y;  // the group's first output row at this tile's column n0
+    const bf16 *bias;  // at n0, or null
+    long N;
+    int rows, kv, K;
+};
+
+typedef float v4f __attribute__((vector_size(16)));
+typedef uint32_t v4u __attribute__((vector_size(16)));
+typedef uint16_t v4h __attribute__((vector_size(8)));
+
+// y[m][r] = sum4 over r of acc's two accumulators added + bias[r] (+ the tail), rounded once
+// to bf16.
+inline void dp_finish(int MT, const float *acc, const bf16 *x, const bf16 *const *wr,
+                      const DpEnd &e)
 {
-    const int rows = N - n0 < 4 ? static_cast<int>(N - n0) : 4, kv = K & ~63;
-    for (int r = 0; r < rows; r++) {  // one row at a time: one sequential stream
-        const bf16 *wr = w + (n0 + r) * K;
-        __m512 acc[2][MT];
-        for (int m = 0; m < MT; m++) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
-        for (int k = 0; k < kv; k += 64) {
-            // The next KiB of the weight stream is asked for ahead: without it, from 4 rows of
-            // x (more arithmetic per byte) the loads wait on memory instead of overlapping it.
-            // tools/cpu_gemv_bench.py --setting model on a 2-core Zen 4: 4-6 rows 15-16 ->
-            // 20-25 GB/s, 8 rows 12 -> 16; 1-3 rows unchanged within the noise.
-            const char *ahead = reinterpret_cast<const char *>(wr + k) + 1024;
-            _mm_prefetch(ahead, _MM_HINT_T0);
-            _mm_prefetch(ahead + 64, _MM_HINT_T0);
-            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k);
-            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
-            for (int m = 0; m < MT; m++) {
-                const bf16 *xm = x + static_cast<long>(m) * K + k;
-                acc[0][m] = _mm512_dpbf16_ps(acc[0][m], w0, (__m512bh)_mm512_loadu_si512(xm));
-                acc[1][m] = _mm512_dpbf16_ps(acc[1][m], w1,
-                                             (__m512bh)_mm512_loadu_si512(xm + 32));
+    for (int m = 0; m < MT; m++) {
+        __m512 a[4];
+        for (int r = 0; r < 4; r++)
+            a[r] = _mm512_add_ps(_mm512_load_ps(acc + ((m * 4 + r) * 2) * 16),
+                                 _mm512_load_ps(acc + ((m * 4 + r) * 2 + 1) * 16));
+        const v4f s = (v4f)sum4(a[0], a[1], a[2], a[3]);
+        bf16 *ym = e.y + m * e.N;
+        if (e.rows == 4 && e.kv == e.K) {  // the usual tile: 4 outputs at once
+            v4f b = {};
+            if (e.bias)
+                for (int r = 0; r < 4; r++) b[r] = to_f32(e.bias[r]);
+            const v4h h = __builtin_convertvector(
+                __builtin_bit_cast(v4u, round_lanes<bf16, v4f, v4u>(s + b)) >> 16, v4h);
+            std::memcpy(ym, &h, sizeof h);
+            continue;
+        }
+        const bf16 *xm = x + m * static_cast<long>(e.K);
+        for (int r = 0; r < e.rows; r++) {
+            float v = s[r] + (e.bias ? to_f32(e.bias[r]) : 0.f);
+            for (int k = e.kv; k < e.K; k++) v += to_f32(xm[k]) * to_f32(wr[r][k]);
+            ym[r] = from_f32<bf16>(v);
+        }
+    }
+}
+
+// Adds k in [k0, k1) for MT rows of x to their accumulators in acc ([m][r][2][16]: two per
+// output, the first 32 and the next 32 of every 64 elements of k; zeros at k0 = 0); at the
+// end of the row (end), the outputs. At 1 and 2 rows of x, a weight row at a time (one
+// sequential stream, which the hardware prefetcher follows); from 3, two weight rows at once,
+// each x vector feeding 2 dot products, and the first group of rows asks for the same rows of
+// the tile four ahead into L2 (4 lines per step: as fast as this one is read).
+template <int MT>
+__attribute__((target("avx512bf16"), always_inline)) inline void dp_block(
+                                                    const bf16 *x, long K, const bf16 *const *wr,
+                                                    int k0, int k1, float *acc,
+                                                    const bf16 *ahead, const DpEnd *end)
+{
+    constexpr int R = MT <= 2 ? 1 : 2;  // weight rows per pass
+    for (int r0 = 0; r0 < 4; r0 += R) {
+        __m512 a[MT][R][2];
+        for (int m = 0; m < MT; m++)
+            for (int r = 0; r < R; r++)
+                for (int h = 0; h < 2; h++)
+                    a[m][r][h] = k0 == 0 ? _mm512_setzero_ps()
+                                         : _mm512_load_ps(acc + ((m * 4 + r0 + r) * 2 + h) * 16);
+        for (int k = k0; k < k1; k += 64) {
+            if constexpr (R == 1) {  // the stream 1 KiB ahead, into L1
+                _mm_prefetch(reinterpret_cast<const char *>(wr[r0] + k) + 1024, _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char *>(wr[r0] + k) + 1088, _MM_HINT_T0);
+            } else if (ahead) {
+                for (int r = 0; r < R; r++) {
+                    const char *p = reinterpret_cast<const char *>(ahead + (r0 + r) * K + k);
+                    _mm_prefetch(p, _MM_HINT_T1);
+                    _mm_prefetch(p + 64, _MM_HINT_T1);
+                }
             }
+            __m512bh w[R][2];
+            for (int r = 0; r < R; r++)
+                for (int h = 0; h < 2; h++)
+                    w[r][h] = (__m512bh)_mm512_loadu_si512(wr[r0 + r] + k + 32 * h);
+            for (int m = 0; m < MT; m++)
+                for (int h = 0; h < 2; h++) {
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * h);
+                    for (int r = 0; r < R; r++)
+                        a[m][r][h] = _mm512_dpbf16_ps(a[m][r][h], xv, w[r][h]);
+                }
         }
-        for (int m = 0; m < MT; m++) {
-            float s = (bias ? to_f32(bias[n0 + r]) : 0.f)
-                      + _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]));
-            for (int k = kv; k < K; k++)
-                s += to_f32(x[static_cast<long>(m) * K + k]) * to_f32(wr[k]);
-            y[static_cast<long>(m) * N + n0 + r] = from_f32<bf16>(s);
-        }
+        for (int m = 0; m < MT; m++)
+            for (int r = 0; r < R; r++)
+                for (int h = 0; h < 2; h++)
+                    _mm512_store_ps(acc + ((m * 4 + r0 + r) * 2 + h) * 16, a[m][r][h]);
+    }
+    if (end) dp_finish(MT, acc, x, wr, *end);
+}
+
+// Rows of x per pass over a weight tile (6 x 2 x 2 accumulators fit the 32 registers with
+// the 4 weight vectors and an x vector), and the k elements summed per block: every group of
+// rows meets a block of the tile while it is in L1 (6 rows of x and 4 weight rows of 1024
+// bf16s: 20 KiB), as Llama-1B's 8192-long rows would not.
+constexpr int DP_ROWS = 6, DP_BLOCK = 1024;
+
+// The tiles [begin, end) for M <= DP_ROWS rows of x: one group, k at once, the call's setup
+// paid once (a tile of the 125M preset is ~100 cycles of dot products at 1 row).
+template <int MT>
+__attribute__((target("avx512bf16"))) void dp_tiles(const GemvCtx<bf16> *c, long begin, long end)
+{
+    const int N = c->N, K = c->K, kv = K & ~63;
+    alignas(64) float acc[MT * 4 * 2 * 16];
+    for (long tile = begin; tile < end; tile++) {
+        const long n0 = tile * 4;
+        const int rows = N - n0 < 4 ? static_cast<int>(N - n0) : 4;
+        const bf16 *wr[4];
+        for (int r = 0; r < 4; r++) wr[r] = c->w + (n0 + std::min(r, rows - 1)) * K;
+        const long ahead_at = (n0 + 16) * K;
+        const bf16 *ahead =
+            ahead_at + kv * 4L <= static_cast<long>(N) * K ? c->w + ahead_at : nullptr;
+        const DpEnd e{c->y + n0, c->bias ? c->bias + n0 : nullptr, N, rows, kv, K};
+        dp_block<MT>(c->x, K, wr, 0, kv, acc, ahead, &e);
+    }
+}
+
+// One tile for more than DP_ROWS rows of x: groups of them in turn over blocks of k.
+__attribute__((target("avx512bf16"))) void gemv_tile_dp(const GemvCtx<bf16> *c, long n0)
+{
+    const int N = c->N, K = c->K, M = c->M, kv = K & ~63;
+    const int rows = N - n0 < 4 ? static_cast<int>(N - n0) : 4;
+    const bf16 *wr[4];
+    for (int r = 0; r < 4; r++) wr[r] = c->w + (n0 + std::min(r, rows - 1)) * K;
+    const long ahead_at = (n0 + 16) * K;
+    const bf16 *ahead = ahead_at + kv * 4L <= static_cast<long>(N) * K ? c->w + ahead_at : nullptr;
+    for (int m0 = 0; m0 < M; m0 += 16) {  // 16 rows of x at a time: acc holds theirs
+        const int mb = std::min(16, M - m0);
+        alignas(64) float acc[16 * 4 * 2 * 16];
+        // a last few rows (one group: past 16, up to DP_ROWS) take the whole row at once
+        const int block = mb > DP_ROWS ? DP_BLOCK : kv;
+        int k0 = 0;
+        do {
+            const int k1 = std::min(kv, k0 + block);
+            for (int g = 0; g < mb;) {
+                // groups of 4 rows, 5 or 6 in one pass: 8 rows as 4 + 4, not 6 + 2
+                const int left = mb - g, n = left == 5 || left == 6 ? left : std::min(left, 4);
+                const bf16 *xg = c->x + static_cast<long>(m0 + g) * K;
+                const bf16 *pf = g == 0 ? ahead : nullptr;
+                float *ag = acc + g * 128;
+                const DpEnd e{c->y + static_cast<long>(m0 + g) * N + n0,
+                              c->bias ? c->bias + n0 : nullptr, N, rows, kv, K};
+                const DpEnd *end = k1 == kv ? &e : nullptr;
+                switch (n) {
+                case 1: dp_block<1>(xg, K, wr, k0, k1, ag, pf, end); break;
+                case 2: dp_block<2>(xg, K, wr, k0, k1, ag, pf, end); break;
+                case 3: dp_block<3>(xg, K, wr, k0, k1, ag, pf, end); break;
+                case 4: dp_block<4>(xg, K, wr, k0, k1, ag, pf, end); break;
+                case 5: dp_block<5>(xg, K, wr, k0, k1, ag, pf, end); break;
+                default: dp_block<6>(xg, K, wr, k0, k1, ag, pf, end);
+                }
+                g += n;
+            }
+            k0 = k1;
+        } while (k0 < kv);
     }
 }
 
@@ -388,26 +528,14 @@ void gemv_tile_f32(const float *x, const float *w, const float *bias, float *y, 
 }
 #endif
 
-template <class T>
-struct GemvCtx {
-    const T *x, *w, *bias;
-    T *y;
-    const float *xf;  // x spread to float32 (bfloat16 without AVX-512), else null
-    int M, N, K;
-};
-
-// One tile of 4 weight rows against MT rows of x: the bf16 dot-product tile where the CPU has
-// AVX-512 BF16, the widening one otherwise; float32 with AVX-512, gemv_tile_f32.
+// One tile of 4 weight rows against MT rows of x where the dot-product tiles above do not run:
+// bf16 without AVX-512 BF16 widens (gemv_tile_split without AVX-512, gemv_tile with it);
+// float32 with AVX-512, gemv_tile_f32.
 template <int MT, class T>
 void gemv_rows(const GemvCtx<T> *c, const T *x, const float *xf, T *y, long n0)
 {
     if constexpr (std::is_same_v<T, bf16>) {
-#if defined(__AVX512F__)
-        if (bf16_dot) {
-            gemv_tile_dp<MT>(x, c->w, c->bias, y, n0, c->N, c->K);
-            return;
-        }
-#else
+#if !defined(__AVX512F__)
         gemv_tile_split<MT>(xf, x, c->w, c->bias, y, n0, c->N, c->K);
         return;
 #endif
@@ -429,6 +557,21 @@ void gemv_body(void *arg, long begin, long end, int)
     const auto *c = static_cast<const GemvCtx<T> *>(arg);
     for (long tile = begin; tile < end; tile++) {
         const long n0 = tile * 4;
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, bf16>) {
+            if (bf16_dot) {
+                switch (c->M) {
+                case 1: dp_tiles<1>(c, tile, end); return;
+                case 2: dp_tiles<2>(c, tile, end); return;
+                case 3: dp_tiles<3>(c, tile, end); return;
+                case 4: dp_tiles<4>(c, tile, end); return;
+                case 5: dp_tiles<5>(c, tile, end); return;
+                case 6: dp_tiles<6>(c, tile, end); return;
+                default: gemv_tile_dp(c, n0); continue;
+                }
+            }
+        }
+#endif
         for (int m0 = 0; m0 < c->M;) {
             const T *x = c->x + static_cast<long>(m0) * c->K;
             const float *xf = c->xf ? c->xf + static_cast<long>(m0) * c->K : nullptr;

@@ -69,7 +69,11 @@ def test_elementwise_kernels_round_where_transformers_rounds():
 
 @needs_kernels
 @pytest.mark.parametrize("m, n, k", [(1, 700, 300), (3, 64, 17), (4, 2048, 768), (2, 5, 64),
-                                     (6, 300, 200), (8, 2048, 768), (13, 64, 17)])
+                                     (6, 300, 200), (8, 2048, 768), (13, 64, 17),
+                                     # rows in groups of 4-6 over blocks of 1024 of k, 16 at a
+                                     # time, a short last tile, a tail of k
+                                     (5, 301, 1100), (7, 64, 2080), (16, 33, 1030),
+                                     (20, 96, 3100)])
 def test_gemv_sums_in_float32_and_rounds_once(m, n, k):
     g = torch.Generator().manual_seed(m * n)
     x, w, b = (torch.randn(*s, generator=g).to(BF16) for s in ((m, k), (n, k), (n,)))
@@ -81,12 +85,14 @@ def test_gemv_sums_in_float32_and_rounds_once(m, n, k):
 @needs_kernels
 @pytest.mark.parametrize("hidden, inter, packed_dtype, rows", [
     (64, 128, BF16, 8),            # small layer: the one-call layer up to 8 rows
-    (896, 4864, BF16, 3),          # Qwen2-0.5B's 28 MiB layers, oneDNN packs bf16: 3
+    (896, 4864, BF16, 8),          # Qwen2-0.5B's 28 MiB layers, oneDNN packs bf16: 8 too
     (896, 4864, torch.float32, 16),  # the same without bf16 packing (AVX2): the kernel's 16
 ])
 def test_one_call_layer_row_limit_follows_the_layer_size(hidden, inter, packed_dtype, rows):
-    """Where oneDNN packs bf16, its matmul beats the GEMV kernel from 4 rows; a large layer
-    then takes the one-call path only for steps of up to 3 rows (fused.py)."""
+    """A layer's projections take the GEMV kernel up to 8 rows, a large one too where oneDNN
+    packs bf16 (the kernel's bf16 tile reads 4 weight rows at once: as fast as oneDNN or
+    faster up to 8 rows; before it, such layers stopped at 3), and up to 16 rows where the
+    packed copy is float32 (fused.py)."""
     from fleetllm.model import fused
 
     def proj(n, k):
@@ -137,8 +143,9 @@ def test_large_float32_weights_keep_the_gemv_kernel_to_8_rows():
     matmul up to 8 rows on weights that stream from memory, with AVX-512 too (the 125M
     preset's decode batches of 5 and 8: 10-25% more tokens/s than through oneDNN): a large
     float32 weight, and a large float32 layer's one call, keep the kernel to 8 rows as small
-    ones do (before: 4 on AVX-512 CPUs). bf16 weights keep their limits: 16 where the packed
-    copy is float32, and a large layer packed in bf16 stops at 3."""
+    ones do (before: 4 on AVX-512 CPUs). bf16 weights: 16 where the packed copy is float32,
+    else 8, a large layer packed in bf16 as well (it stopped at 3 before the bf16 tile read 4
+    weight rows at once)."""
     from fleetllm.model import fused, layers
 
     def weight(dtype, nbytes):  # as large as nbytes, without the memory
@@ -162,14 +169,14 @@ def test_large_float32_weights_keep_the_gemv_kernel_to_8_rows():
             p.weight = torch.empty(1, nbytes_each // dtype.itemsize, dtype=dtype)
         return fused._weights(layer).gemv_rows
 
-    large, small = layers.LARGE_WEIGHT_BYTES + 4, 4 << 20
+    large, small = 64 << 20, 4 << 20
     assert rows(torch.float32, torch.float32, large) == 8
     assert rows(torch.float32, torch.float32, small) == 8
     assert rows(BF16, BF16, large) == 8
     assert rows(BF16, torch.float32, large) == 16
     assert layer_rows(torch.float32, 6 << 20) == 8  # 24 MiB in all: the 125M preset's
     assert layer_rows(torch.float32, 1 << 20) == 8
-    assert layer_rows(BF16, 6 << 20) == 3  # 24 MiB of bf16, packed in bf16
+    assert layer_rows(BF16, 6 << 20) == 8  # 24 MiB of bf16, packed in bf16
     assert layer_rows(BF16, 1 << 20) == 8
 
 
@@ -177,15 +184,18 @@ def test_large_float32_weights_keep_the_gemv_kernel_to_8_rows():
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 def test_a_gemv_row_does_not_depend_on_the_rows_beside_it(dtype):
     """Each output row is the same bits whether its row of x is alone in the call or shares
-    it with up to 12 others (a prompt alone in its step or in a shared one; the decode batch):
-    the kernel's sums for one row never mix in how many rows are grouped with it."""
+    it with up to 19 others (a prompt alone in its step or in a shared one; the decode batch):
+    the kernel's sums for one row never mix in how many rows are grouped with it (bf16: in
+    groups of 4-6 rows, 16 at a time, k in blocks past 6 rows)."""
     g = torch.Generator().manual_seed(5)
-    for n, k in ((300, 200), (64, 17), (1280, 768), (96, 2051), (301, 48), (7, 264)):
-        x = torch.randn(13, k, generator=g).to(dtype)
+    for n, k in ((300, 200), (64, 17), (1280, 768), (96, 2051), (301, 48), (7, 264),
+                 (37, 3100)):
+        x = torch.randn(20, k, generator=g).to(dtype)
         w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
-        alone = torch.cat([cpu_kernels.gemv(x[i:i + 1], w, b) for i in range(13)])
-        for m in range(2, 14):
-            assert torch.equal(cpu_kernels.gemv(x[:m], w, b), alone[:m]), (n, k, m)
+        for bias in (b, None):
+            alone = torch.cat([cpu_kernels.gemv(x[i:i + 1], w, bias) for i in range(20)])
+            for m in range(2, 21):
+                assert torch.equal(cpu_kernels.gemv(x[:m], w, bias), alone[:m]), (n, k, m)
 
 
 @needs_kernels

@@ -7,7 +7,10 @@ in float32) called over and over, so it stays in the last-level cache and the ke
 arithmetic is what is timed. "model": the preset's 48 layer projections and its LM head
 (100M parameters), one call each per pass, read from memory as a decode step reads them.
 "demo": the demo model's 16 projections and LM head (16 MB in float32: more than L2, within
-L3), one call each per pass, as its decode and speculative steps read them.
+L3), one call each per pass, as its decode and speculative steps read them. "qwen2-0.5b" and
+"llama-1b": a third of Qwen2-0.5B's layers and a quarter of Llama-3.2-1B's, with their LM
+heads (0.5 and 1 GB in bfloat16), from memory: the large layers whose decode batches of 4-16
+rows the kernel and oneDNN compete for.
 Per dtype and number of rows of x (the decode batch): the best of 7 passes, as weight bytes
 read per second. `--onednn` also times oneDNN's packed copy of the same weights (what
 layers.linear runs beyond the kernel's rows; float32 for a bf16 weight where oneDNN packs no
@@ -33,9 +36,14 @@ from fleetllm.model import huge_pages, layers
 ROWS = (1, 2, 4, 8)
 LAYER = [(1280, 768), (768, 768), (4096, 768), (768, 2048)]  # qkv, o, gate/up, down
 DEMO_LAYER = [(512, 256), (256, 256), (1376, 256), (256, 688)]  # fleetllm/demo_model's
+QWEN_LAYER = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # Qwen2-0.5B's
+LLAMA_1B_LAYER = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # Llama-3.2-1B's
 SHAPES = {"cache": [(4096, 768)], "model": LAYER * 12 + [(32000, 768)],
-          "demo": DEMO_LAYER * 4 + [(4096, 256)]}
-CALLS = {"cache": 100, "model": 1, "demo": 10}  # passes per timed run
+          "demo": DEMO_LAYER * 4 + [(4096, 256)],
+          # a third of Qwen2-0.5B's layers and a quarter of Llama-3.2-1B's, and their LM heads
+          "qwen2-0.5b": QWEN_LAYER * 8 + [(151936, 896)],
+          "llama-1b": LLAMA_1B_LAYER * 4 + [(128256, 2048)]}
+CALLS = {"cache": 100, "model": 1, "demo": 10, "qwen2-0.5b": 1, "llama-1b": 1}
 
 
 def weights(setting: str, dtype: torch.dtype, huge: bool = False) -> list[torch.Tensor]:

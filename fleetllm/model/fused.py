@@ -5,9 +5,9 @@ calls, tensors and their glue per layer. Used when it computes exactly what the 
 CPU float32 or bfloat16 (the KV cache in either), no tensor parallelism, no q/k norm, the
 dense weights kept (FLEETLLM_LINEAR=auto), a step of decode tokens only and nothing else. Up
 to a layer's GEMV row limit (8; 16 for bf16 weights on a CPU without bf16 packing:
-layers.decode_gemv_rows; for a large layer, 3 in bf16 on a CPU that packs bf16)
-the projections take the GEMV kernel; above it, and above the 4 rows from which the modules'
-linear() leaves the kernel, oneDNN's packed weights, as the modules would."""
+layers.decode_gemv_rows) the projections take the GEMV kernel; above it, and above the 4 rows
+from which the modules' linear() leaves the kernel, oneDNN's packed weights, as the modules
+would."""
 
 from __future__ import annotations
 
@@ -19,24 +19,12 @@ from fleetllm.attention import AttentionMetadata, cpu_kernels
 from fleetllm.distributed.parallel_state import get_tp_group
 from fleetllm.model.layers import (
     GEMV_ROWS,
-    LARGE_WEIGHT_BYTES,
     decode_gemv_rows,
 )
 
 # The most rows a step takes here (its activations: 76 KiB per row on Qwen2-0.5B shapes).
 MAX_ROWS = 256
 
-# Where oneDNN packs bfloat16 (CPUs with AVX-512), its packed matmul beats the GEMV kernel from
-# 4 rows on nearly every projection (`tools/cpu_gemv_bench.py --onednn`; 2-core Zen 4: 0.5-0.9
-# of the kernel's time at 6-8 rows). The one-call layer still pays for itself where its
-# projections are small, the ~10 Python calls per layer it saves costing about what oneDNN
-# gains (the 125M preset: 12 MiB per layer, 5-8-row steps as fast either way or faster here);
-# above layers.LARGE_WEIGHT_BYTES, such a layer's projections take the kernel only in steps of
-# up to 3 rows, then oneDNN (Qwen2-0.5B shapes, 28 MiB per layer: 6-8-row decode steps 57-70
-# ms through the kernel, 50-58 ms through the modules and oneDNN, the LM head's limit set to 3
-# as well in that measurement). Their hidden states are then the same bits for a sequence only
-# in decode batches of up to 3 (oneDNN sums in another order than the kernel).
-_BF16_PACKED_ROWS = 3
 
 
 class _Layer(NamedTuple):
@@ -64,11 +52,6 @@ def _weights(layer) -> _Layer | None:
     layer._fused = None
     if ok:
         rows = min(decode_gemv_rows(m) for m in linears)
-        nbytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-        bf16_packed = all(getattr(m, "packed_weight", None) is not None
-                          and m.packed_weight.dtype == torch.bfloat16 for m in linears)
-        if bf16_packed and nbytes > LARGE_WEIGHT_BYTES:
-            rows = min(rows, _BF16_PACKED_ROWS)
         bias = [getattr(m, "bias", None) for m in linears]
         layer._fused = _Layer(
             (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
