@@ -1,7 +1,8 @@
-// The CPU kernels on raw buffers (paged_decode.cpp, fused_ops.cpp), in float32 or bfloat16
-// storage with float32 math. Nothing here checks its arguments or allocates: ops.cpp checks
-// every tensor against the op's schema and shapes and allocates outputs and scratch with
-// at::empty (so an allocation failure is a c10 error, not a null pointer), then calls these.
+// The CPU kernels on raw buffers (paged_decode.cpp, fused_ops.cpp, gemv.cpp, ...), in
+// float32 or bfloat16 storage with float32 math. Nothing here checks its arguments or
+// allocates: ops.cpp checks every tensor against the op's schema and shapes and allocates
+// outputs and scratch with at::empty (so an allocation failure is a c10 error, not a null
+// pointer), then calls these.
 //
 // Templates: T is the activations' and weights' storage type, C the KV cache's (float or
 // bf16; ops.cpp instantiates every pair). In bfloat16 every kernel rounds where the

@@ -62,7 +62,7 @@ PACKAGE = Path(__file__).resolve().parents[1]
 # An installed wheel carries the sources in the package (setup.py copies them there); a
 # checkout has them at the repository root.
 _SOURCE_DIRS = (PACKAGE / "_csrc", PACKAGE.parent / "csrc")
-SOURCES = ("ops.cpp", "paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp",
+SOURCES = ("ops.cpp", "paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp", "gemv.cpp",
            "argmax.cpp", "parallel.cpp", "pool.cpp")
 
 # -O3 with vectorization hints (`omp simd`, without an OpenMP runtime: -fopenmp-simd), and
