@@ -90,7 +90,7 @@ def test_gemv_sums_in_float32_and_rounds_once(m, n, k):
 ])
 def test_one_call_layer_row_limit_follows_the_layer_size(hidden, inter, packed_dtype, rows):
     """A layer's projections take the GEMV kernel up to 8 rows, a large one too where oneDNN
-    packs bf16 (the kernel's bf16 tile reads 4 weight rows at once: as fast as oneDNN or
+    packs bf16 (the kernel's bf16 tile reads two weight rows at once: as fast as oneDNN or
     faster up to 8 rows; before it, such layers stopped at 3), and up to 16 rows where the
     packed copy is float32 (fused.py)."""
     from fleetllm.model import fused
@@ -144,8 +144,8 @@ def test_large_float32_weights_keep_the_gemv_kernel_to_8_rows():
     preset's decode batches of 5 and 8: 10-25% more tokens/s than through oneDNN): a large
     float32 weight, and a large float32 layer's one call, keep the kernel to 8 rows as small
     ones do (before: 4 on AVX-512 CPUs). bf16 weights: 16 where the packed copy is float32,
-    else 8, a large layer packed in bf16 as well (it stopped at 3 before the bf16 tile read 4
-    weight rows at once)."""
+    else 8, a large layer packed in bf16 as well (it stopped at 3 before the bf16 tile read
+    two weight rows at once)."""
     from fleetllm.model import fused, layers
 
     def weight(dtype, nbytes):  # as large as nbytes, without the memory

@@ -26,7 +26,6 @@ from fleetllm.model.layers import (
 MAX_ROWS = 256
 
 
-
 class _Layer(NamedTuple):
     """What a layer's one C call needs, computed once per layer."""
 

@@ -269,11 +269,12 @@ def decode_gemv_rows(layer: nn.Module) -> int:
     memory keep 8 rows too since the kernel prefetches its 4 weight rows into L2 (kernel vs
     oneDNN: 5 rows 12.9-14.0 vs 14.7-17.4 ms, 6 rows 12.9-15.0 vs 14.2-17.6, 8 rows 15.3-18.4
     vs 17.1-22.8; without the prefetch oneDNN won from 5 rows and such weights stopped at 4).
-    bf16 weights that oneDNN packs in bf16 (AVX-512), since the kernel's bf16 tile takes 4
-    weight rows at once (`--setting qwen2-0.5b llama-1b --rows 4 6 8 10 --onednn`, weights
-    from memory): Qwen2-0.5B's shapes 17.2 / 16.9 / 18.5 / 21.5 ms vs 19.4 / 19.6 / 23.6 /
-    25.3, Llama-3.2-1B's 31.7 / 32.8 / 40.7 / 44.5 vs 32.6 / 32.6 / 39.5 / 41.8 (before it,
-    large bf16 layers stopped at 3 rows). A sequence's logits are then the same bits in any
+    bf16 weights that oneDNN packs in bf16 (AVX-512) keep 8 as well, large ones too, since
+    the kernel's bf16 tile reads several weight rows at once from 3 rows of x (`--setting
+    qwen2-0.5b llama-1b --rows 4 6 8 10 --onednn`, weights from memory, kernel vs oneDNN, ms:
+    Qwen2-0.5B's shapes 17.2 / 16.9 / 18.5 / 21.5 vs 19.4 / 19.6 / 23.6 / 25.3, Llama-3.2-1B's
+    31.7 / 32.8 / 40.7 / 44.5 vs 32.6 / 32.6 / 39.5 / 41.8; before it, large bf16 layers
+    stopped at 3 rows). A sequence's logits are then the same bits in any
     decode batch up to this size (the kernel's rows are independent), given the same hidden
     states; fused.py applies the same rules to whole layers."""
     packed, weight = getattr(layer, "packed_weight", None), layer.weight
