@@ -154,7 +154,21 @@ struct GemvCtx {
 };
 
 #if defined(__AVX512F__)
-inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3);
+// The sums of 4 accumulators' 16 lanes each, in one shuffle tree (the same order for every
+// accumulator).
+inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3)
+{
+    // 16 -> 8 lanes each, two accumulators per register: lanes i and i + 8 of each added
+    const __m512 lo01 = _mm512_shuffle_f32x4(a0, a1, 0x44), hi01 = _mm512_shuffle_f32x4(a0, a1, 0xEE);
+    const __m512 lo23 = _mm512_shuffle_f32x4(a2, a3, 0x44), hi23 = _mm512_shuffle_f32x4(a2, a3, 0xEE);
+    const __m512 s01 = _mm512_add_ps(lo01, hi01), s23 = _mm512_add_ps(lo23, hi23);
+    // 8 -> 4 lanes each: quarters 0 and 1 of every accumulator's 8 added
+    const __m512 even = _mm512_shuffle_f32x4(s01, s23, 0x88), odd = _mm512_shuffle_f32x4(s01, s23, 0xDD);
+    const __m512 q = _mm512_add_ps(even, odd);  // quarter r: accumulator r's 4 partial sums
+    const __m128 h01 = _mm_hadd_ps(_mm512_castps512_ps128(q), _mm512_extractf32x4_ps(q, 1));
+    const __m128 h23 = _mm_hadd_ps(_mm512_extractf32x4_ps(q, 2), _mm512_extractf32x4_ps(q, 3));
+    return _mm_hadd_ps(h01, h23);
+}
 
 // bf16 with AVX-512 BF16's dot product of bf16 pairs (vdpbf16ps: 32 weights per instruction),
 // on CPUs that have it (checked at run time: the avx512 variant also runs on CPUs without it).
@@ -196,9 +210,7 @@ inline void dp_finish(int MT, const float *acc, const bf16 *x, const bf16 *const
             v4f b = {};
             if (e.bias)
                 for (int r = 0; r < 4; r++) b[r] = to_f32(e.bias[r]);
-            const v4h h = __builtin_convertvector(
-                __builtin_bit_cast(v4u, round_lanes<bf16, v4f, v4u>(s + b)) >> 16, v4h);
-            std::memcpy(ym, &h, sizeof h);
+            store_lanes<bf16, v4f, v4u, v4h>(ym, s + b);
             continue;
         }
         const bf16 *xm = x + m * static_cast<long>(e.K);
@@ -266,6 +278,25 @@ __attribute__((target("avx512bf16"), always_inline)) inline void dp_block(
 // bf16s: 20 KiB), as Llama-1B's 8192-long rows would not.
 constexpr int DP_ROWS = 6, DP_BLOCK = 1024;
 
+// A tile's 4 weight rows (a short last tile repeats its last one; rows: how many are real)
+// and the same rows of the tile four ahead, for dp_block to prefetch (null near the end).
+struct DpTile {
+    const bf16 *wr[4];
+    const bf16 *ahead;
+    int rows;
+};
+
+inline DpTile dp_tile(const GemvCtx<bf16> *c, long n0)
+{
+    const int N = c->N, K = c->K;
+    DpTile t{};
+    t.rows = N - n0 < 4 ? static_cast<int>(N - n0) : 4;
+    for (int r = 0; r < 4; r++) t.wr[r] = c->w + (n0 + std::min(r, t.rows - 1)) * K;
+    const long ahead_at = (n0 + 16) * K;
+    t.ahead = ahead_at + (K & ~63) * 4L <= static_cast<long>(N) * K ? c->w + ahead_at : nullptr;
+    return t;
+}
+
 // The tiles [begin, end) for M <= DP_ROWS rows of x: one group, k at once, the call's setup
 // paid once (a tile of the 125M preset is ~100 cycles of dot products at 1 row).
 template <int MT>
@@ -275,14 +306,9 @@ __attribute__((target("avx512bf16"))) void dp_tiles(const GemvCtx<bf16> *c, long
     alignas(64) float acc[MT * 4 * 2 * 16];
     for (long tile = begin; tile < end; tile++) {
         const long n0 = tile * 4;
-        const int rows = N - n0 < 4 ? static_cast<int>(N - n0) : 4;
-        const bf16 *wr[4];
-        for (int r = 0; r < 4; r++) wr[r] = c->w + (n0 + std::min(r, rows - 1)) * K;
-        const long ahead_at = (n0 + 16) * K;
-        const bf16 *ahead =
-            ahead_at + kv * 4L <= static_cast<long>(N) * K ? c->w + ahead_at : nullptr;
-        const DpEnd e{c->y + n0, c->bias ? c->bias + n0 : nullptr, N, rows, kv, K};
-        dp_block<MT>(c->x, K, wr, 0, kv, acc, ahead, &e);
+        const DpTile t = dp_tile(c, n0);
+        const DpEnd e{c->y + n0, c->bias ? c->bias + n0 : nullptr, N, t.rows, kv, K};
+        dp_block<MT>(c->x, K, t.wr, 0, kv, acc, t.ahead, &e);
     }
 }
 
@@ -290,11 +316,8 @@ __attribute__((target("avx512bf16"))) void dp_tiles(const GemvCtx<bf16> *c, long
 __attribute__((target("avx512bf16"))) void gemv_tile_dp(const GemvCtx<bf16> *c, long n0)
 {
     const int N = c->N, K = c->K, M = c->M, kv = K & ~63;
-    const int rows = N - n0 < 4 ? static_cast<int>(N - n0) : 4;
-    const bf16 *wr[4];
-    for (int r = 0; r < 4; r++) wr[r] = c->w + (n0 + std::min(r, rows - 1)) * K;
-    const long ahead_at = (n0 + 16) * K;
-    const bf16 *ahead = ahead_at + kv * 4L <= static_cast<long>(N) * K ? c->w + ahead_at : nullptr;
+    const DpTile t = dp_tile(c, n0);
+    const bf16 *const *wr = t.wr;
     for (int m0 = 0; m0 < M; m0 += 16) {  // 16 rows of x at a time: acc holds theirs
         const int mb = std::min(16, M - m0);
         alignas(64) float acc[16 * 4 * 2 * 16];
@@ -307,10 +330,10 @@ __attribute__((target("avx512bf16"))) void gemv_tile_dp(const GemvCtx<bf16> *c, 
                 // groups of 4 rows, 5 or 6 in one pass: 8 rows as 4 + 4, not 6 + 2
                 const int left = mb - g, n = left == 5 || left == 6 ? left : std::min(left, 4);
                 const bf16 *xg = c->x + static_cast<long>(m0 + g) * K;
-                const bf16 *pf = g == 0 ? ahead : nullptr;
+                const bf16 *pf = g == 0 ? t.ahead : nullptr;
                 float *ag = acc + g * 128;
                 const DpEnd e{c->y + static_cast<long>(m0 + g) * N + n0,
-                              c->bias ? c->bias + n0 : nullptr, N, rows, kv, K};
+                              c->bias ? c->bias + n0 : nullptr, N, t.rows, kv, K};
                 const DpEnd *end = k1 == kv ? &e : nullptr;
                 switch (n) {
                 case 1: dp_block<1>(xg, K, wr, k0, k1, ag, pf, end); break;
@@ -343,19 +366,6 @@ __attribute__((target("avx512bf16"))) void gemv_tile_dp(const GemvCtx<bf16> *c, 
 // one stream reads 23-38 as the machine's bandwidth goes. (gemv_tile, a weight row at a time
 // with two accumulators and a 16-step scalar sum per output, ran a 5-row speculative step on
 // the demo model at a third of the FMA rate.)
-inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3)
-{
-    // 16 -> 8 lanes each, two accumulators per register: lanes i and i + 8 of each added
-    const __m512 lo01 = _mm512_shuffle_f32x4(a0, a1, 0x44), hi01 = _mm512_shuffle_f32x4(a0, a1, 0xEE);
-    const __m512 lo23 = _mm512_shuffle_f32x4(a2, a3, 0x44), hi23 = _mm512_shuffle_f32x4(a2, a3, 0xEE);
-    const __m512 s01 = _mm512_add_ps(lo01, hi01), s23 = _mm512_add_ps(lo23, hi23);
-    // 8 -> 4 lanes each: quarters 0 and 1 of every accumulator's 8 added
-    const __m512 even = _mm512_shuffle_f32x4(s01, s23, 0x88), odd = _mm512_shuffle_f32x4(s01, s23, 0xDD);
-    const __m512 q = _mm512_add_ps(even, odd);  // quarter r: accumulator r's 4 partial sums
-    const __m128 h01 = _mm_hadd_ps(_mm512_castps512_ps128(q), _mm512_extractf32x4_ps(q, 1));
-    const __m128 h23 = _mm_hadd_ps(_mm512_extractf32x4_ps(q, 2), _mm512_extractf32x4_ps(q, 3));
-    return _mm_hadd_ps(h01, h23);
-}
 
 template <int MT>
 void gemv_tile_f32(const float *x, const float *w, const float *bias, float *y, long n0,
@@ -448,23 +458,24 @@ template <class T>
 void gemv_body(void *arg, long begin, long end, int)
 {
     const auto *c = static_cast<const GemvCtx<T> *>(arg);
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, bf16>) {
+        if (bf16_dot) {
+            switch (c->M) {
+            case 1: dp_tiles<1>(c, begin, end); return;
+            case 2: dp_tiles<2>(c, begin, end); return;
+            case 3: dp_tiles<3>(c, begin, end); return;
+            case 4: dp_tiles<4>(c, begin, end); return;
+            case 5: dp_tiles<5>(c, begin, end); return;
+            case 6: dp_tiles<6>(c, begin, end); return;
+            }
+            for (long tile = begin; tile < end; tile++) gemv_tile_dp(c, tile * 4);
+            return;
+        }
+    }
+#endif
     for (long tile = begin; tile < end; tile++) {
         const long n0 = tile * 4;
-#if defined(__AVX512F__)
-        if constexpr (std::is_same_v<T, bf16>) {
-            if (bf16_dot) {
-                switch (c->M) {
-                case 1: dp_tiles<1>(c, tile, end); return;
-                case 2: dp_tiles<2>(c, tile, end); return;
-                case 3: dp_tiles<3>(c, tile, end); return;
-                case 4: dp_tiles<4>(c, tile, end); return;
-                case 5: dp_tiles<5>(c, tile, end); return;
-                case 6: dp_tiles<6>(c, tile, end); return;
-                default: gemv_tile_dp(c, n0); continue;
-                }
-            }
-        }
-#endif
         for (int m0 = 0; m0 < c->M;) {
             const T *x = c->x + static_cast<long>(m0) * c->K;
             const float *xf = c->xf ? c->xf + static_cast<long>(m0) * c->K : nullptr;
