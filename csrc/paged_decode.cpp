@@ -6,6 +6,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "bf16_pairs.h"
 #include "kernels.h"
 #include "parallel.h"
 
@@ -137,91 +138,55 @@ inline __attribute__((always_inline)) void accumulate_pv(
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// acc[h] += P[h, t] * V[t] for t in [lo, hi) (relative to block b0's start), for a bfloat16
-// model with a bfloat16 cache where bf16_dot holds (kernels.h): accumulate_pv's sums by dot
-// products of bf16 pairs (vdpbf16ps), two positions per instruction. accumulate_pv widens each
-// V row once per query head and runs one FMA per element and position; this reads a V row
-// once for up to 4 heads (2 at D = 128). P is already rounded to bf16 (softmax_pv_as_torch)
-// and V is bf16, so every product is exact, and vdpbf16ps adds the pair's upper product, then
-// its lower one, each rounded (the order Intel's manual gives; measured on Zen 4): with
-// position t in the upper half and t + 1 in the lower, the float32 sums are accumulate_pv's
-// bit for bit (but for denormals, which vdpbf16ps reads and writes as zeros). An odd last
-// position pairs with zeros. Interleaving the two V rows element by element
-// (unpacklo/hi_epi16) leaves each 32-element part's sums in two vectors in the order
-// (0-3, 8-11, 16-19, 24-27) and (4-7, ..., 28-31): permuted from acc on entry, back on exit.
-template <int D>
-__attribute__((target("avx512bf16"))) void accumulate_pv_dp(
-    const bf16 *v, const int32_t *table, int lo, int hi, int b0, int kh0, int nkv, float *acc,
-    int G, int KVH, int bs, int n, const float *scores)
+// NS query heads' P . V over one chunk's m positions from c0 (relative to block b0's start)
+// by bf16 pairs (bf16_pairs.h), the heads' sums in registers: acc and scores at the first
+// head (D floats and n scores apart).
+template <int NS, int D>
+__attribute__((target("avx512bf16"))) void pv_heads_pairs(const bf16 *base, const int32_t *table,
+                                                          int b0, int c0, int m, int bs, long tok,
+                                                          float *acc, const float *scores, int n)
 {
-    constexpr int V = D / 16, HG = 16 / V;  // vectors per head; heads per pass (16 sums)
+    constexpr int PB = TORCH_CHUNK + 32;
+    alignas(64) uint16_t pb[NS][PB];
+    __m512 a[NS][D / 16];
+    for (int g = 0; g < NS; g++)
+        pairs::pv_load<D>(acc + g * D, scores + static_cast<long>(g) * n + c0, m, pb[g], a[g]);
+    int blk = b0 + c0 / bs, o = c0 % bs;
+    for (int t = 0; t < m; t += 2) {
+        const bf16 *r0 = base + (static_cast<long>(table[blk]) * bs + o) * tok;
+        if (++o == bs) { o = 0; blk++; }
+        const bf16 *r1 = t + 1 < m ? base + (static_cast<long>(table[blk]) * bs + o) * tok
+                                   : nullptr;
+        if (++o == bs) { o = 0; blk++; }
+        pairs::pv_add<NS, D, PB>(a, pb, t, r0, r1);
+    }
+    for (int g = 0; g < NS; g++) pairs::pv_store<D>(a[g], acc + g * D);
+}
+
+// acc[h] += P[h, t] * V[t] for t in [lo, hi) (relative to block b0's start), for a bfloat16
+// model with a bfloat16 cache where bf16_dot holds: accumulate_pv's sums by bf16 pairs, bit
+// for bit (bf16_pairs.h), reading a V row once for up to 4 heads (2 at D = 128) where
+// accumulate_pv widens it once per head and runs one FMA per element and position.
+template <int D>
+void accumulate_pv_dp(const bf16 *v, const int32_t *table, int lo, int hi, int b0, int kh0,
+                      int nkv, float *acc, int G, int KVH, int bs, int n, const float *scores)
+{
+    constexpr int HG = D == 64 ? 4 : 2;  // heads per pass: 16 vectors of sums
     const long tok = static_cast<long>(KVH) * D;
-    const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
-                                            26, 27);
-    const __m512i to_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29,
-                                            30, 31);
-    const __m512i from_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21,
-                                              22, 23);
-    const __m512i from_hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28,
-                                              29, 30, 31);
-    alignas(64) uint16_t pb[HG][TORCH_CHUNK + 32];
     for (int c0 = lo; c0 < hi; c0 += TORCH_CHUNK) {
-        const int c1 = c0 + TORCH_CHUNK < hi ? c0 + TORCH_CHUNK : hi, m = c1 - c0;
+        const int m = (c0 + TORCH_CHUNK < hi ? c0 + TORCH_CHUNK : hi) - c0;
         for (int kh = 0; kh < nkv; kh++)
             for (int g0 = 0; g0 < G; g0 += HG) {
-                const int gn = G - g0 < HG ? G - g0 : HG;
-                __m512 a[HG][V];
-                for (int g = 0; g < gn; g++) {
-                    const int h = kh * G + g0 + g;
-                    const float *sh = scores + static_cast<long>(h) * n + c0;
-                    for (int t = 0; t < m; t += 16) {  // P as bf16 (exact: already rounded)
-                        const __mmask16 k = m - t >= 16 ? 0xffff : (1u << (m - t)) - 1;
-                        _mm256_storeu_si256(reinterpret_cast<__m256i *>(pb[g] + t),
-                                            (__m256i)_mm512_cvtneps_pbh(
-                                                _mm512_maskz_loadu_ps(k, sh + t)));
-                    }
-                    pb[g][m] = 0;  // an odd last position's partner
-                    float *ah = acc + static_cast<long>(h) * D;
-                    for (int p = 0; p < D / 32; p++) {
-                        const __m512 n0 = _mm512_loadu_ps(ah + 32 * p);
-                        const __m512 n1 = _mm512_loadu_ps(ah + 32 * p + 16);
-                        a[g][2 * p] = _mm512_permutex2var_ps(n0, to_lo, n1);
-                        a[g][2 * p + 1] = _mm512_permutex2var_ps(n0, to_hi, n1);
-                    }
-                }
-                int blk = b0 + c0 / bs, o = c0 % bs;
+                const int gn = G - g0 < HG ? G - g0 : HG, h = kh * G + g0;
                 const bf16 *base = v + static_cast<long>(kh0 + kh) * D;
-                for (int t = 0; t < m; t += 2) {
-                    const bf16 *r0 = base + (static_cast<long>(table[blk]) * bs + o) * tok;
-                    if (++o == bs) { o = 0; blk++; }
-                    const bf16 *r1 = t + 1 < m
-                        ? base + (static_cast<long>(table[blk]) * bs + o) * tok : nullptr;
-                    if (++o == bs) { o = 0; blk++; }
-                    for (int p = 0; p < D / 32; p++) {
-                        const __m512i x0 = _mm512_loadu_si512(r0 + 32 * p);
-                        const __m512i x1 = r1 ? _mm512_loadu_si512(r1 + 32 * p)
-                                              : _mm512_setzero_si512();
-                        const __m512bh l = (__m512bh)_mm512_unpacklo_epi16(x1, x0);
-                        const __m512bh u = (__m512bh)_mm512_unpackhi_epi16(x1, x0);
-                        for (int g = 0; g < gn; g++) {
-                            uint32_t pair;  // P[t] upper, P[t + 1] lower
-                            std::memcpy(&pair, pb[g] + t, sizeof pair);
-                            const __m512bh w = (__m512bh)_mm512_set1_epi32(
-                                static_cast<int>(pair << 16 | pair >> 16));
-                            a[g][2 * p] = _mm512_dpbf16_ps(a[g][2 * p], l, w);
-                            a[g][2 * p + 1] = _mm512_dpbf16_ps(a[g][2 * p + 1], u, w);
-                        }
-                    }
+                float *ah = acc + static_cast<long>(h) * D;
+                const float *sh = scores + static_cast<long>(h) * n;
+                if constexpr (D == 64) {
+                    if (gn == 4) pv_heads_pairs<4, D>(base, table, b0, c0, m, bs, tok, ah, sh, n);
+                    if (gn == 3) pv_heads_pairs<3, D>(base, table, b0, c0, m, bs, tok, ah, sh, n);
                 }
-                for (int g = 0; g < gn; g++) {
-                    float *ah = acc + static_cast<long>(kh * G + g0 + g) * D;
-                    for (int p = 0; p < D / 32; p++) {
-                        _mm512_storeu_ps(ah + 32 * p, _mm512_permutex2var_ps(
-                            a[g][2 * p], from_lo, a[g][2 * p + 1]));
-                        _mm512_storeu_ps(ah + 32 * p + 16, _mm512_permutex2var_ps(
-                            a[g][2 * p], from_hi, a[g][2 * p + 1]));
-                    }
-                }
+                if (gn == 2) pv_heads_pairs<2, D>(base, table, b0, c0, m, bs, tok, ah, sh, n);
+                if (gn == 1) pv_heads_pairs<1, D>(base, table, b0, c0, m, bs, tok, ah, sh, n);
             }
     }
 }

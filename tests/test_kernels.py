@@ -271,9 +271,27 @@ for case in range(40):  # odd lengths, blocks of 1-32, windows, 1-8 query heads 
     cpu_kernels.paged_decode(q, cache, tables, starts, torch.tensor(lens, dtype=torch.int32),
                              rng.choice([0, 0, 100]), d ** -0.5, out)
     outs.append(out)
+prefill = []
+for case in range(40):  # prompts after a cached prefix or not, past a 512-key chunk, windows
+    bs, d = rng.choice([1, 4, 16, 32]), rng.choice([64, 128])
+    kvh, group, n = rng.choice([1, 2, 4]), rng.choice([1, 2, 3, 5, 7, 8]), rng.choice([1, 2, 5])
+    qlens = [rng.randint(1, 300) for _ in range(n)]
+    ctxs = [m + rng.choice([0, 0, rng.randint(1, 700)]) for m in qlens]
+    blocks = -(-sum(ctxs) // bs) + 4
+    g = torch.Generator().manual_seed(100 + case)
+    cache = torch.randn(2, blocks, bs, kvh, d, generator=g).bfloat16()
+    slots = torch.randperm(blocks * bs, generator=g)[:sum(ctxs)]
+    q = (torch.randn(sum(qlens), kvh * group, d, generator=g) * 2).bfloat16()
+    spans = torch.tensor([(sum(qlens[:i]), qlens[i], ctxs[i], sum(ctxs[:i])) for i in range(n)],
+                         dtype=torch.int32)
+    out = torch.empty_like(q)
+    cpu_kernels.prefill_attention(q, cache, spans, slots, rng.choice([None, None, 100]),
+                                  d ** -0.5, out)
+    prefill.append(out)
 g = torch.Generator().manual_seed(0)
 x, w = torch.randn(5, 1000, generator=g).bfloat16(), torch.randn(300, 1000, generator=g).bfloat16()
-torch.save({"decode": outs, "gemv": [cpu_kernels.gemv(x[:m], w, None) for m in (1, 3, 5)],
+torch.save({"decode": outs, "prefill": prefill,
+            "gemv": [cpu_kernels.gemv(x[:m], w, None) for m in (1, 3, 5)],
             "build_info": cpu_kernels.build_info()}, sys.argv[1])
 """
 
@@ -282,10 +300,11 @@ torch.save({"decode": outs, "gemv": [cpu_kernels.gemv(x[:m], w, None) for m in (
 @not_under_sanitizer
 def test_bf16_dot_products_and_the_loops_they_replace_agree(tmp_path):
     """Where the CPU has AVX-512 BF16, the avx512 variant multiplies bf16 pairs with vdpbf16ps:
-    the GEMV's bf16 tile, and a bf16 model's decode attention P . V (two positions per
-    instruction). The loops they replace run on AVX-512 CPUs without it (Ice Lake), here with
-    FLEETLLM_CPU_BF16_DOT=0: decode attention gives the same bits either way (the pairs are
-    summed in the loop's order), the GEMV the same values to bf16 rounding."""
+    the GEMV's bf16 tile, a bf16 model's decode attention P . V (two positions per
+    instruction) and its prompt attention q . K and P . V. The loops they replace run on
+    AVX-512 CPUs without it (Ice Lake), here with FLEETLLM_CPU_BF16_DOT=0: attention gives the
+    same bits either way (the pairs are summed in the loops' order), the GEMV the same values
+    to bf16 rounding."""
     runs = {}
     for flag in ("1", "0"):
         out = tmp_path / f"dot{flag}.pt"
@@ -296,6 +315,8 @@ def test_bf16_dot_products_and_the_loops_they_replace_agree(tmp_path):
     if "avx512bf16" not in runs["1"]["build_info"]:
         pytest.skip("this CPU has no AVX-512 BF16: both runs took the same loops")
     for a, b in zip(runs["1"]["decode"], runs["0"]["decode"], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(runs["1"]["prefill"], runs["0"]["prefill"], strict=True):
         assert torch.equal(a, b)
     for a, b in zip(runs["1"]["gemv"], runs["0"]["gemv"], strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-2)
