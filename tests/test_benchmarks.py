@@ -127,3 +127,17 @@ def test_throughput_embed_refuses_generation_options(tiny_models):
                            (["--shared-prefix", "16"], "--shared-prefix applies to generation")):
         with pytest.raises(ConfigurationError, match=message):
             run([*base, *extra])
+
+
+def test_op_profile_tool_prints_the_workloads_ops(monkeypatch, capsys):
+    """tools/op_profile.py (docs/perf.md's per-op figures): the preset's requests through
+    LLM.generate under torch's profiler, one row per op, the projections among them."""
+    from helpers import load_tool
+
+    tool = load_tool("op_profile")
+    monkeypatch.setattr("sys.argv", ["op_profile", "--preset", "llama-125m", "--num-prompts",
+                                     "2", "--dtype", "float32", "--rows", "40"])
+    tool.main()
+    out = capsys.readouterr().out
+    assert "unprofiled round:" in out and "profiled round:" in out
+    assert "Self CPU" in out and ("mkldnn::_linear_pointwise" in out or "aten::" in out)
