@@ -129,14 +129,15 @@ def test_throughput_embed_refuses_generation_options(tiny_models):
             run([*base, *extra])
 
 
-def test_op_profile_tool_prints_the_workloads_ops(monkeypatch, capsys):
-    """tools/op_profile.py (docs/perf.md's per-op figures): the preset's requests through
+def test_op_profile_tool_prints_the_workloads_ops(tiny_models, monkeypatch, capsys):
+    """tools/op_profile.py (docs/perf.md's per-op figures): the workload's requests through
     LLM.generate under torch's profiler, one row per op, the projections among them."""
     from helpers import load_tool
 
     tool = load_tool("op_profile")
-    monkeypatch.setattr("sys.argv", ["op_profile", "--preset", "llama-125m", "--num-prompts",
-                                     "2", "--dtype", "float32", "--rows", "40"])
+    monkeypatch.setattr("sys.argv", ["op_profile", "--model", str(tiny_models["llama_gqa"]),
+                                     "--num-prompts", "2", "--dtype", "float32", "--rows", "40",
+                                     "--kv-cache-memory", "33554432"])
     tool.main()
     out = capsys.readouterr().out
     assert "unprofiled round:" in out and "profiled round:" in out

@@ -5,6 +5,7 @@ fleetllm's kernels: prompt attention, the one-call decoder layer of decode steps
 
     .venv/bin/python tools/op_profile.py --preset qwen2-0.5b --num-prompts 16
     .venv/bin/python tools/op_profile.py --preset llama-125m --shapes   # per input shape
+    .venv/bin/python tools/op_profile.py --model DIR     # a checkpoint directory instead
 
 Timing is the profiler's, so compare trees by running this on each in turn (PYTHONPATH) and
 reading one op's row, not by the total: this machine's speed moves between runs.
@@ -26,18 +27,26 @@ from fleetllm.benchmarks.throughput import PRESET_MAX_MODEL_LEN
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="llama-125m", choices=sorted(PRESETS))
+    parser.add_argument("--model", default=None, help="a checkpoint directory (its weights) "
+                        "instead of the preset's dummy ones")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-memory", type=float, default=None)
     parser.add_argument("--shapes", action="store_true", help="one row per op and input shape")
     parser.add_argument("--rows", type=int, default=25, help="rows of the table")
     args = parser.parse_args()
-    max_len = min(PRESET_MAX_MODEL_LEN, PRESETS[args.preset]["max_position_embeddings"])
     extra = {} if args.kv_cache_memory is None else {"kv_cache_memory": args.kv_cache_memory}
-    llm = LLM(preset_dir(args.preset), load_format="dummy", dtype=args.dtype, seed=0,
-              max_model_len=max_len, **extra)
+    if args.model:
+        llm = LLM(args.model, dtype=args.dtype, seed=0, **extra)
+    else:
+        max_len = min(PRESET_MAX_MODEL_LEN, PRESETS[args.preset]["max_position_embeddings"])
+        llm = LLM(preset_dir(args.preset), load_format="dummy", dtype=args.dtype, seed=0,
+                  max_model_len=max_len, **extra)
     try:
         vocab = llm.llm_engine.model_config.arch.vocab_size
+        tokenizer = llm.get_tokenizer()
+        if tokenizer is not None:  # as bench throughput draws them
+            vocab = min(vocab, len(tokenizer))
         requests = workload.make_requests(
             argparse.Namespace(dataset=None, bench_seed=0, num_prompts=args.num_prompts,
                                input_len=(16, 256), output_len=(16, 64)), vocab)
