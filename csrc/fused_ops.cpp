@@ -2,7 +2,8 @@
 // write): one pass and at most one parallel region each instead of 2-6 torch kernels and their
 // temporaries, and no parallel region at all for a few rows, where waking a sleeping thread
 // costs more than the work. A whole decoder layer of a small decode batch as one call (its
-// projections through gemv.cpp's GEMV or the caller's oneDNN matmul): about 3 of the 21 ms of
+// projections through gemv.cpp's GEMV, gemm.cpp's GEMM on weights packed by pairs, or the
+// caller's oneDNN matmul): about 3 of the 21 ms of
 // a batch-1 step on the 125M preset were the ~10 Python calls per layer it replaces. Each in
 // float32 and bfloat16 (kernels.h).
 #include <algorithm>
@@ -207,6 +208,18 @@ void decoder_layer(const T *x, T *residual, bool first, T *out, const LayerWeigh
                              int k) -> const T * {
         if (w.project != nullptr)
             return static_cast<const T *>(w.project(w.project_ctx, which, in));
+        if constexpr (std::is_same_v<T, bf16>) {
+            if (w.pairs[which] != nullptr) {
+                // o and down add their bias after the matmul's rounding, as RowParallelLinear
+                // adds it after the all-reduce: the modules' bits
+                const bool after = which == 1 || which == 3;
+                gemm_pairs(in, w.pairs[which], after ? nullptr : b, y, T_, n, k, nthreads);
+                if (after && b != nullptr)
+                    for (long i = 0; i < static_cast<long>(T_) * n; i++)
+                        y[i] = from_f32<T>(to_f32(y[i]) + to_f32(b[i % n]));
+                return y;
+            }
+        }
         gemv<T>(in, wt, b, y, T_, n, k, scratch, nthreads);
         return y;
     };

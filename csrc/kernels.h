@@ -117,20 +117,27 @@ template <class T>
 void gemv(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, float *xf,
           int nthreads);
 
+// y = x @ w^T (+ bias) from w packed by pairs ([ceil(N/16)][K/2][16][2], gemm.cpp) with
+// AVX-512 BF16; false (nothing done) where the CPU lacks it or K is odd.
+bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M, int N, int K,
+                int nthreads);
+
 // A projection run by the caller instead of the GEMV kernel: x @ W^T (+ bias) for the layer's
 // projection `which` (0 qkv, 1 o, 2 gate_up, 3 down), in the layer's dtype; returns where the
 // result is, valid until the layer's call returns (no copy into the layer's buffers).
 using ProjectFn = const void *(*)(void *ctx, int which, const void *x);
 
 // One decoder layer's weights (contiguous; biases may be null). project: null for the GEMV
-// kernel, else the caller's projections (ops.cpp: oneDNN's packed matmul, for batches past
-// the kernel's row limit).
+// kernel or gemm_pairs (pairs), else the caller's projections (ops.cpp: oneDNN's packed
+// matmul, for batches past the kernel's row limit).
 template <class T>
 struct LayerWeights {
     const T *w_in, *w_post, *w_qkv, *b_qkv, *w_o, *b_o, *w_gu, *b_gu, *w_down, *b_down;
     float eps;
     ProjectFn project = nullptr;
     void *project_ctx = nullptr;
+    // The four projections packed by pairs (bf16 only: gemm_pairs), or nulls.
+    const bf16 *pairs[4] = {};
 };
 
 struct LayerDims {

@@ -327,8 +327,32 @@ Tensor gemv(const Tensor &x, const Tensor &weight, const optional<Tensor> &bias)
     return y;
 }
 
-// A decoder layer's projections through oneDNN's packed weights (decoder_layer's `packed`),
-// computed as model/layers.py's linear() and the Linear modules compute them, so that the
+Tensor gemm_pairs(const Tensor &x, const Tensor &packed, const optional<Tensor> &bias, int64_t n)
+{
+    check_float(x, "x", 2);
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gemm_pairs: x must be bfloat16, got ",
+                x.scalar_type());
+    const int m = to_int(x.size(0), "rows"), k = to_int(x.size(1), "in_features");
+    const int out = to_int(n, "out_features");
+    TORCH_CHECK(k % 2 == 0 && out > 0, "gemm_pairs: in_features must be even and out_features "
+                "positive, got ", k, " and ", out);
+    check_dense(x, "x", {m, k}, at::kBFloat16);
+    check_dense(packed, "packed", {(out + 15) / 16, k / 2, 16, 2}, at::kBFloat16);
+    if (bias)
+        check_dense(*bias, "bias", {out}, at::kBFloat16);
+    Tensor y = at::empty({m, out}, x.options());
+    TORCH_CHECK(kernels::gemm_pairs(cptr<kernels::bf16>(x), cptr<kernels::bf16>(packed),
+                                    opt_ptr<kernels::bf16>(bias), mptr<kernels::bf16>(y), m,
+                                    out, k, at::get_num_threads()),
+                "gemm_pairs: needs AVX-512 BF16 (kernels.gemm_pairs_available())");
+    return y;
+}
+
+bool gemm_pairs_available() { return kernels::bf16_dot; }
+
+// A decoder layer's projections through their packed weights (decoder_layer's `packed`: the
+// kernels' pairs, gemm_pairs, or oneDNN's), computed as model/layers.py's linear() and the
+// Linear modules compute them, so that the
 // one-call layer gives the modules' bits: the packed matmul with the bias inside for qkv and
 // gate_up, added after it for o and down (RowParallelLinear adds its bias after the
 // all-reduce); a bfloat16 layer whose packed copy is float32 (a CPU without bf16 packing)
@@ -359,14 +383,19 @@ const void *project_packed(void *ctx, int which, const void *x)
     Tensor in = at::from_blob(const_cast<void *>(x), {p.rows, p.in[which]},
                               at::TensorOptions().dtype(p.type));
     optional<Tensor> bias = bias_after ? optional<Tensor>() : *p.bias[which];
-    if (widen) {
-        in = in.to(at::kFloat);
-        if (bias.has_value())
-            bias = bias->to(at::kFloat);
+    Tensor out;
+    if (w.dim() == 4) {  // packed by pairs (model/pair_packed.py): the kernels' GEMM
+        out = gemm_pairs(in, w, bias, p.out[which]);
+    } else {
+        if (widen) {
+            in = in.to(at::kFloat);
+            if (bias.has_value())
+                bias = bias->to(at::kFloat);
+        }
+        out = linear_pointwise(in, w, bias);
+        if (widen)
+            out = out.to(p.type);
     }
-    Tensor out = linear_pointwise(in, w, bias);
-    if (widen)
-        out = out.to(p.type);
     if (bias_after && p.bias[which]->has_value())
         out = at::add(out, **p.bias[which]);
     out = out.contiguous();
@@ -413,8 +442,10 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
     check_rope(cos, sin, d.T, d.D, type);
     check_slots(slots, d.T, c);
     const kernels::DecodeBatch batch = check_batch(tables, table_start, ctx_lens, d.T, c);
-    // packed: empty (the GEMV kernel) or oneDNN's packed weights of qkv, o, gate_up, down
+    // packed: empty (the GEMV kernel) or the packed weights of qkv, o, gate_up, down: all
+    // oneDNN's (project_packed) or all by pairs (the layer calls gemm_pairs)
     PackedProjections proj{};
+    const kernels::bf16 *pairs[4] = {};
     TORCH_CHECK(packed.empty() || packed.size() == 4,
                 "decoder_layer: packed must hold no weight or 4, got ", packed.size());
     if (!packed.empty()) {
@@ -425,10 +456,17 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
             TORCH_CHECK(w.has_value() && w->device().is_cpu(),
                         "decoder_layer: packed weight ", i, " must be a CPU tensor");
             proj.weight[i] = *w;
+            if (w->dim() == 4) {  // packed by pairs: the layer calls gemm_pairs itself
+                TORCH_CHECK(type == at::kBFloat16, "decoder_layer: pair-packed weights are bf16");
+                check_dense(*w, "packed", {(out[i] + 15) / 16, in[i] / 2, 16, 2}, at::kBFloat16);
+                pairs[i] = cptr<kernels::bf16>(*w);
+            }
             proj.bias[i] = std::get<0>(biases[i]);
             proj.in[i] = in[i];
             proj.out[i] = out[i];
         }
+        TORCH_CHECK(!pairs[0] == !pairs[1] && !pairs[0] == !pairs[2] && !pairs[0] == !pairs[3],
+                    "decoder_layer: packed weights must be all by pairs or none");
         proj.rows = d.T;
         proj.type = type;
     }
@@ -442,7 +480,8 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
             cptr<T>(w_in), cptr<T>(w_post), cptr<T>(w_qkv), opt_ptr<T>(b_qkv), cptr<T>(w_o),
             opt_ptr<T>(b_o), cptr<T>(w_gu), opt_ptr<T>(b_gu), cptr<T>(w_down),
             opt_ptr<T>(b_down), static_cast<float>(eps),
-            packed.empty() ? nullptr : &project_packed, &proj};
+            packed.empty() || pairs[0] ? nullptr : &project_packed, &proj,
+            {pairs[0], pairs[1], pairs[2], pairs[3]}};
         C *k_cache = mptr<C>(kv_cache);
         kernels::decoder_layer<T, C>(cptr<T>(x), mptr<T>(residual), first, mptr<T>(out), w, d,
                                      cptr<T>(cos), cptr<T>(sin), k_cache, k_cache + c.half,
@@ -510,6 +549,8 @@ TORCH_LIBRARY(fleetllm, m)
           "Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slots, Tensor tables, "
           "Tensor table_start, Tensor ctx_lens, Tensor?[] packed) -> Tensor");
     m.def("argmax(Tensor x) -> Tensor");
+    m.def("gemm_pairs(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+    m.def("gemm_pairs_available() -> bool", &fleetllm::gemm_pairs_available);
     m.def("build_info() -> str", &fleetllm::build_info);
 }
 
@@ -523,6 +564,7 @@ TORCH_LIBRARY_IMPL(fleetllm, CPU, m)
     m.impl("gemv", &fleetllm::gemv);
     m.impl("decoder_layer", &fleetllm::decoder_layer);
     m.impl("argmax", &fleetllm::argmax);
+    m.impl("gemm_pairs", &fleetllm::gemm_pairs);
 }
 
 // oneDNN's packed float32 weights are opaque MkldnnCPU tensors; given as decoder_layer's

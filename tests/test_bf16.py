@@ -15,6 +15,7 @@ from kernel_cases import decode_inputs
 from fleetllm import LLM, SamplingParams
 from fleetllm.attention import cpu_kernels
 from fleetllm.errors import ConfigurationError
+from fleetllm.model import pair_packed
 
 DEMO = Path(__file__).resolve().parents[1] / "fleetllm" / "demo_model"
 BF16 = torch.bfloat16
@@ -222,7 +223,9 @@ def test_the_lm_head_gives_a_sequence_the_same_logits_in_batches_up_to_its_gemv_
     """A decode step's sequences up to decode_gemv_rows (8, or 16 for a bf16 weight packed in
     float32) get their logits from the GEMV kernel (as the fused layers under them), so a
     sequence's logits are the same bits in any such batch; oneDNN's packed matmul, past it,
-    sums in another order."""
+    sums in another order. A bf16 weight packed by pairs (AVX-512 BF16: limit 0) takes the
+    kernels' GEMM at every size, whose bits do not depend on the batch at all: checked to 70
+    rows (several groups of rows, uneven splits)."""
     from torch import nn
 
     from fleetllm.model import layers
@@ -232,10 +235,12 @@ def test_the_lm_head_gives_a_sequence_the_same_logits_in_batches_up_to_its_gemv_
     head.weight.data = torch.randn(1000, 256, generator=g).to(dtype)
     layers.pack_linear_weights(nn.ModuleList([head]))  # as a loaded model's (where oneDNN is)
     limit = layers.decode_gemv_rows(head)
-    assert limit in (8, 16)
-    hidden = torch.randn(limit, 256, generator=g).to(dtype)
-    alone = torch.cat([head.logits(hidden[i:i + 1]) for i in range(limit)])
-    for m in range(2, limit + 1):
+    pairs = isinstance(head.packed_weight, pair_packed.PairPacked)
+    assert limit == 0 if pairs else limit in (8, 16)
+    rows = 70 if pairs else limit
+    hidden = torch.randn(rows, 256, generator=g).to(dtype)
+    alone = torch.cat([head.logits(hidden[i:i + 1]) for i in range(rows)])
+    for m in range(2, rows + 1):
         assert torch.equal(head.logits(hidden[:m]), alone[:m]), m
 
 
@@ -431,6 +436,8 @@ def test_bf16_projections_are_packed_on_every_cpu(onednn_bf16, tiny_models, tmp_
             return reorder(weight, *args)
 
         monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
+        # such a CPU (AVX2) has no AVX-512 BF16 either: no pair packing (pair_packed.py)
+        monkeypatch.setattr(pair_packed, "applies", lambda weight: False)
     elif not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         pytest.skip("this CPU has no oneDNN bf16 packing")
     monkeypatch.setenv("FLEETLLM_LINEAR", "packed")  # no dense copy: only the packed one
@@ -466,6 +473,7 @@ def test_bf16_decode_steps_of_up_to_16_take_the_kernel_without_bf16_packing(
         return reorder(weight, *args)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
+    monkeypatch.setattr(pair_packed, "applies", lambda weight: False)  # AVX2: no AVX-512 BF16
     seen = {"layer": 0, "head": 0}
     run_layer, gemv = fused.run_layer, cpu_kernels.gemv
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -467,3 +468,48 @@ def test_the_peak_tool_builds_and_prints_a_rate_per_instruction(tmp_path):
     for line in out:
         if "GFLOP/s" in line:
             assert float(line.split(": ")[1].split()[0]) > 0, line
+
+
+def _pairs_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T as vdpbf16ps sums it, per output: float32, k's pairs in order, each pair's
+    upper product added first (bf16 products are exact in float32), then the bias, one
+    rounding to bf16."""
+    xf, wf = x.float(), w.float()
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for p in range(x.shape[1] // 2):
+        acc = acc + xf[:, 2 * p + 1, None] * wf[None, :, 2 * p + 1]
+        acc = acc + xf[:, 2 * p, None] * wf[None, :, 2 * p]
+    return (acc if bias is None else acc + bias.float()).bfloat16()
+
+
+@needs_kernels
+def test_gemm_on_weights_packed_by_pairs_sums_each_output_in_one_order():
+    """The bf16 GEMM of model/pair_packed.py (csrc/gemm.cpp: 8 rows x 48 outputs a pass, k in
+    blocks of 512 pairs, rows split evenly into groups) gives every output the reference's
+    bits: one float32 lane over k's pairs in order, the bias, one rounding. So a row's result
+    does not depend on how many rows share the call or on where the groups split. Random
+    shapes: 1-300 rows, output counts that leave partial 16- and 48-wide panels, k of 2 to 1,030
+    (two k blocks)."""
+    from fleetllm.model import pair_packed
+
+    if not cpu_kernels.gemm_pairs_available():
+        pytest.skip("this CPU has no AVX-512 BF16")
+    rng = random.Random(5)
+    g = torch.Generator().manual_seed(5)
+    for case in range(24):
+        m = rng.choice([1, 2, 5, 8, 9, 16, 17, 33, 64, 71, 140, 300])
+        n = rng.choice([1, 7, 16, 17, 48, 49, 95, 130])
+        k = rng.choice([2, 6, 64, 250, 1030])
+        x = torch.randn(m, k, generator=g).bfloat16()
+        w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+        bias = torch.randn(n, generator=g).bfloat16() if case % 2 else None
+        packed = pair_packed.pack(w)
+        assert torch.equal(packed.to_dense(), w)
+        got = pair_packed.matmul(x, packed, bias)
+        assert torch.equal(got, _pairs_reference(x, w, bias)), (m, n, k)
+    with pytest.raises(RuntimeError, match="even"):
+        cpu_kernels.gemm_pairs(torch.zeros(2, 3, dtype=torch.bfloat16),
+                               torch.zeros(1, 1, 16, 2, dtype=torch.bfloat16), None, 16)
+    with pytest.raises(RuntimeError, match="packed"):
+        cpu_kernels.gemm_pairs(torch.zeros(2, 4, dtype=torch.bfloat16),
+                               torch.zeros(1, 2, 16, 2, dtype=torch.bfloat16), None, 17)

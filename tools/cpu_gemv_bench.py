@@ -19,6 +19,12 @@ bf16), in milliseconds per pass next to the kernel's: where layers.decode_gemv_r
 (model/huge_pages.py; the "model" setting then streams as a decode step does).
 
     .venv/bin/python tools/cpu_gemv_bench.py --setting model --rows 8 12 16 24 --onednn
+
+`--pairs` times the bf16 GEMM on weights packed by pairs (what layers.linear runs for bf16 at
+every number of rows on CPUs with AVX-512 BF16) the same way:
+
+    .venv/bin/python tools/cpu_gemv_bench.py --setting model qwen2-0.5b --dtype bfloat16 \
+        --rows 1 4 8 16 32 64 --onednn --pairs
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch
 from torch import nn
 
 from fleetllm.attention import cpu_kernels
-from fleetllm.model import huge_pages, layers
+from fleetllm.model import huge_pages, layers, pair_packed
 
 ROWS = (1, 2, 4, 8)
 LAYER = [(1280, 768), (768, 768), (4096, 768), (768, 2048)]  # qkv, o, gate/up, down
@@ -88,6 +94,9 @@ def main() -> None:
                         help="place the weights in huge pages, as a loaded model's are")
     parser.add_argument("--onednn", action="store_true",
                         help="also time oneDNN's packed copy (ms per pass)")
+    parser.add_argument("--pairs", action="store_true",
+                        help="also time the bf16 GEMM on weights packed by pairs (ms per pass; "
+                             "CPUs with AVX-512 BF16: model/pair_packed.py)")
     args = parser.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("fleetllm's CPU kernels are not available here")
@@ -102,14 +111,20 @@ def main() -> None:
                       for m in args.rows}
             figures = "  ".join(f"{m} rows {nbytes / t / 1e9:5.1f}" for m, t in kernel.items())
             print(f"{setting:5s} {name:8s} GB/s: {figures}")
-            if args.onednn:
-                packed = [SimpleNamespace(weight=None, packed_weight=layers._pack(w),
-                                          shape=w.shape) for w in ws]
-                onednn = {m: seconds(packed, dtype, m, calls, lambda x, p: layers.linear(p, x))
-                          for m in args.rows}
-                figures = "  ".join(f"{m} rows {kernel[m] * 1e3:.1f} vs {onednn[m] * 1e3:.1f}"
+            others = {"oneDNN": args.onednn, "pairs GEMM": args.pairs and dtype == torch.bfloat16
+                      and pair_packed.applies(ws[0])}
+            for label, wanted in others.items():
+                if not wanted:
+                    continue
+                pack = layers._pack_onednn if label == "oneDNN" else pair_packed.pack
+                packed = [SimpleNamespace(weight=None, packed_weight=pack(w), shape=w.shape)
+                          for w in ws]
+                other = {m: seconds(packed, dtype, m, calls, lambda x, p: layers.linear(p, x))
+                         for m in args.rows}
+                del packed
+                figures = "  ".join(f"{m} rows {kernel[m] * 1e3:.1f} vs {other[m] * 1e3:.1f}"
                                     for m in args.rows)
-                print(f"{setting:5s} {name:8s} ms, kernel vs oneDNN: {figures}")
+                print(f"{setting:5s} {name:8s} ms, kernel vs {label}: {figures}")
 
 
 if __name__ == "__main__":

@@ -8,14 +8,16 @@ step and layer. PyTorch has no such operation: the pure-PyTorch path gathers the
 a padded tensor first, which measured 5-10x slower on the 125M preset at batch 64.
 
 A small-M matrix-vector product (GEMV) streaming a dense [out, in] weight at the memory's
-bandwidth, for decode batches of a few sequences (oneDNN and MKL stream it at half that).
+bandwidth, for decode batches of a few sequences (oneDNN and MKL stream it at half that). On
+CPUs with AVX-512 BF16, a bf16 GEMM on weights packed by pairs (gemm_pairs, csrc/gemm.cpp;
+model/pair_packed.py) for every number of rows instead: faster than the GEMV and oneDNN alike.
 
 Fused elementwise ops (residual add + RMSNorm, SiLU * up, RoPE of q and k + the K/V cache
 write): one pass and at most one parallel region each instead of 2-6 torch kernels, and no
 parallel region at all for a few rows, where waking a sleeping OpenMP thread costs more than
 the work. And one whole decoder layer of a decode step as one call (model/fused.py): its
 projections through the GEMV for a few sequences, through oneDNN's packed matmul, called from
-C++, for more.
+C++, for more (or, packed by pairs, the bf16 GEMM for any number).
 
 Each row's argmax for the sampler, read in place in float32 or bfloat16 (torch's CPU argmax
 runs ~1 ns an element, ten times its max).
@@ -53,7 +55,7 @@ _ops: SimpleNamespace | None = None
 _tried = False
 _lock = threading.Lock()
 _OPS = ("paged_decode", "prefill_attention", "add_rmsnorm", "silu_mul", "rope_qk_kv", "gemv",
-        "decoder_layer", "argmax", "build_info")
+        "decoder_layer", "argmax", "build_info", "gemm_pairs", "gemm_pairs_available")
 
 
 def _load() -> SimpleNamespace | None:
@@ -157,6 +159,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     return _ops.gemv(x, weight, bias)
 
 
+def gemm_pairs_available() -> bool:
+    """Whether this CPU runs gemm_pairs (AVX-512 BF16, FLEETLLM_CPU_BF16_DOT not 0)."""
+    return available() and _ops.gemm_pairs_available()
+
+
+def gemm_pairs(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+               out_features: int) -> torch.Tensor:
+    """x @ w.T (+ bias) in bfloat16 from w packed by pairs (layers.PairPacked): contiguous x
+    [M, K]; float32 sums over k in order, the bias, one rounding: a row's bits do not depend on
+    the rows beside it."""
+    return _ops.gemm_pairs(x, packed, bias, out_features)
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) of a [rows, n] x whose rows are contiguous (int64 [rows]):
     the first of equal maxima, the first NaN of a row with one."""
@@ -171,8 +186,8 @@ def decoder_layer(x: torch.Tensor, residual: torch.Tensor, first: bool,
     """One decoder layer of a decode batch, no tensor parallelism (model/fused.py).
     weights: (w_in, w_post, eps, w_qkv, b_qkv, w_o, b_o, w_gu, b_gu, w_down, b_down), biases
     None when absent. packed: empty (the projections run the GEMV kernel) or the four
-    projections' oneDNN-packed weights (qkv, o, gate_up, down: they run oneDNN's matmul as
-    layers.linear does). residual is updated in place (first: set to x). Returns the layer's
-    output [T, hid]."""
+    projections' packed weights (qkv, o, gate_up, down), all oneDNN's (they run oneDNN's
+    matmul as layers.linear does) or all PairPacked.data (the bf16 GEMM). residual is updated
+    in place (first: set to x). Returns the layer's output [T, hid]."""
     return _ops.decoder_layer(x, residual, first, *weights, heads, window, scale, cos, sin,
                               kv_cache, slots, tables, table_start, ctx_lens, list(packed))

@@ -23,7 +23,8 @@ fleetllm's cores) is printed, and fleetllm's ratio to the best of them.
 The roofline: the workload's FLOPs at this run's matmul rate on the model's own shapes in the
 engine's dtype (every layer's weights streamed, at prefill-sized and at decode-batch-sized
 rows; measured after every round, best kept, so it sees the machine as the engines did), for
-plain torch matmul and for the best matmul measured (oneDNN, packed weights); the fraction of
+plain torch matmul and for the best matmul measured (oneDNN's packed weights, or in bf16 with
+AVX-512 BF16 fleetllm's GEMM on weights packed by pairs); the fraction of
 each that fleetllm reaches is printed.
 
 --task embed (or an embedding checkpoint) runs a pooling model instead: embed.py.

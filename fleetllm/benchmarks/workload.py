@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fleetllm.config import ArchConfig
-from fleetllm.model import huge_pages
+from fleetllm.model import huge_pages, pair_packed
 
 
 @dataclass
@@ -211,10 +211,11 @@ def matmul_rate(a: ArchConfig, rows: int, dtype: torch.dtype = torch.float32,
     """GFLOP/s of the model's own projections at `rows` rows in `dtype` (the engine's), the
     way a forward streams them: every layer's four projections with their own weights (so they
     come from memory, not a cache holding one matrix), then the LM head. Two implementations:
-    plain F.linear (`x @ W.T`: MKL in float32, torch's own bf16 GEMM in bfloat16) and oneDNN
-    with pre-packed weights (what fleetllm runs for more than 4 rows); "best" is the faster,
-    the machine's rate for the roofline. With more than 2 GiB of projection weights, only
-    enough layers for 2 GiB are built."""
+    plain F.linear (`x @ W.T`: MKL in float32, torch's own bf16 GEMM in bfloat16), oneDNN
+    with pre-packed weights (what fleetllm runs for more than 4 rows), and for bf16 on CPUs with
+    AVX-512 BF16 fleetllm's GEMM on weights packed by pairs (model/pair_packed.py, which
+    replaces oneDNN there); "best" is the fastest, the machine's rate for the roofline. With
+    more than 2 GiB of projection weights, only enough layers for 2 GiB are built."""
     d, hid = a.head_dim, a.hidden_size
     shapes = [((a.num_heads + 2 * a.num_kv_heads) * d, hid), (hid, a.num_heads * d),
               (2 * a.intermediate_size, hid), (hid, a.intermediate_size)]
@@ -243,6 +244,11 @@ def matmul_rate(a: ArchConfig, rows: int, dtype: torch.dtype = torch.float32,
                     for w, k in packed], repeat) / 1e9
             except RuntimeError:
                 pass
+            packed = []  # freed before the next copy
+        if pair_packed.applies(dense[0]):
+            pairs = [(pair_packed.pack(w), w.shape[1]) for w in dense]
+            rates["pairs"] = flops / _best_time(lambda: [
+                pair_packed.matmul(inputs[k], w, None) for w, k in pairs], repeat) / 1e9
     rates["best"] = max(rates.values())
     return rates
 

@@ -4,10 +4,10 @@ up; the projections through the GEMV kernel or oneDNN's packed matmul), minus ~1
 calls, tensors and their glue per layer. Used when it computes exactly what the modules would:
 CPU float32 or bfloat16 (the KV cache in either), no tensor parallelism, no q/k norm, the
 dense weights kept (FLEETLLM_LINEAR=auto), a step of decode tokens only and nothing else. Up
-to a layer's GEMV row limit (8; 16 for bf16 weights on a CPU without bf16 packing:
-layers.decode_gemv_rows) the projections take the GEMV kernel; above it, and above the 4 rows
-from which the modules' linear() leaves the kernel, oneDNN's packed weights, as the modules
-would."""
+to a layer's GEMV row limit (8; 16 for bf16 weights on a CPU without bf16 packing; 0 for
+weights packed by pairs: layers.decode_gemv_rows) the projections take the GEMV kernel; above
+it the packed weights, as the modules would: oneDNN's matmul, or the bf16 GEMM on weights
+packed by pairs (model/pair_packed.py), which the C layer calls itself."""
 
 from __future__ import annotations
 
@@ -17,10 +17,8 @@ import torch
 
 from fleetllm.attention import AttentionMetadata, cpu_kernels
 from fleetllm.distributed.parallel_state import get_tp_group
-from fleetllm.model.layers import (
-    GEMV_ROWS,
-    decode_gemv_rows,
-)
+from fleetllm.model import pair_packed
+from fleetllm.model.layers import decode_gemv_rows
 
 # The most rows a step takes here (its activations: 76 KiB per row on Qwen2-0.5B shapes).
 MAX_ROWS = 256
@@ -61,10 +59,14 @@ def _weights(layer) -> _Layer | None:
 
 
 def _packed(linears: tuple) -> tuple | None:
-    """The projections' oneDNN-packed weights, or None if one has none. Read at each call, not
-    kept: sleep level 2 drops them (worker.py) and waking builds a new model."""
+    """The projections' packed weights (oneDNN's, or PairPacked's data), or None if one has
+    none or they are of both kinds. Read at each call, not kept: sleep level 2 drops them
+    (worker.py) and waking builds a new model."""
     packed = tuple(getattr(m, "packed_weight", None) for m in linears)
-    return None if any(p is None for p in packed) else packed
+    kinds = {isinstance(p, pair_packed.PairPacked) for p in packed}
+    if any(p is None for p in packed) or len(kinds) > 1:  # (an odd K keeps oneDNN's packing)
+        return None
+    return tuple(p.data if isinstance(p, pair_packed.PairPacked) else p for p in packed)
 
 
 def applies(hidden: torch.Tensor, kv_cache: torch.Tensor | None,
@@ -84,8 +86,8 @@ def run_layer(layer, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tens
     if fused is None:
         return None
     packed = ()
-    if hidden.shape[0] > fused.gemv_rows:  # past the GEMV kernel: oneDNN, where modules take it
-        packed = _packed(fused.linears) if hidden.shape[0] > GEMV_ROWS else None
+    if hidden.shape[0] > fused.gemv_rows:  # past the GEMV kernel: the packed weights, as the
+        packed = _packed(fused.linears)      # modules take them
         if packed is None:
             return None
     first = residual is None

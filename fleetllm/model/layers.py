@@ -22,6 +22,12 @@ packed copy instead: rows convert to float32, multiply exactly as the float32 mo
 sums, as bf16 kernels use too) and round back to bfloat16 once per output, as HF's bf16 linear
 does. It costs 4 bytes per parameter beside the 2 of the dense bf16 weight; the 1-4 row GEMV
 still reads the bf16 weight (half the bytes).
+
+On CPUs with AVX-512 BF16 a bf16 weight is packed by pairs for fleetllm's own GEMM instead of
+oneDNN's layout (pair_packed.py): faster than oneDNN's bf16 matmul on decode batches and equal
+on prompts, and faster than the GEMV even at one row, so it takes every projection at every
+number of rows (decode_gemv_rows 0). The dense copy stays beside it as before (the one-call
+decoder layer reads the dense weights' shapes; dropping it is not done yet).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from torch import nn
 from fleetllm.attention import cpu_kernels
 from fleetllm.distributed.parallel_state import get_tp_group
 from fleetllm.lora.layers import lora_delta
+from fleetllm.model import pair_packed
 
 logger = logging.getLogger(__name__)
 
@@ -278,6 +285,8 @@ def decode_gemv_rows(layer: nn.Module) -> int:
     decode batch up to this size (the kernel's rows are independent), given the same hidden
     states; fused.py applies the same rules to whole layers."""
     packed, weight = getattr(layer, "packed_weight", None), layer.weight
+    if isinstance(packed, pair_packed.PairPacked):
+        return 0  # its GEMM streams the weight faster than the GEMV at every number of rows
     if packed is not None and weight is not None and packed.dtype != weight.dtype:
         return 16
     return 8
@@ -285,10 +294,12 @@ def decode_gemv_rows(layer: nn.Module) -> int:
 
 def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
            gemv_rows: int = GEMV_ROWS) -> torch.Tensor:
-    """x @ layer.weight^T (+ bias): the GEMV kernel for up to `gemv_rows` rows when the dense
-    weight is kept, else the packed weight when the layer has one, else F.linear."""
+    """x @ layer.weight^T (+ bias): a weight packed by pairs takes the kernels' GEMM at any
+    number of rows (pair_packed.py); else the GEMV kernel for up to `gemv_rows` rows when the
+    dense weight is kept, else the packed weight when the layer has one, else F.linear."""
     packed, weight = getattr(layer, "packed_weight", None), layer.weight
-    if weight is not None and x.dim() == 2 and x.shape[0] <= gemv_rows and \
+    pairs = isinstance(packed, pair_packed.PairPacked)
+    if not pairs and weight is not None and x.dim() == 2 and x.shape[0] <= gemv_rows and \
             x.is_contiguous() and cpu_kernels.usable(x, weight):
         return cpu_kernels.gemv(x, weight, bias)
     if packed is None:
@@ -296,7 +307,9 @@ def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
     shape = x.shape
     if x.dim() != 2:
         x = x.reshape(-1, shape[-1])
-    if packed.dtype != x.dtype:  # a float32 copy of a bf16 weight (see the module docstring)
+    if pairs:
+        y = pair_packed.matmul(x, packed, bias)
+    elif packed.dtype != x.dtype:  # a float32 copy of a bf16 weight (see the module docstring)
         y = torch.ops.mkldnn._linear_pointwise(x.float().contiguous(), packed,
                                                None if bias is None else bias.float(), "none",
                                                [None], "").to(x.dtype)
@@ -369,9 +382,14 @@ def _packing_plan(model: nn.Module) -> tuple[list[nn.Module], set[int], bool, bo
     return linears, shared, packable, keep_dense
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's packed copy of `weight`; of its float32 copy for a bf16 weight on a CPU where
-    oneDNN packs no bf16 (see the module docstring)."""
+def _pack(weight: torch.Tensor) -> torch.Tensor | pair_packed.PairPacked:
+    """The kernels' pair-packed copy of a bf16 `weight` where this CPU runs it (pair_packed.py),
+    else oneDNN's packed copy; of its float32 copy for a bf16 weight on a CPU where oneDNN packs
+    no bf16 (see the module docstring)."""
+    return pair_packed.pack(weight) if pair_packed.applies(weight) else _pack_onednn(weight)
+
+
+def _pack_onednn(weight: torch.Tensor) -> torch.Tensor:
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight, None)
     except RuntimeError:

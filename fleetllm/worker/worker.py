@@ -195,7 +195,7 @@ class Worker(WorkerBase):
                 for module in model.modules():  # oneDNN-packed copies (layers.py) go too
                     packed = getattr(module, "packed_weight", None)
                     if packed is not None:
-                        freed += packed.numel() * packed.element_size()
+                        freed += packed.nbytes
                         module.packed_weight = None
                 state["weights"] = model
         _release_memory(self.device)

@@ -1,0 +1,62 @@
+"""A bf16 projection weight packed by pairs for the kernels' GEMM (csrc/gemm.cpp).
+
+What: [N, K] becomes [ceil(N/16), K/2, 16, 2] (zero rows past N): one 64-byte vector holds 16
+outputs' weights for one pair of k, which one AVX-512 BF16 dot product (vdpbf16ps) multiplies by
+a row of x's pair broadcast to all lanes. The kernel keeps 8 rows x 48 outputs of sums in
+registers, so it needs no horizontal sums and reads 11 vectors per 24 dot products.
+
+Why: decode batches past the GEMV's 8 rows ran oneDNN's packed bf16 matmul at ~60% of the
+two cores' dot-product peak; this layout's kernel runs them 1.05-1.35x faster and matches
+oneDNN on prompts (docs/perf.md, item 24), so on CPUs with AVX-512 BF16 it replaces oneDNN's
+packed copy (same memory: one copy beside the dense weight the GEMV reads). Its bits do not
+depend on the rows beside a row (each output one lane, k in order), unlike oneDNN's.
+
+Where it does not apply (no AVX-512 BF16, FLEETLLM_CPU_BF16_DOT=0, an odd K, float32 weights),
+layers._pack keeps oneDNN's packing.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from fleetllm.attention import cpu_kernels
+
+
+class PairPacked(NamedTuple):
+    data: torch.Tensor  # [ceil(N/16), K/2, 16, 2] bfloat16
+    out_features: int  # N
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def to_dense(self) -> torch.Tensor:
+        """The [N, K] weight back."""
+        blocks, pairs = self.data.shape[:2]
+        return self.data.permute(0, 2, 1, 3).reshape(blocks * 16, pairs * 2)[:self.out_features]
+
+
+def applies(weight: torch.Tensor) -> bool:
+    """This CPU's kernels run `weight` packed by pairs."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[1] % 2 == 0 and cpu_kernels.gemm_pairs_available())
+
+
+def pack(weight: torch.Tensor) -> PairPacked:
+    """weight [N, K] packed by pairs."""
+    n, k = weight.shape
+    padded = -(-n // 16) * 16
+    blocks = F.pad(weight, (0, 0, 0, padded - n)).view(padded // 16, 16, k // 2, 2)
+    return PairPacked(blocks.permute(0, 2, 1, 3).contiguous(), n)
+
+
+def matmul(x: torch.Tensor, packed: PairPacked, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ w.T (+ bias)."""
+    return cpu_kernels.gemm_pairs(x.contiguous(), packed.data, bias, packed.out_features)
