@@ -174,3 +174,39 @@ def test_the_decode_tool_cold_gives_every_layer_its_own_cache_in_huge_pages(monk
     ms, gflops, gbs = tool.time_one(torch.bfloat16, 2, 40, 14, 2, 64, cold=True)
     assert len(placed) == tool.LAYERS and placed[0].shape == (2, 2 * 3 + 8, 16, 2, 64)
     assert ms > 0 and gflops > 0 and gbs > 0
+
+
+@needs_thp
+def test_weights_packed_by_pairs_share_one_huge_page_mapping(monkeypatch):
+    """On CPUs with AVX-512 BF16 the bf16 projections' copies packed by pairs are what every
+    decode step streams: all of them in one huge-page mapping (batch 1 on the 125M preset
+    ~140 -> ~175 tokens/s in a fast phase of this machine, docs/perf.md item 24), and the
+    same products as without it."""
+    from torch import nn
+
+    from fleetllm.model import layers, pair_packed
+
+    if not cpu_kernels.gemm_pairs_available():
+        pytest.skip("this CPU has no AVX-512 BF16: no packing by pairs")
+    monkeypatch.delenv("FLEETLLM_HUGE_PAGES", raising=False)
+    g = torch.Generator().manual_seed(0)
+
+    def heads() -> nn.ModuleList:
+        out = nn.ModuleList([layers.ParallelLMHead(1000 + 16 * i, 512) for i in range(3)])
+        for m in out:
+            m.weight.data = torch.randn(m.weight.shape, generator=g).bfloat16()
+        return out
+
+    placed = heads()
+    layers.pack_linear_weights(placed)
+    packed = [m.packed_weight.data for m in placed]
+    assert all(isinstance(m.packed_weight, pair_packed.PairPacked) for m in placed)
+    assert {mapping_of(p.data_ptr())["range"] for p in packed} == {
+        mapping_of(packed[0].data_ptr())["range"]}
+    assert mapping_of(packed[0].data_ptr())["THPeligible"] == "1"
+    assert packed[0].data_ptr() % huge_pages.HUGE_PAGE == 0
+    x = torch.randn(5, 512, generator=g).bfloat16()
+    for m in placed:
+        assert torch.equal(m.packed_weight.to_dense(), m.weight)
+        fresh = pair_packed.pack(m.weight)  # torch's memory
+        assert torch.equal(layers.linear(m, x), pair_packed.matmul(x, fresh, None))

@@ -88,6 +88,13 @@ def place_parameters(model: nn.Module) -> int:
     return offset
 
 
+def empty(nbytes: int) -> torch.Tensor:
+    """nbytes of CPU memory (uint8), in its own huge-page mapping where enabled() and at least
+    one huge page (zeroed, untouched: taken as it is written), else torch.empty's."""
+    memory = _mapping(nbytes) if nbytes >= HUGE_PAGE and enabled() else None
+    return torch.empty(nbytes, dtype=torch.uint8) if memory is None else memory
+
+
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype=dtype) on the CPU, in its own huge-page mapping where
     enabled() and it is at least one huge page. Written once here, so the memory is taken now,

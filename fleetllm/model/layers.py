@@ -45,7 +45,7 @@ from torch import nn
 from fleetllm.attention import cpu_kernels
 from fleetllm.distributed.parallel_state import get_tp_group
 from fleetllm.lora.layers import lora_delta
-from fleetllm.model import pair_packed
+from fleetllm.model import huge_pages, pair_packed
 
 logger = logging.getLogger(__name__)
 
@@ -335,13 +335,23 @@ def pack_linear_weights(model: nn.Module) -> int:
     linears, shared, packable, keep_dense = _packing_plan(model)
     if not packable:
         return 0  # CUDA weights (or FLEETLLM_LINEAR=dense): don't build the CPU kernels below
-    count = 0
+    # The copies packed by pairs are what decode steps stream: one huge-page arena for all of
+    # them (model/huge_pages.py: 7% at batch 1 for the GEMV's weights, docs/perf.md item 18).
+    pairs = [m.weight for m in linears if m.weight is not None and _can_pack(m.weight)
+             and pair_packed.applies(m.weight)]
+    arena = huge_pages.empty(sum(map(pair_packed.nbytes, pairs))) if pairs else None
+    offset = count = 0
     for module in linears:
         weight = module.weight
         if weight is None or not _can_pack(weight):
             continue
         try:
-            packed = _pack(weight.detach())
+            if arena is not None and pair_packed.applies(weight):
+                size = pair_packed.nbytes(weight)
+                packed = pair_packed.pack(weight.detach(), arena[offset:offset + size])
+                offset += size
+            else:
+                packed = _pack(weight.detach())
             probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
             probe = probe.to(weight.dtype)
             got = linear(SimpleNamespace(weight=None, packed_weight=packed), probe)

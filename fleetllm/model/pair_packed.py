@@ -49,12 +49,23 @@ def applies(weight: torch.Tensor) -> bool:
             and weight.shape[1] % 2 == 0 and cpu_kernels.gemm_pairs_available())
 
 
-def pack(weight: torch.Tensor) -> PairPacked:
-    """weight [N, K] packed by pairs."""
+def nbytes(weight: torch.Tensor) -> int:
+    """The bytes of weight's packed copy."""
+    n, k = weight.shape
+    return -(-n // 16) * 16 * k * weight.element_size()
+
+
+def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> PairPacked:
+    """weight [N, K] packed by pairs, into `out` (nbytes(weight) uint8: a slice of the
+    huge-page arena layers.pack_linear_weights gives every projection) or new memory."""
     n, k = weight.shape
     padded = -(-n // 16) * 16
     blocks = F.pad(weight, (0, 0, 0, padded - n)).view(padded // 16, 16, k // 2, 2)
-    return PairPacked(blocks.permute(0, 2, 1, 3).contiguous(), n)
+    shape = (padded // 16, k // 2, 16, 2)
+    data = torch.empty(shape, dtype=weight.dtype) if out is None else \
+        out.view(weight.dtype).view(shape)
+    data.copy_(blocks.permute(0, 2, 1, 3))
+    return PairPacked(data, n)
 
 
 def matmul(x: torch.Tensor, packed: PairPacked, bias: torch.Tensor | None) -> torch.Tensor:
