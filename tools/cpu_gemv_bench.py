@@ -69,6 +69,20 @@ def weights(setting: str, dtype: torch.dtype, huge: bool = False) -> list[torch.
     return ws
 
 
+def pack_pairs(ws: list[torch.Tensor], huge: bool) -> list:
+    """ws packed by pairs; huge: in one huge-page arena, as layers.pack_linear_weights packs a
+    model's."""
+    if not huge:
+        return [pair_packed.pack(w) for w in ws]
+    arena = huge_pages.empty(sum(map(pair_packed.nbytes, ws)))
+    out, offset = [], 0
+    for w in ws:
+        size = pair_packed.nbytes(w)
+        out.append(pair_packed.pack(w, arena[offset:offset + size]))
+        offset += size
+    return out
+
+
 def seconds(ws: list, dtype: torch.dtype, rows: int, calls: int, fn) -> float:
     """Best of 7 passes of fn(x, w) over every weight, `calls` times each."""
     g = torch.Generator().manual_seed(1)
@@ -116,9 +130,12 @@ def main() -> None:
             for label, wanted in others.items():
                 if not wanted:
                     continue
-                pack = layers._pack_onednn if label == "oneDNN" else pair_packed.pack
-                packed = [SimpleNamespace(weight=None, packed_weight=pack(w), shape=w.shape)
-                          for w in ws]
+                if label == "oneDNN":
+                    copies = [layers._pack_onednn(w) for w in ws]
+                else:  # in one huge-page arena with --huge-pages, as the loader packs them
+                    copies = pack_pairs(ws, args.huge_pages)
+                packed = [SimpleNamespace(weight=None, packed_weight=p, shape=w.shape)
+                          for p, w in zip(copies, ws, strict=True)]
                 other = {m: seconds(packed, dtype, m, calls, lambda x, p: layers.linear(p, x))
                          for m in args.rows}
                 del packed
