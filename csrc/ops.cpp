@@ -417,10 +417,17 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
 {
     const Cache c = check_cache(kv_cache);
     check_float(x, "x", 2);
-    check_float(w_down, "w_down", 2);
+    // Weights packed by pairs are all the layer reads of its projections: the dense ones may
+    // be gone (layers.pack_linear_weights frees them; empty tensors here) and the
+    // intermediate size comes from down's pairs, [hid/16, I/2, 16, 2].
+    const optional<Tensor> down_packed = packed.size() == 4 ? packed.get(3) : optional<Tensor>();
+    const bool by_pairs = down_packed.has_value() && down_packed->dim() == 4;
+    const Tensor &inter_of = by_pairs ? *down_packed : w_down;
+    check_float(inter_of, by_pairs ? "packed down" : "w_down", by_pairs ? 4 : 2);
+    const int64_t inter = by_pairs ? 2 * inter_of.size(1) : inter_of.size(1);
     const at::ScalarType type = x.scalar_type();
     kernels::LayerDims d{to_int(x.size(0), "rows"), to_int(x.size(1), "hidden size"),
-                         to_int(heads, "heads"), c.kvh, c.d, to_int(w_down.size(1), "inter"),
+                         to_int(heads, "heads"), c.kvh, c.d, to_int(inter, "inter"),
                          c.bs, to_int(window, "window"), static_cast<float>(scale)};
     TORCH_CHECK(d.hid > 0 && d.H > 0 && d.I > 0 && d.H % d.KVH == 0 && d.D % 2 == 0,
                 "decoder_layer: bad dimensions");
@@ -429,10 +436,12 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
     check_dense(residual, "residual", {d.T, d.hid}, type);
     check_dense(w_in, "w_in", {d.hid}, type);
     check_dense(w_post, "w_post", {d.hid}, type);
-    check_dense(w_qkv, "w_qkv", {qkv_dim, d.hid}, type);
-    check_dense(w_o, "w_o", {d.hid, static_cast<int64_t>(d.H) * d.D}, type);
-    check_dense(w_gu, "w_gu", {2L * d.I, d.hid}, type);
-    check_dense(w_down, "w_down", {d.hid, d.I}, type);
+    if (!by_pairs) {
+        check_dense(w_qkv, "w_qkv", {qkv_dim, d.hid}, type);
+        check_dense(w_o, "w_o", {d.hid, static_cast<int64_t>(d.H) * d.D}, type);
+        check_dense(w_gu, "w_gu", {2L * d.I, d.hid}, type);
+        check_dense(w_down, "w_down", {d.hid, d.I}, type);
+    }
     const std::tuple<const optional<Tensor> *, const char *, int64_t> biases[] = {
         {&b_qkv, "b_qkv", qkv_dim}, {&b_o, "b_o", d.hid}, {&b_gu, "b_gu", 2L * d.I},
         {&b_down, "b_down", d.hid}};

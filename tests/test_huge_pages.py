@@ -180,8 +180,8 @@ def test_the_decode_tool_cold_gives_every_layer_its_own_cache_in_huge_pages(monk
 def test_weights_packed_by_pairs_share_one_huge_page_mapping(monkeypatch):
     """On CPUs with AVX-512 BF16 the bf16 projections' copies packed by pairs are what every
     decode step streams: all of them in one huge-page mapping (batch 1 on the 125M preset
-    ~140 -> ~175 tokens/s in a fast phase of this machine, docs/perf.md item 24), and the
-    same products as without it."""
+    ~140 -> ~175 tokens/s in a fast phase of this machine, docs/perf.md item 24), the same
+    products as without it, and no dense weight kept beside them."""
     from torch import nn
 
     from fleetllm.model import layers, pair_packed
@@ -198,6 +198,7 @@ def test_weights_packed_by_pairs_share_one_huge_page_mapping(monkeypatch):
         return out
 
     placed = heads()
+    dense = [m.weight.detach().clone() for m in placed]
     layers.pack_linear_weights(placed)
     packed = [m.packed_weight.data for m in placed]
     assert all(isinstance(m.packed_weight, pair_packed.PairPacked) for m in placed)
@@ -206,7 +207,8 @@ def test_weights_packed_by_pairs_share_one_huge_page_mapping(monkeypatch):
     assert mapping_of(packed[0].data_ptr())["THPeligible"] == "1"
     assert packed[0].data_ptr() % huge_pages.HUGE_PAGE == 0
     x = torch.randn(5, 512, generator=g).bfloat16()
-    for m in placed:
-        assert torch.equal(m.packed_weight.to_dense(), m.weight)
-        fresh = pair_packed.pack(m.weight)  # torch's memory
+    for m, w in zip(placed, dense, strict=True):
+        assert m.weight is None  # that copy serves every number of rows: no dense one beside it
+        assert torch.equal(m.packed_weight.to_dense(), w)
+        fresh = pair_packed.pack(w)  # torch's memory
         assert torch.equal(layers.linear(m, x), pair_packed.matmul(x, fresh, None))

@@ -42,18 +42,21 @@ def _weights(layer) -> _Layer | None:
         return cached
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    by_pairs = all(isinstance(getattr(m, "packed_weight", None), pair_packed.PairPacked)
+                   for m in linears)  # then the dense weights are not read (and may be gone)
     ok = (get_tp_group().world_size == 1 and attn.q_norm is None
-          and all(m.weight is not None and m.weight.is_contiguous()
-                  and cpu_kernels.usable(m.weight) for m in linears)
+          and (by_pairs or all(m.weight is not None and m.weight.is_contiguous()
+                               and cpu_kernels.usable(m.weight) for m in linears))
           and layer.input_layernorm.eps == layer.post_attention_layernorm.eps)
     layer._fused = None
     if ok:
         rows = min(decode_gemv_rows(m) for m in linears)
         bias = [getattr(m, "bias", None) for m in linears]
+        norm = layer.input_layernorm.weight
+        dense = [norm.new_empty(0) if m.weight is None else m.weight for m in linears]
         layer._fused = _Layer(
-            (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-             layer.input_layernorm.eps, attn.qkv_proj.weight, bias[0], attn.o_proj.weight,
-             bias[1], mlp.gate_up_proj.weight, bias[2], mlp.down_proj.weight, bias[3]),
+            (norm, layer.post_attention_layernorm.weight, layer.input_layernorm.eps, dense[0],
+             bias[0], dense[1], bias[1], dense[2], bias[2], dense[3], bias[3]),
             attn.num_heads, attn.sliding_window or 0, attn.scale, rows, linears)
     return layer._fused
 

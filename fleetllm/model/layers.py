@@ -26,8 +26,8 @@ still reads the bf16 weight (half the bytes).
 On CPUs with AVX-512 BF16 a bf16 weight is packed by pairs for fleetllm's own GEMM instead of
 oneDNN's layout (pair_packed.py): faster than oneDNN's bf16 matmul on decode batches and equal
 on prompts, and faster than the GEMV even at one row, so it takes every projection at every
-number of rows (decode_gemv_rows 0). The dense copy stays beside it as before (the one-call
-decoder layer reads the dense weights' shapes; dropping it is not done yet).
+number of rows (decode_gemv_rows 0), and the dense weights are freed (unless the embedding
+shares one): a bf16 model's projections take their own size in memory, not twice it.
 """
 
 from __future__ import annotations
@@ -330,8 +330,9 @@ def _can_pack(weight: torch.Tensor) -> bool:
 def pack_linear_weights(model: nn.Module) -> int:
     """Give each projection (and the LM head) a oneDNN-packed copy of its weight, checked
     against F.linear on a few rows. The dense weight stays for the small-batch GEMV kernel
-    while all of them weigh at most FLEETLLM_GEMV_MAX_BYTES, else it is freed (unless the
-    embedding shares it). Returns the number of layers packed; 0 leaves the model unchanged."""
+    while all of them weigh at most FLEETLLM_GEMV_MAX_BYTES and none is packed by pairs (that
+    copy serves every number of rows), else it is freed (unless the embedding shares it).
+    Returns the number of layers packed; 0 leaves the model unchanged."""
     linears, shared, packable, keep_dense = _packing_plan(model)
     if not packable:
         return 0  # CUDA weights (or FLEETLLM_LINEAR=dense): don't build the CPU kernels below
@@ -386,8 +387,11 @@ def _packing_plan(model: nn.Module) -> tuple[list[nn.Module], set[int], bool, bo
     # What keeping the dense weights costs: a tied LM head's is the embedding's, kept anyway.
     dense_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears
                       if m.weight is not None and id(m.weight) not in shared)
+    # Weights packed by pairs read only that copy at any number of rows: no dense copy then.
+    by_pairs = any(m.weight is not None and pair_packed.applies(m.weight) for m in linears)
     keep_dense = os.environ.get("FLEETLLM_LINEAR", "auto") == "auto" and cpu_kernels.available() \
-        and dense_bytes <= int(float(os.environ.get("FLEETLLM_GEMV_MAX_BYTES", 2 << 30)))
+        and dense_bytes <= int(float(os.environ.get("FLEETLLM_GEMV_MAX_BYTES", 2 << 30))) \
+        and not by_pairs
     packable = any(m.weight is not None and _can_pack(m.weight) for m in linears)
     return linears, shared, packable, keep_dense
 

@@ -6,10 +6,12 @@ a row of x's pair broadcast to all lanes. The kernel keeps 8 rows x 48 outputs o
 registers, so it needs no horizontal sums and reads 11 vectors per 24 dot products.
 
 Why: decode batches past the GEMV's 8 rows ran oneDNN's packed bf16 matmul at ~60% of the
-two cores' dot-product peak; this layout's kernel runs them 1.05-1.35x faster and matches
-oneDNN on prompts (docs/perf.md, item 24), so on CPUs with AVX-512 BF16 it replaces oneDNN's
-packed copy (same memory: one copy beside the dense weight the GEMV reads). Its bits do not
-depend on the rows beside a row (each output one lane, k in order), unlike oneDNN's.
+two cores' dot-product peak; this layout's kernel runs them 1.05-1.35x faster, matches oneDNN
+on prompts and the GEMV at 1-8 rows (docs/perf.md, item 24), so on CPUs with AVX-512 BF16 it
+replaces oneDNN's packed copy and the GEMV at every number of rows, and the dense weight goes
+(layers.pack_linear_weights): half the memory the projections took with the two copies.
+Its bits do not depend on the rows beside a row (each output one lane, k in order), unlike
+oneDNN's: a sequence gets the same logits in any batch.
 
 Where it does not apply (no AVX-512 BF16, FLEETLLM_CPU_BF16_DOT=0, an odd K, float32 weights),
 layers._pack keeps oneDNN's packing.
@@ -40,7 +42,8 @@ class PairPacked(NamedTuple):
     def to_dense(self) -> torch.Tensor:
         """The [N, K] weight back."""
         blocks, pairs = self.data.shape[:2]
-        return self.data.permute(0, 2, 1, 3).reshape(blocks * 16, pairs * 2)[:self.out_features]
+        dense = self.data.permute(0, 2, 1, 3).reshape(blocks * 16, pairs * 2)
+        return dense[:self.out_features].contiguous()
 
 
 def applies(weight: torch.Tensor) -> bool:
