@@ -1,6 +1,6 @@
 // The bf16 GEMM of decode batches past the GEMV's rows and of prompts, on CPUs with AVX-512
-// BF16: y = x . w^T (+ bias) from a weight packed by pairs (pack_pairs in
-// fleetllm/model/layers.py): [ceil(N/16)][K/2][16][2], so that one 64-byte vector holds 16
+// BF16: y = x . w^T (+ bias) from a weight packed by pairs (pack in
+// fleetllm/model/pair_packed.py): [ceil(N/16)][K/2][16][2], so that one 64-byte vector holds 16
 // outputs' weights for one pair of k, and a row of x's pair broadcast to the 16 lanes feeds one
 // vdpbf16ps for 16 outputs. A microkernel of up to 8 rows of x by 48 outputs keeps 24 sums in
 // registers and reads 3 weight vectors and 8 broadcast pairs per 24 dot products, where a

@@ -131,7 +131,7 @@ def main() -> None:
                 if not wanted:
                     continue
                 if label == "oneDNN":
-                    copies = [layers._pack_onednn(w) for w in ws]
+                    copies = [layers._pack(w) for w in ws]
                 else:  # in one huge-page arena with --huge-pages, as the loader packs them
                     copies = pack_pairs(ws, args.huge_pages)
                 packed = [SimpleNamespace(weight=None, packed_weight=p, shape=w.shape)

@@ -3,7 +3,9 @@ kernels as the module-by-module path (fused norm, RoPE + cache write, paged atte
 up; the projections through the GEMV kernel or oneDNN's packed matmul), minus ~10 Python
 calls, tensors and their glue per layer. Used when it computes exactly what the modules would:
 CPU float32 or bfloat16 (the KV cache in either), no tensor parallelism, no q/k norm, the
-dense weights kept (FLEETLLM_LINEAR=auto), a step of decode tokens only and nothing else. Up
+dense weights kept (FLEETLLM_LINEAR=auto) or all four projections packed by pairs (their
+dense weights are freed: empty tensors stand in), a step of decode tokens only and nothing
+else. Up
 to a layer's GEMV row limit (8; 16 for bf16 weights on a CPU without bf16 packing; 0 for
 weights packed by pairs: layers.decode_gemv_rows) the projections take the GEMV kernel; above
 it the packed weights, as the modules would: oneDNN's matmul, or the bf16 GEMM on weights

@@ -341,13 +341,14 @@ def pack_linear_weights(model: nn.Module) -> int:
     pairs = [m.weight for m in linears if m.weight is not None and _can_pack(m.weight)
              and pair_packed.applies(m.weight)]
     arena = huge_pages.empty(sum(map(pair_packed.nbytes, pairs))) if pairs else None
+    by_pairs = {id(w) for w in pairs}
     offset = count = 0
     for module in linears:
         weight = module.weight
         if weight is None or not _can_pack(weight):
             continue
         try:
-            if arena is not None and pair_packed.applies(weight):
+            if id(weight) in by_pairs:
                 size = pair_packed.nbytes(weight)
                 packed = pair_packed.pack(weight.detach(), arena[offset:offset + size])
                 offset += size
@@ -396,14 +397,10 @@ def _packing_plan(model: nn.Module) -> tuple[list[nn.Module], set[int], bool, bo
     return linears, shared, packable, keep_dense
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor | pair_packed.PairPacked:
-    """The kernels' pair-packed copy of a bf16 `weight` where this CPU runs it (pair_packed.py),
-    else oneDNN's packed copy; of its float32 copy for a bf16 weight on a CPU where oneDNN packs
-    no bf16 (see the module docstring)."""
-    return pair_packed.pack(weight) if pair_packed.applies(weight) else _pack_onednn(weight)
-
-
-def _pack_onednn(weight: torch.Tensor) -> torch.Tensor:
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed copy of `weight`; of its float32 copy for a bf16 weight on a CPU where
+    oneDNN packs no bf16 (see the module docstring). (Weights packed by pairs go through
+    pack_linear_weights' arena instead.)"""
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight, None)
     except RuntimeError:
