@@ -500,6 +500,42 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
     return out;
 }
 
+// Every decoder layer of a decode step in one call (model/fused.py, run_layers): decoder_layer
+// for each in turn (the first setting the residual when `first`), so that Python and the dispatcher are
+// crossed once a step, not once a layer (~15 us a layer here). weights: 10 a layer (w_in, w_post,
+// w_qkv, b_qkv, w_o, b_o, w_gu, b_gu, w_down, b_down; the biases may be None); windows and
+// kv_caches: one a layer; packed: none, or 4 a layer (decoder_layer's packed).
+Tensor decoder_layers(const Tensor &x, const Tensor &residual, bool first,
+                      const c10::List<optional<Tensor>> &weights, double eps, int64_t heads,
+                      c10::IntArrayRef windows, double scale, const Tensor &cos,
+                      const Tensor &sin, const std::vector<Tensor> &kv_caches,
+                      const Tensor &slots, const Tensor &tables, const Tensor &table_start,
+                      const Tensor &ctx_lens, const c10::List<optional<Tensor>> &packed)
+{
+    const size_t layers = kv_caches.size();
+    TORCH_CHECK(layers > 0 && weights.size() == 10 * layers && windows.size() == layers &&
+                    (packed.empty() || packed.size() == 4 * layers),
+                "decoder_layers: ", layers, " caches need 10 weights, a window and no or 4 "
+                "packed weights each; got ", weights.size(), ", ", windows.size(), ", ",
+                packed.size());
+    Tensor h = x;
+    for (size_t l = 0; l < layers; l++) {
+        optional<Tensor> w[10];
+        for (size_t i = 0; i < 10; i++)
+            w[i] = weights.get(10 * l + i);
+        for (size_t i : {0, 1, 2, 4, 6, 8})
+            TORCH_CHECK(w[i].has_value(), "decoder_layers: layer ", l, "'s weight ", i,
+                        " is None (only biases may be)");
+        c10::List<optional<Tensor>> own;
+        for (size_t i = 0; i < packed.size() / layers; i++)
+            own.push_back(packed.get(4 * l + i));
+        h = decoder_layer(h, residual, first && l == 0, *w[0], *w[1], eps, *w[2], w[3], *w[4], w[5],
+                          *w[6], w[7], *w[8], w[9], heads, windows[l], scale, cos, sin,
+                          kv_caches[l], slots, tables, table_start, ctx_lens, own);
+    }
+    return h;
+}
+
 Tensor argmax(const Tensor &x)
 {
     check_float(x, "x", 2);
@@ -557,6 +593,10 @@ TORCH_LIBRARY(fleetllm, m)
           "Tensor? b_gu, Tensor w_down, Tensor? b_down, int heads, int window, float scale, "
           "Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slots, Tensor tables, "
           "Tensor table_start, Tensor ctx_lens, Tensor?[] packed) -> Tensor");
+    m.def("decoder_layers(Tensor x, Tensor(a!) residual, bool first, Tensor?[] weights, float eps, "
+          "int heads, int[] windows, float scale, Tensor cos, Tensor sin, Tensor(b!)[] kv_caches, "
+          "Tensor slots, Tensor tables, Tensor table_start, Tensor ctx_lens, Tensor?[] packed) "
+          "-> Tensor");
     m.def("argmax(Tensor x) -> Tensor");
     m.def("gemm_pairs(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
     m.def("gemm_pairs_available() -> bool", &fleetllm::gemm_pairs_available);
@@ -572,6 +612,7 @@ TORCH_LIBRARY_IMPL(fleetllm, CPU, m)
     m.impl("rope_qk_kv", &fleetllm::rope_qk_kv);
     m.impl("gemv", &fleetllm::gemv);
     m.impl("decoder_layer", &fleetllm::decoder_layer);
+    m.impl("decoder_layers", &fleetllm::decoder_layers);
     m.impl("argmax", &fleetllm::argmax);
     m.impl("gemm_pairs", &fleetllm::gemm_pairs);
 }
@@ -581,4 +622,5 @@ TORCH_LIBRARY_IMPL(fleetllm, CPU, m)
 TORCH_LIBRARY_IMPL(fleetllm, MkldnnCPU, m)
 {
     m.impl("decoder_layer", &fleetllm::decoder_layer);
+    m.impl("decoder_layers", &fleetllm::decoder_layers);
 }

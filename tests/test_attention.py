@@ -234,14 +234,16 @@ def test_fused_small_batch_layers_match_the_modules(tiny_models, monkeypatch):
     prompts = [{"prompt_token_ids": list(range(7 + i, 40 + 9 * i))} for i in range(7)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     state = {"calls": 0, "rows": 0}
-    run_layer = fused.run_layer
+    run_layers = fused.run_layers
 
     def counted(*args):
-        state["calls"] += 1
-        state["rows"] = max(state["rows"], args[2].shape[0])
-        return run_layer(*args)
+        out = run_layers(*args)
+        if out is not None:
+            state["calls"] += 1
+            state["rows"] = max(state["rows"], args[2].shape[0])
+        return out
 
-    monkeypatch.setattr(fused, "run_layer", counted)
+    monkeypatch.setattr(fused, "run_layers", counted)
     runs = _fused_and_module_outputs(tiny_models, monkeypatch, prompts, params)
     for name, (fused_out, modules_out) in runs.items():
         for (ta, la), (tb, lb) in zip(fused_out, modules_out, strict=True):
@@ -263,14 +265,14 @@ def test_fused_layers_past_the_gemv_limit_give_the_modules_bits(tiny_models, mon
     prompts = [{"prompt_token_ids": list(range(5 + i, 30 + 3 * i))} for i in range(20)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
     state = {"rows": 0}
-    decoder_layer = cpu_kernels.decoder_layer
+    decoder_layers = cpu_kernels.decoder_layers
 
     def counted(*args):
-        if args[-1]:  # packed weights given: oneDNN inside the one-call layer
+        if args[-1]:  # packed weights given: oneDNN inside the one-call layers
             state["rows"] = max(state["rows"], args[0].shape[0])
-        return decoder_layer(*args)
+        return decoder_layers(*args)
 
-    monkeypatch.setattr(cpu_kernels, "decoder_layer", counted)
+    monkeypatch.setattr(cpu_kernels, "decoder_layers", counted)
     runs = _fused_and_module_outputs(tiny_models, monkeypatch, prompts, params, dtype=dtype)
     for name, (fused_out, modules_out) in runs.items():
         assert fused_out == modules_out, name

@@ -107,7 +107,7 @@ def test_one_call_layer_row_limit_follows_the_layer_size(hidden, inter, packed_d
                                   scale=0.125),
         mlp=SimpleNamespace(gate_up_proj=proj(2 * inter, hidden), down_proj=proj(hidden, inter)),
         input_layernorm=norm, post_attention_layernorm=norm)
-    assert fused._weights(layer).gemv_rows == rows
+    assert fused._stack(SimpleNamespace(layers={"0": layer})).gemv_rows == rows
 
 
 @needs_kernels
@@ -168,7 +168,7 @@ def test_large_float32_weights_keep_the_gemv_kernel_to_8_rows():
             post_attention_layernorm=SimpleNamespace(weight=torch.ones(4), eps=1e-6))
         for p in proj:  # each below the limit, the four together maybe not
             p.weight = torch.empty(1, nbytes_each // dtype.itemsize, dtype=dtype)
-        return fused._weights(layer).gemv_rows
+        return fused._stack(SimpleNamespace(layers={"0": layer})).gemv_rows
 
     large, small = 64 << 20, 4 << 20
     assert rows(torch.float32, torch.float32, large) == 8
@@ -475,10 +475,10 @@ def test_bf16_decode_steps_of_up_to_16_take_the_kernel_without_bf16_packing(
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
     monkeypatch.setattr(pair_packed, "applies", lambda weight: False)  # AVX2: no AVX-512 BF16
     seen = {"layer": 0, "head": 0}
-    run_layer, gemv = fused.run_layer, cpu_kernels.gemv
+    run_layers, gemv = fused.run_layers, cpu_kernels.gemv
 
-    def counted_layer(layer, rope, hidden, *rest):
-        out = run_layer(layer, rope, hidden, *rest)
+    def counted_layer(model, rope, hidden, *rest):
+        out = run_layers(model, rope, hidden, *rest)
         if out is not None:
             seen["layer"] = max(seen["layer"], hidden.shape[0])
         return out
@@ -488,7 +488,7 @@ def test_bf16_decode_steps_of_up_to_16_take_the_kernel_without_bf16_packing(
             seen["head"] = max(seen["head"], x.shape[0])
         return gemv(x, weight, bias)
 
-    monkeypatch.setattr(fused, "run_layer", counted_layer)
+    monkeypatch.setattr(fused, "run_layers", counted_layer)
     monkeypatch.setattr(cpu_kernels, "gemv", counted_gemv)
     path = _bf16_checkpoint(tiny_models["llama_gqa"], tmp_path / "llama")
     with LLM(path, kv_cache_memory=16 << 20) as llm:

@@ -40,12 +40,13 @@ def python(code: str, env: dict[str, str] | None = None, timeout: float = 300
 def test_ops_have_schemas():
     schemas = {n: str(getattr(torch.ops.fleetllm, n).default._schema)
                for n in ("gemv", "paged_decode", "prefill_attention", "rope_qk_kv",
-                         "decoder_layer", "argmax")}
+                         "decoder_layer", "decoder_layers", "argmax")}
     assert schemas["gemv"] == "fleetllm::gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
     assert "Tensor(a!) out) -> ()" in schemas["paged_decode"]
     assert "Tensor(a!) out) -> ()" in schemas["prefill_attention"]
     assert "Tensor(a!)? kv_cache, Tensor? slots) -> (Tensor, Tensor)" in schemas["rope_qk_kv"]
     assert "Tensor(b!) kv_cache" in schemas["decoder_layer"]
+    assert "Tensor(b!)[] kv_caches" in schemas["decoder_layers"]
     assert schemas["argmax"] == "fleetllm::argmax(Tensor x) -> Tensor"
     assert kernel_build.best_variant() in kernel_build.variants()
     assert ("sanitize: address,undefined" in cpu_kernels.build_info()) == SANITIZE
@@ -117,6 +118,47 @@ def test_other_ops_check_their_arguments():
         with pytest.raises(RuntimeError, match=message):
             call()
     cpu_kernels.decoder_layer(**args)  # the unchanged call is fine
+
+
+@needs_kernels
+def test_decoder_layers_are_decoder_layer_in_turn():
+    """decoder_layers (a decode step's layers in one call: model/fused.py) gives bit for bit
+    what decoder_layer gives layer after layer: the output, the residual and every layer's
+    cache, with the first layer setting the residual or a later pipeline stage's coming in;
+    and it refuses lists that do not match its layers."""
+    g = torch.Generator().manual_seed(3)
+    rope = (torch.randn(3, 1, 8, generator=g), torch.randn(3, 1, 8, generator=g))
+    base = decoder_layer_args(g, *rope)
+    weights = [decoder_layer_args(g, *rope)["weights"] for _ in range(3)]
+    caches = [torch.randn(base["kv_cache"].shape, generator=g) for _ in range(3)]
+    windows = [0, 2, 0]
+    listed = [t for w in weights for t in (*w[:2], *w[3:])]
+    step = [base[k] for k in ("slots", "tables", "table_start", "ctx_lens")]
+
+    def layers(residual, first, kv_caches, given=listed, windows=windows):
+        return cpu_kernels.decoder_layers(base["x"], residual, first, given, 1e-6, base["heads"],
+                                          windows, base["scale"], *rope, kv_caches, *step, [])
+
+    for first in (True, False):
+        residual = torch.randn(base["x"].shape, generator=g)
+        want_res, want_caches, h = residual.clone(), [c.clone() for c in caches], base["x"]
+        for i, w in enumerate(weights):
+            h = cpu_kernels.decoder_layer(h, want_res, first and i == 0, w, base["heads"],
+                                          windows[i], base["scale"], *rope, want_caches[i],
+                                          *step)
+        got_caches = [c.clone() for c in caches]
+        out = layers(residual, first, got_caches)
+        assert torch.equal(out, h) and torch.equal(residual, want_res)
+        assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches, strict=True))
+    none_weight = list(listed)
+    none_weight[11] = None  # layer 1's w_post
+    for call, message in [
+            (lambda: layers(torch.empty(3, 32), True, caches, windows=windows[:2]), "3 caches"),
+            (lambda: layers(torch.empty(3, 32), True, caches, given=listed[:-1]), "3 caches"),
+            (lambda: layers(torch.empty(3, 32), True, caches, given=none_weight),
+             "layer 1's weight 1 is None")]:
+        with pytest.raises(RuntimeError, match=message):
+            call()
 
 
 @needs_kernels

@@ -325,8 +325,8 @@ def test_base_only_steps_keep_the_fused_layer(setups, llm, monkeypatch):
 
     _, adapters, refs = setups["llama_gqa"]
     calls = []
-    original = fused.run_layer
-    monkeypatch.setattr(fused, "run_layer", lambda *a: calls.append(1) or original(*a))
+    original = fused.run_layers
+    monkeypatch.setattr(fused, "run_layers", lambda *a: calls.append(1) or original(*a))
     [out] = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)
     assert out.outputs[0].token_ids == refs[None][0]
     if not fused.cpu_kernels.available():

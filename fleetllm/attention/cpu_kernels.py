@@ -55,7 +55,8 @@ _ops: SimpleNamespace | None = None
 _tried = False
 _lock = threading.Lock()
 _OPS = ("paged_decode", "prefill_attention", "add_rmsnorm", "silu_mul", "rope_qk_kv", "gemv",
-        "decoder_layer", "argmax", "build_info", "gemm_pairs", "gemm_pairs_available")
+        "decoder_layer", "decoder_layers", "argmax", "build_info", "gemm_pairs",
+        "gemm_pairs_available")
 
 
 def _load() -> SimpleNamespace | None:
@@ -170,6 +171,18 @@ def gemm_pairs(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     [M, K]; float32 sums over k in order, the bias, one rounding: a row's bits do not depend on
     the rows beside it."""
     return _ops.gemm_pairs(x, packed, bias, out_features)
+
+
+def decoder_layers(x: torch.Tensor, residual: torch.Tensor, first: bool, weights: list,
+                   eps: float, heads: int, windows: list[int], scale: float, cos: torch.Tensor,
+                   sin: torch.Tensor, kv_caches: list[torch.Tensor], slots: torch.Tensor,
+                   tables: torch.Tensor, table_start: torch.Tensor, ctx_lens: torch.Tensor,
+                   packed: list) -> torch.Tensor:
+    """decoder_layer for each of a step's layers in turn, in one call. weights: 10 a layer
+    (decoder_layer's, less eps); windows and kv_caches: one a layer; packed: empty or 4 a
+    layer. residual is updated in place (first: set by the first layer)."""
+    return _ops.decoder_layers(x, residual, first, weights, eps, heads, windows, scale, cos,
+                               sin, kv_caches, slots, tables, table_start, ctx_lens, packed)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,16 @@
-"""A decode step runs each decoder layer as one C call (cpu_kernels.decoder_layer): the same
-kernels as the module-by-module path (fused norm, RoPE + cache write, paged attention, SiLU *
-up; the projections through the GEMV kernel or oneDNN's packed matmul), minus ~10 Python
-calls, tensors and their glue per layer. Used when it computes exactly what the modules would:
-CPU float32 or bfloat16 (the KV cache in either), no tensor parallelism, no q/k norm, the
-dense weights kept (FLEETLLM_LINEAR=auto) or all four projections packed by pairs (their
-dense weights are freed: empty tensors stand in), a step of decode tokens only and nothing
-else. Up
-to a layer's GEMV row limit (8; 16 for bf16 weights on a CPU without bf16 packing; 0 for
-weights packed by pairs: layers.decode_gemv_rows) the projections take the GEMV kernel; above
-it the packed weights, as the modules would: oneDNN's matmul, or the bf16 GEMM on weights
-packed by pairs (model/pair_packed.py), which the C layer calls itself."""
+"""A decode step runs all its decoder layers in one C call (cpu_kernels.decoder_layers:
+decoder_layer for each in turn), with the same kernels as the module-by-module path (fused
+norm, RoPE + cache write, paged attention, SiLU * up; the projections through the GEMV kernel
+or oneDNN's packed matmul), minus ~10 Python calls, tensors and their glue per layer, and one
+crossing of Python and the dispatcher a step instead of one a layer (~15 us each). Used when
+it computes exactly what the modules would: CPU float32 or bfloat16 (the KV cache in either),
+no tensor parallelism, no q/k norm, the dense weights kept (FLEETLLM_LINEAR=auto) or all
+projections packed by pairs (their dense weights are freed: empty tensors stand in), a step of
+decode tokens only and nothing else; otherwise the modules run. Up to the layers' GEMV row
+limit (8; 16 for bf16 weights on a CPU without bf16 packing; 0 for weights packed by pairs:
+layers.decode_gemv_rows) the projections take the GEMV kernel; above it the packed weights, as
+the modules would: oneDNN's matmul, or the bf16 GEMM on weights packed by pairs
+(model/pair_packed.py), which the C layer calls itself."""
 
 from __future__ import annotations
 
@@ -26,52 +27,59 @@ from fleetllm.model.layers import decode_gemv_rows
 MAX_ROWS = 256
 
 
-class _Layer(NamedTuple):
-    """What a layer's one C call needs, computed once per layer."""
+class _Stack(NamedTuple):
+    """What the one C call of a model's layers needs, computed once per model."""
 
-    weights: tuple  # the Parameters themselves: sleep level 2 empties them in place
+    weights: list  # 10 a layer, the Parameters themselves: sleep level 2 empties them in place
+    eps: float
     heads: int
-    window: int
+    windows: list[int]
     scale: float
     gemv_rows: int  # up to this many rows the projections take the GEMV kernel
-    linears: tuple  # qkv, o, gate_up, down: their packed weights are read at each call
+    linears: tuple  # qkv, o, gate_up, down of each layer: packed weights read at each call
+    by_pairs: bool  # their packed weights are PairPacked (else oneDNN's, or none)
 
 
-def _weights(layer) -> _Layer | None:
-    """The layer's _Layer, or None if the fused path does not apply to it."""
-    cached = getattr(layer, "_fused", False)
-    if cached is not False:
-        return cached
+def _layer_weights(layer, by_pairs: bool) -> list | None:
+    """The layer's 10 weights for the C call, or None if the fused path does not apply."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    by_pairs = all(isinstance(getattr(m, "packed_weight", None), pair_packed.PairPacked)
-                   for m in linears)  # then the dense weights are not read (and may be gone)
-    ok = (get_tp_group().world_size == 1 and attn.q_norm is None
-          and (by_pairs or all(m.weight is not None and m.weight.is_contiguous()
-                               and cpu_kernels.usable(m.weight) for m in linears))
-          and layer.input_layernorm.eps == layer.post_attention_layernorm.eps)
-    layer._fused = None
-    if ok:
-        rows = min(decode_gemv_rows(m) for m in linears)
-        bias = [getattr(m, "bias", None) for m in linears]
-        norm = layer.input_layernorm.weight
-        dense = [norm.new_empty(0) if m.weight is None else m.weight for m in linears]
-        layer._fused = _Layer(
-            (norm, layer.post_attention_layernorm.weight, layer.input_layernorm.eps, dense[0],
-             bias[0], dense[1], bias[1], dense[2], bias[2], dense[3], bias[3]),
-            attn.num_heads, attn.sliding_window or 0, attn.scale, rows, linears)
-    return layer._fused
-
-
-def _packed(linears: tuple) -> tuple | None:
-    """The projections' packed weights (oneDNN's, or PairPacked's data), or None if one has
-    none or they are of both kinds. Read at each call, not kept: sleep level 2 drops them
-    (worker.py) and waking builds a new model."""
-    packed = tuple(getattr(m, "packed_weight", None) for m in linears)
-    kinds = {isinstance(p, pair_packed.PairPacked) for p in packed}
-    if any(p is None for p in packed) or len(kinds) > 1:  # (an odd K keeps oneDNN's packing)
+    if not (attn.q_norm is None and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
+            and (by_pairs or all(m.weight is not None and m.weight.is_contiguous()
+                                 and cpu_kernels.usable(m.weight) for m in linears))):
         return None
-    return tuple(p.data if isinstance(p, pair_packed.PairPacked) else p for p in packed)
+    norm = layer.input_layernorm.weight
+    out = [norm, layer.post_attention_layernorm.weight]
+    for m in linears:  # weights packed by pairs are all that is read (the dense may be gone)
+        out += [norm.new_empty(0) if m.weight is None else m.weight, getattr(m, "bias", None)]
+    return out
+
+
+def _stack(model) -> _Stack | None:
+    """The model's _Stack, or None if the fused path does not apply to one of its layers."""
+    cached = getattr(model, "_fused_stack", False)
+    if cached is not False:
+        return cached
+    layers = list(model.layers.values())
+    linears = tuple(m for layer in layers for m in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+        layer.mlp.down_proj))
+    kinds = {isinstance(getattr(m, "packed_weight", None), pair_packed.PairPacked)
+             for m in linears}
+    by_pairs = kinds == {True}  # (an odd K keeps oneDNN's packing: both kinds, not fused)
+    weights = [_layer_weights(layer, by_pairs) for layer in layers]
+    attn = [layer.self_attn for layer in layers]
+    ok = (layers and get_tp_group().world_size == 1 and len(kinds) == 1
+          and all(w is not None for w in weights)
+          and len({(a.num_heads, a.scale, layer.input_layernorm.eps)
+                   for a, layer in zip(attn, layers, strict=True)}) == 1)
+    model._fused_stack = None
+    if ok:
+        model._fused_stack = _Stack(
+            [t for w in weights for t in w], layers[0].input_layernorm.eps, attn[0].num_heads,
+            [a.sliding_window or 0 for a in attn], attn[0].scale,
+            min(decode_gemv_rows(m) for m in linears), linears, by_pairs)
+    return model._fused_stack
 
 
 def applies(hidden: torch.Tensor, kv_cache: torch.Tensor | None,
@@ -83,23 +91,29 @@ def applies(hidden: torch.Tensor, kv_cache: torch.Tensor | None,
             and cpu_kernels.usable(hidden, kv_cache))
 
 
-def run_layer(layer, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
-              residual: torch.Tensor | None, kv_cache: torch.Tensor, meta: AttentionMetadata
-              ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(output, residual) of the layer, or None when the fused path does not apply to it."""
-    fused = _weights(layer)
-    if fused is None:
+def run_layers(model, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+               residual: torch.Tensor | None, kv_caches: list[torch.Tensor],
+               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(output, residual) of the model's layers run in turn, in one C call
+    (cpu_kernels.decoder_layers: Python and the dispatcher crossed once a step, not once a
+    layer); None when the fused path does not apply (the caller then runs the modules)."""
+    st = _stack(model)
+    if st is None:
         return None
-    packed = ()
-    if hidden.shape[0] > fused.gemv_rows:  # past the GEMV kernel: the packed weights, as the
-        packed = _packed(fused.linears)      # modules take them
-        if packed is None:
+    packed = []
+    if hidden.shape[0] > st.gemv_rows:  # past the GEMV kernel: the packed weights, as the
+        # modules take them; read at each call, not kept: sleep level 2 drops them (worker.py)
+        packed = [m.packed_weight for m in st.linears]
+        if any(p is None for p in packed):
             return None
-    first = residual is None
+        if st.by_pairs:
+            packed = [p.data for p in packed]
+    first = residual is None  # (a later pipeline stage's residual comes with its input)
     if first:
         residual = torch.empty_like(hidden)
     dec = meta.decode
-    out = cpu_kernels.decoder_layer(
-        hidden, residual, first, fused.weights, fused.heads, fused.window, fused.scale, rope[0],
-        rope[1], kv_cache, meta.slot_mapping, dec.tables, dec.table_start, dec.ctx_lens, packed)
+    out = cpu_kernels.decoder_layers(
+        hidden, residual, first, st.weights, st.eps, st.heads, st.windows, st.scale, rope[0],
+        rope[1], kv_caches, meta.slot_mapping, dec.tables, dec.table_start, dec.ctx_lens,
+        packed)
     return out, residual

@@ -116,12 +116,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, rope, hidden, residual, kv_cache, meta, fuse: bool = False):
-        """fuse: the step qualifies for the fused small-batch layer (fused.applies)."""
-        if fuse:
-            done = fused.run_layer(self, rope, hidden, residual, kv_cache, meta)
-            if done is not None:
-                return done
+    def forward(self, rope, hidden, residual, kv_cache, meta):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -170,11 +165,16 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = intermediate
         rope = self.rotary.cos_sin(positions, hidden.dtype)
         # The fused layer has no LoRA deltas: a step with adapter rows runs module by module.
-        fuse = kv_caches is not None and not lora_layers.active() and \
-            fused.applies(hidden, kv_caches[0], meta)
-        for i, layer in enumerate(self.layers.values()):
-            hidden, residual = layer(rope, hidden, residual,
-                                     None if kv_caches is None else kv_caches[i], meta, fuse)
+        done = None
+        if kv_caches is not None and not lora_layers.active() and \
+                fused.applies(hidden, kv_caches[0], meta):
+            done = fused.run_layers(self, rope, hidden, residual, kv_caches, meta)
+        if done is not None:
+            hidden, residual = done
+        else:
+            for i, layer in enumerate(self.layers.values()):
+                hidden, residual = layer(rope, hidden, residual,
+                                         None if kv_caches is None else kv_caches[i], meta)
         if not self.is_last_stage:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
