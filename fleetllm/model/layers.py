@@ -213,12 +213,22 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self._cast: tuple | None = None  # (dtype, source, cos, sin): the tables in a dtype
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's tables ([T, 1, d/2] each), looked up once and shared by every layer."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
-        return cos, self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
+        """The step's tables ([T, 1, d/2] each), looked up once and shared by every layer:
+        rows of the tables cast to `dtype` once (the same values as casting the rows; two
+        ops a step instead of six)."""
+        cast = self._cast
+        if cast is None or cast[0] != dtype or cast[1] is not self.cos:  # (moved: new buffer)
+            cast = self._cast = (dtype, self.cos, self.cos.unsqueeze(1).to(dtype),
+                                 self.sin.unsqueeze(1).to(dtype))
+        return cast[2].index_select(0, positions), cast[3].index_select(0, positions)
+
+    def _apply(self, fn, *args, **kwargs):
+        self._cast = None  # moved (to, cpu, cuda: sleep level 1): not kept where it was
+        return super()._apply(fn, *args, **kwargs)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, heads, d], k: [T, kv_heads, d] -> rotated copies."""
