@@ -512,6 +512,24 @@ def test_the_peak_tool_builds_and_prints_a_rate_per_instruction(tmp_path):
             assert float(line.split(": ")[1].split()[0]) > 0, line
 
 
+@pytest.mark.skipif(not cpu_kernels.available() or not {"avx512f", "clflushopt"} <= set(
+    Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else True,
+    reason="no C++ compiler, or a CPU without AVX-512F and CLFLUSHOPT")
+def test_the_stream_pollution_tool_builds_and_times_each_way_of_reading(tmp_path):
+    """tools/stream_pollution.c, the measurement behind perf.md item 25 (no way of reading
+    200 MiB keeps the host's working set cached): built as its header says, run, it prints a
+    warm walk and a rate and a walk after each of its five ways of reading."""
+    exe = tmp_path / "stream_pollution"
+    subprocess.run(["cc", "-O2", "-march=native", "-Wall", "-Wextra", "-Werror",
+                    str(REPO / "tools" / "stream_pollution.c"), "-o", str(exe)], check=True,
+                   timeout=120)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True,
+                         timeout=120).stdout.splitlines()
+    assert out[0].startswith("walk of the 4 MiB working set, warm: ") and len(out) == 6, out
+    for line in out[1:]:
+        assert float(line.split(" read ")[1].split()[0]) > 0 and "walk after it" in line, line
+
+
 def _pairs_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ w.T as vdpbf16ps sums it, per output: float32, k's pairs in order, each pair's
     upper product added first (bf16 products are exact in float32), then the bias, one
