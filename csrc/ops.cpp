@@ -501,10 +501,10 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
 }
 
 // Every decoder layer of a decode step in one call (model/fused.py, run_layers): decoder_layer
-// for each in turn (the first setting the residual when `first`), so that Python and the dispatcher are
-// crossed once a step, not once a layer (~15 us a layer here). weights: 10 a layer (w_in, w_post,
-// w_qkv, b_qkv, w_o, b_o, w_gu, b_gu, w_down, b_down; the biases may be None); windows and
-// kv_caches: one a layer; packed: none, or 4 a layer (decoder_layer's packed).
+// for each in turn (the first setting the residual when `first`), so that Python and the
+// dispatcher are crossed once a step, not once a layer (~15 us a layer here). weights: 10 a
+// layer (w_in, w_post, w_qkv, b_qkv, w_o, b_o, w_gu, b_gu, w_down, b_down; the biases may be
+// None); windows and kv_caches: one a layer; packed: none, or 4 a layer (decoder_layer's).
 Tensor decoder_layers(const Tensor &x, const Tensor &residual, bool first,
                       const c10::List<optional<Tensor>> &weights, double eps, int64_t heads,
                       c10::IntArrayRef windows, double scale, const Tensor &cos,
@@ -529,8 +529,8 @@ Tensor decoder_layers(const Tensor &x, const Tensor &residual, bool first,
         c10::List<optional<Tensor>> own;
         for (size_t i = 0; i < packed.size() / layers; i++)
             own.push_back(packed.get(4 * l + i));
-        h = decoder_layer(h, residual, first && l == 0, *w[0], *w[1], eps, *w[2], w[3], *w[4], w[5],
-                          *w[6], w[7], *w[8], w[9], heads, windows[l], scale, cos, sin,
+        h = decoder_layer(h, residual, first && l == 0, *w[0], *w[1], eps, *w[2], w[3], *w[4],
+                          w[5], *w[6], w[7], *w[8], w[9], heads, windows[l], scale, cos, sin,
                           kv_caches[l], slots, tables, table_start, ctx_lens, own);
     }
     return h;
@@ -593,10 +593,10 @@ TORCH_LIBRARY(fleetllm, m)
           "Tensor? b_gu, Tensor w_down, Tensor? b_down, int heads, int window, float scale, "
           "Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slots, Tensor tables, "
           "Tensor table_start, Tensor ctx_lens, Tensor?[] packed) -> Tensor");
-    m.def("decoder_layers(Tensor x, Tensor(a!) residual, bool first, Tensor?[] weights, float eps, "
-          "int heads, int[] windows, float scale, Tensor cos, Tensor sin, Tensor(b!)[] kv_caches, "
-          "Tensor slots, Tensor tables, Tensor table_start, Tensor ctx_lens, Tensor?[] packed) "
-          "-> Tensor");
+    m.def("decoder_layers(Tensor x, Tensor(a!) residual, bool first, Tensor?[] weights, "
+          "float eps, int heads, int[] windows, float scale, Tensor cos, Tensor sin, "
+          "Tensor(b!)[] kv_caches, Tensor slots, Tensor tables, Tensor table_start, "
+          "Tensor ctx_lens, Tensor?[] packed) -> Tensor");
     m.def("argmax(Tensor x) -> Tensor");
     m.def("gemm_pairs(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
     m.def("gemm_pairs_available() -> bool", &fleetllm::gemm_pairs_available);

@@ -44,9 +44,10 @@ def _layer_weights(layer, by_pairs: bool) -> list | None:
     """The layer's 10 weights for the C call, or None if the fused path does not apply."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if not (attn.q_norm is None and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
-            and (by_pairs or all(m.weight is not None and m.weight.is_contiguous()
-                                 and cpu_kernels.usable(m.weight) for m in linears))):
+    dense_ok = by_pairs or all(m.weight is not None and m.weight.is_contiguous()
+                               and cpu_kernels.usable(m.weight) for m in linears)
+    if not (dense_ok and attn.q_norm is None
+            and layer.input_layernorm.eps == layer.post_attention_layernorm.eps):
         return None
     norm = layer.input_layernorm.weight
     out = [norm, layer.post_attention_layernorm.weight]
@@ -111,6 +112,8 @@ def run_layers(model, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Ten
     first = residual is None  # (a later pipeline stage's residual comes with its input)
     if first:
         residual = torch.empty_like(hidden)
+    if len(kv_caches) != len(st.windows):
+        kv_caches = kv_caches[:len(st.windows)]  # one a layer, as the modules take them
     dec = meta.decode
     out = cpu_kernels.decoder_layers(
         hidden, residual, first, st.weights, st.eps, st.heads, st.windows, st.scale, rope[0],
