@@ -233,3 +233,27 @@ def test_prompt_chunks_alone_and_recompute_keep_results_and_prompt_logprobs(tiny
             assert mine.keys() == theirs.keys()
             for k in mine:
                 assert abs(mine[k].logprob - theirs[k].logprob) < 1e-4
+
+
+def test_incremental_text_skips_special_tokens_as_the_tokenizer_does(tiny_models):
+    """The detokenizer's text, token by token, is the tokenizer's decode of the ids, with
+    special tokens (BOS/EOS among them) skipped or kept as skip_special_tokens says; it skips
+    them from a set of special ids read once, not by transformers' per-call list."""
+    from transformers import AutoTokenizer
+
+    from fleetllm.engine.detokenizer import Detokenizer, TokenTexts
+
+    tok = AutoTokenizer.from_pretrained(tiny_models["llama_tied"])
+    special = sorted(tok.all_special_ids)
+    assert special
+    rng = random.Random(5)
+    for trial in range(20):
+        ids = [rng.choice(special) if rng.random() < 0.25 else rng.randrange(3, len(tok))
+               for _ in range(rng.randint(1, 30))]
+        for skip in (True, False):
+            detok, state = Detokenizer(tok), TokenTexts()
+            detok.seed(state, [], skip)
+            text = "".join(detok.advance(state, i, skip) for i in ids)
+            # (the last token may end in an incomplete UTF-8 character, which waits for the next)
+            want = tok.decode(ids, skip_special_tokens=skip).rstrip("\ufffd")
+            assert text.strip() == want.strip(), (trial, skip, ids)
