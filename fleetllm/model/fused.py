@@ -2,7 +2,7 @@
 decoder_layer for each in turn), with the same kernels as the module-by-module path (fused
 norm, RoPE + cache write, paged attention, SiLU * up; the projections through the GEMV kernel
 or oneDNN's packed matmul), minus ~10 Python calls, tensors and their glue per layer, and one
-crossing of Python and the dispatcher a step instead of one a layer (~15 us each). Used when
+crossing of Python and the dispatcher a step instead of one a layer (~8 us each). Used when
 it computes exactly what the modules would: CPU float32 or bfloat16 (the KV cache in either),
 no tensor parallelism, no q/k norm, the dense weights kept (FLEETLLM_LINEAR=auto) or all
 projections packed by pairs (their dense weights are freed: empty tensors stand in), a step of
