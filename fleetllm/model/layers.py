@@ -213,7 +213,7 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
-        self._cast: tuple | None = None  # (dtype, source, cos, sin): the tables in a dtype
+        self._cast: tuple | None = None  # (dtype, cos, sin): the tables in a dtype
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,10 +221,10 @@ class RotaryEmbedding(nn.Module):
         rows of the tables cast to `dtype` once (the same values as casting the rows; two
         ops a step instead of six)."""
         cast = self._cast
-        if cast is None or cast[0] != dtype or cast[1] is not self.cos:  # (moved: new buffer)
-            cast = self._cast = (dtype, self.cos, self.cos.unsqueeze(1).to(dtype),
+        if cast is None or cast[0] != dtype:  # (a move drops it: _apply)
+            cast = self._cast = (dtype, self.cos.unsqueeze(1).to(dtype),
                                  self.sin.unsqueeze(1).to(dtype))
-        return cast[2].index_select(0, positions), cast[3].index_select(0, positions)
+        return cast[1].index_select(0, positions), cast[2].index_select(0, positions)
 
     def _apply(self, fn, *args, **kwargs):
         self._cast = None  # moved (to, cpu, cuda: sleep level 1): not kept where it was
