@@ -1,10 +1,14 @@
 // The bf16 GEMM of decode batches past the GEMV's rows and of prompts, on CPUs with AVX-512
 // BF16: y = x . w^T (+ bias) from a weight packed by pairs (pack in
-// fleetllm/model/pair_packed.py): [ceil(N/16)][K/2][16][2], so that one 64-byte vector holds 16
+// fleetllm/model/pair_packed.py): [ceil(N/48)][K/2][48][2], so that one 64-byte vector holds 16
 // outputs' weights for one pair of k, and a row of x's pair broadcast to the 16 lanes feeds one
-// vdpbf16ps for 16 outputs. A microkernel of up to 8 rows of x by 48 outputs keeps 24 sums in
-// registers and reads 3 weight vectors and 8 broadcast pairs per 24 dot products, where a
-// dot-product form (the GEMV's) loads an x vector for every 2 and adds its lanes up at the end.
+// vdpbf16ps for 16 outputs. A microkernel of up to 8 rows of x by 48 outputs (a panel) keeps 24
+// sums in registers and reads 3 weight vectors and 8 broadcast pairs per 24 dot products, where
+// a dot-product form (the GEMV's) loads an x vector for every 2 and adds its lanes up at the end.
+// A panel's 3 vectors for a pair lie side by side and its pairs in order, so a thread reads its
+// run of panels as one sequential stream (see pair_packed.py for what that is worth), which the
+// hardware prefetcher follows alone: prefetching the next panel into L2 as well, as the layout
+// before did, made 16-64 rows 2-10% slower (tools/gemm_pairs_ab.cpp; docs/perf.md, item 26).
 // Each output is one lane summed over k's pairs in order (blocks of k go through a float32
 // scratch, the same sums), then the bias, then one rounding: its bits do not depend on how many
 // rows share the call or which group a row falls in.
@@ -19,8 +23,9 @@ namespace {
 
 #if defined(__AVX512F__)
 constexpr int NB = 3;     // 16-output blocks per panel: 48 outputs
+constexpr int PAIR = NB * 32;  // bf16s per pair of k in a panel: 3 vectors side by side
 constexpr int MR = 8;     // rows of x per microkernel pass (8 x 3 sums + 3 weights + 1 x)
-constexpr int KC = 512;   // pairs of k per block: a panel's block is 48 KiB (L2), x's 8 rows 16
+constexpr int KC = 512;   // pairs of k per block: a panel's block is 96 KiB (L2), x's 8 rows 16
 constexpr int MC = 128;   // rows of x per work item: their block of k stays in L2
 
 struct GemmCtx {
@@ -43,31 +48,24 @@ inline void finish16(__m512 s, const bf16 *bias, bf16 *y, int n)
     _mm256_mask_storeu_epi16(y, mask, _mm512_cvtepi32_epi16(u));
 }
 
-// R rows of x (K apart) by B blocks of 16 outputs (w: the first block's pairs, blocks bstride
-// bf16s apart), pairs [p0, p1) of k. acc: [R][B][16] float32, read unless first; last: the
-// outputs (y: row 0's first output, rows N apart; n: outputs of this panel that exist).
+// R rows of x (K apart) by the first B blocks of 16 outputs of a panel (w: its first pair),
+// pairs [p0, p1) of k. acc: [R][B][16] float32, read unless first; last: the outputs (y: row
+// 0's first output, rows N apart; n: outputs of this panel that exist).
 template <int R, int B>
-__attribute__((target("avx512bf16"))) void micro(const bf16 *x, long K, const bf16 *w,
-                                                  long bstride, int p0, int p1, float *acc,
-                                                  bool first, bool last, const bf16 *bias,
-                                                  bf16 *y, long N, int n, const bf16 *ahead)
+__attribute__((target("avx512bf16"))) void micro(const bf16 *x, long K, const bf16 *w, int p0,
+                                                  int p1, float *acc, bool first, bool last,
+                                                  const bf16 *bias, bf16 *y, long N, int n)
 {
     __m512 a[R][B];
     for (int r = 0; r < R; r++)
         for (int b = 0; b < B; b++)
             a[r][b] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + (r * B + b) * 16);
-    const bf16 *wp = w + static_cast<long>(p0) * 32;
+    const bf16 *wp = w + static_cast<long>(p0) * PAIR;
     const bf16 *xp = x + 2L * p0;
-    const char *pf = ahead ? reinterpret_cast<const char *>(ahead + static_cast<long>(p0) * 32)
-                           : nullptr;
-    for (int p = p0; p < p1; p++, wp += 32, xp += 2) {
-        if (pf) {  // the next panel's 3 lines of this pair, into L2
-            for (int b = 0; b < NB; b++) _mm_prefetch(pf + 2 * b * bstride, _MM_HINT_T1);
-            pf += 64;
-        }
+    for (int p = p0; p < p1; p++, wp += PAIR, xp += 2) {
         __m512bh wv[B];
         for (int b = 0; b < B; b++)
-            wv[b] = (__m512bh)_mm512_loadu_si512(wp + b * bstride);
+            wv[b] = (__m512bh)_mm512_loadu_si512(wp + 32 * b);
         for (int r = 0; r < R; r++) {
             int32_t pair;
             std::memcpy(&pair, xp + r * K, sizeof pair);
@@ -89,19 +87,18 @@ __attribute__((target("avx512bf16"))) void micro(const bf16 *x, long K, const bf
 }
 
 template <int B>
-void micro_rows(int rows, const bf16 *x, long K, const bf16 *w, long bstride, int p0, int p1,
-                float *acc, bool first, bool last, const bf16 *bias, bf16 *y, long N, int n,
-                const bf16 *ahead)
+void micro_rows(int rows, const bf16 *x, long K, const bf16 *w, int p0, int p1, float *acc,
+                bool first, bool last, const bf16 *bias, bf16 *y, long N, int n)
 {
     switch (rows) {
-    case 1: micro<1, B>(x, K, w, bstride, p0, p1, acc, first, last, bias, y, N, n, ahead); break;
-    case 2: micro<2, B>(x, K, w, bstride, p0, p1, acc, first, last, bias, y, N, n, ahead); break;
-    case 3: micro<3, B>(x, K, w, bstride, p0, p1, acc, first, last, bias, y, N, n, ahead); break;
-    case 4: micro<4, B>(x, K, w, bstride, p0, p1, acc, first, last, bias, y, N, n, ahead); break;
-    case 5: micro<5, B>(x, K, w, bstride, p0, p1, acc, first, last, bias, y, N, n, ahead); break;
-    case 6: micro<6, B>(x, K, w, bstride, p0, p1, acc, first, last, bias, y, N, n, ahead); break;
-    case 7: micro<7, B>(x, K, w, bstride, p0, p1, acc, first, last, bias, y, N, n, ahead); break;
-    default: micro<8, B>(x, K, w, bstride, p0, p1, acc, first, last, bias, y, N, n, ahead);
+    case 1: micro<1, B>(x, K, w, p0, p1, acc, first, last, bias, y, N, n); break;
+    case 2: micro<2, B>(x, K, w, p0, p1, acc, first, last, bias, y, N, n); break;
+    case 3: micro<3, B>(x, K, w, p0, p1, acc, first, last, bias, y, N, n); break;
+    case 4: micro<4, B>(x, K, w, p0, p1, acc, first, last, bias, y, N, n); break;
+    case 5: micro<5, B>(x, K, w, p0, p1, acc, first, last, bias, y, N, n); break;
+    case 6: micro<6, B>(x, K, w, p0, p1, acc, first, last, bias, y, N, n); break;
+    case 7: micro<7, B>(x, K, w, p0, p1, acc, first, last, bias, y, N, n); break;
+    default: micro<8, B>(x, K, w, p0, p1, acc, first, last, bias, y, N, n);
     }
 }
 
@@ -111,14 +108,14 @@ void gemm_body(void *arg, long begin, long end, int)
 {
     const auto *c = static_cast<const GemmCtx *>(arg);
     const int K = c->K, pairs = K / 2;
-    const long bstride = static_cast<long>(pairs) * 32;  // bf16s per 16-output block
+    const long pstride = static_cast<long>(pairs) * PAIR;  // bf16s per panel
     alignas(64) float acc[MC * NB * 16];
     for (long item = begin; item < end; item++) {
         const int m0 = static_cast<int>(item / c->panels) * MC;
         const int n0 = static_cast<int>(item % c->panels) * NB * 16;
         const int mb = std::min(MC, c->M - m0), n = std::min(NB * 16, c->N - n0);
         const int blocks = (n + 15) / 16;
-        const bf16 *w = c->wp + (n0 / 16) * bstride;
+        const bf16 *w = c->wp + (n0 / (NB * 16)) * pstride;
         const int groups = (mb + MR - 1) / MR;
         for (int p0 = 0; p0 < pairs; p0 += KC) {
             const int p1 = std::min(pairs, p0 + KC);
@@ -129,14 +126,11 @@ void gemm_body(void *arg, long begin, long end, int)
                 const bf16 *x = c->x + static_cast<long>(m0 + r0) * K;
                 bf16 *y = c->y + static_cast<long>(m0 + r0) * c->N + n0;
                 const bf16 *bias = c->bias ? c->bias + n0 : nullptr;
-                // the first group asks for the next item's panel (a full one) into L2
-                const bf16 *ahead = g == 0 && item + 1 < end && n0 + 2 * NB * 16 <= c->N
-                                        ? c->wp + (n0 / 16 + NB) * bstride : nullptr;
                 float *a = acc + r0 * NB * 16;
                 switch (blocks) {
-                case 1: micro_rows<1>(rows, x, K, w, bstride, p0, p1, a, first, last, bias, y, c->N, n, ahead); break;
-                case 2: micro_rows<2>(rows, x, K, w, bstride, p0, p1, a, first, last, bias, y, c->N, n, ahead); break;
-                default: micro_rows<3>(rows, x, K, w, bstride, p0, p1, a, first, last, bias, y, c->N, n, ahead);
+                case 1: micro_rows<1>(rows, x, K, w, p0, p1, a, first, last, bias, y, c->N, n); break;
+                case 2: micro_rows<2>(rows, x, K, w, p0, p1, a, first, last, bias, y, c->N, n); break;
+                default: micro_rows<3>(rows, x, K, w, p0, p1, a, first, last, bias, y, c->N, n);
                 }
                 r0 += rows;
             }
@@ -155,7 +149,7 @@ bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M,
         return false;
     GemmCtx c{x, wp, bias, y, M, N, K, (N + NB * 16 - 1) / (NB * 16), (M + MC - 1) / MC};
     const long items = c.panels * c.mblocks;
-    // runs of items per thread, so that the next item's panel is usually this thread's
+    // runs of items per thread: each thread reads one run of panels after another in order
     const long chunk = std::max(1L, items / (4L * std::max(1, nthreads)));
     parallel_run(nthreads, gemm_body, &c, items, chunk, M <= 64);
     return true;

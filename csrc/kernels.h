@@ -117,7 +117,7 @@ template <class T>
 void gemv(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, float *xf,
           int nthreads);
 
-// y = x @ w^T (+ bias) from w packed by pairs ([ceil(N/16)][K/2][16][2], gemm.cpp) with
+// y = x @ w^T (+ bias) from w packed by pairs ([ceil(N/48)][K/2][48][2], gemm.cpp) with
 // AVX-512 BF16; false (nothing done) where the CPU lacks it or K is odd.
 bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M, int N, int K,
                 int nthreads);

@@ -337,7 +337,7 @@ Tensor gemm_pairs(const Tensor &x, const Tensor &packed, const optional<Tensor> 
     TORCH_CHECK(k % 2 == 0 && out > 0, "gemm_pairs: in_features must be even and out_features "
                 "positive, got ", k, " and ", out);
     check_dense(x, "x", {m, k}, at::kBFloat16);
-    check_dense(packed, "packed", {(out + 15) / 16, k / 2, 16, 2}, at::kBFloat16);
+    check_dense(packed, "packed", {(out + 47) / 48, k / 2, 48, 2}, at::kBFloat16);
     if (bias)
         check_dense(*bias, "bias", {out}, at::kBFloat16);
     Tensor y = at::empty({m, out}, x.options());
@@ -419,7 +419,7 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
     check_float(x, "x", 2);
     // Weights packed by pairs are all the layer reads of its projections: the dense ones may
     // be gone (layers.pack_linear_weights frees them; empty tensors here) and the
-    // intermediate size comes from down's pairs, [hid/16, I/2, 16, 2].
+    // intermediate size comes from down's pairs, [hid/48, I/2, 48, 2].
     const optional<Tensor> down_packed = packed.size() == 4 ? packed.get(3) : optional<Tensor>();
     const bool by_pairs = down_packed.has_value() && down_packed->dim() == 4;
     const Tensor &inter_of = by_pairs ? *down_packed : w_down;
@@ -467,7 +467,8 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
             proj.weight[i] = *w;
             if (w->dim() == 4) {  // packed by pairs: the layer calls gemm_pairs itself
                 TORCH_CHECK(type == at::kBFloat16, "decoder_layer: pair-packed weights are bf16");
-                check_dense(*w, "packed", {(out[i] + 15) / 16, in[i] / 2, 16, 2}, at::kBFloat16);
+                check_dense(*w, "packed", {(out[i] + 47) / 48, in[i] / 2, 48, 2},
+                            at::kBFloat16);
                 pairs[i] = cptr<kernels::bf16>(*w);
             }
             proj.bias[i] = std::get<0>(biases[i]);

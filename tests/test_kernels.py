@@ -530,6 +530,28 @@ def test_the_stream_pollution_tool_builds_and_times_each_way_of_reading(tmp_path
         assert float(line.split(" read ")[1].split()[0]) > 0 and "walk after it" in line, line
 
 
+@needs_kernels
+def test_the_gemm_ab_tool_builds_two_trees_and_times_them_in_turn(tmp_path):
+    """tools/gemm_pairs_ab.cpp, the measurement behind perf.md item 26: built as its header
+    says (here this tree as both builds, one renamed), run for a round, it prints each build's
+    time of a 125M decode step's GEMMs and their ratio."""
+    if not cpu_kernels.gemm_pairs_available():
+        pytest.skip("this CPU has no AVX-512 BF16")
+    flags = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-pthread",
+             "-mtune=native", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx2",
+             "-mfma"]
+    csrc, old, exe = REPO / "csrc", tmp_path / "old.o", tmp_path / "ab"
+    subprocess.run(["g++", *flags, f"-I{csrc}", "-Dfleetllm=fold", "-c", str(csrc / "gemm.cpp"),
+                    "-o", str(old)], check=True, timeout=300)
+    subprocess.run(["g++", *flags, "-Wall", "-Wextra", "-Werror=comment", f"-I{csrc}",
+                    str(REPO / "tools" / "gemm_pairs_ab.cpp"), str(csrc / "gemm.cpp"),
+                    str(csrc / "pool.cpp"), str(old), "-o", str(exe)], check=True, timeout=300)
+    out = subprocess.run([str(exe), "2", "1"], capture_output=True, text=True, check=True,
+                         timeout=120).stdout.splitlines()
+    assert len(out) == 2 and out[1].startswith("M=2 mean old "), out
+    assert float(out[1].rsplit("new/old ", 1)[1]) > 0, out
+
+
 def _pairs_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ w.T as vdpbf16ps sums it, per output: float32, k's pairs in order, each pair's
     upper product added first (bf16 products are exact in float32), then the bias, one
@@ -565,6 +587,13 @@ def test_gemm_on_weights_packed_by_pairs_sums_each_output_in_one_order():
         bias = torch.randn(n, generator=g).bfloat16() if case % 2 else None
         packed = pair_packed.pack(w)
         assert torch.equal(packed.to_dense(), w)
+        # one sequential stream: panel i's pair p is outputs 48i..48i+47's k = 2p, 2p + 1,
+        # side by side (the panel's 3 vectors), pairs in order, panels in order
+        assert packed.data.shape == (-(-n // 48), k // 2, 48, 2)
+        i, p = rng.randrange(packed.data.shape[0]), rng.randrange(k // 2)
+        rows = w[48 * i:48 * i + 48, 2 * p:2 * p + 2]
+        assert torch.equal(packed.data[i, p, :len(rows)], rows)
+        assert not packed.data[i, p, len(rows):].any()  # zero past N
         got = pair_packed.matmul(x, packed, bias)
         assert torch.equal(got, _pairs_reference(x, w, bias)), (m, n, k)
     with pytest.raises(RuntimeError, match="even"):

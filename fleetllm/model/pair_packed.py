@@ -1,9 +1,13 @@
 """A bf16 projection weight packed by pairs for the kernels' GEMM (csrc/gemm.cpp).
 
-What: [N, K] becomes [ceil(N/16), K/2, 16, 2] (zero rows past N): one 64-byte vector holds 16
-outputs' weights for one pair of k, which one AVX-512 BF16 dot product (vdpbf16ps) multiplies by
-a row of x's pair broadcast to all lanes. The kernel keeps 8 rows x 48 outputs of sums in
-registers, so it needs no horizontal sums and reads 11 vectors per 24 dot products.
+What: [N, K] becomes [ceil(N/48), K/2, 48, 2] (zero rows past N): panels of 48 outputs, each
+pair of k's 48 x 2 weights as 3 64-byte vectors of 16 outputs, which one AVX-512 BF16 dot
+product (vdpbf16ps) each multiplies by a row of x's pair broadcast to all lanes. The kernel
+keeps 8 rows x 48 outputs of sums in registers, so it needs no horizontal sums and reads 11
+vectors per 24 dot products. A panel's pairs lie in the order it reads them, so a thread's run
+of panels is one sequential stream. The layout before, 16-output blocks one after another
+(a panel's three vectors 24 KiB apart at K = 768, three streams a thread), was 2-10% slower
+on decode batches of 1-32 rows, most where the memory is fastest (docs/perf.md, item 26).
 
 Why: decode batches past the GEMV's 8 rows ran oneDNN's packed bf16 matmul at ~60% of the
 two cores' dot-product peak; this layout's kernel runs them 1.05-1.35x faster, matches oneDNN
@@ -26,9 +30,11 @@ import torch.nn.functional as F
 
 from fleetllm.attention import cpu_kernels
 
+PANEL = 48  # outputs a panel: the kernel's 3 vectors of 16 (csrc/gemm.cpp, NB)
+
 
 class PairPacked(NamedTuple):
-    data: torch.Tensor  # [ceil(N/16), K/2, 16, 2] bfloat16
+    data: torch.Tensor  # [ceil(N/48), K/2, 48, 2] bfloat16
     out_features: int  # N
 
     @property
@@ -41,8 +47,8 @@ class PairPacked(NamedTuple):
 
     def to_dense(self) -> torch.Tensor:
         """The [N, K] weight back."""
-        blocks, pairs = self.data.shape[:2]
-        dense = self.data.permute(0, 2, 1, 3).reshape(blocks * 16, pairs * 2)
+        panels, pairs = self.data.shape[:2]
+        dense = self.data.permute(0, 2, 1, 3).reshape(panels * PANEL, pairs * 2)
         return dense[:self.out_features].contiguous()
 
 
@@ -55,19 +61,19 @@ def applies(weight: torch.Tensor) -> bool:
 def nbytes(weight: torch.Tensor) -> int:
     """The bytes of weight's packed copy."""
     n, k = weight.shape
-    return -(-n // 16) * 16 * k * weight.element_size()
+    return -(-n // PANEL) * PANEL * k * weight.element_size()
 
 
 def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> PairPacked:
     """weight [N, K] packed by pairs, into `out` (nbytes(weight) uint8: a slice of the
     huge-page arena layers.pack_linear_weights gives every projection) or new memory."""
     n, k = weight.shape
-    padded = -(-n // 16) * 16
-    blocks = F.pad(weight, (0, 0, 0, padded - n)).view(padded // 16, 16, k // 2, 2)
-    shape = (padded // 16, k // 2, 16, 2)
+    padded = -(-n // PANEL) * PANEL
+    panels = F.pad(weight, (0, 0, 0, padded - n)).view(padded // PANEL, PANEL, k // 2, 2)
+    shape = (padded // PANEL, k // 2, PANEL, 2)
     data = torch.empty(shape, dtype=weight.dtype) if out is None else \
         out.view(weight.dtype).view(shape)
-    data.copy_(blocks.permute(0, 2, 1, 3))
+    data.copy_(panels.permute(0, 2, 1, 3))
     return PairPacked(data, n)
 
 

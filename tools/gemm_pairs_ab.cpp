@@ -1,0 +1,120 @@
+// Two builds of csrc/gemm.cpp timed in one process, taking turns pass by pass: the only A/B of
+// the bf16 GEMM this machine allows, whose memory bandwidth moves between ~33 and ~65 GB/s
+// from one minute to the next (two processes run minutes apart compare two machines). A pass
+// is the 125M preset's decode step: its 48 layer projections and its LM head (220 MB of
+// weights packed by pairs, in huge pages), one gemm_pairs call each, M rows of x; the best of
+// 7 passes per build per round. The weights are not packed for either layout (timing only:
+// tests/test_kernels.py checks the results).
+//
+//     git worktree add /tmp/old <commit>
+//     F="-O3 -fopenmp-simd -fno-math-errno -fno-trapping-math -pthread -mtune=native"
+//     F="$F -mavx512f -mavx512vl -mavx512bw -mavx512dq -mavx2 -mfma"  # kernel_build.py's flags
+//     g++ $F -I/tmp/old/csrc -Dfleetllm=fold -c /tmp/old/csrc/gemm.cpp -o /tmp/old.o
+//     g++ $F -Icsrc tools/gemm_pairs_ab.cpp csrc/gemm.cpp csrc/pool.cpp /tmp/old.o -o /tmp/ab
+//     /tmp/ab 1 20      # rows of x, rounds
+//
+// "old" is the build whose namespace -Dfleetllm=fold renamed; "new" is this tree's.
+#include <sys/mman.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+
+#include "pool.h"
+
+namespace fleetllm::kernels {
+extern const bool bf16_dot;
+const bool bf16_dot = true;  // the caller runs this only where the CPU has AVX-512 BF16
+struct bf16;
+bool gemm_pairs(const bf16 *, const bf16 *, const bf16 *, bf16 *, int, int, int, int);
+}  // namespace fleetllm::kernels
+namespace fleetllm {
+void parallel_run(int nthreads, PoolFn fn, void *ctx, long n, long chunk, bool spin)
+{
+    pool_run(nthreads, fn, ctx, n, chunk, spin);
+}
+}  // namespace fleetllm
+namespace fold::kernels {
+extern const bool bf16_dot;
+const bool bf16_dot = true;
+struct bf16;
+bool gemm_pairs(const bf16 *, const bf16 *, const bf16 *, bf16 *, int, int, int, int);
+}  // namespace fold::kernels
+namespace fold {
+void parallel_run(int nthreads, fleetllm::PoolFn fn, void *ctx, long n, long chunk, bool spin)
+{
+    fleetllm::pool_run(nthreads, fn, ctx, n, chunk, spin);  // one pool for both builds
+}
+}  // namespace fold
+
+namespace {
+double now()
+{
+    timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+}  // namespace
+
+int main(int argc, char **argv)
+{
+    const int M = argc > 1 ? std::atoi(argv[1]) : 1, rounds = argc > 2 ? std::atoi(argv[2]) : 8;
+    if (M < 1 || M > 512 || rounds < 1)
+        return 2;
+    // qkv, o, gate_up, down of 12 layers, then the LM head: N x K
+    const long shapes[5][2] = {{2304, 768}, {768, 768}, {4096, 768}, {768, 2048}, {32000, 768}};
+    long N[49], K[49], size[49], bytes = 0;
+    for (int l = 0; l < 49; l++) {
+        const int s = l == 48 ? 4 : l % 4;
+        N[l] = shapes[s][0];
+        K[l] = shapes[s][1];
+        size[l] = (N[l] + 47) / 48 * 48 * K[l] * 2;  // room for either build's padding
+        bytes += size[l];
+    }
+    uint16_t *w[2];
+    for (auto &v : w) {
+        void *p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED)
+            return 1;
+        madvise(p, bytes, MADV_HUGEPAGE);
+        v = static_cast<uint16_t *>(p);
+        for (long i = 0; i < bytes / 2; i++) v[i] = static_cast<uint16_t>(0x3c00 + i % 64);
+    }
+    auto *x = static_cast<uint16_t *>(std::aligned_alloc(64, 512L * 2048 * 2));
+    auto *y = static_cast<uint16_t *>(std::aligned_alloc(64, 512L * 32000 * 2));
+    if (x == nullptr || y == nullptr)
+        return 1;
+    for (long i = 0; i < 512L * 2048; i++) x[i] = 0x3f80;
+    double total[2] = {0, 0};
+    for (int r = 0; r < rounds; r++) {
+        double best[2] = {1e9, 1e9};
+        for (int rep = 0; rep < 7; rep++)
+            for (int v = 0; v < 2; v++) {
+                const double t0 = now();
+                const uint16_t *wl = w[v];
+                for (int l = 0; l < 49; l++) {
+                    if (v == 0)
+                        fold::kernels::gemm_pairs(
+                            reinterpret_cast<const fold::kernels::bf16 *>(x),
+                            reinterpret_cast<const fold::kernels::bf16 *>(wl), nullptr,
+                            reinterpret_cast<fold::kernels::bf16 *>(y), M, N[l], K[l], 2);
+                    else
+                        fleetllm::kernels::gemm_pairs(
+                            reinterpret_cast<const fleetllm::kernels::bf16 *>(x),
+                            reinterpret_cast<const fleetllm::kernels::bf16 *>(wl), nullptr,
+                            reinterpret_cast<fleetllm::kernels::bf16 *>(y), M, N[l], K[l], 2);
+                    wl += size[l] / 2;
+                }
+                const double dt = now() - t0;
+                best[v] = dt < best[v] ? dt : best[v];
+            }
+        std::printf("M=%d old %.2f ms new %.2f ms (new/old %.3f; new %.1f GB/s)\n", M,
+                    best[0] * 1e3, best[1] * 1e3, best[1] / best[0], bytes / best[1] / 1e9);
+        total[0] += best[0];
+        total[1] += best[1];
+    }
+    std::printf("M=%d mean old %.2f ms new %.2f ms new/old %.3f\n", M, total[0] / rounds * 1e3,
+                total[1] / rounds * 1e3, total[1] / total[0]);
+    return 0;
+}
