@@ -541,9 +541,10 @@ def test_the_gemm_ab_tool_builds_two_trees_and_times_them_in_turn(tmp_path):
              "-mtune=native", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx2",
              "-mfma"]
     csrc, old, exe = REPO / "csrc", tmp_path / "old.o", tmp_path / "ab"
-    subprocess.run(["g++", *flags, f"-I{csrc}", "-Dfleetllm=fold", "-c", str(csrc / "gemm.cpp"),
+    cxx = os.environ.get("CXX", "c++")  # as kernel_build.py compiles
+    subprocess.run([cxx, *flags, f"-I{csrc}", "-Dfleetllm=fold", "-c", str(csrc / "gemm.cpp"),
                     "-o", str(old)], check=True, timeout=300)
-    subprocess.run(["g++", *flags, "-Wall", "-Wextra", "-Werror=comment", f"-I{csrc}",
+    subprocess.run([cxx, *flags, "-Wall", "-Wextra", "-Werror=comment", f"-I{csrc}",
                     str(REPO / "tools" / "gemm_pairs_ab.cpp"), str(csrc / "gemm.cpp"),
                     str(csrc / "pool.cpp"), str(old), "-o", str(exe)], check=True, timeout=300)
     out = subprocess.run([str(exe), "2", "1"], capture_output=True, text=True, check=True,

@@ -9,8 +9,8 @@
 //     git worktree add /tmp/old <commit>
 //     F="-O3 -fopenmp-simd -fno-math-errno -fno-trapping-math -pthread -mtune=native"
 //     F="$F -mavx512f -mavx512vl -mavx512bw -mavx512dq -mavx2 -mfma"  # kernel_build.py's flags
-//     g++ $F -I/tmp/old/csrc -Dfleetllm=fold -c /tmp/old/csrc/gemm.cpp -o /tmp/old.o
-//     g++ $F -Icsrc tools/gemm_pairs_ab.cpp csrc/gemm.cpp csrc/pool.cpp /tmp/old.o -o /tmp/ab
+//     c++ $F -I/tmp/old/csrc -Dfleetllm=fold -c /tmp/old/csrc/gemm.cpp -o /tmp/old.o
+//     c++ $F -Icsrc tools/gemm_pairs_ab.cpp csrc/gemm.cpp csrc/pool.cpp /tmp/old.o -o /tmp/ab
 //     /tmp/ab 1 20      # rows of x, rounds
 //
 // "old" is the build whose namespace -Dfleetllm=fold renamed; "new" is this tree's.

@@ -6,7 +6,7 @@ product (vdpbf16ps) each multiplies by a row of x's pair broadcast to all lanes.
 keeps 8 rows x 48 outputs of sums in registers, so it needs no horizontal sums and reads 11
 vectors per 24 dot products. A panel's pairs lie in the order it reads them, so a thread's run
 of panels is one sequential stream. The layout before, 16-output blocks one after another
-(a panel's three vectors 24 KiB apart at K = 768, three streams a thread), was 2-10% slower
+(a panel's three vectors 24 KiB apart at K = 768, three streams a thread), was 2-17% slower
 on decode batches of 1-32 rows, most where the memory is fastest (docs/perf.md, item 26).
 
 Why: decode batches past the GEMV's 8 rows ran oneDNN's packed bf16 matmul at ~60% of the
