@@ -22,7 +22,7 @@ namespace fleetllm::kernels {
 namespace {
 
 #if defined(__AVX512F__)
-constexpr int NB = 3;     // 16-output blocks per panel: 48 outputs
+constexpr int NB = PAIR_PANEL / 16;  // 16-output blocks per panel: 3
 constexpr int PAIR = NB * 32;  // bf16s per pair of k in a panel: 3 vectors side by side
 constexpr int MR = 8;     // rows of x per microkernel pass (8 x 3 sums + 3 weights + 1 x)
 constexpr int KC = 512;   // pairs of k per block: a panel's block is 96 KiB (L2), x's 8 rows 16
@@ -112,10 +112,11 @@ void gemm_body(void *arg, long begin, long end, int)
     alignas(64) float acc[MC * NB * 16];
     for (long item = begin; item < end; item++) {
         const int m0 = static_cast<int>(item / c->panels) * MC;
-        const int n0 = static_cast<int>(item % c->panels) * NB * 16;
-        const int mb = std::min(MC, c->M - m0), n = std::min(NB * 16, c->N - n0);
+        const long panel = item % c->panels;
+        const int n0 = static_cast<int>(panel) * PAIR_PANEL;
+        const int mb = std::min(MC, c->M - m0), n = std::min(PAIR_PANEL, c->N - n0);
         const int blocks = (n + 15) / 16;
-        const bf16 *w = c->wp + (n0 / (NB * 16)) * pstride;
+        const bf16 *w = c->wp + panel * pstride;
         const int groups = (mb + MR - 1) / MR;
         for (int p0 = 0; p0 < pairs; p0 += KC) {
             const int p1 = std::min(pairs, p0 + KC);
@@ -147,7 +148,8 @@ bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M,
 #if defined(__AVX512F__)
     if (!bf16_dot || K % 2 != 0)
         return false;
-    GemmCtx c{x, wp, bias, y, M, N, K, (N + NB * 16 - 1) / (NB * 16), (M + MC - 1) / MC};
+    GemmCtx c{x, wp, bias, y, M, N, K, (N + PAIR_PANEL - 1) / PAIR_PANEL,
+              (M + MC - 1) / MC};
     const long items = c.panels * c.mblocks;
     // runs of items per thread: each thread reads one run of panels after another in order
     const long chunk = std::max(1L, items / (4L * std::max(1, nthreads)));

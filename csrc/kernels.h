@@ -117,6 +117,9 @@ template <class T>
 void gemv(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, float *xf,
           int nthreads);
 
+// Outputs per panel of a weight packed by pairs (model/pair_packed.py, PANEL).
+constexpr int PAIR_PANEL = 48;
+
 // y = x @ w^T (+ bias) from w packed by pairs ([ceil(N/48)][K/2][48][2], gemm.cpp) with
 // AVX-512 BF16; false (nothing done) where the CPU lacks it or K is odd.
 bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M, int N, int K,

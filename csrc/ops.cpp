@@ -51,6 +51,13 @@ void check_dense(const Tensor &t, const char *name, at::IntArrayRef sizes, at::S
     TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// A bf16 weight [out, in] packed by pairs (model/pair_packed.py): [ceil(out/48), in/2, 48, 2].
+void check_pair_packed(const Tensor &w, int64_t out, int64_t in)
+{
+    constexpr int64_t P = kernels::PAIR_PANEL;
+    check_dense(w, "packed", {(out + P - 1) / P, in / 2, P, 2}, at::kBFloat16);
+}
+
 void check_index(const Tensor &t, at::ScalarType type, const char *name, int64_t n)
 {
     TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU, got ", t.device());
@@ -337,7 +344,7 @@ Tensor gemm_pairs(const Tensor &x, const Tensor &packed, const optional<Tensor> 
     TORCH_CHECK(k % 2 == 0 && out > 0, "gemm_pairs: in_features must be even and out_features "
                 "positive, got ", k, " and ", out);
     check_dense(x, "x", {m, k}, at::kBFloat16);
-    check_dense(packed, "packed", {(out + 47) / 48, k / 2, 48, 2}, at::kBFloat16);
+    check_pair_packed(packed, out, k);
     if (bias)
         check_dense(*bias, "bias", {out}, at::kBFloat16);
     Tensor y = at::empty({m, out}, x.options());
@@ -467,8 +474,7 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
             proj.weight[i] = *w;
             if (w->dim() == 4) {  // packed by pairs: the layer calls gemm_pairs itself
                 TORCH_CHECK(type == at::kBFloat16, "decoder_layer: pair-packed weights are bf16");
-                check_dense(*w, "packed", {(out[i] + 47) / 48, in[i] / 2, 48, 2},
-                            at::kBFloat16);
+                check_pair_packed(*w, out[i], in[i]);
                 pairs[i] = cptr<kernels::bf16>(*w);
             }
             proj.bias[i] = std::get<0>(biases[i]);

@@ -537,9 +537,7 @@ def test_the_gemm_ab_tool_builds_two_trees_and_times_them_in_turn(tmp_path):
     time of a 125M decode step's GEMMs and their ratio."""
     if not cpu_kernels.gemm_pairs_available():
         pytest.skip("this CPU has no AVX-512 BF16")
-    flags = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-pthread",
-             "-mtune=native", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx2",
-             "-mfma"]
+    flags = [*kernel_build.COMMON_FLAGS, *kernel_build.ISA_FLAGS["avx512"]]  # the kernels'
     csrc, old, exe = REPO / "csrc", tmp_path / "old.o", tmp_path / "ab"
     cxx = os.environ.get("CXX", "c++")  # as kernel_build.py compiles
     subprocess.run([cxx, *flags, f"-I{csrc}", "-Dfleetllm=fold", "-c", str(csrc / "gemm.cpp"),

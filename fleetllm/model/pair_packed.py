@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from fleetllm.attention import cpu_kernels
 
-PANEL = 48  # outputs a panel: the kernel's 3 vectors of 16 (csrc/gemm.cpp, NB)
+PANEL = 48  # outputs a panel: the kernel's 3 vectors of 16 (csrc/kernels.h, PAIR_PANEL)
 
 
 class PairPacked(NamedTuple):
