@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <climits>
+#include <cstring>
 #include <optional>
 #include <string>
 
@@ -507,17 +508,44 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
     return out;
 }
 
+// The rows of `table` ([V, H], contiguous) at `ids` (int64 [T]): an embedding lookup, each
+// id checked to lie in [0, V).
+Tensor embedding_rows(const Tensor &ids, const Tensor &table)
+{
+    TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+                "embed's ids must be a contiguous int64 [T], got ", ids.sizes(), " ",
+                ids.scalar_type());
+    check_float(table, "embed", 2);
+    TORCH_CHECK(table.is_contiguous(), "embed must be contiguous");
+    const int64_t t = ids.size(0), v = table.size(0), row = table.size(1) * table.element_size();
+    Tensor out = at::empty({t, table.size(1)}, table.options());
+    const int64_t *id = ids.const_data_ptr<int64_t>();
+    const char *src = static_cast<const char *>(table.const_data_ptr());
+    char *dst = static_cast<char *>(out.mutable_data_ptr());
+    for (int64_t i = 0; i < t; i++) {
+        TORCH_CHECK(id[i] >= 0 && id[i] < v, "embed: token id ", id[i], " is outside the ",
+                    "vocabulary [0, ", v, ")");
+        std::memcpy(dst + i * row, src + id[i] * row, static_cast<size_t>(row));
+    }
+    return out;
+}
+
 // Every decoder layer of a decode step in one call (model/fused.py, run_layers): decoder_layer
 // for each in turn (the first setting the residual when `first`), so that Python and the
 // dispatcher are crossed once a step, not once a layer (~8 us a layer here). weights: 10 a
 // layer (w_in, w_post, w_qkv, b_qkv, w_o, b_o, w_gu, b_gu, w_down, b_down; the biases may be
 // None); windows and kv_caches: one a layer; packed: none, or 4 a layer (decoder_layer's).
-Tensor decoder_layers(const Tensor &x, const Tensor &residual, bool first,
-                      const c10::List<optional<Tensor>> &weights, double eps, int64_t heads,
-                      c10::IntArrayRef windows, double scale, const Tensor &cos,
+// With `embed` x is the step's token ids (int64 [T]) and the layers' input their rows of it;
+// with `final_norm` the output is the model's final norm of (output + residual), as
+// add_rmsnorm computes it. Both spare a step a Python module call and a dispatcher crossing
+// that ran cold after the weights streamed by (~70 us each at batch 1: docs/perf.md, item 27).
+Tensor decoder_layers(const Tensor &x, const optional<Tensor> &embed, const Tensor &residual,
+                      bool first, const c10::List<optional<Tensor>> &weights, double eps,
+                      int64_t heads, c10::IntArrayRef windows, double scale, const Tensor &cos,
                       const Tensor &sin, const std::vector<Tensor> &kv_caches,
                       const Tensor &slots, const Tensor &tables, const Tensor &table_start,
-                      const Tensor &ctx_lens, const c10::List<optional<Tensor>> &packed)
+                      const Tensor &ctx_lens, const c10::List<optional<Tensor>> &packed,
+                      const optional<Tensor> &final_norm)
 {
     const size_t layers = kv_caches.size();
     TORCH_CHECK(layers > 0 && weights.size() == 10 * layers && windows.size() == layers &&
@@ -526,6 +554,8 @@ Tensor decoder_layers(const Tensor &x, const Tensor &residual, bool first,
                 "packed weights each; got ", weights.size(), ", ", windows.size(), ", ",
                 packed.size());
     Tensor h = x;
+    if (embed.has_value())
+        h = embedding_rows(x, *embed);
     for (size_t l = 0; l < layers; l++) {
         optional<Tensor> w[10];
         for (size_t i = 0; i < 10; i++)
@@ -540,7 +570,7 @@ Tensor decoder_layers(const Tensor &x, const Tensor &residual, bool first,
                           w[5], *w[6], w[7], *w[8], w[9], heads, windows[l], scale, cos, sin,
                           kv_caches[l], slots, tables, table_start, ctx_lens, own);
     }
-    return h;
+    return final_norm.has_value() ? add_rmsnorm(h, residual, *final_norm, eps) : h;
 }
 
 Tensor argmax(const Tensor &x)
@@ -600,10 +630,10 @@ TORCH_LIBRARY(fleetllm, m)
           "Tensor? b_gu, Tensor w_down, Tensor? b_down, int heads, int window, float scale, "
           "Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slots, Tensor tables, "
           "Tensor table_start, Tensor ctx_lens, Tensor?[] packed) -> Tensor");
-    m.def("decoder_layers(Tensor x, Tensor(a!) residual, bool first, Tensor?[] weights, "
-          "float eps, int heads, int[] windows, float scale, Tensor cos, Tensor sin, "
-          "Tensor(b!)[] kv_caches, Tensor slots, Tensor tables, Tensor table_start, "
-          "Tensor ctx_lens, Tensor?[] packed) -> Tensor");
+    m.def("decoder_layers(Tensor x, Tensor? embed, Tensor(a!) residual, bool first, "
+          "Tensor?[] weights, float eps, int heads, int[] windows, float scale, Tensor cos, "
+          "Tensor sin, Tensor(b!)[] kv_caches, Tensor slots, Tensor tables, Tensor table_start, "
+          "Tensor ctx_lens, Tensor?[] packed, Tensor? final_norm) -> Tensor");
     m.def("argmax(Tensor x) -> Tensor");
     m.def("gemm_pairs(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
     m.def("gemm_pairs_available() -> bool", &fleetllm::gemm_pairs_available);

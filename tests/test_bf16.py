@@ -107,7 +107,8 @@ def test_one_call_layer_row_limit_follows_the_layer_size(hidden, inter, packed_d
                                   scale=0.125),
         mlp=SimpleNamespace(gate_up_proj=proj(2 * inter, hidden), down_proj=proj(hidden, inter)),
         input_layernorm=norm, post_attention_layernorm=norm)
-    assert fused._stack(SimpleNamespace(layers={"0": layer})).gemv_rows == rows
+    assert fused._stack(SimpleNamespace(layers={"0": layer}, is_first_stage=False,
+                                          is_last_stage=False)).gemv_rows == rows
 
 
 @needs_kernels
@@ -168,7 +169,8 @@ def test_large_float32_weights_keep_the_gemv_kernel_to_8_rows():
             post_attention_layernorm=SimpleNamespace(weight=torch.ones(4), eps=1e-6))
         for p in proj:  # each below the limit, the four together maybe not
             p.weight = torch.empty(1, nbytes_each // dtype.itemsize, dtype=dtype)
-        return fused._stack(SimpleNamespace(layers={"0": layer})).gemv_rows
+        return fused._stack(SimpleNamespace(layers={"0": layer}, is_first_stage=False,
+                                          is_last_stage=False)).gemv_rows
 
     large, small = 64 << 20, 4 << 20
     assert rows(torch.float32, torch.float32, large) == 8

@@ -162,6 +162,38 @@ def test_decoder_layers_are_decoder_layer_in_turn():
 
 
 @needs_kernels
+def test_decoder_layers_embed_the_ids_and_apply_the_final_norm():
+    """Given the embedding, decoder_layers takes the step's token ids and looks their rows up;
+    given the final norm, it returns add_rmsnorm(output, residual): bit for bit what the
+    lookup, the layers and the norm give as separate calls (the fused step's first and last
+    Python calls, model/fused.py). An id outside the vocabulary is refused, not read."""
+    g = torch.Generator().manual_seed(5)
+    rope = (torch.randn(3, 1, 8, generator=g), torch.randn(3, 1, 8, generator=g))
+    base = decoder_layer_args(g, *rope)
+    weights = [decoder_layer_args(g, *rope)["weights"] for _ in range(2)]
+    listed = [t for w in weights for t in (*w[:2], *w[3:])]
+    step = [base[k] for k in ("slots", "tables", "table_start", "ctx_lens")]
+    table, norm = torch.randn(11, 32, generator=g), torch.randn(32, generator=g)
+    ids = torch.tensor([3, 0, 10])
+
+    def layers(x, residual, caches, **kw):
+        return cpu_kernels.decoder_layers(x, residual, True, listed, 1e-6, base["heads"], [0, 0],
+                                          base["scale"], *rope, caches, *step, [], **kw)
+
+    caches = [torch.randn(base["kv_cache"].shape, generator=g) for _ in range(2)]
+    want_caches, want_res = [c.clone() for c in caches], torch.empty(3, 32)
+    out = layers(table.index_select(0, ids), want_res, want_caches)
+    want = cpu_kernels.add_rmsnorm(out, want_res, norm, 1e-6)
+    got_res = torch.empty(3, 32)
+    got = layers(ids, got_res, caches, embed=table, final_norm=norm)
+    assert torch.equal(got, want) and torch.equal(got_res, want_res)
+    assert all(torch.equal(a, b) for a, b in zip(caches, want_caches, strict=True))
+    for bad in (11, -1):
+        with pytest.raises(RuntimeError, match=f"token id {bad} is outside the vocabulary"):
+            layers(torch.tensor([3, bad, 0]), torch.empty(3, 32), caches, embed=table)
+
+
+@needs_kernels
 def test_argmax_gives_torchs_indices():
     """The first of equal maxima, the first NaN of a row with one, -inf rows, strided rows,
     rows shorter than a vector and longer, split across threads or not."""

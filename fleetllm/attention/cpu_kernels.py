@@ -177,12 +177,16 @@ def decoder_layers(x: torch.Tensor, residual: torch.Tensor, first: bool, weights
                    eps: float, heads: int, windows: list[int], scale: float, cos: torch.Tensor,
                    sin: torch.Tensor, kv_caches: list[torch.Tensor], slots: torch.Tensor,
                    tables: torch.Tensor, table_start: torch.Tensor, ctx_lens: torch.Tensor,
-                   packed: list) -> torch.Tensor:
+                   packed: list, embed: torch.Tensor | None = None,
+                   final_norm: torch.Tensor | None = None) -> torch.Tensor:
     """decoder_layer for each of a step's layers in turn, in one call. weights: 10 a layer
     (decoder_layer's, less eps); windows and kv_caches: one a layer; packed: empty or 4 a
-    layer. residual is updated in place (first: set by the first layer)."""
-    return _ops.decoder_layers(x, residual, first, weights, eps, heads, windows, scale, cos,
-                               sin, kv_caches, slots, tables, table_start, ctx_lens, packed)
+    layer. residual is updated in place (first: set by the first layer). With embed ([V, H]),
+    x is the step's token ids (int64 [T]) and the input their rows of embed; with final_norm
+    ([H]) the result is add_rmsnorm(output, residual, final_norm, eps)."""
+    return _ops.decoder_layers(x, embed, residual, first, weights, eps, heads, windows, scale,
+                               cos, sin, kv_caches, slots, tables, table_start, ctx_lens,
+                               packed, final_norm)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,10 @@
 decoder_layer for each in turn), with the same kernels as the module-by-module path (fused
 norm, RoPE + cache write, paged attention, SiLU * up; the projections through the GEMV kernel
 or oneDNN's packed matmul), minus ~10 Python calls, tensors and their glue per layer, and one
-crossing of Python and the dispatcher a step instead of one a layer (~8 us each). Used when
+crossing of Python and the dispatcher a step instead of one a layer (~8 us each). The same
+call looks the tokens up in the embedding (first pipeline stage) and applies the final norm
+(last stage): two module calls less a step, which ran cold after the weights had streamed
+through the caches (~70 us each at batch 1; docs/perf.md, item 27). Used when
 it computes exactly what the modules would: CPU float32 or bfloat16 (the KV cache in either),
 no tensor parallelism, no q/k norm, the dense weights kept (FLEETLLM_LINEAR=auto) or all
 projections packed by pairs (their dense weights are freed: empty tensors stand in), a step of
@@ -38,6 +41,8 @@ class _Stack(NamedTuple):
     gemv_rows: int  # up to this many rows the projections take the GEMV kernel
     linears: tuple  # qkv, o, gate_up, down of each layer: packed weights read at each call
     by_pairs: bool  # their packed weights are PairPacked (else oneDNN's, or none)
+    embed: torch.Tensor | None  # the first stage's embedding (looked up in the call), or None
+    final_norm: torch.Tensor | None  # the last stage's final norm (applied in the call)
 
 
 def _layer_weights(layer, by_pairs: bool) -> list | None:
@@ -70,39 +75,50 @@ def _stack(model) -> _Stack | None:
     by_pairs = kinds == {True}  # (an odd K keeps oneDNN's packing: both kinds, not fused)
     weights = [_layer_weights(layer, by_pairs) for layer in layers]
     attn = [layer.self_attn for layer in layers]
+    embed = model.embed_tokens.weight if model.is_first_stage else None
+    norm = model.norm if model.is_last_stage else None
     ok = (layers and get_tp_group().world_size == 1 and len(kinds) == 1
           and all(w is not None for w in weights)
           and len({(a.num_heads, a.scale, layer.input_layernorm.eps)
-                   for a, layer in zip(attn, layers, strict=True)}) == 1)
+                   for a, layer in zip(attn, layers, strict=True)}) == 1
+          and (embed is None or embed.is_contiguous() and cpu_kernels.usable(embed))
+          and (norm is None or norm.eps == layers[0].input_layernorm.eps))
     model._fused_stack = None
     if ok:
         model._fused_stack = _Stack(
             [t for w in weights for t in w], layers[0].input_layernorm.eps, attn[0].num_heads,
             [a.sliding_window or 0 for a in attn], attn[0].scale,
-            min(decode_gemv_rows(m) for m in linears), linears, by_pairs)
+            min(decode_gemv_rows(m) for m in linears), linears, by_pairs, embed,
+            None if norm is None else norm.weight)
     return model._fused_stack
 
 
-def applies(hidden: torch.Tensor, kv_cache: torch.Tensor | None,
-            meta: AttentionMetadata) -> bool:
-    """This step can use the fused layers: decode tokens only, at most MAX_ROWS of them."""
-    return (kv_cache is not None and hidden.shape[0] <= MAX_ROWS and not meta.prefills
-            and meta.decode is not None and meta.decode.num == hidden.shape[0]
-            and hidden.is_contiguous() and kv_cache.is_contiguous()
-            and cpu_kernels.usable(hidden, kv_cache))
+def applies(x: torch.Tensor, kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> bool:
+    """This step can use the fused layers: decode tokens only, at most MAX_ROWS of them. x: the
+    step's token ids (int64 [T]) or hidden states ([T, H])."""
+    return (kv_cache is not None and x.shape[0] <= MAX_ROWS and not meta.prefills
+            and meta.decode is not None and meta.decode.num == x.shape[0]
+            and x.is_contiguous() and kv_cache.is_contiguous()
+            and cpu_kernels.usable(kv_cache, *(() if x.dtype == torch.long else (x,))))
 
 
-def run_layers(model, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+def run_layers(model, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                residual: torch.Tensor | None, kv_caches: list[torch.Tensor],
                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(output, residual) of the model's layers run in turn, in one C call
     (cpu_kernels.decoder_layers: Python and the dispatcher crossed once a step, not once a
-    layer); None when the fused path does not apply (the caller then runs the modules)."""
+    layer); None when the fused path does not apply (the caller then runs the modules).
+    x: the first stage's token ids (int64 [T], embedded in the call) or a later stage's
+    hidden states (with their residual). On the last stage the output is the final norm's
+    (the call applies it too)."""
     st = _stack(model)
-    if st is None:
+    if st is None or not applies(x, kv_caches[0], meta):
         return None
+    ids = x.dtype == torch.long
+    if ids != (st.embed is not None):
+        return None  # (token ids on a stage without the embedding: not this model's input)
     packed = []
-    if hidden.shape[0] > st.gemv_rows:  # past the GEMV kernel: the packed weights, as the
+    if x.shape[0] > st.gemv_rows:  # past the GEMV kernel: the packed weights, as the
         # modules take them; read at each call, not kept: sleep level 2 drops them (worker.py)
         packed = [m.packed_weight for m in st.linears]
         if any(p is None for p in packed):
@@ -111,12 +127,14 @@ def run_layers(model, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Ten
             packed = [p.data for p in packed]
     first = residual is None  # (a later pipeline stage's residual comes with its input)
     if first:
-        residual = torch.empty_like(hidden)
+        residual = x.new_empty(x.shape[0], st.embed.shape[1], dtype=st.embed.dtype) if ids \
+            else torch.empty_like(x)
     if len(kv_caches) != len(st.windows):
         kv_caches = kv_caches[:len(st.windows)]  # one a layer, as the modules take them
     dec = meta.decode
     out = cpu_kernels.decoder_layers(
-        hidden, residual, first, st.weights, st.eps, st.heads, st.windows, st.scale, rope[0],
+        x, residual, first, st.weights, st.eps, st.heads, st.windows, st.scale, rope[0],
         rope[1], kv_caches, meta.slot_mapping, dec.tables, dec.table_start, dec.ctx_lens,
-        packed)
+        packed, embed=st.embed if ids else None, final_norm=st.final_norm)
     return out, residual
+

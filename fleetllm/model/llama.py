@@ -160,21 +160,22 @@ class LlamaForCausalLM(nn.Module):
         """Returns (hidden, residual): final normed hidden states on the last stage, else the
         (hidden, residual) pair to send to the next stage."""
         if self.is_first_stage:
-            hidden, residual = self.embed_tokens(input_ids), None
+            x, residual = input_ids, None  # embedded in the fused call, or below
+            dtype = self.embed_tokens.weight.dtype
         else:
-            hidden, residual = intermediate
-        rope = self.rotary.cos_sin(positions, hidden.dtype)
-        # The fused layer has no LoRA deltas: a step with adapter rows runs module by module.
-        done = None
-        if kv_caches is not None and not lora_layers.active() and \
-                fused.applies(hidden, kv_caches[0], meta):
-            done = fused.run_layers(self, rope, hidden, residual, kv_caches, meta)
-        if done is not None:
-            hidden, residual = done
-        else:
-            for i, layer in enumerate(self.layers.values()):
-                hidden, residual = layer(rope, hidden, residual,
-                                         None if kv_caches is None else kv_caches[i], meta)
+            x, residual = intermediate
+            dtype = x.dtype
+        rope = self.rotary.cos_sin(positions, dtype)
+        # The fused layers have no LoRA deltas: a step with adapter rows runs module by module.
+        # They embed the tokens and apply the final norm in the same call.
+        if kv_caches is not None and not lora_layers.active():
+            done = fused.run_layers(self, rope, x, residual, kv_caches, meta)
+            if done is not None:
+                return done if not self.is_last_stage else (done[0], None)
+        hidden = self.embed_tokens(x) if self.is_first_stage else x
+        for i, layer in enumerate(self.layers.values()):
+            hidden, residual = layer(rope, hidden, residual,
+                                     None if kv_caches is None else kv_caches[i], meta)
         if not self.is_last_stage:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
