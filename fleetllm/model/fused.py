@@ -137,4 +137,3 @@ def run_layers(model, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
         rope[1], kv_caches, meta.slot_mapping, dec.tables, dec.table_start, dec.ctx_lens,
         packed, embed=st.embed if ids else None, final_norm=st.final_norm)
     return out, residual
-
