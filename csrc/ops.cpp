@@ -509,7 +509,9 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
 }
 
 // The rows of `table` ([V, H], contiguous) at `ids` (int64 [T]): an embedding lookup, each
-// id checked to lie in [0, V).
+// id checked to lie in [0, V). A plain loop, not at::index_select: that one opens an OpenMP
+// region past 32K elements (~40 rows of 768), whose threads then spin beside the kernels' pool
+// (docs/perf.md, "Not done").
 Tensor embedding_rows(const Tensor &ids, const Tensor &table)
 {
     TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),

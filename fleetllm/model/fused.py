@@ -114,9 +114,6 @@ def run_layers(model, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
     st = _stack(model)
     if st is None or not applies(x, kv_caches[0], meta):
         return None
-    ids = x.dtype == torch.long
-    if ids != (st.embed is not None):
-        return None  # (token ids on a stage without the embedding: not this model's input)
     packed = []
     if x.shape[0] > st.gemv_rows:  # past the GEMV kernel: the packed weights, as the
         # modules take them; read at each call, not kept: sleep level 2 drops them (worker.py)
@@ -125,15 +122,16 @@ def run_layers(model, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
             return None
         if st.by_pairs:
             packed = [p.data for p in packed]
-    first = residual is None  # (a later pipeline stage's residual comes with its input)
+    # The first stage (x its token ids, st.embed its embedding) starts the residual; a later
+    # stage's comes with its input.
+    first = residual is None
     if first:
-        residual = x.new_empty(x.shape[0], st.embed.shape[1], dtype=st.embed.dtype) if ids \
-            else torch.empty_like(x)
+        residual = x.new_empty(x.shape[0], st.embed.shape[1], dtype=st.embed.dtype)
     if len(kv_caches) != len(st.windows):
         kv_caches = kv_caches[:len(st.windows)]  # one a layer, as the modules take them
     dec = meta.decode
     out = cpu_kernels.decoder_layers(
         x, residual, first, st.weights, st.eps, st.heads, st.windows, st.scale, rope[0],
         rope[1], kv_caches, meta.slot_mapping, dec.tables, dec.table_start, dec.ctx_lens,
-        packed, embed=st.embed if ids else None, final_norm=st.final_norm)
+        packed, embed=st.embed, final_norm=st.final_norm)
     return out, residual
