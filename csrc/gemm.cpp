@@ -6,9 +6,12 @@
 // sums in registers and reads 3 weight vectors and 8 broadcast pairs per 24 dot products, where
 // a dot-product form (the GEMV's) loads an x vector for every 2 and adds its lanes up at the end.
 // A panel's 3 vectors for a pair lie side by side and its pairs in order, so a thread reads its
-// run of panels as one sequential stream (see pair_packed.py for what that is worth), which the
-// hardware prefetcher follows alone: prefetching the next panel into L2 as well, as the layout
-// before did, made 16-64 rows 2-10% slower (tools/gemm_pairs_ab.cpp; docs/perf.md, item 26).
+// run of panels as one sequential stream (see pair_packed.py for what that is worth). The
+// hardware prefetcher alone keeps too few lines in flight for it: the microkernel prefetches
+// the stream 2 KiB ahead into L1 (past a panel's end that is the next panel, a thread's next
+// item), which made the 125M decode step's GEMMs 25% faster at 1 row and 4-38% at 2-256
+// (tools/gemm_pairs_ab.cpp; docs/perf.md, item 28). Prefetching the whole next panel into L2
+// instead, as the layout before item 26 did, made 16-64 rows 2-10% slower.
 // Each output is one lane summed over k's pairs in order (blocks of k go through a float32
 // scratch, the same sums), then the bias, then one rounding: its bits do not depend on how many
 // rows share the call or which group a row falls in.
@@ -27,6 +30,7 @@ constexpr int PAIR = NB * 32;  // bf16s per pair of k in a panel: 3 vectors side
 constexpr int MR = 8;     // rows of x per microkernel pass (8 x 3 sums + 3 weights + 1 x)
 constexpr int KC = 512;   // pairs of k per block: a panel's block is 96 KiB (L2), x's 8 rows 16
 constexpr int MC = 128;   // rows of x per work item: their block of k stays in L2
+constexpr int AHEAD = 2048;  // bytes of the weight stream prefetched ahead of the microkernel
 
 struct GemmCtx {
     const bf16 *x, *wp, *bias;
@@ -63,6 +67,8 @@ __attribute__((target("avx512bf16"))) void micro(const bf16 *x, long K, const bf
     const bf16 *wp = w + static_cast<long>(p0) * PAIR;
     const bf16 *xp = x + 2L * p0;
     for (int p = p0; p < p1; p++, wp += PAIR, xp += 2) {
+        for (int b = 0; b < B; b++)
+            _mm_prefetch(reinterpret_cast<const char *>(wp + 32 * b) + AHEAD, _MM_HINT_T0);
         __m512bh wv[B];
         for (int b = 0; b < B; b++)
             wv[b] = (__m512bh)_mm512_loadu_si512(wp + 32 * b);
