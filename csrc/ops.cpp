@@ -425,13 +425,13 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
 {
     const Cache c = check_cache(kv_cache);
     check_float(x, "x", 2);
-    // Weights packed by pairs are all the layer reads of its projections: the dense ones may
-    // be gone (layers.pack_linear_weights frees them; empty tensors here) and the
-    // intermediate size comes from down's pairs, [hid/48, I/2, 48, 2].
+    // Packed weights are all the layer reads of its projections: the dense ones may be gone
+    // (layers.pack_linear_weights frees them; empty tensors here) and the intermediate size
+    // comes from down's packed copy, [hid/48, I/2, 48, 2] by pairs or oneDNN's [hid, I].
     const optional<Tensor> down_packed = packed.size() == 4 ? packed.get(3) : optional<Tensor>();
     const bool by_pairs = down_packed.has_value() && down_packed->dim() == 4;
-    const Tensor &inter_of = by_pairs ? *down_packed : w_down;
-    check_float(inter_of, by_pairs ? "packed down" : "w_down", by_pairs ? 4 : 2);
+    const Tensor &inter_of = down_packed.has_value() ? *down_packed : w_down;
+    check_float(inter_of, down_packed.has_value() ? "packed down" : "w_down", by_pairs ? 4 : 2);
     const int64_t inter = by_pairs ? 2 * inter_of.size(1) : inter_of.size(1);
     const at::ScalarType type = x.scalar_type();
     kernels::LayerDims d{to_int(x.size(0), "rows"), to_int(x.size(1), "hidden size"),
@@ -444,7 +444,7 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
     check_dense(residual, "residual", {d.T, d.hid}, type);
     check_dense(w_in, "w_in", {d.hid}, type);
     check_dense(w_post, "w_post", {d.hid}, type);
-    if (!by_pairs) {
+    if (packed.empty()) {
         check_dense(w_qkv, "w_qkv", {qkv_dim, d.hid}, type);
         check_dense(w_o, "w_o", {d.hid, static_cast<int64_t>(d.H) * d.D}, type);
         check_dense(w_gu, "w_gu", {2L * d.I, d.hid}, type);
@@ -477,6 +477,10 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
                 TORCH_CHECK(type == at::kBFloat16, "decoder_layer: pair-packed weights are bf16");
                 check_pair_packed(*w, out[i], in[i]);
                 pairs[i] = cptr<kernels::bf16>(*w);
+            } else {  // oneDNN's (an opaque layout: its sizes are the dense weight's)
+                TORCH_CHECK(w->dim() == 2 && w->size(0) == out[i] && w->size(1) == in[i],
+                            "decoder_layer: packed weight ", i, " must have shape [", out[i],
+                            ", ", in[i], "], got ", w->sizes());
             }
             proj.bias[i] = std::get<0>(biases[i]);
             proj.in[i] = in[i];

@@ -279,6 +279,37 @@ def test_fused_layers_past_the_gemv_limit_give_the_modules_bits(tiny_models, mon
     assert state["rows"] == 20  # the packed weights ran inside the one-call layer
 
 
+@pytest.mark.parametrize("sequences, pairs", [(3, True), (9, False)])
+def test_fused_layers_beside_onednn_on_amx_give_the_modules_bits(tiny_models, monkeypatch,
+                                                                  sequences, pairs):
+    """Where oneDNN runs on AMX (simulated here: only the choice of copies differs), a bf16
+    projection keeps oneDNN's packed copy and the copy by pairs for small batches, its dense
+    weight freed: the one-call layers take the pairs' copies up to pair_packed.SMALL_ROWS rows
+    and oneDNN's above, with tokens and logprobs exactly the modules' (biases, GQA)."""
+    from fleetllm import SamplingParams
+    from fleetllm.model import pair_packed
+
+    if not cpu_kernels.gemm_pairs_available():
+        pytest.skip("no AVX-512 BF16: no copies by pairs")
+    monkeypatch.setattr(pair_packed, "onednn_amx", lambda: True)
+    prompts = [{"prompt_token_ids": list(range(5 + i, 30 + 3 * i))} for i in range(sequences)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    seen = set()
+    decoder_layers = cpu_kernels.decoder_layers
+
+    def counted(*args, **kwargs):
+        seen.add((args[0].shape[0], args[15][0].dim()))  # rows; 4: pairs, 2: oneDNN's
+        return decoder_layers(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, "decoder_layers", counted)
+    runs = _fused_and_module_outputs(tiny_models, monkeypatch, prompts, params,
+                                     dtype="bfloat16")
+    for name, (fused_out, modules_out) in runs.items():
+        assert fused_out == modules_out, name
+    assert seen == {(sequences, 4 if pairs else 2)}, seen
+    assert sequences <= pair_packed.SMALL_ROWS if pairs else sequences > pair_packed.SMALL_ROWS
+
+
 @pytest.mark.parametrize("variant", ["sdpa", "math32", "varlen"])
 def test_decode_variants_match_dense_reference(variant, monkeypatch):
     """Each pure-PyTorch decode variant (FLEETLLM_CUDA_DECODE; varlen's packing with a

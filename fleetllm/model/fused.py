@@ -8,12 +8,13 @@ call looks the tokens up in the embedding (first pipeline stage) and applies the
 through the caches (~70 us each at batch 1; docs/perf.md, item 27). Used when
 it computes exactly what the modules would: CPU float32 or bfloat16 (the KV cache in either),
 no tensor parallelism, no q/k norm, the dense weights kept (FLEETLLM_LINEAR=auto) or all
-projections packed by pairs (their dense weights are freed: empty tensors stand in), a step of
-decode tokens only and nothing else; otherwise the modules run. Up to the layers' GEMV row
-limit (8; 16 for bf16 weights on a CPU without bf16 packing; 0 for weights packed by pairs:
+projections packed (by pairs or by oneDNN, their dense weights freed: empty tensors stand in),
+a step of decode tokens only and nothing else; otherwise the modules run. Up to the layers'
+GEMV row limit (8; 16 for bf16 weights on a CPU without bf16 packing; 0 without dense weights:
 layers.decode_gemv_rows) the projections take the GEMV kernel; above it the packed weights, as
 the modules would: oneDNN's matmul, or the bf16 GEMM on weights packed by pairs
-(model/pair_packed.py), which the C layer calls itself."""
+(model/pair_packed.py), which the C layer calls itself; where oneDNN runs on AMX, the copies
+by pairs up to pair_packed.SMALL_ROWS rows and oneDNN's above."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 from fleetllm.attention import AttentionMetadata, cpu_kernels
 from fleetllm.distributed.parallel_state import get_tp_group
 from fleetllm.model import pair_packed
-from fleetllm.model.layers import decode_gemv_rows
+from fleetllm.model.layers import decode_gemv_rows, small_batch_weight
 
 # The most rows a step takes here (its activations: 76 KiB per row on Qwen2-0.5B shapes).
 MAX_ROWS = 256
@@ -41,22 +42,24 @@ class _Stack(NamedTuple):
     gemv_rows: int  # up to this many rows the projections take the GEMV kernel
     linears: tuple  # qkv, o, gate_up, down of each layer: packed weights read at each call
     by_pairs: bool  # their packed weights are PairPacked (else oneDNN's, or none)
+    small_rows: int  # up to this many rows their pairs_weight copies (oneDNN on AMX), or 0
     embed: torch.Tensor | None  # the first stage's embedding (looked up in the call), or None
     final_norm: torch.Tensor | None  # the last stage's final norm (applied in the call)
 
 
-def _layer_weights(layer, by_pairs: bool) -> list | None:
-    """The layer's 10 weights for the C call, or None if the fused path does not apply."""
+def _layer_weights(layer, gemv: bool) -> list | None:
+    """The layer's 10 weights for the C call, or None if the fused path does not apply.
+    gemv: the projections read their dense weights (the GEMV kernel's rows)."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    dense_ok = by_pairs or all(m.weight is not None and m.weight.is_contiguous()
+    dense_ok = not gemv or all(m.weight is not None and m.weight.is_contiguous()
                                and cpu_kernels.usable(m.weight) for m in linears)
     if not (dense_ok and attn.q_norm is None
             and layer.input_layernorm.eps == layer.post_attention_layernorm.eps):
         return None
     norm = layer.input_layernorm.weight
     out = [norm, layer.post_attention_layernorm.weight]
-    for m in linears:  # weights packed by pairs are all that is read (the dense may be gone)
+    for m in linears:  # packed weights are all that is read past the GEMV (the dense may go)
         out += [norm.new_empty(0) if m.weight is None else m.weight, getattr(m, "bias", None)]
     return out
 
@@ -73,11 +76,13 @@ def _stack(model) -> _Stack | None:
     kinds = {isinstance(getattr(m, "packed_weight", None), pair_packed.PairPacked)
              for m in linears}
     by_pairs = kinds == {True}  # (an odd K keeps oneDNN's packing: both kinds, not fused)
-    weights = [_layer_weights(layer, by_pairs) for layer in layers]
+    gemv_rows = min((decode_gemv_rows(m) for m in linears), default=0)
+    small = {small_batch_weight(m) is not None for m in linears}
+    weights = [_layer_weights(layer, gemv_rows > 0) for layer in layers]
     attn = [layer.self_attn for layer in layers]
     embed = model.embed_tokens.weight if model.is_first_stage else None
     norm = model.norm if model.is_last_stage else None
-    ok = (layers and get_tp_group().world_size == 1 and len(kinds) == 1
+    ok = (layers and get_tp_group().world_size == 1 and len(kinds) == 1 and len(small) == 1
           and all(w is not None for w in weights)
           and len({(a.num_heads, a.scale, layer.input_layernorm.eps)
                    for a, layer in zip(attn, layers, strict=True)}) == 1
@@ -87,8 +92,8 @@ def _stack(model) -> _Stack | None:
     if ok:
         model._fused_stack = _Stack(
             [t for w in weights for t in w], layers[0].input_layernorm.eps, attn[0].num_heads,
-            [a.sliding_window or 0 for a in attn], attn[0].scale,
-            min(decode_gemv_rows(m) for m in linears), linears, by_pairs, embed,
+            [a.sliding_window or 0 for a in attn], attn[0].scale, gemv_rows, linears, by_pairs,
+            pair_packed.SMALL_ROWS if small == {True} else 0, embed,
             None if norm is None else norm.weight)
     return model._fused_stack
 
@@ -117,10 +122,11 @@ def run_layers(model, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
     packed = []
     if x.shape[0] > st.gemv_rows:  # past the GEMV kernel: the packed weights, as the
         # modules take them; read at each call, not kept: sleep level 2 drops them (worker.py)
-        packed = [m.packed_weight for m in st.linears]
+        small = x.shape[0] <= st.small_rows
+        packed = [small_batch_weight(m) if small else m.packed_weight for m in st.linears]
         if any(p is None for p in packed):
             return None
-        if st.by_pairs:
+        if st.by_pairs or small:
             packed = [p.data for p in packed]
     # The first stage (x its token ids, st.embed its embedding) starts the residual; a later
     # stage's comes with its input.

@@ -27,7 +27,10 @@ On CPUs with AVX-512 BF16 a bf16 weight is packed by pairs for fleetllm's own GE
 oneDNN's layout (pair_packed.py): faster than oneDNN's bf16 matmul on decode batches and equal
 on prompts, and faster than the GEMV even at one row, so it takes every projection at every
 number of rows (decode_gemv_rows 0), and the dense weights are freed (unless the embedding
-shares one): a bf16 model's projections take their own size in memory, not twice it.
+shares one): a bf16 model's projections take their own size in memory, not twice it. Where
+oneDNN runs on AMX tiles it is 2-8x faster than that GEMM from 12 rows up: there a projection
+keeps oneDNN's packed copy and, while the projections weigh at most FLEETLLM_GEMV_MAX_BYTES,
+the copy by pairs beside it (`pairs_weight`) for batches of up to pair_packed.SMALL_ROWS rows.
 """
 
 from __future__ import annotations
@@ -295,19 +298,31 @@ def decode_gemv_rows(layer: nn.Module) -> int:
     decode batch up to this size (the kernel's rows are independent), given the same hidden
     states; fused.py applies the same rules to whole layers."""
     packed, weight = getattr(layer, "packed_weight", None), layer.weight
-    if isinstance(packed, pair_packed.PairPacked):
+    if isinstance(packed, pair_packed.PairPacked) or small_batch_weight(layer) is not None:
         return 0  # its GEMM streams the weight faster than the GEMV at every number of rows
+    if weight is None:
+        return 0  # no dense weight for the GEMV to read: the packed copy takes every row
     if packed is not None and weight is not None and packed.dtype != weight.dtype:
         return 16
     return 8
 
 
+def small_batch_weight(layer: nn.Module) -> pair_packed.PairPacked | None:
+    """The copy packed by pairs that batches of up to pair_packed.SMALL_ROWS rows read beside
+    oneDNN's packed copy (CPUs where oneDNN runs on AMX), or None."""
+    return getattr(layer, "pairs_weight", None)
+
+
 def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
            gemv_rows: int = GEMV_ROWS) -> torch.Tensor:
     """x @ layer.weight^T (+ bias): a weight packed by pairs takes the kernels' GEMM at any
-    number of rows (pair_packed.py); else the GEMV kernel for up to `gemv_rows` rows when the
-    dense weight is kept, else the packed weight when the layer has one, else F.linear."""
+    number of rows (pair_packed.py), or up to SMALL_ROWS rows beside oneDNN's copy; else the
+    GEMV kernel for up to `gemv_rows` rows when the dense weight is kept, else the packed
+    weight when the layer has one, else F.linear."""
     packed, weight = getattr(layer, "packed_weight", None), layer.weight
+    small = small_batch_weight(layer)
+    if small is not None and x.numel() <= pair_packed.SMALL_ROWS * x.shape[-1]:
+        packed = small
     pairs = isinstance(packed, pair_packed.PairPacked)
     if not pairs and weight is not None and x.dim() == 2 and x.shape[0] <= gemv_rows and \
             x.is_contiguous() and cpu_kernels.usable(x, weight):
@@ -350,6 +365,11 @@ def pack_linear_weights(model: nn.Module) -> int:
     # them (model/huge_pages.py: 7% at batch 1 for the GEMV's weights, docs/perf.md item 18).
     pairs = [m.weight for m in linears if m.weight is not None and _can_pack(m.weight)
              and pair_packed.applies(m.weight)]
+    # With AMX, oneDNN's copy serves all but small batches; the pairs' copy beside it costs
+    # the projections' size again, kept within the budget the dense copies have elsewhere.
+    amx = bool(pairs) and pair_packed.onednn_amx()
+    if amx and sum(map(pair_packed.nbytes, pairs)) > _dense_budget():
+        pairs = []  # oneDNN's alone: ~16% slower at one row, the same from two
     arena = huge_pages.empty(sum(map(pair_packed.nbytes, pairs))) if pairs else None
     by_pairs = {id(w) for w in pairs}
     offset = count = 0
@@ -357,23 +377,26 @@ def pack_linear_weights(model: nn.Module) -> int:
         weight = module.weight
         if weight is None or not _can_pack(weight):
             continue
+        small = None
         try:
             if id(weight) in by_pairs:
                 size = pair_packed.nbytes(weight)
-                packed = pair_packed.pack(weight.detach(), arena[offset:offset + size])
+                small = pair_packed.pack(weight.detach(), arena[offset:offset + size])
                 offset += size
-            else:
-                packed = _pack(weight.detach())
+            packed = _pack(weight.detach()) if small is None or amx else small
             probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
             probe = probe.to(weight.dtype)
-            got = linear(SimpleNamespace(weight=None, packed_weight=packed), probe)
             tol = 1e-4 if weight.dtype == torch.float32 else 2e-2  # bf16: output rounding
-            torch.testing.assert_close(got.float(), F.linear(probe, weight).float(), rtol=tol,
-                                       atol=tol)
+            for copy in {id(packed): packed, id(small): small}.values():
+                if copy is not None:
+                    got = linear(SimpleNamespace(weight=None, packed_weight=copy), probe)
+                    torch.testing.assert_close(got.float(), F.linear(probe, weight).float(),
+                                               rtol=tol, atol=tol)
         except (RuntimeError, AssertionError) as e:
             logger.warning("oneDNN weight packing unavailable (%s): plain F.linear", e)
             return count
         module.packed_weight = packed
+        module.pairs_weight = small if packed is not small else None
         if not keep_dense and id(weight) not in shared:  # the packed copy replaces it
             module.weight = None
             module.dense_dtype = weight.dtype  # what to_dense() gives back (sharded_state)
@@ -401,10 +424,14 @@ def _packing_plan(model: nn.Module) -> tuple[list[nn.Module], set[int], bool, bo
     # Weights packed by pairs read only that copy at any number of rows: no dense copy then.
     by_pairs = any(m.weight is not None and pair_packed.applies(m.weight) for m in linears)
     keep_dense = os.environ.get("FLEETLLM_LINEAR", "auto") == "auto" and cpu_kernels.available() \
-        and dense_bytes <= int(float(os.environ.get("FLEETLLM_GEMV_MAX_BYTES", 2 << 30))) \
-        and not by_pairs
+        and dense_bytes <= _dense_budget() and not by_pairs
     packable = any(m.weight is not None and _can_pack(m.weight) for m in linears)
     return linears, shared, packable, keep_dense
+
+
+def _dense_budget() -> int:
+    """The most bytes of projections that get a second copy for small batches."""
+    return int(float(os.environ.get("FLEETLLM_GEMV_MAX_BYTES", 2 << 30)))
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

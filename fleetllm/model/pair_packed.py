@@ -19,10 +19,17 @@ oneDNN's: a sequence gets the same logits in any batch.
 
 Where it does not apply (no AVX-512 BF16, FLEETLLM_CPU_BF16_DOT=0, an odd K, float32 weights),
 layers._pack keeps oneDNN's packing.
+
+Where oneDNN's bf16 matmul runs on AMX tiles (Intel Sapphire Rapids and later), it is 2-8x this
+kernel's rate from 12 rows up (1,580 against 196 GFLOP/s at 256 rows on the 125M preset's
+projections, 2 cores) and equal at 2-8 rows, where both stream the weight; this kernel is 16%
+faster at one row. There a projection keeps both copies: oneDNN's packed weight, and this one
+for batches of up to SMALL_ROWS rows (layers.pack_linear_weights; docs/perf.md, item 29).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -31,6 +38,7 @@ import torch.nn.functional as F
 from fleetllm.attention import cpu_kernels
 
 PANEL = 48  # outputs a panel: the kernel's 3 vectors of 16 (csrc/kernels.h, PAIR_PANEL)
+SMALL_ROWS = 4  # beside oneDNN on AMX: batches up to this many rows take this copy
 
 
 class PairPacked(NamedTuple):
@@ -56,6 +64,13 @@ def applies(weight: torch.Tensor) -> bool:
     """This CPU's kernels run `weight` packed by pairs."""
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
             and weight.shape[1] % 2 == 0 and cpu_kernels.gemm_pairs_available())
+
+
+@functools.cache
+def onednn_amx() -> bool:
+    """oneDNN's bf16 matmul runs on AMX tiles on this CPU (torch enables them at start)."""
+    init = getattr(torch._C._cpu, "_init_amx", None)
+    return bool(init is not None and init() and torch.backends.mkldnn.is_available())
 
 
 def nbytes(weight: torch.Tensor) -> int:

@@ -192,11 +192,12 @@ class Worker(WorkerBase):
                 # one object, emptied once.
                 for param in model.parameters():
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-                for module in model.modules():  # oneDNN-packed copies (layers.py) go too
-                    packed = getattr(module, "packed_weight", None)
-                    if packed is not None:
-                        freed += packed.nbytes
-                        module.packed_weight = None
+                for module in model.modules():  # the packed copies (layers.py) go too
+                    for name in ("packed_weight", "pairs_weight"):
+                        packed = getattr(module, name, None)
+                        if packed is not None:
+                            freed += packed.nbytes
+                            setattr(module, name, None)
                 state["weights"] = model
         _release_memory(self.device)
         return freed
