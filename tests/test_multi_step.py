@@ -167,7 +167,9 @@ def test_an_abort_ends_a_multi_step_call_after_the_current_pass(tiny_models, lay
         timer.join()
         assert [o.request_id for o in outputs] == ["keep"]
         passes = len(outputs[0].outputs[0].token_ids) - 1
-        assert 1 <= passes < 8 and took < 1.0, (passes, took)
+        # 8 passes sleep 1.2 s alone: any less is a call cut short (1.09 s was seen for 2
+        # passes of ray's, under the suite's load, where the bound had been 1.0)
+        assert 1 <= passes < 8 and took < 8 * 0.15, (passes, took)
         slow_passes(llm, 0.0)
         done = None
         while engine.has_unfinished_requests():
