@@ -29,8 +29,9 @@ on prompts, and faster than the GEMV even at one row, so it takes every projecti
 number of rows (decode_gemv_rows 0), and the dense weights are freed (unless the embedding
 shares one): a bf16 model's projections take their own size in memory, not twice it. Where
 oneDNN runs on AMX tiles it is 2-8x faster than that GEMM from 12 rows up: there a projection
-keeps oneDNN's packed copy and, while the projections weigh at most FLEETLLM_GEMV_MAX_BYTES,
-the copy by pairs beside it (`pairs_weight`) for batches of up to pair_packed.SMALL_ROWS rows.
+keeps oneDNN's packed copy and, while the projections weigh at most FLEETLLM_GEMV_MAX_BYTES
+(default: a quarter of the machine's memory), the copy by pairs beside it (`pairs_weight`)
+for batches of up to pair_packed.SMALL_ROWS rows.
 """
 
 from __future__ import annotations
@@ -368,8 +369,8 @@ def pack_linear_weights(model: nn.Module) -> int:
     # With AMX, oneDNN's copy serves all but small batches; the pairs' copy beside it costs
     # the projections' size again, kept within the budget the dense copies have elsewhere.
     amx = bool(pairs) and pair_packed.onednn_amx()
-    if amx and sum(map(pair_packed.nbytes, pairs)) > _dense_budget():
-        pairs = []  # oneDNN's alone: ~16% slower at one row, the same from two
+    if amx and sum(map(pair_packed.nbytes, pairs)) > _pairs_budget():
+        pairs = []  # oneDNN's alone: 16-30% slower at one row, the same from two
     arena = huge_pages.empty(sum(map(pair_packed.nbytes, pairs))) if pairs else None
     by_pairs = {id(w) for w in pairs}
     offset = count = 0
@@ -432,6 +433,19 @@ def _packing_plan(model: nn.Module) -> tuple[list[nn.Module], set[int], bool, bo
 def _dense_budget() -> int:
     """The most bytes of projections that get a second copy for small batches."""
     return int(float(os.environ.get("FLEETLLM_GEMV_MAX_BYTES", 2 << 30)))
+
+
+def _pairs_budget() -> int:
+    """The same for the copies by pairs beside oneDNN's on AMX: FLEETLLM_GEMV_MAX_BYTES if
+    set, else a quarter of the machine's memory (at least 2 GiB). Without them a 1B model's
+    batch-1 decode read 6.9 tokens/s instead of 10.1 (docs/perf.md, item 29)."""
+    if os.environ.get("FLEETLLM_GEMV_MAX_BYTES"):
+        return _dense_budget()
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = 0
+    return max(2 << 30, memory // 4)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
