@@ -548,6 +548,31 @@ def test_with_amx_bf16_projections_keep_onednn_and_pairs_for_small_batches(
         _close_in_bf16(want, (x.float() @ dense.float().T).to(BF16), 1e-2)
 
 
+def test_packing_frees_the_dense_weights(tiny_models, tmp_path, monkeypatch):
+    """The dense weights that packed copies replace are freed, not kept alive by the loader's
+    name -> Parameter index (a Llama-1B-shaped bf16 model held 2 GB more for it)."""
+    import gc
+    import weakref
+
+    from fleetllm.model import layers, loader
+
+    dense = []
+    pack = layers.pack_linear_weights
+
+    def recorded(model):
+        linears = [m for m in model.modules() if getattr(m, "weight", None) is not None
+                   and isinstance(m, layers.ColumnParallelLinear | layers.RowParallelLinear)]
+        dense.extend((m, weakref.ref(m.weight)) for m in linears)
+        return pack(model)
+
+    monkeypatch.setattr(loader, "pack_linear_weights", recorded)
+    path = _bf16_checkpoint(tiny_models["llama_gqa"], tmp_path / "llama")
+    with LLM(path, kv_cache_memory=16 << 20):
+        gc.collect()
+        freed = [ref() is None for m, ref in dense if m.weight is None]
+        assert freed and all(freed), freed
+
+
 def test_dtype_auto_follows_the_checkpoint(tiny_models, tmp_path):
     """bf16 checkpoints run in bf16 on the CPU; float16 ones in float32 (no fast float16 CPU
     path: float32 holds every float16 exactly); float32 stays float32."""

@@ -59,6 +59,8 @@ class ModelRunner:
             _keep_freed_memory()
             _set_intra_op_threads(self.config.parallel_config.world_size)
         self.model = build_model(self.config, self.device)
+        if self.device.type == "cpu":
+            _return_freed_memory()  # the dense weights the packed copies replaced
         self.dtype = next(self.model.parameters()).dtype
         lora = self.config.lora_config
         if lora is not None:  # the loaded adapters survive a reload (sleep level 2)
@@ -375,6 +377,18 @@ def _keep_freed_memory() -> None:
     m_trim_threshold, m_mmap_threshold = -1, -3
     mallopt(m_mmap_threshold, ctypes.c_int(1 << 30))
     mallopt(m_trim_threshold, ctypes.c_int(2**31 - 1))
+
+
+def _return_freed_memory() -> None:
+    """Give the heap's free memory back to the system once (glibc's malloc_trim): with the
+    trim threshold _keep_freed_memory raises, the dense weights that packing freed would stay
+    in the process for good (a Llama-1B-shaped bf16 model: 8.7 -> 7.2 GB resident)."""
+    if os.environ.get("FLEETLLM_MALLOC_TUNING", "1") == "0":
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(0))
+    except (OSError, AttributeError):
+        pass
 
 
 def _accept_drafts(draft: list[int], drawn: list[int]) -> list[int]:
