@@ -367,7 +367,7 @@ def pack_linear_weights(model: nn.Module) -> int:
     pairs = [m.weight for m in linears if m.weight is not None and _can_pack(m.weight)
              and pair_packed.applies(m.weight)]
     # With AMX, oneDNN's copy serves all but small batches; the pairs' copy beside it costs
-    # the projections' size again, kept within the budget the dense copies have elsewhere.
+    # the projections' size again, kept within _pairs_budget().
     amx = bool(pairs) and pair_packed.onednn_amx()
     if amx and sum(map(pair_packed.nbytes, pairs)) > _pairs_budget():
         pairs = []  # oneDNN's alone: 16-30% slower at one row, the same from two
