@@ -303,7 +303,7 @@ def decode_gemv_rows(layer: nn.Module) -> int:
         return 0  # its GEMM streams the weight faster than the GEMV at every number of rows
     if weight is None:
         return 0  # no dense weight for the GEMV to read: the packed copy takes every row
-    if packed is not None and weight is not None and packed.dtype != weight.dtype:
+    if packed is not None and packed.dtype != weight.dtype:
         return 16
     return 8
 
@@ -388,11 +388,10 @@ def pack_linear_weights(model: nn.Module) -> int:
             probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
             probe = probe.to(weight.dtype)
             tol = 1e-4 if weight.dtype == torch.float32 else 2e-2  # bf16: output rounding
-            for copy in {id(packed): packed, id(small): small}.values():
-                if copy is not None:
-                    got = linear(SimpleNamespace(weight=None, packed_weight=copy), probe)
-                    torch.testing.assert_close(got.float(), F.linear(probe, weight).float(),
-                                               rtol=tol, atol=tol)
+            for copy in [packed] if small is None or small is packed else [packed, small]:
+                got = linear(SimpleNamespace(weight=None, packed_weight=copy), probe)
+                torch.testing.assert_close(got.float(), F.linear(probe, weight).float(),
+                                           rtol=tol, atol=tol)
         except (RuntimeError, AssertionError) as e:
             logger.warning("oneDNN weight packing unavailable (%s): plain F.linear", e)
             return count
