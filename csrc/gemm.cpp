@@ -39,19 +39,6 @@ struct GemmCtx {
     long panels, mblocks;
 };
 
-// 16 sums + bias rounded once to bf16 and stored (the first n of them).
-inline void finish16(__m512 s, const bf16 *bias, bf16 *y, int n)
-{
-    const __mmask16 mask = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
-    if (bias) {
-        const __m256i b = _mm256_maskz_loadu_epi16(mask, bias);
-        s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
-    }
-    const v16 r = round_lanes<bf16, v16, u16x32>(reinterpret_cast<const v16 &>(s));
-    const __m512i u = _mm512_srli_epi32(reinterpret_cast<const __m512i &>(r), 16);
-    _mm256_mask_storeu_epi16(y, mask, _mm512_cvtepi32_epi16(u));
-}
-
 // R rows of x (K apart) by the first B blocks of 16 outputs of a panel (w: its first pair),
 // pairs [p0, p1) of k. acc: [R][B][16] float32, read unless first; last: the outputs (y: row
 // 0's first output, rows N apart; n: outputs of this panel that exist).

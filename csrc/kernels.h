@@ -125,6 +125,13 @@ constexpr int PAIR_PANEL = 48;
 bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M, int N, int K,
                 int nthreads);
 
+// y = x @ w^T (+ bias) on AMX tiles from w packed for them ([N/32][K/32][2][16][32], see
+// model/amx_packed.py; gemm_amx.cpp), N and K multiples of 32; false (nothing done) where the
+// CPU or the OS gives no AMX.
+bool gemm_amx(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M, int N, int K,
+              int nthreads);
+bool amx_available();
+
 // A projection run by the caller instead of the GEMV kernel: x @ W^T (+ bias) for the layer's
 // projection `which` (0 qkv, 1 o, 2 gate_up, 3 down), in the layer's dtype; returns where the
 // result is, valid until the layer's call returns (no copy into the layer's buffers).
@@ -453,5 +460,21 @@ inline void convert(const S *src, D *dst, long n)
     #pragma omp simd
     for (long i = 0; i < n; i++) dst[i] = from_f32<D>(to_f32(src[i]));
 }
+
+#if defined(__AVX512F__)
+// 16 sums + bias rounded once to bf16 and stored (the first n of them).
+inline void finish16(__m512 s, const bf16 *bias, bf16 *y, int n)
+{
+    const __mmask16 mask = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    if (bias) {
+        const __m256i b = _mm256_maskz_loadu_epi16(mask, bias);
+        s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+    }
+    const v16 r = round_lanes<bf16, v16, u16x32>(reinterpret_cast<const v16 &>(s));
+    const __m512i u = _mm512_srli_epi32(reinterpret_cast<const __m512i &>(r), 16);
+    _mm256_mask_storeu_epi16(y, mask, _mm512_cvtepi32_epi16(u));
+}
+
+#endif
 
 }  // namespace fleetllm::kernels

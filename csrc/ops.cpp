@@ -59,6 +59,14 @@ void check_pair_packed(const Tensor &w, int64_t out, int64_t in)
     check_dense(w, "packed", {(out + P - 1) / P, in / 2, P, 2}, at::kBFloat16);
 }
 
+// A weight packed for AMX tiles (model/amx_packed.py): [N/32, K/32, 2, 16, 32] bf16.
+void check_amx_packed(const Tensor &w, int64_t out, int64_t in)
+{
+    TORCH_CHECK(out % 32 == 0 && in % 32 == 0, "AMX-packed weights need in and out features "
+                "that are multiples of 32, got ", in, " and ", out);
+    check_dense(w, "packed", {out / 32, in / 32, 2, 16, 32}, at::kBFloat16);
+}
+
 void check_index(const Tensor &t, at::ScalarType type, const char *name, int64_t n)
 {
     TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU, got ", t.device());
@@ -358,6 +366,27 @@ Tensor gemm_pairs(const Tensor &x, const Tensor &packed, const optional<Tensor> 
 
 bool gemm_pairs_available() { return kernels::bf16_dot; }
 
+Tensor gemm_amx(const Tensor &x, const Tensor &packed, const optional<Tensor> &bias, int64_t n)
+{
+    check_float(x, "x", 2);
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gemm_amx: x must be bfloat16, got ",
+                x.scalar_type());
+    const int m = to_int(x.size(0), "rows"), k = to_int(x.size(1), "in_features");
+    const int out = to_int(n, "out_features");
+    check_dense(x, "x", {m, k}, at::kBFloat16);
+    check_amx_packed(packed, out, k);
+    if (bias)
+        check_dense(*bias, "bias", {out}, at::kBFloat16);
+    Tensor y = at::empty({m, out}, x.options());
+    TORCH_CHECK(kernels::gemm_amx(cptr<kernels::bf16>(x), cptr<kernels::bf16>(packed),
+                                  opt_ptr<kernels::bf16>(bias), mptr<kernels::bf16>(y), m, out,
+                                  k, at::get_num_threads()),
+                "gemm_amx: needs AMX (kernels.amx_available())");
+    return y;
+}
+
+bool amx_available() { return kernels::amx_available(); }
+
 // A decoder layer's projections through their packed weights (decoder_layer's `packed`: the
 // kernels' pairs, gemm_pairs, or oneDNN's), computed as model/layers.py's linear() and the
 // Linear modules compute them, so that the
@@ -394,6 +423,8 @@ const void *project_packed(void *ctx, int which, const void *x)
     Tensor out;
     if (w.dim() == 4) {  // packed by pairs (model/pair_packed.py): the kernels' GEMM
         out = gemm_pairs(in, w, bias, p.out[which]);
+    } else if (w.dim() == 5) {  // packed for AMX tiles (model/amx_packed.py)
+        out = gemm_amx(in, w, bias, p.out[which]);
     } else {
         if (widen) {
             in = in.to(at::kFloat);
@@ -427,12 +458,16 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
     check_float(x, "x", 2);
     // Packed weights are all the layer reads of its projections: the dense ones may be gone
     // (layers.pack_linear_weights frees them; empty tensors here) and the intermediate size
-    // comes from down's packed copy, [hid/48, I/2, 48, 2] by pairs or oneDNN's [hid, I].
+    // comes from down's packed copy, [hid/48, I/2, 48, 2] by pairs, [hid/32, I/32, 2, 16, 32]
+    // for AMX tiles or oneDNN's [hid, I].
     const optional<Tensor> down_packed = packed.size() == 4 ? packed.get(3) : optional<Tensor>();
     const bool by_pairs = down_packed.has_value() && down_packed->dim() == 4;
     const Tensor &inter_of = down_packed.has_value() ? *down_packed : w_down;
-    check_float(inter_of, down_packed.has_value() ? "packed down" : "w_down", by_pairs ? 4 : 2);
-    const int64_t inter = by_pairs ? 2 * inter_of.size(1) : inter_of.size(1);
+    const bool by_tiles = down_packed.has_value() && down_packed->dim() == 5;
+    check_float(inter_of, down_packed.has_value() ? "packed down" : "w_down",
+                by_pairs ? 4 : by_tiles ? 5 : 2);
+    const int64_t inter = by_pairs ? 2 * inter_of.size(1)
+                                   : by_tiles ? 32 * inter_of.size(1) : inter_of.size(1);
     const at::ScalarType type = x.scalar_type();
     kernels::LayerDims d{to_int(x.size(0), "rows"), to_int(x.size(1), "hidden size"),
                          to_int(heads, "heads"), c.kvh, c.d, to_int(inter, "inter"),
@@ -477,6 +512,9 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
                 TORCH_CHECK(type == at::kBFloat16, "decoder_layer: pair-packed weights are bf16");
                 check_pair_packed(*w, out[i], in[i]);
                 pairs[i] = cptr<kernels::bf16>(*w);
+            } else if (w->dim() == 5) {  // packed for AMX tiles: through project_packed
+                TORCH_CHECK(type == at::kBFloat16, "decoder_layer: AMX-packed weights are bf16");
+                check_amx_packed(*w, out[i], in[i]);
             } else {  // oneDNN's (an opaque layout: its sizes are the dense weight's)
                 TORCH_CHECK(w->dim() == 2 && w->size(0) == out[i] && w->size(1) == in[i],
                             "decoder_layer: packed weight ", i, " must have shape [", out[i],
@@ -643,6 +681,8 @@ TORCH_LIBRARY(fleetllm, m)
     m.def("argmax(Tensor x) -> Tensor");
     m.def("gemm_pairs(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
     m.def("gemm_pairs_available() -> bool", &fleetllm::gemm_pairs_available);
+    m.def("gemm_amx(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+    m.def("amx_available() -> bool", &fleetllm::amx_available);
     m.def("build_info() -> str", &fleetllm::build_info);
 }
 
@@ -658,6 +698,7 @@ TORCH_LIBRARY_IMPL(fleetllm, CPU, m)
     m.impl("decoder_layers", &fleetllm::decoder_layers);
     m.impl("argmax", &fleetllm::argmax);
     m.impl("gemm_pairs", &fleetllm::gemm_pairs);
+    m.impl("gemm_amx", &fleetllm::gemm_amx);
 }
 
 // oneDNN's packed float32 weights are opaque MkldnnCPU tensors; given as decoder_layer's

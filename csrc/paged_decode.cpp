@@ -56,6 +56,54 @@ inline __attribute__((always_inline)) float dot(const float *q, const C *k, cons
     return s;
 }
 
+#if defined(__AVX512F__)
+// dot for 16 rows of k (stride elements apart) at once, D a multiple of 32: each row's two
+// vectors of sums as dot's, then one tree over the 16 whose pairings are hsum16's (lane i with
+// i + 8, then + 4, + 2, + 1), so each score has the same bits as dot's; the tree's adds serve
+// 16 rows at a time, where dot reduced each row alone (half the QK time at 64 sequences).
+template <class C>
+inline __attribute__((always_inline)) v16 dot16(const float *q, const C *k, long stride,
+                                                 const int D)
+{
+    v16 s[16];
+    for (int p = 0; p < 16; p++) {
+        const C *kp = k + p * stride;
+        v16 a0 = {}, a1 = {}, k0, k1, q0, q1;
+        for (int d = 0; d < D; d += 32) {
+            load16(kp + d, k0);
+            load16(kp + d + 16, k1);
+            load16(q + d, q0);
+            load16(q + d + 16, q1);
+            a0 += q0 * k0;
+            a1 += q1 * k1;
+        }
+        s[p] = a0 + a1;
+    }
+    v16 b[8], c[4], d[2];
+    for (int j = 0; j < 8; j++)  // b[j]: rows 2j and 2j + 1, lane i + lane i + 8 (8 lanes each)
+        b[j] = __builtin_shufflevector(s[2 * j], s[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                       18, 19, 20, 21, 22, 23)
+               + __builtin_shufflevector(s[2 * j], s[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15,
+                                         24, 25, 26, 27, 28, 29, 30, 31);
+    for (int j = 0; j < 4; j++)  // c[j]'s 128-bit chunk m: row 4j + m, lane i + lane i + 4
+        c[j] = __builtin_shufflevector(b[2 * j], b[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                       18, 19, 24, 25, 26, 27)
+               + __builtin_shufflevector(b[2 * j], b[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20,
+                                         21, 22, 23, 28, 29, 30, 31);
+    for (int j = 0; j < 2; j++)  // d[j]'s chunk m: rows 8j + m and 8j + 4 + m, lane i + i + 2
+        d[j] = __builtin_shufflevector(c[2 * j], c[2 * j + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9,
+                                       24, 25, 12, 13, 28, 29)
+               + __builtin_shufflevector(c[2 * j], c[2 * j + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10,
+                                         11, 26, 27, 14, 15, 30, 31);
+    // chunk m: rows m, m + 4, m + 8, m + 12 (lane 0 + lane 1); then rows in order
+    const v16 e = __builtin_shufflevector(d[0], d[1], 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26,
+                                          12, 14, 28, 30)
+                  + __builtin_shufflevector(d[0], d[1], 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27,
+                                            13, 15, 29, 31);
+    return __builtin_shufflevector(e, e, 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+}
+#endif
+
 // acc += w * v in float32, 16 (AVX-512) or 8 at a time (a bf16 row widened as in dot).
 template <class C>
 inline __attribute__((always_inline)) void axpy(float w, const C *v, float *acc, const int D)
@@ -246,10 +294,47 @@ inline __attribute__((always_inline)) void decode_item(
     const int n = (b1 - b0) * bs;                  // whole blocks; the ends are masked
     const int lo = start - b0 * bs, hi = len - b0 * bs;
     const float *qb = q + static_cast<long>(kh0) * G * D;
+    const long off = static_cast<long>(kh0) * D, tok_bytes = tok * sizeof(C);
+    const int lines = (nkv * D * static_cast<int>(sizeof(C)) + 63) / 64;  // of a position's row
     for (int blk = b0; blk < b1; blk++) {  // scores = q . K, block by block
-        const C *kb = k + static_cast<long>(table[blk]) * bs * tok + static_cast<long>(kh0) * D;
+        const C *kb = k + static_cast<long>(table[blk]) * bs * tok + off;
+        // Blocks lie anywhere in the cache, so the hardware prefetcher starts over at each:
+        // fetch the next block's keys one block ahead, and this block's values for P . V (a
+        // sequence's values fit in L2), a few lines beside each dot product. Measured 1.7x
+        // faster at 64 sequences of 100-260 positions (Xeon, bf16 cache).
+        const char *kn = blk + 1 < b1 ? reinterpret_cast<const char *>(
+                             k + static_cast<long>(table[blk + 1]) * bs * tok + off) : nullptr;
+        const char *vc = reinterpret_cast<const char *>(
+            v + static_cast<long>(table[blk]) * bs * tok + off);
         const int base = (blk - b0) * bs;
+        int next = 0;  // the next line to prefetch, position by position
+        const auto prefetch = [&](int o0, int o1, int count) {
+            for (const int end = o1 * lines; count > 0 && o0 * lines + next < end; count--, next++) {
+                const long at = (o0 + next / lines) * tok_bytes + (next % lines) * 64;
+                if (kn) __builtin_prefetch(kn + at, 0, 3);
+                __builtin_prefetch(vc + at, 0, 2);
+            }
+        };
+#if defined(__AVX512F__)
+        if (D % 32 == 0 && bs % 16 == 0) {
+            for (int o = 0; o < bs; o += 16) {
+                next = 0;
+                const int per = (16 * lines + nkv * G - 1) / (nkv * G);
+                for (int kh = 0; kh < nkv; kh++)
+                    for (int g = 0; g < G; g++) {
+                        const int h = kh * G + g;
+                        prefetch(o, o + 16, per);
+                        const v16 s = dot16(qb + static_cast<long>(h) * D,
+                                            kb + o * tok + static_cast<long>(kh) * D, tok, D);
+                        *reinterpret_cast<v16u *>(scores + static_cast<long>(h) * n + base + o) =
+                            s * scale;
+                    }
+            }
+            continue;
+        }
+#endif
         for (int o = 0; o < bs; o++) {
+            prefetch(0, bs, lines);
             for (int kh = 0; kh < nkv; kh++) {
                 const C *kp = kb + o * tok + static_cast<long>(kh) * D;
                 for (int g = 0; g < G; g++) {

@@ -279,18 +279,25 @@ def test_fused_layers_past_the_gemv_limit_give_the_modules_bits(tiny_models, mon
     assert state["rows"] == 20  # the packed weights ran inside the one-call layer
 
 
-@pytest.mark.parametrize("sequences, pairs", [(3, True), (9, False)])
+@pytest.mark.parametrize("small_kind", ["amx", "pairs"])
+@pytest.mark.parametrize("sequences", [3, 9])
 def test_fused_layers_beside_onednn_on_amx_give_the_modules_bits(tiny_models, monkeypatch,
-                                                                  sequences, pairs):
+                                                                  sequences, small_kind):
     """Where oneDNN runs on AMX (simulated here: only the choice of copies differs), a bf16
-    projection keeps oneDNN's packed copy and the copy by pairs for small batches, its dense
-    weight freed: the one-call layers take the pairs' copies up to pair_packed.SMALL_ROWS rows
-    and oneDNN's above, with tokens and logprobs exactly the modules' (biases, GQA)."""
+    projection keeps oneDNN's packed copy and a copy for small batches (for the kernels' AMX
+    GEMM where the CPU has AMX, else by pairs), its dense weight freed: the one-call layers
+    take the small copies up to their row limit (4 here for both) and oneDNN's above, with
+    tokens and logprobs exactly the modules' (biases, GQA)."""
     from fleetllm import SamplingParams
-    from fleetllm.model import pair_packed
+    from fleetllm.model import amx_packed, pair_packed
 
     if not cpu_kernels.gemm_pairs_available():
         pytest.skip("no AVX-512 BF16: no copies by pairs")
+    if small_kind == "amx" and not cpu_kernels.amx_available():
+        pytest.skip("no AMX tiles on this CPU")
+    if small_kind == "pairs":
+        monkeypatch.setattr(amx_packed, "applies", lambda w: False)
+    monkeypatch.setattr(amx_packed, "MAX_ROWS", pair_packed.SMALL_ROWS)
     monkeypatch.setattr(pair_packed, "onednn_amx", lambda: True)
     prompts = [{"prompt_token_ids": list(range(5 + i, 30 + 3 * i))} for i in range(sequences)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
@@ -298,7 +305,7 @@ def test_fused_layers_beside_onednn_on_amx_give_the_modules_bits(tiny_models, mo
     decoder_layers = cpu_kernels.decoder_layers
 
     def counted(*args, **kwargs):
-        seen.add((args[0].shape[0], args[15][0].dim()))  # rows; 4: pairs, 2: oneDNN's
+        seen.add((args[0].shape[0], args[15][0].dim()))  # rows; 5: AMX, 4: pairs, 2: oneDNN
         return decoder_layers(*args, **kwargs)
 
     monkeypatch.setattr(cpu_kernels, "decoder_layers", counted)
@@ -306,8 +313,8 @@ def test_fused_layers_beside_onednn_on_amx_give_the_modules_bits(tiny_models, mo
                                      dtype="bfloat16")
     for name, (fused_out, modules_out) in runs.items():
         assert fused_out == modules_out, name
-    assert seen == {(sequences, 4 if pairs else 2)}, seen
-    assert sequences <= pair_packed.SMALL_ROWS if pairs else sequences > pair_packed.SMALL_ROWS
+    small_dim = 5 if small_kind == "amx" else 4
+    assert seen == {(sequences, small_dim if sequences <= pair_packed.SMALL_ROWS else 2)}, seen
 
 
 @pytest.mark.parametrize("variant", ["sdpa", "math32", "varlen"])

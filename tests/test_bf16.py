@@ -514,19 +514,26 @@ def test_bf16_decode_steps_of_up_to_16_take_the_kernel_without_bf16_packing(
 
 
 @needs_kernels
+@pytest.mark.parametrize("small_kind", ["amx", "pairs"])
 @pytest.mark.parametrize("budget", [None, "0"], ids=["both-copies", "over-budget"])
-def test_with_amx_bf16_projections_keep_onednn_and_pairs_for_small_batches(
-        budget, monkeypatch):
+def test_with_amx_bf16_projections_keep_onednn_and_a_copy_for_small_batches(
+        budget, small_kind, monkeypatch):
     """Where oneDNN runs on AMX (2-8x the pairs' GEMM from 12 rows up; simulated here), a bf16
-    projection keeps oneDNN's packed copy for every batch and the copy by pairs for batches
-    of up to SMALL_ROWS rows, while the projections fit FLEETLLM_GEMV_MAX_BYTES; over it
-    oneDNN's alone. The dense weight goes either way; each copy gives its own kernel's bits."""
+    projection keeps oneDNN's packed copy for every batch and a second copy for small batches
+    while the projections fit FLEETLLM_GEMV_MAX_BYTES: packed for the kernels' AMX GEMM (up to
+    amx_packed.MAX_ROWS rows) where the CPU has AMX, else by pairs (up to SMALL_ROWS); over
+    the budget oneDNN's alone. The dense weight goes either way; each copy gives its own
+    kernel's bits."""
     from torch import nn
 
-    from fleetllm.model import layers
+    from fleetllm.model import amx_packed, layers
 
     if not cpu_kernels.gemm_pairs_available():
         pytest.skip("no AVX-512 BF16: no copies by pairs")
+    if small_kind == "amx" and not cpu_kernels.amx_available():
+        pytest.skip("no AMX tiles on this CPU")
+    if small_kind == "pairs":
+        monkeypatch.setattr(amx_packed, "applies", lambda w: False)
     monkeypatch.setattr(pair_packed, "onednn_amx", lambda: True)
     if budget is not None:
         monkeypatch.setenv("FLEETLLM_GEMV_MAX_BYTES", budget)
@@ -538,12 +545,21 @@ def test_with_amx_bf16_projections_keep_onednn_and_pairs_for_small_batches(
     assert proj.weight is None and proj.packed_weight.is_mkldnn
     small = layers.small_batch_weight(proj)
     assert (small is None) == (budget is not None)
+    kind = amx_packed.AmxPacked if small_kind == "amx" else pair_packed.PairPacked
+    assert small is None or isinstance(small, kind)
+    limit = layers.small_batch_rows(proj)
+    assert limit == (0 if small is None else amx_packed.MAX_ROWS if small_kind == "amx"
+                     else pair_packed.SMALL_ROWS)
     assert layers.decode_gemv_rows(proj) == 0
-    for rows in (1, pair_packed.SMALL_ROWS, pair_packed.SMALL_ROWS + 1, 40):
+    for rows in (1, pair_packed.SMALL_ROWS, pair_packed.SMALL_ROWS + 1, 40,
+                 amx_packed.MAX_ROWS, amx_packed.MAX_ROWS + 1):
         x = torch.randn(rows, 128, generator=g).to(BF16)
-        by_pairs = small is not None and rows <= pair_packed.SMALL_ROWS
-        want = pair_packed.matmul(x, small, None) if by_pairs else \
-            torch.ops.mkldnn._linear_pointwise(x, proj.packed_weight, None, "none", [None], "")
+        if small is not None and rows <= limit:
+            want = (amx_packed.matmul if small_kind == "amx"
+                                  else pair_packed.matmul)(x, small, None)
+        else:
+            want = torch.ops.mkldnn._linear_pointwise(x, proj.packed_weight, None, "none",
+                                                      [None], "")
         assert torch.equal(layers.linear(proj, x), want), rows
         _close_in_bf16(want, (x.float() @ dense.float().T).to(BF16), 1e-2)
 

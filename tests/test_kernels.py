@@ -633,3 +633,43 @@ def test_gemm_on_weights_packed_by_pairs_sums_each_output_in_one_order():
     with pytest.raises(RuntimeError, match="packed"):
         cpu_kernels.gemm_pairs(torch.zeros(2, 4, dtype=torch.bfloat16),
                                torch.zeros(1, 2, 16, 2, dtype=torch.bfloat16), None, 17)
+
+
+@needs_kernels
+def test_gemm_on_amx_tiles_is_the_product_and_independent_of_the_batch():
+    """The bf16 GEMM on AMX tiles (model/amx_packed.py, csrc/gemm_amx.cpp: 32 outputs by up to
+    32 rows a pass, row tails of any size) gives float32 sums over k rounded once: each row's
+    bits are the same alone or in any batch, the bias is added before the rounding, and the
+    result is x @ w.T within bf16 rounding. Random shapes: 1-300 rows, 32-160 outputs, k of
+    32-1,024; the packed layout is checked element by element."""
+    from fleetllm.model import amx_packed
+
+    if not cpu_kernels.amx_available():
+        pytest.skip("this CPU has no AMX tiles")
+    rng = random.Random(7)
+    g = torch.Generator().manual_seed(7)
+    for case in range(16):
+        m = rng.choice([1, 2, 15, 16, 17, 31, 33, 64, 71, 140, 300])
+        n = rng.choice([32, 64, 96, 160])
+        k = rng.choice([32, 64, 256, 768, 1024])
+        x = torch.randn(m, k, generator=g).bfloat16()
+        w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+        bias = torch.randn(n, generator=g).bfloat16() if case % 2 else None
+        packed = amx_packed.pack(w)
+        assert torch.equal(packed.to_dense(), w)
+        i, j = rng.randrange(n), rng.randrange(k)
+        assert packed.data.shape == (n // 32, k // 32, 2, 16, 32)
+        assert packed.data[i // 32, j // 32, i % 32 // 16, j % 32 // 2, i % 16 * 2 + j % 2] \
+            == w[i, j]
+        got = amx_packed.matmul(x, packed, bias)
+        want = x.float() @ w.float().T + (0 if bias is None else bias.float())
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-2)
+        for r in {0, m // 2, m - 1}:  # alone, and as the first row of another batch
+            assert torch.equal(amx_packed.matmul(x[r:r + 1], packed, bias), got[r:r + 1])
+            assert torch.equal(amx_packed.matmul(x[r:], packed, bias)[0], got[r])
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        cpu_kernels.gemm_amx(torch.zeros(2, 32, dtype=torch.bfloat16),
+                             torch.zeros(1, 1, 2, 16, 32, dtype=torch.bfloat16), None, 48)
+    with pytest.raises(RuntimeError, match="packed"):
+        cpu_kernels.gemm_amx(torch.zeros(2, 64, dtype=torch.bfloat16),
+                             torch.zeros(1, 1, 2, 16, 32, dtype=torch.bfloat16), None, 32)

@@ -56,7 +56,7 @@ _tried = False
 _lock = threading.Lock()
 _OPS = ("paged_decode", "prefill_attention", "add_rmsnorm", "silu_mul", "rope_qk_kv", "gemv",
         "decoder_layer", "decoder_layers", "argmax", "build_info", "gemm_pairs",
-        "gemm_pairs_available")
+        "gemm_pairs_available", "gemm_amx", "amx_available")
 
 
 def _load() -> SimpleNamespace | None:
@@ -208,3 +208,16 @@ def decoder_layer(x: torch.Tensor, residual: torch.Tensor, first: bool,
     in place (first: set to x). Returns the layer's output [T, hid]."""
     return _ops.decoder_layer(x, residual, first, *weights, heads, window, scale, cos, sin,
                               kv_cache, slots, tables, table_start, ctx_lens, list(packed))
+
+
+def amx_available() -> bool:
+    """Whether this CPU and OS run gemm_amx (AMX-BF16 tiles, FLEETLLM_CPU_AMX not 0)."""
+    return available() and _ops.amx_available()
+
+
+def gemm_amx(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+             out_features: int) -> torch.Tensor:
+    """x @ w.T (+ bias) in bfloat16 on AMX tiles from w packed for them
+    (model/amx_packed.py): contiguous x [M, K]; float32 sums over k in order, the bias, one
+    rounding."""
+    return _ops.gemm_amx(x, packed, bias, out_features)

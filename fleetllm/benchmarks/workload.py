@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fleetllm.config import ArchConfig
-from fleetllm.model import huge_pages, pair_packed
+from fleetllm.model import amx_packed, huge_pages, pair_packed
 
 
 @dataclass
@@ -214,8 +214,10 @@ def matmul_rate(a: ArchConfig, rows: int, dtype: torch.dtype = torch.float32,
     plain F.linear (`x @ W.T`: MKL in float32, torch's own bf16 GEMM in bfloat16), oneDNN
     with pre-packed weights (what fleetllm runs for more than 4 rows), and for bf16 on CPUs with
     AVX-512 BF16 fleetllm's GEMM on weights packed by pairs (model/pair_packed.py, which
-    replaces oneDNN there); "best" is the fastest, the machine's rate for the roofline. With
-    more than 2 GiB of projection weights, only enough layers for 2 GiB are built."""
+    replaces oneDNN there) and, with AMX, its GEMM on AMX tiles (model/amx_packed.py, beside
+    oneDNN there for decode batches); "best" is the fastest, the machine's rate for the
+    roofline. With more than 2 GiB of projection weights, only enough layers for 2 GiB are
+    built."""
     d, hid = a.head_dim, a.hidden_size
     shapes = [((a.num_heads + 2 * a.num_kv_heads) * d, hid), (hid, a.num_heads * d),
               (2 * a.intermediate_size, hid), (hid, a.intermediate_size)]
@@ -249,6 +251,11 @@ def matmul_rate(a: ArchConfig, rows: int, dtype: torch.dtype = torch.float32,
             pairs = [(pair_packed.pack(w), w.shape[1]) for w in dense]
             rates["pairs"] = flops / _best_time(lambda: [
                 pair_packed.matmul(inputs[k], w, None) for w, k in pairs], repeat) / 1e9
+            pairs = []
+        if all(amx_packed.applies(w) for w in dense):
+            tiles = [(amx_packed.pack(w), w.shape[1]) for w in dense]
+            rates["amx"] = flops / _best_time(lambda: [
+                amx_packed.matmul(inputs[k], w, None) for w, k in tiles], repeat) / 1e9
     rates["best"] = max(rates.values())
     return rates
 

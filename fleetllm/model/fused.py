@@ -25,7 +25,7 @@ import torch
 from fleetllm.attention import AttentionMetadata, cpu_kernels
 from fleetllm.distributed.parallel_state import get_tp_group
 from fleetllm.model import pair_packed
-from fleetllm.model.layers import decode_gemv_rows, small_batch_weight
+from fleetllm.model.layers import decode_gemv_rows, small_batch_rows, small_batch_weight
 
 # The most rows a step takes here (its activations: 76 KiB per row on Qwen2-0.5B shapes).
 MAX_ROWS = 256
@@ -77,7 +77,7 @@ def _stack(model) -> _Stack | None:
              for m in linears}
     by_pairs = kinds == {True}  # (an odd K keeps oneDNN's packing: both kinds, not fused)
     gemv_rows = min((decode_gemv_rows(m) for m in linears), default=0)
-    small = {small_batch_weight(m) is not None for m in linears}
+    small = {small_batch_rows(m) for m in linears}
     weights = [_layer_weights(layer, gemv_rows > 0) for layer in layers]
     attn = [layer.self_attn for layer in layers]
     embed = model.embed_tokens.weight if model.is_first_stage else None
@@ -93,7 +93,7 @@ def _stack(model) -> _Stack | None:
         model._fused_stack = _Stack(
             [t for w in weights for t in w], layers[0].input_layernorm.eps, attn[0].num_heads,
             [a.sliding_window or 0 for a in attn], attn[0].scale, gemv_rows, linears, by_pairs,
-            pair_packed.SMALL_ROWS if small == {True} else 0, embed,
+            small.pop() if len(small) == 1 else 0, embed,
             None if norm is None else norm.weight)
     return model._fused_stack
 

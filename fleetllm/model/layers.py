@@ -49,7 +49,8 @@ from torch import nn
 from fleetllm.attention import cpu_kernels
 from fleetllm.distributed.parallel_state import get_tp_group
 from fleetllm.lora.layers import lora_delta
-from fleetllm.model import huge_pages, pair_packed
+from fleetllm.model import amx_packed, huge_pages, pair_packed
+from fleetllm.model.amx_packed import AmxPacked
 
 logger = logging.getLogger(__name__)
 
@@ -308,10 +309,19 @@ def decode_gemv_rows(layer: nn.Module) -> int:
     return 8
 
 
-def small_batch_weight(layer: nn.Module) -> pair_packed.PairPacked | None:
-    """The copy packed by pairs that batches of up to pair_packed.SMALL_ROWS rows read beside
-    oneDNN's packed copy (CPUs where oneDNN runs on AMX), or None."""
+def small_batch_weight(layer: nn.Module) -> pair_packed.PairPacked | AmxPacked | None:
+    """The copy that batches of up to small_batch_rows(layer) rows read beside oneDNN's packed
+    copy (CPUs where oneDNN runs on AMX): packed for the kernels' AMX GEMM, or by pairs where
+    the weight's sizes do not suit the tiles; or None."""
     return getattr(layer, "pairs_weight", None)
+
+
+def small_batch_rows(layer: nn.Module) -> int:
+    """Up to how many rows a batch reads small_batch_weight(layer) (0 without one)."""
+    small = small_batch_weight(layer)
+    if small is None:
+        return 0
+    return amx_packed.MAX_ROWS if isinstance(small, AmxPacked) else pair_packed.SMALL_ROWS
 
 
 def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
@@ -322,8 +332,12 @@ def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
     weight when the layer has one, else F.linear."""
     packed, weight = getattr(layer, "packed_weight", None), layer.weight
     small = small_batch_weight(layer)
-    if small is not None and x.numel() <= pair_packed.SMALL_ROWS * x.shape[-1]:
+    if small is not None and x.numel() <= small_batch_rows(layer) * x.shape[-1]:
         packed = small
+    if isinstance(packed, AmxPacked):
+        shape = x.shape
+        y = amx_packed.matmul(x.reshape(-1, shape[-1]), packed, bias)
+        return y.view(*shape[:-1], y.shape[-1])
     pairs = isinstance(packed, pair_packed.PairPacked)
     if not pairs and weight is not None and x.dim() == 2 and x.shape[0] <= gemv_rows and \
             x.is_contiguous() and cpu_kernels.usable(x, weight):
@@ -382,7 +396,10 @@ def pack_linear_weights(model: nn.Module) -> int:
         try:
             if id(weight) in by_pairs:
                 size = pair_packed.nbytes(weight)
-                small = pair_packed.pack(weight.detach(), arena[offset:offset + size])
+                if amx and amx_packed.applies(weight):
+                    small = amx_packed.pack(weight.detach(), arena[offset:offset + size])
+                else:
+                    small = pair_packed.pack(weight.detach(), arena[offset:offset + size])
                 offset += size
             packed = _pack(weight.detach()) if small is None or amx else small
             probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))

@@ -1,0 +1,69 @@
+"""A bf16 projection weight packed for AMX tiles, for the kernels' GEMM (csrc/gemm_amx.cpp).
+
+What: [N, K] becomes [N/32, K/32, 2, 16, 32]: per panel of 32 outputs and block of 32 k, two
+B tiles of 16 pairs of k by 16 outputs, a pair's two weights side by side (the VNNI layout
+TDPBF16PS reads); a panel's blocks in k order, so a thread reads its panels as one stream.
+
+Why: where oneDNN's bf16 matmul runs on AMX tiles, it streams a projection's weight at ~10 GB/s
+on decode batches (1-64 rows); this kernel, a panel at a time with the stream prefetched, runs
+the same batches at close to the memory's rate, and the sums are the same: k in order, pair by
+pair, on the same tiles (docs/perf.md, item 30). Prompts keep oneDNN (1,000-1,800 GFLOP/s at
+512-2,048 rows, its blocking for caches).
+
+Where it applies: AMX-BF16 (kernels' amx_available), bf16 weights with N and K multiples of 32
+(every projection of the Llama and Qwen2 shapes; the others keep oneDNN for every batch).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from fleetllm.attention import cpu_kernels
+
+MAX_ROWS = 256  # batches up to this many rows take this copy; larger ones oneDNN's
+
+
+class AmxPacked(NamedTuple):
+    data: torch.Tensor  # [N/32, K/32, 2, 16, 32] bfloat16
+    out_features: int  # N
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def to_dense(self) -> torch.Tensor:
+        """The [N, K] weight back."""
+        p, kb = self.data.shape[:2]
+        return (self.data.view(p, kb, 2, 16, 16, 2).permute(0, 2, 4, 1, 3, 5)
+                .reshape(p * 32, kb * 32).contiguous())
+
+
+def applies(weight: torch.Tensor) -> bool:
+    """This CPU's kernels run `weight` packed for AMX tiles."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0
+            and cpu_kernels.amx_available())
+
+
+def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> AmxPacked:
+    """weight [N, K] (out, in) in the kernel's layout, element (n, k) at [n // 32, k // 32,
+    n % 32 // 16, k % 32 // 2, (n % 16) * 2 + k % 2]; into `out` (at least N * K * 2 uint8:
+    a slice of layers.pack_linear_weights' huge-page arena) or new memory."""
+    n, k = weight.shape
+    shape = (n // 32, k // 32, 2, 16, 32)
+    data = torch.empty(shape, dtype=weight.dtype) if out is None else \
+        out[:n * k * weight.element_size()].view(weight.dtype).view(shape)
+    data.view(n // 32, k // 32, 2, 16, 16, 2).copy_(
+        weight.view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5))
+    return AmxPacked(data, n)
+
+
+def matmul(x: torch.Tensor, packed: AmxPacked, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W.T (+ bias) with W packed for AMX tiles."""
+    return cpu_kernels.gemm_amx(x.contiguous(), packed.data, bias, packed.out_features)
