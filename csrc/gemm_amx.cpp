@@ -34,12 +34,7 @@ namespace {
 #if defined(__AVX512F__)
 constexpr int PANEL = 32;          // outputs a work item: two B tiles of 16
 constexpr int BLOCK = 32 * PANEL;  // bf16s of a panel per 32 k: two 1 KiB tiles
-#ifndef AMX_AHEAD
-#define AMX_AHEAD 2048
-#define AMX_FAR 8192
-#endif
-constexpr int AHEAD = AMX_AHEAD;        // bytes of the weight stream prefetched ahead into L1
-constexpr int FAR = AMX_FAR;  // and into L2
+constexpr int AHEAD = 4096;        // bytes of the weight stream prefetched ahead (into L1)
 
 struct TileConfig {
     uint8_t palette, start_row, reserved[14];
@@ -87,10 +82,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void panel_rows(const bf16 *x, long
     const long stride = K * static_cast<long>(sizeof(bf16));
     for (long k = 0; k < K; k += 32, w += BLOCK) {
         if (prefetch)
-            for (int l = 0; l < BLOCK * 2; l += 64) {
+            for (int l = 0; l < BLOCK * 2; l += 64)
                 _mm_prefetch(reinterpret_cast<const char *>(w) + AHEAD + l, _MM_HINT_T0);
-                _mm_prefetch(reinterpret_cast<const char *>(w) + FAR + l, _MM_HINT_T1);
-            }
         _tile_loadd(6, w, 64);
         _tile_loadd(7, w + BLOCK / 2, 64);
         _tile_loadd(4, x + k, stride);

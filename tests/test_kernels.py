@@ -583,6 +583,27 @@ def test_the_gemm_ab_tool_builds_two_trees_and_times_them_in_turn(tmp_path):
     assert float(out[1].rsplit("new/old ", 1)[1]) > 0, out
 
 
+@needs_kernels
+def test_the_decode_ab_tool_builds_two_trees_and_times_them_in_turn(tmp_path):
+    """tools/decode_ab.cpp, the measurement behind perf.md item 30: built as its header says
+    (here this tree as both builds, one renamed), run for a round, it prints each build's time
+    of a 125M decode step's attention and their ratio."""
+    if not cpu_kernels.gemm_pairs_available():
+        pytest.skip("this CPU has no AVX-512 BF16")
+    flags = [*kernel_build.COMMON_FLAGS, *kernel_build.ISA_FLAGS["avx512"]]  # the kernels'
+    csrc, old, exe = REPO / "csrc", tmp_path / "old.o", tmp_path / "ab"
+    cxx = os.environ.get("CXX", "c++")  # as kernel_build.py compiles
+    subprocess.run([cxx, *flags, f"-I{csrc}", "-Dfleetllm=fold", "-c",
+                    str(csrc / "paged_decode.cpp"), "-o", str(old)], check=True, timeout=300)
+    subprocess.run([cxx, *flags, "-Wall", "-Wextra", "-Werror=comment", f"-I{csrc}",
+                    str(REPO / "tools" / "decode_ab.cpp"), str(csrc / "paged_decode.cpp"),
+                    str(csrc / "pool.cpp"), str(old), "-o", str(exe)], check=True, timeout=300)
+    out = subprocess.run([str(exe), "8", "1"], capture_output=True, text=True, check=True,
+                         timeout=120).stdout.splitlines()
+    assert len(out) == 2 and out[1].startswith("B=8 mean old "), out
+    assert float(out[1].rsplit("new/old ", 1)[1]) > 0, out
+
+
 def _pairs_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ w.T as vdpbf16ps sums it, per output: float32, k's pairs in order, each pair's
     upper product added first (bf16 products are exact in float32), then the bias, one

@@ -4,14 +4,16 @@ What: [N, K] becomes [N/32, K/32, 2, 16, 32]: per panel of 32 outputs and block 
 B tiles of 16 pairs of k by 16 outputs, a pair's two weights side by side (the VNNI layout
 TDPBF16PS reads); a panel's blocks in k order, so a thread reads its panels as one stream.
 
-Why: where oneDNN's bf16 matmul runs on AMX tiles, it streams a projection's weight at ~10 GB/s
-on decode batches (1-64 rows); this kernel, a panel at a time with the stream prefetched, runs
-the same batches at close to the memory's rate, and the sums are the same: k in order, pair by
-pair, on the same tiles (docs/perf.md, item 30). Prompts keep oneDNN (1,000-1,800 GFLOP/s at
-512-2,048 rows, its blocking for caches).
+Why: where oneDNN's bf16 matmul runs on AMX tiles, it streams a projection's weight at 8-14
+GB/s on decode batches (1-64 rows); this kernel, a panel at a time with the stream prefetched,
+runs them 1.1-1.5x faster, and its sums are oneDNN's: k in order, pair by pair, on the same
+tiles (equal bits up to 32 rows; docs/perf.md, item 30). From ~128 rows oneDNN's blocking for
+the caches wins, so larger batches and prompts keep its copy.
 
-Where it applies: AMX-BF16 (kernels' amx_available), bf16 weights with N and K multiples of 32
-(every projection of the Llama and Qwen2 shapes; the others keep oneDNN for every batch).
+Where it applies: AMX-BF16 (the kernels' amx_available), bf16 weights with N and K multiples of
+32 (every projection of the Llama and Qwen2 shapes): the copy beside oneDNN's for small
+batches (layers.pack_linear_weights), in place of the copy by pairs (pair_packed.py) that
+other weights and CPUs without AMX keep.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from fleetllm.attention import cpu_kernels
 
-MAX_ROWS = 256  # batches up to this many rows take this copy; larger ones oneDNN's
+MAX_ROWS = 64  # batches up to this many rows take this copy; larger ones oneDNN's
 
 
 class AmxPacked(NamedTuple):

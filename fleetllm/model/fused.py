@@ -13,8 +13,9 @@ a step of decode tokens only and nothing else; otherwise the modules run. Up to 
 GEMV row limit (8; 16 for bf16 weights on a CPU without bf16 packing; 0 without dense weights:
 layers.decode_gemv_rows) the projections take the GEMV kernel; above it the packed weights, as
 the modules would: oneDNN's matmul, or the bf16 GEMM on weights packed by pairs
-(model/pair_packed.py), which the C layer calls itself; where oneDNN runs on AMX, the copies
-by pairs up to pair_packed.SMALL_ROWS rows and oneDNN's above."""
+(model/pair_packed.py), which the C layer calls itself; where oneDNN runs on AMX, the small
+batches' copies (layers.small_batch_weight: on AMX tiles, or by pairs) up to their row limit
+and oneDNN's above."""
 
 from __future__ import annotations
 

@@ -25,7 +25,9 @@ kernel's rate from 12 rows up (1,580 against 196 GFLOP/s at 256 rows on the 125M
 projections, 2 cores) and equal at 2-8 rows, where both stream the weight; at one row this
 kernel is faster (the 125M projections 16%, a 1B-shaped model's batch-1 decode 1.5x). There a
 projection keeps both copies: oneDNN's packed weight, and this one for batches of up to
-SMALL_ROWS rows (layers.pack_linear_weights; docs/perf.md, item 29).
+SMALL_ROWS rows (layers.pack_linear_weights; docs/perf.md, item 29); unless its sizes suit the
+kernels' own GEMM on AMX tiles (amx_packed.py, faster still up to 64 rows), whose copy then
+takes this one's place.
 """
 
 from __future__ import annotations

@@ -1,0 +1,130 @@
+// Two builds of csrc/paged_decode.cpp timed in one process, taking turns pass by pass (as
+// tools/gemm_pairs_ab.cpp does for the GEMM: on a machine whose memory bandwidth moves from
+// minute to minute, two processes run apart compare two machines). A pass is one decode step's
+// attention on the 125M preset's heads (12 query heads over 4 KV heads of 64, bf16 queries and
+// cache): B sequences of 100-260 positions (fixed seed), 12 layers each with its own cache of
+// shuffled 16-token blocks, in huge pages, so that a large batch's K/V comes from memory as
+// in the engine; the best of 7 passes per build per round.
+//
+//     git worktree add /tmp/old <commit>
+//     F="-O3 -fopenmp-simd -fno-math-errno -fno-trapping-math -pthread -mtune=native"
+//     F="$F -mavx512f -mavx512vl -mavx512bw -mavx512dq -mavx2 -mfma"  # kernel_build.py's flags
+//     c++ $F -I/tmp/old/csrc -Dfleetllm=fold -c /tmp/old/csrc/paged_decode.cpp -o /tmp/old.o
+//     c++ $F -Icsrc tools/decode_ab.cpp csrc/paged_decode.cpp csrc/pool.cpp /tmp/old.o -o /tmp/ab
+//     /tmp/ab 64 10      # sequences, rounds
+//
+// "old" is the build whose namespace -Dfleetllm=fold renamed; "new" is this tree's.
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "kernels.h"
+#include "pool.h"
+
+namespace fleetllm {
+namespace kernels {
+const bool bf16_dot = __builtin_cpu_supports("avx512bf16");
+}
+void parallel_run(int nthreads, PoolFn fn, void *ctx, long n, long chunk, bool spin)
+{
+    pool_run(nthreads, fn, ctx, n, chunk, spin);
+}
+}  // namespace fleetllm
+namespace fold {
+namespace kernels {
+struct DecodeBatch {
+    const int32_t *tables, *table_start, *ctx_lens;
+    int maxlen;
+};
+extern const bool bf16_dot;
+const bool bf16_dot = fleetllm::kernels::bf16_dot;
+enum class bf16 : uint16_t {};
+template <class T, class C>
+void paged_decode(const T *, long, const C *, const C *, const DecodeBatch &, T *, int, int, int,
+                  int, int, int, float, float *, int);
+}  // namespace kernels
+void parallel_run(int nthreads, fleetllm::PoolFn fn, void *ctx, long n, long chunk, bool spin)
+{
+    fleetllm::pool_run(nthreads, fn, ctx, n, chunk, spin);  // one pool for both builds
+}
+}  // namespace fold
+
+namespace {
+double now()
+{
+    timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+}  // namespace
+
+int main(int argc, char **argv)
+{
+    using fleetllm::kernels::bf16;
+    const int B = argc > 1 ? std::atoi(argv[1]) : 64, rounds = argc > 2 ? std::atoi(argv[2]) : 8;
+    if (B < 1 || B > 1024 || rounds < 1)
+        return 2;
+    constexpr int H = 12, KVH = 4, D = 64, BS = 16, LAYERS = 12;
+    std::mt19937 rng(0);
+    std::vector<int32_t> lens(B), starts(B), tables;
+    for (int b = 0; b < B; b++) {
+        lens[b] = 100 + static_cast<int>(rng() % 161);
+        starts[b] = static_cast<int32_t>(tables.size());
+        tables.resize(tables.size() + (lens[b] + BS - 1) / BS);
+    }
+    const long blocks = static_cast<long>(tables.size());
+    std::iota(tables.begin(), tables.end(), 0);
+    std::shuffle(tables.begin(), tables.end(), rng);
+    const int maxlen = *std::max_element(lens.begin(), lens.end());
+    const long half = blocks * BS * KVH * D, bytes = 2 * half * 2 * LAYERS;  // K and V, bf16
+    void *p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return 1;
+    madvise(p, bytes, MADV_HUGEPAGE);
+    auto *cache = static_cast<uint16_t *>(p);
+    for (long i = 0; i < bytes / 2; i++) cache[i] = static_cast<uint16_t>(0x3c00 + (rng() & 255));
+    std::vector<uint16_t> q(static_cast<size_t>(B) * H * D, 0x3f80), out(q.size());
+    std::vector<float> scratch(fleetllm::kernels::paged_decode_scratch(H, D, BS, maxlen, 2));
+    const fleetllm::kernels::DecodeBatch nb{tables.data(), starts.data(), lens.data(), maxlen};
+    const fold::kernels::DecodeBatch ob{tables.data(), starts.data(), lens.data(), maxlen};
+    const auto *qp = reinterpret_cast<const bf16 *>(q.data());
+    auto *op = reinterpret_cast<bf16 *>(out.data());
+    double total[2] = {0, 0};
+    for (int r = 0; r < rounds; r++) {
+        double best[2] = {1e9, 1e9};
+        for (int rep = 0; rep < 7; rep++)
+            for (int v = 0; v < 2; v++) {
+                const double t0 = now();
+                for (int l = 0; l < LAYERS; l++) {
+                    const auto *k = reinterpret_cast<const bf16 *>(cache) + 2 * half * l;
+                    using fb = fold::kernels::bf16;
+                    if (v == 0)
+                        fold::kernels::paged_decode<fb, fb>(
+                            reinterpret_cast<const fb *>(qp), H * D,
+                            reinterpret_cast<const fb *>(k), reinterpret_cast<const fb *>(k + half),
+                            ob, reinterpret_cast<fb *>(op), B, H, KVH, D, BS, 0, 0.125f,
+                            scratch.data(), 2);
+                    else
+                        fleetllm::kernels::paged_decode<bf16, bf16>(qp, H * D, k, k + half, nb,
+                                                                    op, B, H, KVH, D, BS, 0,
+                                                                    0.125f, scratch.data(), 2);
+                }
+                const double dt = now() - t0;
+                best[v] = dt < best[v] ? dt : best[v];
+            }
+        std::printf("B=%d old %.2f ms new %.2f ms (new/old %.3f)\n", B, best[0] * 1e3,
+                    best[1] * 1e3, best[1] / best[0]);
+        total[0] += best[0];
+        total[1] += best[1];
+    }
+    std::printf("B=%d mean old %.2f ms new %.2f ms new/old %.3f\n", B, total[0] / rounds * 1e3,
+                total[1] / rounds * 1e3, total[1] / total[0]);
+    return 0;
+}
