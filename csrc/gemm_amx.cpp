@@ -34,7 +34,7 @@ namespace {
 #if defined(__AVX512F__)
 constexpr int PANEL = 32;          // outputs a work item: two B tiles of 16
 constexpr int BLOCK = 32 * PANEL;  // bf16s of a panel per 32 k: two 1 KiB tiles
-constexpr int AHEAD = 4096;        // bytes of the weight stream prefetched ahead (into L1)
+constexpr int AHEAD = 8192;        // bytes of the weight stream prefetched ahead (into L1)
 
 struct TileConfig {
     uint8_t palette, start_row, reserved[14];
