@@ -343,46 +343,43 @@ Tensor gemv(const Tensor &x, const Tensor &weight, const optional<Tensor> &bias)
     return y;
 }
 
-Tensor gemm_pairs(const Tensor &x, const Tensor &packed, const optional<Tensor> &bias, int64_t n)
+// y = x @ w^T (+ bias) for a bf16 x [m, k] and a weight packed for one of the kernels' GEMMs
+// (check: its layout's shape check; gemm: the kernel, false where the CPU lacks `needs`).
+template <class Check, class Gemm>
+Tensor packed_gemm(const char *name, const char *needs, const Tensor &x, const Tensor &packed,
+                   const optional<Tensor> &bias, int64_t n, Check check, Gemm gemm)
 {
     check_float(x, "x", 2);
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gemm_pairs: x must be bfloat16, got ",
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, name, ": x must be bfloat16, got ",
                 x.scalar_type());
     const int m = to_int(x.size(0), "rows"), k = to_int(x.size(1), "in_features");
     const int out = to_int(n, "out_features");
-    TORCH_CHECK(k % 2 == 0 && out > 0, "gemm_pairs: in_features must be even and out_features "
-                "positive, got ", k, " and ", out);
     check_dense(x, "x", {m, k}, at::kBFloat16);
-    check_pair_packed(packed, out, k);
+    check(packed, out, k);
     if (bias)
         check_dense(*bias, "bias", {out}, at::kBFloat16);
     Tensor y = at::empty({m, out}, x.options());
-    TORCH_CHECK(kernels::gemm_pairs(cptr<kernels::bf16>(x), cptr<kernels::bf16>(packed),
-                                    opt_ptr<kernels::bf16>(bias), mptr<kernels::bf16>(y), m,
-                                    out, k, at::get_num_threads()),
-                "gemm_pairs: needs AVX-512 BF16 (kernels.gemm_pairs_available())");
+    TORCH_CHECK(gemm(cptr<kernels::bf16>(x), cptr<kernels::bf16>(packed),
+                     opt_ptr<kernels::bf16>(bias), mptr<kernels::bf16>(y), m, out, k,
+                     at::get_num_threads()),
+                name, ": needs ", needs);
     return y;
+}
+
+Tensor gemm_pairs(const Tensor &x, const Tensor &packed, const optional<Tensor> &bias, int64_t n)
+{
+    TORCH_CHECK(x.dim() != 2 || (x.size(1) % 2 == 0 && n > 0), "gemm_pairs: in_features must "
+                "be even and out_features positive, got ", x.size(-1), " and ", n);
+    return packed_gemm("gemm_pairs", "AVX-512 BF16 (kernels.gemm_pairs_available())", x, packed,
+                       bias, n, check_pair_packed, kernels::gemm_pairs);
 }
 
 bool gemm_pairs_available() { return kernels::bf16_dot; }
 
 Tensor gemm_amx(const Tensor &x, const Tensor &packed, const optional<Tensor> &bias, int64_t n)
 {
-    check_float(x, "x", 2);
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gemm_amx: x must be bfloat16, got ",
-                x.scalar_type());
-    const int m = to_int(x.size(0), "rows"), k = to_int(x.size(1), "in_features");
-    const int out = to_int(n, "out_features");
-    check_dense(x, "x", {m, k}, at::kBFloat16);
-    check_amx_packed(packed, out, k);
-    if (bias)
-        check_dense(*bias, "bias", {out}, at::kBFloat16);
-    Tensor y = at::empty({m, out}, x.options());
-    TORCH_CHECK(kernels::gemm_amx(cptr<kernels::bf16>(x), cptr<kernels::bf16>(packed),
-                                  opt_ptr<kernels::bf16>(bias), mptr<kernels::bf16>(y), m, out,
-                                  k, at::get_num_threads()),
-                "gemm_amx: needs AMX (kernels.amx_available())");
-    return y;
+    return packed_gemm("gemm_amx", "AMX (kernels.amx_available())", x, packed, bias, n,
+                       check_amx_packed, kernels::gemm_amx);
 }
 
 bool amx_available() { return kernels::amx_available(); }

@@ -20,21 +20,29 @@ namespace {
 // elements d + 8q + j) and reduce them in the same tree, so the same bits: GCC runs the 16-lane
 // form there through the stack (v8's comment in kernels.h), which made decode attention 2-3x
 // slower than this.
+#if defined(__AVX512F__)
+template <class C>
+inline __attribute__((always_inline)) v16 sums32(const float *q, const C *k, const int D)
+{
+    v16 a0 = {}, a1 = {}, k0, k1, q0, q1;
+    for (int d = 0; d < D; d += 32) {
+        load16(k + d, k0);
+        load16(k + d + 16, k1);
+        load16(q + d, q0);
+        load16(q + d + 16, q1);
+        a0 += q0 * k0;
+        a1 += q1 * k1;
+    }
+    return a0 + a1;
+}
+#endif
+
 template <class C>
 inline __attribute__((always_inline)) float dot(const float *q, const C *k, const int D)
 {
     if (D % 32 == 0) {
 #if defined(__AVX512F__)
-        v16 a0 = {}, a1 = {}, k0, k1, q0, q1;
-        for (int d = 0; d < D; d += 32) {
-            load16(k + d, k0);
-            load16(k + d + 16, k1);
-            load16(q + d, q0);
-            load16(q + d + 16, q1);
-            a0 += q0 * k0;
-            a1 += q1 * k1;
-        }
-        return hsum16(a0 + a1);
+        return hsum16(sums32(q, k, D));
 #else
         v8 a[4] = {}, kq, qq;
         for (int d = 0; d < D; d += 32)
@@ -60,25 +68,14 @@ inline __attribute__((always_inline)) float dot(const float *q, const C *k, cons
 // dot for 16 rows of k (stride elements apart) at once, D a multiple of 32: each row's two
 // vectors of sums as dot's, then one tree over the 16 whose pairings are hsum16's (lane i with
 // i + 8, then + 4, + 2, + 1), so each score has the same bits as dot's; the tree's adds serve
-// 16 rows at a time, where dot reduced each row alone (half the QK time at 64 sequences).
+// 16 rows at a time, where dot reduced each row alone (64 sequences' scoring in cache 7%
+// faster; docs/perf.md, item 30).
 template <class C>
 inline __attribute__((always_inline)) v16 dot16(const float *q, const C *k, long stride,
                                                  const int D)
 {
     v16 s[16];
-    for (int p = 0; p < 16; p++) {
-        const C *kp = k + p * stride;
-        v16 a0 = {}, a1 = {}, k0, k1, q0, q1;
-        for (int d = 0; d < D; d += 32) {
-            load16(kp + d, k0);
-            load16(kp + d + 16, k1);
-            load16(q + d, q0);
-            load16(q + d + 16, q1);
-            a0 += q0 * k0;
-            a1 += q1 * k1;
-        }
-        s[p] = a0 + a1;
-    }
+    for (int p = 0; p < 16; p++) s[p] = sums32(q, k + p * stride, D);
     v16 b[8], c[4], d[2];
     for (int j = 0; j < 8; j++)  // b[j]: rows 2j and 2j + 1, lane i + lane i + 8 (8 lanes each)
         b[j] = __builtin_shufflevector(s[2 * j], s[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
@@ -300,8 +297,9 @@ inline __attribute__((always_inline)) void decode_item(
         const C *kb = k + static_cast<long>(table[blk]) * bs * tok + off;
         // Blocks lie anywhere in the cache, so the hardware prefetcher starts over at each:
         // fetch the next block's keys one block ahead, and this block's values for P . V (a
-        // sequence's values fit in L2), a few lines beside each dot product. Measured 1.7x
-        // faster at 64 sequences of 100-260 positions (Xeon, bf16 cache).
+        // sequence's values fit in L2), a few lines beside each dot product. With dot16:
+        // 0.57x the time at 64 sequences of 100-260 positions, 0.74-0.78x at 1-16 (AMX Xeon,
+        // bf16 cache; tools/decode_ab.cpp, docs/perf.md item 30).
         const char *kn = blk + 1 < b1 ? reinterpret_cast<const char *>(
                              k + static_cast<long>(table[blk + 1]) * bs * tok + off) : nullptr;
         const char *vc = reinterpret_cast<const char *>(

@@ -563,44 +563,29 @@ def test_the_stream_pollution_tool_builds_and_times_each_way_of_reading(tmp_path
 
 
 @needs_kernels
-def test_the_gemm_ab_tool_builds_two_trees_and_times_them_in_turn(tmp_path):
-    """tools/gemm_pairs_ab.cpp, the measurement behind perf.md item 26: built as its header
-    says (here this tree as both builds, one renamed), run for a round, it prints each build's
-    time of a 125M decode step's GEMMs and their ratio."""
+@pytest.mark.parametrize("tool, source, args, first", [
+    ("gemm_pairs_ab.cpp", "gemm.cpp", ["2", "1"], "M=2 mean old "),
+    ("decode_ab.cpp", "paged_decode.cpp", ["8", "1"], "B=8 mean old "),
+])
+def test_an_ab_tool_builds_two_trees_and_times_them_in_turn(tmp_path, tool, source, args,
+                                                             first):
+    """tools/gemm_pairs_ab.cpp and tools/decode_ab.cpp, the measurements behind perf.md items
+    26 and 30: built as their headers say (here this tree as both builds, one renamed), run for
+    a round, each prints both builds' times (of a 125M decode step's GEMMs; of its attention)
+    and their ratio."""
     if not cpu_kernels.gemm_pairs_available():
         pytest.skip("this CPU has no AVX-512 BF16")
     flags = [*kernel_build.COMMON_FLAGS, *kernel_build.ISA_FLAGS["avx512"]]  # the kernels'
     csrc, old, exe = REPO / "csrc", tmp_path / "old.o", tmp_path / "ab"
     cxx = os.environ.get("CXX", "c++")  # as kernel_build.py compiles
-    subprocess.run([cxx, *flags, f"-I{csrc}", "-Dfleetllm=fold", "-c", str(csrc / "gemm.cpp"),
+    subprocess.run([cxx, *flags, f"-I{csrc}", "-Dfleetllm=fold", "-c", str(csrc / source),
                     "-o", str(old)], check=True, timeout=300)
     subprocess.run([cxx, *flags, "-Wall", "-Wextra", "-Werror=comment", f"-I{csrc}",
-                    str(REPO / "tools" / "gemm_pairs_ab.cpp"), str(csrc / "gemm.cpp"),
-                    str(csrc / "pool.cpp"), str(old), "-o", str(exe)], check=True, timeout=300)
-    out = subprocess.run([str(exe), "2", "1"], capture_output=True, text=True, check=True,
+                    str(REPO / "tools" / tool), str(csrc / source), str(csrc / "pool.cpp"),
+                    str(old), "-o", str(exe)], check=True, timeout=300)
+    out = subprocess.run([str(exe), *args], capture_output=True, text=True, check=True,
                          timeout=120).stdout.splitlines()
-    assert len(out) == 2 and out[1].startswith("M=2 mean old "), out
-    assert float(out[1].rsplit("new/old ", 1)[1]) > 0, out
-
-
-@needs_kernels
-def test_the_decode_ab_tool_builds_two_trees_and_times_them_in_turn(tmp_path):
-    """tools/decode_ab.cpp, the measurement behind perf.md item 30: built as its header says
-    (here this tree as both builds, one renamed), run for a round, it prints each build's time
-    of a 125M decode step's attention and their ratio."""
-    if not cpu_kernels.gemm_pairs_available():
-        pytest.skip("this CPU has no AVX-512 BF16")
-    flags = [*kernel_build.COMMON_FLAGS, *kernel_build.ISA_FLAGS["avx512"]]  # the kernels'
-    csrc, old, exe = REPO / "csrc", tmp_path / "old.o", tmp_path / "ab"
-    cxx = os.environ.get("CXX", "c++")  # as kernel_build.py compiles
-    subprocess.run([cxx, *flags, f"-I{csrc}", "-Dfleetllm=fold", "-c",
-                    str(csrc / "paged_decode.cpp"), "-o", str(old)], check=True, timeout=300)
-    subprocess.run([cxx, *flags, "-Wall", "-Wextra", "-Werror=comment", f"-I{csrc}",
-                    str(REPO / "tools" / "decode_ab.cpp"), str(csrc / "paged_decode.cpp"),
-                    str(csrc / "pool.cpp"), str(old), "-o", str(exe)], check=True, timeout=300)
-    out = subprocess.run([str(exe), "8", "1"], capture_output=True, text=True, check=True,
-                         timeout=120).stdout.splitlines()
-    assert len(out) == 2 and out[1].startswith("B=8 mean old "), out
+    assert len(out) == 2 and out[1].startswith(first), out
     assert float(out[1].rsplit("new/old ", 1)[1]) > 0, out
 
 

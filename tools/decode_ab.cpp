@@ -20,25 +20,17 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <ctime>
 #include <numeric>
 #include <random>
 #include <vector>
 
+#include "ab_pool.h"
 #include "kernels.h"
-#include "pool.h"
 
-namespace fleetllm {
-namespace kernels {
+namespace fleetllm::kernels {
 const bool bf16_dot = __builtin_cpu_supports("avx512bf16");
-}
-void parallel_run(int nthreads, PoolFn fn, void *ctx, long n, long chunk, bool spin)
-{
-    pool_run(nthreads, fn, ctx, n, chunk, spin);
-}
-}  // namespace fleetllm
-namespace fold {
-namespace kernels {
+}  // namespace fleetllm::kernels
+namespace fold::kernels {
 struct DecodeBatch {
     const int32_t *tables, *table_start, *ctx_lens;
     int maxlen;
@@ -49,21 +41,7 @@ enum class bf16 : uint16_t {};
 template <class T, class C>
 void paged_decode(const T *, long, const C *, const C *, const DecodeBatch &, T *, int, int, int,
                   int, int, int, float, float *, int);
-}  // namespace kernels
-void parallel_run(int nthreads, fleetllm::PoolFn fn, void *ctx, long n, long chunk, bool spin)
-{
-    fleetllm::pool_run(nthreads, fn, ctx, n, chunk, spin);  // one pool for both builds
-}
-}  // namespace fold
-
-namespace {
-double now()
-{
-    timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
-}  // namespace
+}  // namespace fold::kernels
 
 int main(int argc, char **argv)
 {

@@ -19,9 +19,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <ctime>
 
-#include "pool.h"
+#include "ab_pool.h"
 
 namespace fleetllm::kernels {
 extern const bool bf16_dot;
@@ -29,33 +28,12 @@ const bool bf16_dot = true;  // the caller runs this only where the CPU has AVX-
 struct bf16;
 bool gemm_pairs(const bf16 *, const bf16 *, const bf16 *, bf16 *, int, int, int, int);
 }  // namespace fleetllm::kernels
-namespace fleetllm {
-void parallel_run(int nthreads, PoolFn fn, void *ctx, long n, long chunk, bool spin)
-{
-    pool_run(nthreads, fn, ctx, n, chunk, spin);
-}
-}  // namespace fleetllm
 namespace fold::kernels {
 extern const bool bf16_dot;
 const bool bf16_dot = true;
 struct bf16;
 bool gemm_pairs(const bf16 *, const bf16 *, const bf16 *, bf16 *, int, int, int, int);
 }  // namespace fold::kernels
-namespace fold {
-void parallel_run(int nthreads, fleetllm::PoolFn fn, void *ctx, long n, long chunk, bool spin)
-{
-    fleetllm::pool_run(nthreads, fn, ctx, n, chunk, spin);  // one pool for both builds
-}
-}  // namespace fold
-
-namespace {
-double now()
-{
-    timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
-}  // namespace
 
 int main(int argc, char **argv)
 {
