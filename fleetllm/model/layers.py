@@ -329,9 +329,10 @@ def small_batch_rows(layer: nn.Module) -> int:
 def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
            gemv_rows: int = GEMV_ROWS) -> torch.Tensor:
     """x @ layer.weight^T (+ bias): a weight packed by pairs takes the kernels' GEMM at any
-    number of rows (pair_packed.py), or up to SMALL_ROWS rows beside oneDNN's copy; else the
-    GEMV kernel for up to `gemv_rows` rows when the dense weight is kept, else the packed
-    weight when the layer has one, else F.linear."""
+    number of rows (pair_packed.py); beside oneDNN's copy, the small batches' copy
+    (small_batch_weight: on AMX tiles or by pairs) up to its row limit; else the GEMV kernel
+    for up to `gemv_rows` rows when the dense weight is kept, else the packed weight when the
+    layer has one, else F.linear."""
     packed, weight = getattr(layer, "packed_weight", None), layer.weight
     small = small_batch_weight(layer)
     if small is not None and x.numel() <= small_batch_rows(layer) * x.shape[-1]:
