@@ -209,11 +209,11 @@ void decoder_layer(const T *x, T *residual, bool first, T *out, const LayerWeigh
         if (w.project != nullptr)
             return static_cast<const T *>(w.project(w.project_ctx, which, in));
         if constexpr (std::is_same_v<T, bf16>) {
-            if (w.pairs[which] != nullptr) {
+            if (w.packed[which] != nullptr) {
                 // o and down add their bias after the matmul's rounding, as RowParallelLinear
                 // adds it after the all-reduce: the modules' bits
                 const bool after = which == 1 || which == 3;
-                gemm_pairs(in, w.pairs[which], after ? nullptr : b, y, T_, n, k, nthreads);
+                w.gemm(in, w.packed[which], after ? nullptr : b, y, T_, n, k, nthreads);
                 if (after && b != nullptr)
                     for (long i = 0; i < static_cast<long>(T_) * n; i++)
                         y[i] = from_f32<T>(to_f32(y[i]) + to_f32(b[i % n]));

@@ -137,8 +137,12 @@ bool amx_available();
 // result is, valid until the layer's call returns (no copy into the layer's buffers).
 using ProjectFn = const void *(*)(void *ctx, int which, const void *x);
 
+// One of the kernels' GEMMs on a packed weight: gemm_pairs or gemm_amx.
+using PackedGemm = bool (*)(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M,
+                            int N, int K, int nthreads);
+
 // One decoder layer's weights (contiguous; biases may be null). project: null for the GEMV
-// kernel or gemm_pairs (pairs), else the caller's projections (ops.cpp: oneDNN's packed
+// kernel or the kernels' packed GEMMs, else the caller's projections (ops.cpp: oneDNN's packed
 // matmul, for batches past the kernel's row limit).
 template <class T>
 struct LayerWeights {
@@ -146,8 +150,10 @@ struct LayerWeights {
     float eps;
     ProjectFn project = nullptr;
     void *project_ctx = nullptr;
-    // The four projections packed by pairs (bf16 only: gemm_pairs), or nulls.
-    const bf16 *pairs[4] = {};
+    // The four projections packed for one of the kernels' GEMMs (bf16 only), or nulls, and
+    // that GEMM: by pairs (gemm_pairs) or for AMX tiles (gemm_amx).
+    const bf16 *packed[4] = {};
+    PackedGemm gemm = gemm_pairs;
 };
 
 struct LayerDims {

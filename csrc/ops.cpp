@@ -384,10 +384,10 @@ Tensor gemm_amx(const Tensor &x, const Tensor &packed, const optional<Tensor> &b
 
 bool amx_available() { return kernels::amx_available(); }
 
-// A decoder layer's projections through their packed weights (decoder_layer's `packed`: the
-// kernels' pairs, gemm_pairs, or oneDNN's), computed as model/layers.py's linear() and the
-// Linear modules compute them, so that the
-// one-call layer gives the modules' bits: the packed matmul with the bias inside for qkv and
+// A decoder layer's projections through oneDNN's packed weights (decoder_layer's `packed`;
+// weights packed for the kernels' own GEMMs the layer multiplies itself), computed as
+// model/layers.py's linear() and the Linear modules compute them, so that the one-call layer
+// gives the modules' bits: the packed matmul with the bias inside for qkv and
 // gate_up, added after it for o and down (RowParallelLinear adds its bias after the
 // all-reduce); a bfloat16 layer whose packed copy is float32 (a CPU without bf16 packing)
 // multiplies its rows widened to float32 and rounds the result once.
@@ -417,21 +417,14 @@ const void *project_packed(void *ctx, int which, const void *x)
     Tensor in = at::from_blob(const_cast<void *>(x), {p.rows, p.in[which]},
                               at::TensorOptions().dtype(p.type));
     optional<Tensor> bias = bias_after ? optional<Tensor>() : *p.bias[which];
-    Tensor out;
-    if (w.dim() == 4) {  // packed by pairs (model/pair_packed.py): the kernels' GEMM
-        out = gemm_pairs(in, w, bias, p.out[which]);
-    } else if (w.dim() == 5) {  // packed for AMX tiles (model/amx_packed.py)
-        out = gemm_amx(in, w, bias, p.out[which]);
-    } else {
-        if (widen) {
-            in = in.to(at::kFloat);
-            if (bias.has_value())
-                bias = bias->to(at::kFloat);
-        }
-        out = linear_pointwise(in, w, bias);
-        if (widen)
-            out = out.to(p.type);
+    if (widen) {
+        in = in.to(at::kFloat);
+        if (bias.has_value())
+            bias = bias->to(at::kFloat);
     }
+    Tensor out = linear_pointwise(in, w, bias);
+    if (widen)
+        out = out.to(p.type);
     if (bias_after && p.bias[which]->has_value())
         out = at::add(out, **p.bias[which]);
     out = out.contiguous();
@@ -492,9 +485,11 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
     check_slots(slots, d.T, c);
     const kernels::DecodeBatch batch = check_batch(tables, table_start, ctx_lens, d.T, c);
     // packed: empty (the GEMV kernel) or the packed weights of qkv, o, gate_up, down: all
-    // oneDNN's (project_packed) or all by pairs (the layer calls gemm_pairs)
+    // oneDNN's (project_packed), or all by pairs or all for AMX tiles (the layer calls
+    // gemm_pairs or gemm_amx itself)
     PackedProjections proj{};
-    const kernels::bf16 *pairs[4] = {};
+    const kernels::bf16 *own[4] = {};
+    int64_t own_dim = 0;
     TORCH_CHECK(packed.empty() || packed.size() == 4,
                 "decoder_layer: packed must hold no weight or 4, got ", packed.size());
     if (!packed.empty()) {
@@ -505,13 +500,15 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
             TORCH_CHECK(w.has_value() && w->device().is_cpu(),
                         "decoder_layer: packed weight ", i, " must be a CPU tensor");
             proj.weight[i] = *w;
-            if (w->dim() == 4) {  // packed by pairs: the layer calls gemm_pairs itself
-                TORCH_CHECK(type == at::kBFloat16, "decoder_layer: pair-packed weights are bf16");
-                check_pair_packed(*w, out[i], in[i]);
-                pairs[i] = cptr<kernels::bf16>(*w);
-            } else if (w->dim() == 5) {  // packed for AMX tiles: through project_packed
-                TORCH_CHECK(type == at::kBFloat16, "decoder_layer: AMX-packed weights are bf16");
-                check_amx_packed(*w, out[i], in[i]);
+            if (w->dim() == 4 || w->dim() == 5) {  // by pairs, or for AMX tiles
+                TORCH_CHECK(type == at::kBFloat16, "decoder_layer: weights packed for the "
+                            "kernels' GEMMs are bf16");
+                if (w->dim() == 4)
+                    check_pair_packed(*w, out[i], in[i]);
+                else
+                    check_amx_packed(*w, out[i], in[i]);
+                own[i] = cptr<kernels::bf16>(*w);
+                own_dim = w->dim();
             } else {  // oneDNN's (an opaque layout: its sizes are the dense weight's)
                 TORCH_CHECK(w->dim() == 2 && w->size(0) == out[i] && w->size(1) == in[i],
                             "decoder_layer: packed weight ", i, " must have shape [", out[i],
@@ -521,8 +518,12 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
             proj.in[i] = in[i];
             proj.out[i] = out[i];
         }
-        TORCH_CHECK(!pairs[0] == !pairs[1] && !pairs[0] == !pairs[2] && !pairs[0] == !pairs[3],
-                    "decoder_layer: packed weights must be all by pairs or none");
+        for (int i = 0; i < 4; i++)
+            TORCH_CHECK(own[i] != nullptr ? packed.get(i)->dim() == own_dim : own_dim == 0,
+                        "decoder_layer: packed weights must be all by pairs, all for AMX tiles "
+                        "or none of either");
+        TORCH_CHECK(own_dim != 5 || kernels::amx_available(),
+                    "gemm_amx: needs AMX (kernels.amx_available())");
         proj.rows = d.T;
         proj.type = type;
     }
@@ -536,8 +537,9 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
             cptr<T>(w_in), cptr<T>(w_post), cptr<T>(w_qkv), opt_ptr<T>(b_qkv), cptr<T>(w_o),
             opt_ptr<T>(b_o), cptr<T>(w_gu), opt_ptr<T>(b_gu), cptr<T>(w_down),
             opt_ptr<T>(b_down), static_cast<float>(eps),
-            packed.empty() || pairs[0] ? nullptr : &project_packed, &proj,
-            {pairs[0], pairs[1], pairs[2], pairs[3]}};
+            packed.empty() || own[0] ? nullptr : &project_packed, &proj,
+            {own[0], own[1], own[2], own[3]}, own_dim == 5 ? kernels::gemm_amx
+                                                           : kernels::gemm_pairs};
         C *k_cache = mptr<C>(kv_cache);
         kernels::decoder_layer<T, C>(cptr<T>(x), mptr<T>(residual), first, mptr<T>(out), w, d,
                                      cptr<T>(cos), cptr<T>(sin), k_cache, k_cache + c.half,
