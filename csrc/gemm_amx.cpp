@@ -25,6 +25,7 @@
 #include <unistd.h>
 #endif
 
+#include "amx_tiles.h"
 #include "kernels.h"
 #include "parallel.h"
 
@@ -36,12 +37,6 @@ constexpr int PANEL = 32;          // outputs a work item: two B tiles of 16
 constexpr int BLOCK = 32 * PANEL;  // bf16s of a panel per 32 k: two 1 KiB tiles
 constexpr int AHEAD = 8192;        // bytes of the weight stream prefetched ahead (into L1)
 
-struct TileConfig {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 struct AmxCtx {
     const bf16 *x, *wp, *bias;
     bf16 *y;
@@ -50,19 +45,12 @@ struct AmxCtx {
 
 // Tiles 0, 1: the sums of x's first r0 rows (the panel's two halves), 2, 3: of the next r1;
 // 4, 5: those rows of x; 6, 7: the weights. A tile of no rows stays unconfigured.
-__attribute__((target("amx-tile"))) void configure(int r0, int r1, TileConfig &cur, bool &set)
+void configure(int r0, int r1, amx::TileConfig &cur, bool &set)
 {
     if (set && cur.rows[0] == r0 && cur.rows[2] == r1)
         return;
-    TileConfig c{};
-    c.palette = 1;
-    const int rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = static_cast<uint8_t>(rows[t]);
-        c.colsb[t] = rows[t] ? 64 : 0;
-    }
-    _tile_loadconfig(&c);
-    cur = c;
+    const auto a = static_cast<uint8_t>(r0), b = static_cast<uint8_t>(r1);
+    amx::load_config({a, a, b, b, a, b, 16, 16}, cur);
     set = true;
 }
 
@@ -108,7 +96,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_body(void *arg, long begin
     const auto *c = static_cast<const AmxCtx *>(arg);
     const long per_panel = static_cast<long>(c->K / 32) * BLOCK;
     alignas(64) float acc[32 * PANEL];
-    TileConfig cur;
+    amx::TileConfig cur;
     bool set = false;
     for (long panel = begin; panel < end; panel++) {
         const bf16 *w = c->wp + panel * per_panel;

@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention_amx.h"
 #include "bf16_pairs.h"
 #include "kernels.h"
 #include "parallel.h"
@@ -246,6 +247,35 @@ void pv_pairs(const bf16 *v, const int64_t *slots, long tok, const float *s, int
 }
 #endif
 
+// Queries rounded up to whole AMX tiles of 16: the rows the scratch has for a tile of queries.
+constexpr int tile_queries(int n) { return (n + 15) / 16 * 16; }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// P . V of a tile's nq queries on AMX tiles for the keys [t0, t1) of one chunk: their P (bf16
+// values in s, rows npad apart, from key lo) as bf16 into pb from t0 rounded down to 32 to
+// t1 rounded up, zeros around them and in the rows past nq up to a whole tile of 16.
+void amx_pv(const float *s, int npad, int lo, int t0, int t1, uint16_t *pb,
+            const uint32_t *vt2, float *acc, int D, int nq)
+{
+    constexpr int PB = TORCH_CHUNK;  // t1 - t0 <= a chunk, which starts at a multiple of 32
+    const int ta = t0 / 32 * 32, tb = (t1 + 31) / 32 * 32;
+    for (int q = 0; q < tile_queries(nq); q++) {
+        uint16_t *row = pb + static_cast<long>(q) * PB - ta;
+        if (q >= nq) {
+            std::memset(row + ta, 0, sizeof(uint16_t) * static_cast<size_t>(tb - ta));
+            continue;
+        }
+        const float *sq = s + static_cast<long>(q) * npad - lo;
+        for (int t = ta; t < t0; t++) row[t] = 0;
+        #pragma omp simd
+        for (int t = t0; t < t1; t++)
+            row[t] = static_cast<uint16_t>(__builtin_bit_cast(uint32_t, sq[t]) >> 16);
+        for (int t = t1; t < tb; t++) row[t] = 0;
+    }
+    amx::pv(pb, PB, vt2, ta, tb, acc, D, tile_queries(nq));
+}
+#endif
+
 inline void zero(float *s, int a, int b)
 {
     if (a < b) std::memset(s + a, 0, sizeof(float) * static_cast<size_t>(b - a));
@@ -257,15 +287,24 @@ void prefill_body(void *arg, long begin, long end, int tid)
     const auto *c = static_cast<const PrefillCtx<T, C> *>(arg);
     const int H = c->H, D = c->D, G = H / c->KVH, R = c->rows_per_tile;
     const long tok = static_cast<long>(c->KVH) * D;
-    const int nqmax = R * G, npmax = c->maxctx + 16;
+    const int nqmax = tile_queries(R * G), npmax = c->maxctx + 16;
     float *qf = c->scratch + tid * c->scratch_per, *kt = qf + static_cast<long>(nqmax) * D;
     float *s = kt + static_cast<long>(D) * npmax, *acc = s + static_cast<long>(nqmax) * npmax;
     float *run_max = acc + static_cast<long>(nqmax) * D, *run_sum = run_max + nqmax;
     // By bf16 pairs (above): K transposed by pairs into kt, q's pairs into qf.
+    bool by_amx = false;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     constexpr bool pair_types = std::is_same_v<T, bf16> && std::is_same_v<C, bf16>;
     const bool by_pairs = pair_types && bf16_dot && (D == 64 || D == 128);
     uint32_t *kt2 = reinterpret_cast<uint32_t *>(kt), *q2 = reinterpret_cast<uint32_t *>(qf);
+    // On AMX tiles (attention_amx.h): the values by pairs of positions into vt2, P in bf16
+    // into pb.
+    by_amx = by_pairs && amx_available();
+    uint32_t *vt2 = reinterpret_cast<uint32_t *>(run_sum + nqmax);
+    uint16_t *pb = reinterpret_cast<uint16_t *>(vt2 + (c->maxctx + 32L) / 2 * D);
+    amx::TileConfig tiles;
+    if (by_amx)
+        amx::configure_attention(tiles);
 #endif
     for (long it = begin; it < end; it++) {
         const Item &item = c->items[it];
@@ -275,6 +314,7 @@ void prefill_body(void *arg, long begin, long end, int tid)
         const int prefix = ctx - q_len, kstride = (ctx + 15) / 16 * 16;
         const C *kh = c->k + static_cast<long>(item.kh) * D;
         int ready = 0;  // keys [0, ready) are in kt ([D][kstride], float32)
+        [[maybe_unused]] int vready = 0;  // on AMX tiles: values [0, vready) in vt2
         for (int r0 = item.r0; r0 < item.r1; r0 += R) {
             const int nrows = std::min(R, q_len - r0), nq = nrows * G;
             auto row_len = [&](int r) { return prefix + r0 + r + 1; };  // keys row r sees
@@ -297,6 +337,16 @@ void prefill_body(void *arg, long begin, long end, int tid)
 #endif
                 transpose_keys(rows, D, kt + ready, kstride);
             }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            for (; by_amx && vready < (n + 31) / 32 * 32; vready += 32) {
+                const bf16 *rows[32];
+                for (int j = 0; j < 32; j++)
+                    rows[j] = vready + j < ctx ? reinterpret_cast<const bf16 *>(c->v) +
+                                                     item.kh * D + slots[vready + j] * tok
+                                               : nullptr;
+                amx::value_pairs(rows, D, vt2 + static_cast<long>(vready) / 2 * D);
+            }
+#endif
             for (int r = 0; r < nrows; r++) {  // query i = row i / G, head i % G, in float32
                 const T *qr = c->q + (q_start + r0 + r) * c->q_stride +
                               static_cast<long>(item.kh) * G * D;
@@ -315,10 +365,12 @@ void prefill_body(void *arg, long begin, long end, int tid)
             int i = 0;
             const float *kt0 = kt + lo;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-            if (by_pairs) {
+            if (by_amx)
+                amx::scores(q2, kt2, kstride, s, npad, D, nq, lo, npad, c->scale);
+            else if (by_pairs)
                 scores_pairs(q2, kt2 + lo, kstride, s, D, npad, c->scale, nq);
+            if (by_pairs)
                 i = nq;
-            }
 #endif
             for (; i + QK_GROUP <= nq; i += QK_GROUP)
                 scores_group<QK_GROUP>(qf + static_cast<long>(i) * D, kt0, kstride,
@@ -329,14 +381,15 @@ void prefill_body(void *arg, long begin, long end, int tid)
             for (; i < nq; i++)
                 scores_group<1>(qf + static_cast<long>(i) * D, kt0, kstride,
                                 s + static_cast<long>(i) * npad, D, npad, c->scale);
-            std::memset(acc, 0, sizeof(float) * static_cast<size_t>(nq) * D);
+            std::memset(acc, 0, sizeof(float) * static_cast<size_t>(tile_queries(nq)) * D);
             for (int q = 0; q < nq; q++) { run_max[q] = -INFINITY; run_sum[q] = 0.f; }
             // Chunk by chunk (a query's later chunks rescale what its earlier ones summed),
-            // groups of PV_GROUP queries sharing the value rows.
+            // groups of PV_GROUP queries sharing the value rows (on AMX tiles, all of them).
+            const int group = by_amx ? nq : PV_GROUP;
             for (int c0 = lo / TORCH_CHUNK * TORCH_CHUNK; c0 < n; c0 += TORCH_CHUNK) {
                 const int c1 = c0 + TORCH_CHUNK < ctx ? c0 + TORCH_CHUNK : ctx;
-                for (int g0 = 0; g0 < nq; g0 += PV_GROUP) {
-                    const int g1 = g0 + PV_GROUP < nq ? g0 + PV_GROUP : nq;
+                for (int g0 = 0; g0 < nq; g0 += group) {
+                    const int g1 = g0 + group < nq ? g0 + group : nq;
                     int t0 = c1, t1 = c0;  // the keys of this chunk any query of the group sees
                     for (int q = g0; q < g1; q++) {
                         const int r = q / G, len = row_len(r), st = row_start(r);
@@ -365,6 +418,10 @@ void prefill_body(void *arg, long begin, long end, int tid)
                     constexpr int N64 = ACC_REGS / (64 / W), N128 = ACC_REGS / (128 / W);
                     int i = g0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+                    if (by_amx) {
+                        amx_pv(s, npad, lo, t0, t1, pb, vt2, acc, D, nq);
+                        continue;
+                    }
                     if constexpr (pair_types)
                         if (by_pairs) {
                             const float *sg = s + static_cast<long>(g0) * npad;
@@ -399,6 +456,10 @@ void prefill_body(void *arg, long begin, long end, int tid)
             }
         }
     }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (by_amx)
+        amx::release();
+#endif
 }
 
 }  // namespace
@@ -412,9 +473,12 @@ int prefill_rows_per_tile(int H, int KVH)
 
 long prefill_attention_scratch(int H, int KVH, int D, int maxctx, int nthreads)
 {
-    const long nq = static_cast<long>(prefill_rows_per_tile(H, KVH)) * (H / KVH);
+    // as prefill_body lays it out: q, K^T, scores, sums, softmax max and sum; the values by
+    // pairs and P in bf16 for AMX tiles
+    const long nq = tile_queries(prefill_rows_per_tile(H, KVH) * (H / KVH));
     const long np = maxctx + 16L;
-    const long per = nq * D + static_cast<long>(D) * np + nq * np + nq * D + 2 * nq;
+    const long per = nq * D + static_cast<long>(D) * np + nq * np + nq * D + 2 * nq +
+                     (maxctx + 32L) / 2 * D + nq * TORCH_CHUNK / 2;
     return per * (nthreads > 0 ? nthreads : 1);
 }
 

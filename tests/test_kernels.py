@@ -379,13 +379,10 @@ def test_bf16_dot_products_and_the_loops_they_replace_agree(tmp_path):
     instruction) and its prompt attention q . K and P . V. The loops they replace run on
     AVX-512 CPUs without it (Ice Lake), here with FLEETLLM_CPU_BF16_DOT=0: attention gives the
     same bits either way (the pairs are summed in the loops' order), the GEMV the same values
-    to bf16 rounding."""
-    runs = {}
-    for flag in ("1", "0"):
-        out = tmp_path / f"dot{flag}.pt"
-        python(f"import sys; sys.argv = ['', {str(out)!r}]; exec({_BF16_CASES!r})",
-               env={"FLEETLLM_CPU_BF16_DOT": flag})
-        runs[flag] = torch.load(out)
+    to bf16 rounding. (AMX off in both: on the tiles prompt attention sums in their order, see
+    the next test.)"""
+    runs = _bf16_case_runs(tmp_path, {"1": {"FLEETLLM_CPU_AMX": "0"},
+                                      "0": {"FLEETLLM_CPU_AMX": "0"}})
     assert "avx512bf16" not in runs["0"]["build_info"]
     if "avx512bf16" not in runs["1"]["build_info"]:
         pytest.skip("this CPU has no AVX-512 BF16: both runs took the same loops")
@@ -395,6 +392,41 @@ def test_bf16_dot_products_and_the_loops_they_replace_agree(tmp_path):
         assert torch.equal(a, b)
     for a, b in zip(runs["1"]["gemv"], runs["0"]["gemv"], strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-2)
+
+
+def _bf16_case_runs(tmp_path: Path, runs: dict[str, dict[str, str]]) -> dict[str, dict]:
+    """_BF16_CASES' outputs with FLEETLLM_CPU_BF16_DOT set to each key, plus its environment."""
+    outs = {}
+    for flag, env in runs.items():
+        out = tmp_path / f"dot{flag}-{len(outs)}.pt"
+        python(f"import sys; sys.argv = ['', {str(out)!r}]; exec({_BF16_CASES!r})",
+               env={"FLEETLLM_CPU_BF16_DOT": flag, **env})
+        outs[flag] = torch.load(out)
+    return outs
+
+
+@needs_kernels
+@not_under_sanitizer
+def test_bf16_prompt_attention_on_amx_tiles_agrees_with_the_pairs(tmp_path):
+    """Where the CPU has AMX, a bf16 model's prompt attention runs q . K and P . V on the tiles
+    (attention_amx.h), which sum a tile's products in an order of their own: on the 40 random
+    cases (prefixes, windows, 512-key chunks, 1-8 query heads per KV head, D 64 and 128) the
+    outputs are the pairs kernel's to bf16 rounding and not all bit-equal (the tiles ran);
+    decode attention and the GEMV do not use them (bit-equal)."""
+    if not cpu_kernels.amx_available():
+        pytest.skip("this CPU (or its OS) gives no AMX")
+    runs = _bf16_case_runs(tmp_path, {"1": {}})
+    pairs = _bf16_case_runs(tmp_path, {"1": {"FLEETLLM_CPU_AMX": "0"}})["1"]
+    amx = runs["1"]
+    for a, b in zip(amx["decode"], pairs["decode"], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(amx["gemv"], pairs["gemv"], strict=True):
+        assert torch.equal(a, b)
+    differ = 0
+    for a, b in zip(amx["prefill"], pairs["prefill"], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -6, atol=2e-2)
+        differ += int((a != b).sum())
+    assert differ > 0, "the prompt attention gave the pairs' bits: the tiles did not run"
 
 
 @needs_kernels
