@@ -11,9 +11,9 @@
 // Bits: TDPBF16PS sums a tile's 32 products per output in an order and precision of its own
 // (measured: neither the pairs' two rounded FMAs, in either order, nor one rounding per pair
 // or per instruction), so scores and outputs differ from the pairs kernel's in the last bits of
-// float32, as PyTorch's flash attention on the same tiles does; the tests hold both to the
-// float64 reference and to PyTorch (>= 99.9% of the bf16 outputs bit-equal). Denormals read
-// and written as zeros, as vdpbf16ps does.
+// float32; PyTorch's flash attention on the same tiles shares their order (>= 99.99% of the
+// bf16 outputs bit-equal to its SDPA, where the pairs' order gives 99.9%: tests/test_attention.py).
+// Denormals read and written as zeros, as vdpbf16ps does.
 //
 // Layouts (all read in place as tiles, 64 bytes a row):
 // - q2: the queries' pairs, D / 2 words a query (element 2p in a pair's upper half);

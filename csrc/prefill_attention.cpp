@@ -16,7 +16,7 @@
 // bits, two elements per instruction; 1.3-1.5x the kernel's speed here), and where the CPU
 // has AMX both products run on its tiles (attention_amx.h: the values repacked by pairs of
 // positions as the keys' transposition reaches them, all of a tile's queries' P . V per
-// chunk in one pass; 1.8-2.4x the pairs' speed on an AMX Xeon, in the tiles' own order of
+// chunk in one pass; 1.3-2.4x the pairs' speed on an AMX Xeon, in the tiles' own order of
 // sums, which PyTorch's flash attention there shares).
 // The vector/tail split of a chunk follows the span's whole context (the key count
 // transformers' prompt forward has), not the query's visible part: the visible keys past it
