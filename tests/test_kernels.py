@@ -381,8 +381,9 @@ def test_bf16_dot_products_and_the_loops_they_replace_agree(tmp_path):
     same bits either way (the pairs are summed in the loops' order), the GEMV the same values
     to bf16 rounding. (AMX off in both: on the tiles prompt attention sums in their order, see
     the next test.)"""
-    runs = _bf16_case_runs(tmp_path, {"1": {"FLEETLLM_CPU_AMX": "0"},
-                                      "0": {"FLEETLLM_CPU_AMX": "0"}})
+    runs = {flag: _bf16_outputs(tmp_path, f"dot{flag}", {"FLEETLLM_CPU_BF16_DOT": flag,
+                                                         "FLEETLLM_CPU_AMX": "0"})
+            for flag in ("1", "0")}
     assert "avx512bf16" not in runs["0"]["build_info"]
     if "avx512bf16" not in runs["1"]["build_info"]:
         pytest.skip("this CPU has no AVX-512 BF16: both runs took the same loops")
@@ -394,15 +395,11 @@ def test_bf16_dot_products_and_the_loops_they_replace_agree(tmp_path):
         torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-2)
 
 
-def _bf16_case_runs(tmp_path: Path, runs: dict[str, dict[str, str]]) -> dict[str, dict]:
-    """_BF16_CASES' outputs with FLEETLLM_CPU_BF16_DOT set to each key, plus its environment."""
-    outs = {}
-    for flag, env in runs.items():
-        out = tmp_path / f"dot{flag}-{len(outs)}.pt"
-        python(f"import sys; sys.argv = ['', {str(out)!r}]; exec({_BF16_CASES!r})",
-               env={"FLEETLLM_CPU_BF16_DOT": flag, **env})
-        outs[flag] = torch.load(out)
-    return outs
+def _bf16_outputs(tmp_path: Path, name: str, env: dict[str, str]) -> dict:
+    """_BF16_CASES' outputs from a process with `env` (as _outputs_from for kernel_cases.py)."""
+    out = tmp_path / f"{name}.pt"
+    python(f"import sys; sys.argv = ['', {str(out)!r}]; exec({_BF16_CASES!r})", env=env)
+    return torch.load(out)
 
 
 @needs_kernels
@@ -415,9 +412,9 @@ def test_bf16_prompt_attention_on_amx_tiles_agrees_with_the_pairs(tmp_path):
     decode attention and the GEMV do not use them (bit-equal)."""
     if not cpu_kernels.amx_available():
         pytest.skip("this CPU (or its OS) gives no AMX")
-    runs = _bf16_case_runs(tmp_path, {"1": {}})
-    pairs = _bf16_case_runs(tmp_path, {"1": {"FLEETLLM_CPU_AMX": "0"}})["1"]
-    amx = runs["1"]
+    amx = _bf16_outputs(tmp_path, "amx", {"FLEETLLM_CPU_BF16_DOT": "1"})
+    pairs = _bf16_outputs(tmp_path, "pairs",
+                          {"FLEETLLM_CPU_BF16_DOT": "1", "FLEETLLM_CPU_AMX": "0"})
     for a, b in zip(amx["decode"], pairs["decode"], strict=True):
         assert torch.equal(a, b)
     for a, b in zip(amx["gemv"], pairs["gemv"], strict=True):
