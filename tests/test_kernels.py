@@ -22,6 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 SANITIZE = os.environ.get("FLEETLLM_KERNEL_SANITIZE", "0") != "0"
 # Runs in other processes that build other libraries: not what the sanitizer run checks.
 not_under_sanitizer = pytest.mark.skipif(SANITIZE, reason="builds other variants")
+# Builds and runs a tool of its own with the normal flags: nothing of the sanitized library.
+tool_not_under_sanitizer = pytest.mark.skipif(SANITIZE, reason="builds a tool of its own")
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler here")
 
@@ -558,6 +560,7 @@ def test_without_a_compiler_the_pytorch_path_gives_the_same_tokens(how, tiny_mod
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler here")
+@tool_not_under_sanitizer
 def test_the_peak_tool_builds_and_prints_a_rate_per_instruction(tmp_path):
     """tools/fma_peak.c, the arithmetic bound the docs quote beside the matmul rates: built as
     its header says and run briefly, it prints a rate per instruction (or says why not)."""
@@ -576,6 +579,7 @@ def test_the_peak_tool_builds_and_prints_a_rate_per_instruction(tmp_path):
 @pytest.mark.skipif(not cpu_kernels.available() or not {"avx512f", "clflushopt"} <= set(
     Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else True,
     reason="no C++ compiler, or a CPU without AVX-512F and CLFLUSHOPT")
+@tool_not_under_sanitizer
 def test_the_stream_pollution_tool_builds_and_times_each_way_of_reading(tmp_path):
     """tools/stream_pollution.c, the measurement behind perf.md item 25 (no way of reading
     200 MiB keeps the host's working set cached): built as its header says, run, it prints a
@@ -592,6 +596,7 @@ def test_the_stream_pollution_tool_builds_and_times_each_way_of_reading(tmp_path
 
 
 @needs_kernels
+@tool_not_under_sanitizer
 @pytest.mark.parametrize("tool, source, args, first", [
     ("gemm_pairs_ab.cpp", "gemm.cpp", ["2", "1"], "M=2 mean old "),
     ("decode_ab.cpp", "paged_decode.cpp", ["8", "1"], "B=8 mean old "),
@@ -607,11 +612,13 @@ def test_an_ab_tool_builds_two_trees_and_times_them_in_turn(tmp_path, tool, sour
     flags = [*kernel_build.COMMON_FLAGS, *kernel_build.ISA_FLAGS["avx512"]]  # the kernels'
     csrc, old, exe = REPO / "csrc", tmp_path / "old.o", tmp_path / "ab"
     cxx = os.environ.get("CXX", "c++")  # as kernel_build.py compiles
-    subprocess.run([cxx, *flags, f"-I{csrc}", "-Dfleetllm=fold", "-c", str(csrc / source),
-                    "-o", str(old)], check=True, timeout=300)
-    subprocess.run([cxx, *flags, "-Wall", "-Wextra", "-Werror=comment", f"-I{csrc}",
-                    str(REPO / "tools" / tool), str(csrc / source), str(csrc / "pool.cpp"),
-                    str(old), "-o", str(exe)], check=True, timeout=300)
+    for cmd in ([cxx, *flags, f"-I{csrc}", "-Dfleetllm=fold", "-c", str(csrc / source), "-o",
+                 str(old)],
+                [cxx, *flags, "-Wall", "-Wextra", "-Werror=comment", f"-I{csrc}",
+                 str(REPO / "tools" / tool), str(csrc / source), str(csrc / "pool.cpp"), str(old),
+                 "-o", str(exe)]):
+        built = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert built.returncode == 0 and not built.stderr, (cmd, built.stderr[-3000:])
     out = subprocess.run([str(exe), *args], capture_output=True, text=True, check=True,
                          timeout=120).stdout.splitlines()
     assert len(out) == 2 and out[1].startswith(first), out
