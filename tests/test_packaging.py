@@ -21,9 +21,24 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # What a wheel build must not see: local state, and stale build output that setuptools
-# would otherwise copy into the wheel.
-_NOT_SOURCES = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info",
-                                      "__pycache__", ".pytest_cache", ".ruff_cache")
+# would otherwise copy into the wheel. In a git checkout the build sees what a fresh clone
+# has (tracked files and new ones not ignored): the peers' venv and llama.cpp build (`make
+# peers`, `make llamacpp`: ~6 GB) made the copy take a minute and fill /tmp.
+_NOT_SOURCES = shutil.ignore_patterns(".git", ".venv*", ".peers", "site", "build", "dist",
+                                      "*.egg-info", "__pycache__", ".pytest_cache", ".ruff_cache")
+
+
+def copy_sources(dest: Path) -> None:
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=REPO, capture_output=True, timeout=60)
+    if listed.returncode != 0:  # not a git checkout (an sdist, a copy): by the patterns
+        shutil.copytree(REPO, dest, ignore=_NOT_SOURCES)
+        return
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        source = REPO / name
+        if source.is_file():  # a tracked file deleted in the work tree is not a source
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
 
 
 def clean_env() -> dict[str, str]:
@@ -46,7 +61,7 @@ def installed(tmp_path_factory) -> Path:
     pytest.importorskip("build")
     tmp = tmp_path_factory.mktemp("pkg")
     src, dist, venv = tmp / "src", tmp / "dist", tmp / "venv"
-    shutil.copytree(REPO, src, ignore=_NOT_SOURCES)
+    copy_sources(src)
     check([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist)],
           cwd=src, timeout=120)
     [wheel] = dist.glob("fleetllm-*.whl")
