@@ -142,3 +142,21 @@ def test_op_profile_tool_prints_the_workloads_ops(tiny_models, monkeypatch, caps
     out = capsys.readouterr().out
     assert "unprofiled round:" in out and "profiled round:" in out
     assert "Self CPU" in out and ("mkldnn::_linear_pointwise" in out or "aten::" in out)
+
+
+def test_fp32_gemm_ab_tool_times_both_packings_on_the_same_product(capsys):
+    """tools/fp32_gemm_ab.py (docs/perf.md's float32 finding): oneDNN's and MKL's packed
+    float32 GEMMs on the 125M shapes, checked to give the same product, one line per row count
+    with both rates per shape and the ratio of the totals."""
+    import torch
+    from helpers import load_tool
+
+    if not torch.backends.mkl.is_available():
+        pytest.skip("this torch has no MKL")
+    threads = torch.get_num_threads()  # the tool sets it; keep this process's
+    load_tool("fp32_gemm_ab").main(["--rows", "4,70", "--rounds", "1", "--reps", "1",
+                                    "--threads", str(threads)])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["rows 4", "rows 70"], lines
+    for line in lines:  # " / " in the header, each of the 5 shapes and the ratio
+        assert line.count(" / ") == 7 and float(line.rsplit(" ", 1)[1]) > 0, line
