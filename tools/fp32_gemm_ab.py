@@ -1,29 +1,71 @@
-"""float32 projections: oneDNN's packed weights (what fleetllm runs, `mkldnn::_linear_pointwise`)
-against MKL's packed sgemm (`mkl::_mkl_linear`), in one process, taking turns shape by shape.
+"""float32 projections: oneDNN's packed weights (what fleetllm runs: `mkldnn::_linear_pointwise`
+on `_reorder_linear_weight(w, None)`) against MKL's packed sgemm (`cblas_sgemm_pack` once,
+`cblas_sgemm_compute` at any row count; libtorch_cpu exports both where torch is built with
+MKL), in one process, taking turns shape by shape.
 
 Why: on the 2-core AMX Xeon (2026-11-29) vLLM's CPU build ran the float32 125M round 1.2x
 faster than fleetllm, whose round is ~78% oneDNN float32 GEMMs; vLLM's own oneDNN matmul
 (`onednn_mm`, float32: errors of 8e-7 against float64, as torch's) measured 233-262 GFLOP/s
-on these shapes where torch's packed oneDNN measured 185-229. This tool measures the one
-alternative inside torch. Two processes a minute apart cannot compare them on this machine
-(the same code moved 200 -> 290 GFLOP/s between runs), so each shape's two calls alternate.
+on these shapes where torch's packed oneDNN measured 185-229. torch's own `mkl::_mkl_linear`
+uses its packing only at the exact row count it was packed for (any other count falls back
+to the unpacked sgemm), which a step's varying size never hits; MKL's packed B itself serves
+any row count, mostly with the unpacked sgemm's bits (`F.linear`'s, which transformers
+runs). Two
+processes a minute apart cannot compare these on this machine (the same code moved 200 ->
+290 GFLOP/s between runs), so each shape's two calls alternate.
 
     .venv/bin/python tools/fp32_gemm_ab.py [--rows 16,64,256,512,1024,2048] [--rounds 6]
 
 Prints, per row count, each shape's GFLOP/s both ways and the ratio of the totals' times
-(oneDNN / MKL: above 1, MKL's packed sgemm is faster). The 125M preset's layer shapes and
-its LM head; weights packed for the row count, as fleetllm packs them for the step's size.
+(oneDNN / MKL: above 1, MKL's packed sgemm is faster), and for how many shapes MKL's packed
+product was F.linear's bit for bit (it is always within float32 rounding of it, checked).
+The 125M preset's layer shapes and its LM head.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import time
+from pathlib import Path
 
 import torch
 
 # (N, K) of the 125M preset's projections: q/o, qkv, gate/up, down, and the LM head.
 SHAPES = [(768, 768), (2304, 768), (3072, 768), (768, 3072), (32000, 768)]
+
+
+_ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
+
+
+def _mkl() -> ctypes.CDLL | None:
+    """libtorch_cpu with MKL's packed-sgemm entry points typed, or None without them."""
+    lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    if not hasattr(lib, "cblas_sgemm_compute"):
+        return None
+    i, f, p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    lib.cblas_sgemm_pack_get_size.restype = ctypes.c_size_t
+    lib.cblas_sgemm_pack_get_size.argtypes = [i, i, i, i]
+    lib.cblas_sgemm_pack.argtypes = [i, i, i, i, i, i, f, p, i, p]
+    lib.cblas_sgemm_compute.argtypes = [i, i, i, i, i, i, p, i, p, i, f, p, i]
+    return lib
+
+
+def mkl_packed(lib: ctypes.CDLL, w: torch.Tensor):
+    """x -> x @ w.T by MKL's packed sgemm: w packed once (for 256 rows; the packing serves
+    any row count)."""
+    n, k = w.shape
+    buf = torch.empty(lib.cblas_sgemm_pack_get_size(_B_MATRIX, 256, n, k) // 4 + 16)
+    lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, 256, n, k, 1.0, w.data_ptr(), k,
+                         buf.data_ptr())
+
+    def linear(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], n) if out is None else out
+        lib.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, x.shape[0], n, k, x.data_ptr(),
+                                k, buf.data_ptr(), k, 0.0, out.data_ptr(), n)
+        return out
+
+    return linear
 
 
 def _seconds(f, x: torch.Tensor, reps: int) -> float:
@@ -33,22 +75,22 @@ def _seconds(f, x: torch.Tensor, reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def compare(rows: int, rounds: int, reps: int) -> tuple[list[tuple[float, float]], float]:
-    """[(oneDNN GFLOP/s, MKL GFLOP/s)] per shape, and oneDNN's total time over MKL's (the
-    best of `rounds` for each call)."""
-    calls = []
+def compare(lib: ctypes.CDLL, rows: int, rounds: int, reps: int
+            ) -> tuple[list[tuple[float, float]], float, int]:
+    """[(oneDNN GFLOP/s, MKL GFLOP/s)] per shape, oneDNN's total time over MKL's (the best
+    of `rounds` for each call), and how many shapes' MKL products were F.linear's bits."""
+    calls, same = [], 0
     for n, k in SHAPES:
         w, x = torch.randn(n, k), torch.randn(rows, k)
-        dnnl_w = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-        mkl_w = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
+        dnnl_w = torch.ops.mkldnn._reorder_linear_weight(w, None)
 
         def dnnl(x, pw=dnnl_w):
             return torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")
 
-        def mkl(x, pw=mkl_w, w=w):
-            return torch.ops.mkl._mkl_linear(x, pw, w, None, rows)
-
-        torch.testing.assert_close(mkl(x), dnnl(x), rtol=1e-4, atol=1e-3)  # the same product
+        mkl = mkl_packed(lib, w)
+        got, want = mkl(x), torch.nn.functional.linear(x, w)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)  # the same product
+        same += torch.equal(got, want)
         calls.append((dnnl, mkl, x, 2.0 * rows * n * k))
     best = [[float("inf"), float("inf")] for _ in calls]
     for _ in range(rounds):
@@ -56,7 +98,7 @@ def compare(rows: int, rounds: int, reps: int) -> tuple[list[tuple[float, float]
             best[i][0] = min(best[i][0], _seconds(dnnl, x, reps))
             best[i][1] = min(best[i][1], _seconds(mkl, x, reps))
     rates = [(c[3] / b[0] / 1e9, c[3] / b[1] / 1e9) for c, b in zip(calls, best, strict=True)]
-    return rates, sum(b[0] for b in best) / sum(b[1] for b in best)
+    return rates, sum(b[0] for b in best) / sum(b[1] for b in best), same
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,15 +108,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=10, help="calls per timing")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    if not hasattr(torch.ops.mkl, "_mkl_linear") or not torch.backends.mkl.is_available():
-        raise SystemExit("this torch has no MKL packed sgemm")
+    lib = _mkl() if torch.backends.mkl.is_available() else None
+    if lib is None:
+        raise SystemExit("this torch exports no MKL packed sgemm")
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     for rows in (int(r) for r in args.rows.split(",")):
-        rates, ratio = compare(rows, args.rounds, args.reps)
+        rates, ratio, same = compare(lib, rows, args.rounds, args.reps)
         shapes = "  ".join(f"{n}x{k}: {d:.0f} / {m:.0f}"
                            for (n, k), (d, m) in zip(SHAPES, rates, strict=True))
-        print(f"rows {rows}: GFLOP/s oneDNN / MKL  {shapes}  | oneDNN time / MKL time {ratio:.2f}")
+        print(f"rows {rows}: GFLOP/s oneDNN / MKL  {shapes}  | MKL = F.linear bit for bit "
+              f"{same}/{len(SHAPES)}  | oneDNN time / MKL time {ratio:.2f}")
 
 
 if __name__ == "__main__":
