@@ -29,9 +29,12 @@ _NOT_SOURCES = shutil.ignore_patterns(".git", ".venv*", ".peers", "site", "build
 
 
 def copy_sources(dest: Path) -> None:
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=REPO, capture_output=True, timeout=60)
-    if listed.returncode != 0:  # not a git checkout (an sdist, a copy): by the patterns
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                                 "--exclude-standard"], cwd=REPO, capture_output=True, timeout=60)
+    except OSError:  # no git here
+        listed = None
+    if listed is None or listed.returncode != 0:  # not a git checkout: by the patterns
         shutil.copytree(REPO, dest, ignore=_NOT_SOURCES)
         return
     for name in filter(None, listed.stdout.decode().split("\0")):

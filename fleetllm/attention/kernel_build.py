@@ -82,8 +82,8 @@ ISA_FLAGS = {
     "avx512": ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx2", "-mfma"),
 }
 # -O1 (after COMMON_FLAGS' -O3: the last one counts): GCC 12 takes 2.5 minutes over
-# prefill_attention.cpp at -O3 with the sanitizers and 12 s at -O1 (5.7 -> ~2 minutes for
-# the whole build on 2 cores); the checks are the same at any level.
+# prefill_attention.cpp at -O3 with the sanitizers and 12 s at -O1 (`make sanitize`, build
+# included, went from 5.7-8.9 minutes to ~2 on 2 cores); the checks are the same at any level.
 SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all",
                   "-fno-omit-frame-pointer", "-g", "-O1")
 _X86 = ("x86_64", "amd64")
