@@ -39,8 +39,12 @@ _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
 
 
 def _mkl() -> ctypes.CDLL | None:
-    """libtorch_cpu with MKL's packed-sgemm entry points typed, or None without them."""
-    lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    """libtorch_cpu with MKL's packed-sgemm entry points typed, or None without them (or
+    where the library has another name than Linux's)."""
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    except OSError:
+        return None
     if not hasattr(lib, "cblas_sgemm_compute"):
         return None
     i, f, p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
