@@ -155,8 +155,7 @@ def test_fp32_gemm_ab_tool_times_both_packings_on_the_same_product(capsys):
     if not torch.backends.mkl.is_available() or tool._mkl() is None:
         pytest.skip("this torch exports no MKL packed sgemm")
     threads = torch.get_num_threads()  # the tool sets it; keep this process's
-    tool.main(["--rows", "4,70", "--rounds", "1", "--reps", "1",
-                                    "--threads", str(threads)])
+    tool.main(["--rows", "4,70", "--rounds", "1", "--reps", "1", "--threads", str(threads)])
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["rows 4", "rows 70"], lines
     for line in lines:  # " / " in the header, each of the 5 shapes and the ratio

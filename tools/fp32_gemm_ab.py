@@ -10,9 +10,8 @@ on these shapes where torch's packed oneDNN measured 185-229. torch's own `mkl::
 uses its packing only at the exact row count it was packed for (any other count falls back
 to the unpacked sgemm), which a step's varying size never hits; MKL's packed B itself serves
 any row count, mostly with the unpacked sgemm's bits (`F.linear`'s, which transformers
-runs). Two
-processes a minute apart cannot compare these on this machine (the same code moved 200 ->
-290 GFLOP/s between runs), so each shape's two calls alternate.
+runs). Two processes a minute apart cannot compare these on this machine (the same code
+moved 200 -> 290 GFLOP/s between runs), so each shape's two calls alternate.
 
     .venv/bin/python tools/fp32_gemm_ab.py [--rows 16,64,256,512,1024,2048] [--rounds 6]
 
@@ -33,8 +32,7 @@ import torch
 
 # (N, K) of the 125M preset's projections: q/o, qkv, gate/up, down, and the LM head.
 SHAPES = [(768, 768), (2304, 768), (3072, 768), (768, 3072), (32000, 768)]
-
-
+# MKL's CBLAS enum values (mkl_cblas.h): row-major, no transpose, transpose, matrix B, packed.
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
 
 
@@ -59,12 +57,12 @@ def mkl_packed(lib: ctypes.CDLL, w: torch.Tensor):
     """x -> x @ w.T by MKL's packed sgemm: w packed once (for 256 rows; the packing serves
     any row count)."""
     n, k = w.shape
-    buf = torch.empty(lib.cblas_sgemm_pack_get_size(_B_MATRIX, 256, n, k) // 4 + 16)
+    buf = torch.empty((lib.cblas_sgemm_pack_get_size(_B_MATRIX, 256, n, k) + 3) // 4)
     lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, 256, n, k, 1.0, w.data_ptr(), k,
                          buf.data_ptr())
 
-    def linear(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        out = x.new_empty(x.shape[0], n) if out is None else out
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], n)
         lib.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, x.shape[0], n, k, x.data_ptr(),
                                 k, buf.data_ptr(), k, 0.0, out.data_ptr(), n)
         return out
