@@ -146,6 +146,31 @@ def test_a_step_while_asleep_is_refused_and_its_request_runs_after_wake_up(tiny_
         engine.shutdown()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sleep_level_2_frees_the_packed_weights_the_one_call_layers_gathered(tiny_models,
+                                                                             dtype):
+    """Decode steps past the GEMV's rows gather every projection's packed copy once for the
+    one-call layers (fused._Stack.packed) instead of at each step; sleep level 2 must still
+    free those copies (the emptied model is kept while asleep), and after wake-up the new
+    copies are the ones read."""
+    import gc
+    import weakref
+
+    prompts = [{"prompt_token_ids": [5 + i, 17, 99, 300 + 7 * i, 42]} for i in range(20)]
+    with LLM(str(tiny_models["llama_gqa"]), dtype=dtype, kv_cache_memory=SMALL_KV) as llm:
+        reference = greedy(llm, prompts)  # decode steps of 20 rows: past any GEMV limit
+        model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        stack = model.__dict__.get("_fused_stack")
+        assert stack is not None and stack.packed, "the one-call layers gathered no weights"
+        alive = [weakref.ref(t) for ws in stack.packed.values() for t in ws]
+        del stack, model
+        llm.sleep(2)
+        gc.collect()
+        assert not [r for r in alive if r() is not None], "sleep kept packed weights alive"
+        llm.wake_up()
+        assert greedy(llm, prompts) == reference
+
+
 @pytest.fixture(scope="module")
 def odd_vocab_model(tmp_path_factory):
     """509 tokens: with TP=2 the second vocabulary shard is zero-padded."""

@@ -46,6 +46,11 @@ class _Stack(NamedTuple):
     small_rows: int  # up to this many rows their pairs_weight copies (oneDNN on AMX), or 0
     embed: torch.Tensor | None  # the first stage's embedding (looked up in the call), or None
     final_norm: torch.Tensor | None  # the last stage's final norm (applied in the call)
+    # The packed weights the call reads past the GEMV's rows, by "small batch" (True: the
+    # small batches' copies): gathered at the first such step, not at every one (48 module
+    # attribute reads cost ~50 us a step at batch 1, run cold after the weights stream).
+    # forget() drops them with the stack: sleep level 2 frees the packed copies.
+    packed: dict
 
 
 def _layer_weights(layer, gemv: bool) -> list | None:
@@ -95,8 +100,23 @@ def _stack(model) -> _Stack | None:
             [t for w in weights for t in w], layers[0].input_layernorm.eps, attn[0].num_heads,
             [a.sliding_window or 0 for a in attn], attn[0].scale, gemv_rows, linears, by_pairs,
             small.pop() if len(small) == 1 else 0, embed,
-            None if norm is None else norm.weight)
+            None if norm is None else norm.weight, {})
     return model._fused_stack
+
+
+def forget(model) -> None:
+    """Drop the model's _Stack and the packed weights it holds (worker.sleep, level 2: they
+    are freed there, and a _Stack holding them would keep them alive)."""
+    model.__dict__.pop("_fused_stack", None)
+
+
+def _packed(st: _Stack, small: bool) -> list | None:
+    """The packed weights of every projection, as the call takes them, or None if one is
+    missing."""
+    packed = [small_batch_weight(m) if small else m.packed_weight for m in st.linears]
+    if any(p is None for p in packed):
+        return None
+    return [p.data for p in packed] if st.by_pairs or small else packed
 
 
 def applies(x: torch.Tensor, kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> bool:
@@ -122,13 +142,14 @@ def run_layers(model, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
         return None
     packed = []
     if x.shape[0] > st.gemv_rows:  # past the GEMV kernel: the packed weights, as the
-        # modules take them; read at each call, not kept: sleep level 2 drops them (worker.py)
+        # modules take them
         small = x.shape[0] <= st.small_rows
-        packed = [small_batch_weight(m) if small else m.packed_weight for m in st.linears]
-        if any(p is None for p in packed):
-            return None
-        if st.by_pairs or small:
-            packed = [p.data for p in packed]
+        packed = st.packed.get(small)
+        if packed is None:
+            packed = _packed(st, small)
+            if packed is None:
+                return None
+            st.packed[small] = packed
     # The first stage (x its token ids, st.embed its embedding) starts the residual; a later
     # stage's comes with its input.
     first = residual is None

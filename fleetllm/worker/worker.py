@@ -20,6 +20,7 @@ from fleetllm.config import EngineConfig, GiB
 from fleetllm.distributed import parallel_state
 from fleetllm.errors import ConfigurationError, EngineSleepingError, OutOfMemoryError
 from fleetllm.lora.request import LoRARequest
+from fleetllm.model import fused
 from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
 from fleetllm.worker.cache_engine import CacheEngine
 from fleetllm.worker.embedding_model_runner import EmbeddingModelRunner
@@ -198,6 +199,7 @@ class Worker(WorkerBase):
                         if packed is not None:
                             freed += packed.nbytes
                             setattr(module, name, None)
+                fused.forget(model)  # it holds the packed copies for the one-call layers
                 state["weights"] = model
         _release_memory(self.device)
         return freed
