@@ -444,9 +444,18 @@ void paged_decode(const T *q, long q_stride, const C *k, const C *v, const Decod
     c.D = D;
     c.bs = bs;
     c.window = window;
-    // Whole sequences per item read whole token rows (better prefetching); a small batch
-    // splits by KV head so that every thread has work.
-    c.split = B >= 4 * nthreads ? 1 : KVH;
+    // Whole sequences per item read whole token rows (better prefetching), so a batch splits
+    // by KV heads only until every thread has an item: at 2-7 sequences with their K/V cold
+    // (as after a step's weights), whole sequences took 0.70-0.82x the time of items of one
+    // KV head each, and one sequence in two items of 2 KV heads 0.85x that of four of one
+    // (2 threads, Zen 5, the 125M preset's heads: tools/decode_ab.cpp; docs/perf.md item 32).
+    // The split divides KVH: item (b, s) is sequence b's KV heads [s * nkv, (s + 1) * nkv).
+    c.split = 1;
+    while (B * c.split < nthreads && c.split < KVH) {
+        int next = c.split + 1;
+        while (KVH % next != 0) next++;
+        c.split = next;
+    }
     c.nkv = KVH / c.split;
     c.scratch_per = paged_decode_scratch(H, D, bs, batch.maxlen, 1);
     parallel_run(nthreads, decode_body<T, C>, &c, static_cast<long>(B) * c.split, 1,
