@@ -8,10 +8,12 @@
 // A panel's 3 vectors for a pair lie side by side and its pairs in order, so a thread reads its
 // run of panels as one sequential stream (see pair_packed.py for what that is worth). The
 // hardware prefetcher alone keeps too few lines in flight for it: the microkernel prefetches
-// the stream 2 KiB ahead into L1 (past a panel's end that is the next panel, a thread's next
-// item), which made the 125M decode step's GEMMs 25% faster at 1 row and 4-38% at 2-256
-// (tools/gemm_pairs_ab.cpp; docs/perf.md, item 28). Prefetching the whole next panel into L2
-// instead, as the layout before item 26 did, made 16-64 rows 2-10% slower.
+// the stream 8 KiB ahead into L1 (past a panel's end that is the next panel, a thread's next
+// item). 2 KiB ahead made the 125M decode step's GEMMs 25% faster at 1 row and 4-38% at 2-256
+// on the AMX Xeon (tools/gemm_pairs_ab.cpp; docs/perf.md, item 28); on the Zen 5, 8 KiB
+// ahead took 0.91-0.95x the time of 2 KiB at 16-64 rows and 0.97-1.02x at 1-8 (0.85-0.97x
+// while its memory ran at ~68 GB/s; item 32). Prefetching the whole next panel
+// into L2 instead, as the layout before item 26 did, made 16-64 rows 2-10% slower.
 // Each output is one lane summed over k's pairs in order (blocks of k go through a float32
 // scratch, the same sums), then the bias, then one rounding: its bits do not depend on how many
 // rows share the call or which group a row falls in.
@@ -30,7 +32,7 @@ constexpr int PAIR = NB * 32;  // bf16s per pair of k in a panel: 3 vectors side
 constexpr int MR = 8;     // rows of x per microkernel pass (8 x 3 sums + 3 weights + 1 x)
 constexpr int KC = 512;   // pairs of k per block: a panel's block is 96 KiB (L2), x's 8 rows 16
 constexpr int MC = 128;   // rows of x per work item: their block of k stays in L2
-constexpr int AHEAD = 2048;  // bytes of the weight stream prefetched ahead of the microkernel
+constexpr int AHEAD = 8192;  // bytes of the weight stream prefetched ahead of the microkernel
 
 struct GemmCtx {
     const bf16 *x, *wp, *bias;
