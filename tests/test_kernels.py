@@ -606,7 +606,7 @@ def ab_tools(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("tool, source, args, first", [
     ("gemm_pairs_ab.cpp", "gemm.cpp", ["2", "1"], "M=2 mean old "),
     ("decode_ab.cpp", "paged_decode.cpp", ["8", "1"], "B=8 mean old "),
-    ("decode_ab.cpp", "paged_decode.cpp", ["1", "1", "16"], "B=1 mean old "),
+    ("decode_ab.cpp", "paged_decode.cpp", ["1", "1", "16", "14", "2"], "B=1 mean old "),
 ])
 def test_an_ab_tool_builds_two_trees_and_times_them_in_turn(ab_tools, tool, source, args,
                                                              first):

@@ -1,10 +1,10 @@
 // Two builds of csrc/paged_decode.cpp timed in one process, taking turns pass by pass (as
 // tools/gemm_pairs_ab.cpp does for the GEMM: on a machine whose memory bandwidth moves from
 // minute to minute, two processes run apart compare two machines). A pass is one decode step's
-// attention on the 125M preset's heads (12 query heads over 4 KV heads of 64, bf16 queries and
-// cache): B sequences of 100-260 positions (fixed seed), 12 layers each with its own cache of
-// shuffled 16-token blocks, in huge pages, so that a large batch's K/V comes from memory as
-// in the engine; the best of 7 passes per build per round.
+// attention on the 125M preset's heads (12 query heads over 4 KV heads of 64, or others: below;
+// bf16 queries and cache): B sequences of 100-260 positions (fixed seed), 12 layers each with
+// its own cache of shuffled 16-token blocks, in huge pages, so that a large batch's K/V comes
+// from memory as in the engine; the best of 7 passes per build per round.
 //
 //     git worktree add /tmp/old <commit>
 //     F="-O3 -fopenmp-simd -fno-math-errno -fno-trapping-math -pthread -mtune=native"
@@ -14,6 +14,7 @@
 //     /tmp/ab 64 10      # sequences, rounds
 //     /tmp/ab 1 10 200   # ... and MiB read before each pass (a step's weights stream), so that
 //                        # a small batch's K/V is cold as in the engine, not in L2/L3
+//     /tmp/ab 4 10 200 32 8   # ... and other heads: query heads, KV heads (Llama-3.2-1B's)
 //
 // "old" is the build whose namespace -Dfleetllm=fold renamed; "new" is this tree's.
 #include <sys/mman.h>
@@ -50,13 +51,14 @@ int main(int argc, char **argv)
     using fleetllm::kernels::bf16;
     const int B = argc > 1 ? std::atoi(argv[1]) : 64, rounds = argc > 2 ? std::atoi(argv[2]) : 8;
     const long cold = argc > 3 ? std::atol(argv[3]) << 20 : 0;
-    if (B < 1 || B > 1024 || rounds < 1 || cold < 0)
+    const int H = argc > 4 ? std::atoi(argv[4]) : 12, KVH = argc > 5 ? std::atoi(argv[5]) : 4;
+    if (B < 1 || B > 1024 || rounds < 1 || cold < 0 || KVH < 1 || H < KVH || H % KVH != 0)
         return 2;
     std::vector<uint64_t> stream(static_cast<size_t>(cold) / 8, 1);
     uint64_t sink = 0;
     if (cold > 0)
         std::printf("each pass after reading %ld MiB\n", cold >> 20);
-    constexpr int H = 12, KVH = 4, D = 64, BS = 16, LAYERS = 12;
+    constexpr int D = 64, BS = 16, LAYERS = 12;
     std::mt19937 rng(0);
     std::vector<int32_t> lens(B), starts(B), tables;
     for (int b = 0; b < B; b++) {
