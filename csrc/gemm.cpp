@@ -11,9 +11,9 @@
 // the stream 8 KiB ahead into L1 (past a panel's end that is the next panel, a thread's next
 // item). 2 KiB ahead made the 125M decode step's GEMMs 25% faster at 1 row and 4-38% at 2-256
 // on the AMX Xeon (tools/gemm_pairs_ab.cpp; docs/perf.md, item 28); on the Zen 5, 8 KiB
-// ahead took 0.91-0.95x the time of 2 KiB at 16-64 rows and 0.97-1.02x at 1-8 (0.85-0.97x
-// while its memory ran at ~68 GB/s; item 32). Prefetching the whole next panel
-// into L2 instead, as the layout before item 26 did, made 16-64 rows 2-10% slower.
+// ahead took 0.89-0.97x the time of 2 KiB at 16-64 rows and 0.85-1.01x at 1-8 (item 32).
+// Prefetching the whole next panel into L2 instead, as the layout before item 26 did, made
+// 16-64 rows 2-10% slower.
 // Each output is one lane summed over k's pairs in order (blocks of k go through a float32
 // scratch, the same sums), then the bias, then one rounding: its bits do not depend on how many
 // rows share the call or which group a row falls in.

@@ -614,7 +614,7 @@ def test_an_ab_tool_builds_two_trees_and_times_them_in_turn(ab_tools, tool, sour
     26 and 30: built as their headers say (here this tree as both builds, one renamed), run for
     a round, each prints both builds' times (of a 125M decode step's GEMMs; of its attention)
     and their ratio; decode_ab also with a stream read before each pass, as a step's weights
-    evict a small batch's K/V."""
+    evict a small batch's K/V, on other heads (Qwen2-0.5B's)."""
     if not cpu_kernels.gemm_pairs_available():
         pytest.skip("this CPU has no AVX-512 BF16")
     exe = ab_tools.get(tool)
