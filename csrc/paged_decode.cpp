@@ -446,8 +446,8 @@ void paged_decode(const T *q, long q_stride, const C *k, const C *v, const Decod
     c.window = window;
     // Whole sequences per item read whole token rows (better prefetching), so a batch splits
     // by KV heads only until every thread has an item: at 2-7 sequences with their K/V cold
-    // (as after a step's weights), whole sequences took 0.70-0.82x the time of items of one
-    // KV head each, and one sequence in two items of 2 KV heads 0.85x that of four of one
+    // (as after a step's weights), whole sequences took 0.73-0.78x the time of items of one
+    // KV head each, and one sequence in two items of 2 KV heads 0.91x that of four of one
     // (2 threads, Zen 5, the 125M preset's heads: tools/decode_ab.cpp; docs/perf.md item 32).
     // The split divides KVH: item (b, s) is sequence b's KV heads [s * nkv, (s + 1) * nkv).
     c.split = 1;
