@@ -41,7 +41,7 @@ class _Stack(NamedTuple):
     windows: list[int]
     scale: float
     gemv_rows: int  # up to this many rows the projections take the GEMV kernel
-    linears: tuple  # qkv, o, gate_up, down of each layer: packed weights read at each call
+    linears: tuple  # qkv, o, gate_up, down of each layer: where `packed` is gathered from
     by_pairs: bool  # their packed weights are PairPacked (else oneDNN's, or none)
     small_rows: int  # up to this many rows their pairs_weight copies (oneDNN on AMX), or 0
     embed: torch.Tensor | None  # the first stage's embedding (looked up in the call), or None
