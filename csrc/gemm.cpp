@@ -146,8 +146,12 @@ bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M,
     GemmCtx c{x, wp, bias, y, M, N, K, (N + PAIR_PANEL - 1) / PAIR_PANEL,
               (M + MC - 1) / MC};
     const long items = c.panels * c.mblocks;
-    // runs of items per thread: each thread reads one run of panels after another in order
-    const long chunk = std::max(1L, items / (4L * std::max(1, nthreads)));
+    // Runs of items per thread: each thread reads one run of panels after another in order.
+    // A decode batch's GEMM streams its weights (4 runs a thread); a prompt's is compute bound,
+    // and 4 runs a thread left one thread a whole run more than the other whenever the runs did
+    // not split evenly (a prompt of 1,042 rows: 9 row blocks; 16 runs a thread took 0.92x the
+    // time there, 0.99-1.01x at 1,024-2,048 rows; tools/gemm_pairs_ab.cpp, docs/perf.md item 33).
+    const long chunk = std::max(1L, items / ((M <= 64 ? 4L : 16L) * std::max(1, nthreads)));
     parallel_run(nthreads, gemm_body, &c, items, chunk, M <= 64);
     return true;
 #else

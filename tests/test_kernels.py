@@ -605,6 +605,7 @@ def ab_tools(tmp_path_factory) -> dict:
 @tool_not_under_sanitizer
 @pytest.mark.parametrize("tool, source, args, first", [
     ("gemm_pairs_ab.cpp", "gemm.cpp", ["2", "1"], "M=2 mean old "),
+    ("gemm_pairs_ab.cpp", "gemm.cpp", ["72", "1", "1b", "1"], "M=72 mean old "),
     ("decode_ab.cpp", "paged_decode.cpp", ["8", "1"], "B=8 mean old "),
     ("decode_ab.cpp", "paged_decode.cpp", ["1", "1", "16", "14", "2"], "B=1 mean old "),
 ])
@@ -614,7 +615,8 @@ def test_an_ab_tool_builds_two_trees_and_times_them_in_turn(ab_tools, tool, sour
     26 and 30: built as their headers say (here this tree as both builds, one renamed), run for
     a round, each prints both builds' times (of a 125M decode step's GEMMs; of its attention)
     and their ratio; decode_ab also with a stream read before each pass, as a step's weights
-    evict a small batch's K/V, on other heads (Qwen2-0.5B's)."""
+    evict a small batch's K/V, on other heads (Qwen2-0.5B's); gemm_pairs_ab also on a layer of
+    Llama-1B's shapes at more rows than a decode step's (a prompt's)."""
     if not cpu_kernels.gemm_pairs_available():
         pytest.skip("this CPU has no AVX-512 BF16")
     exe = ab_tools.get(tool)
@@ -635,7 +637,7 @@ def test_an_ab_tool_builds_two_trees_and_times_them_in_turn(ab_tools, tool, sour
         ab_tools[tool] = exe
     out = subprocess.run([str(exe), *args], capture_output=True, text=True, check=True,
                          timeout=120).stdout.splitlines()
-    if len(args) > 2:  # decode_ab's third argument: MiB read before each pass (cold K/V)
+    if tool == "decode_ab.cpp" and len(args) > 2:  # 3rd: MiB read first (cold K/V)
         assert out[0] == f"each pass after reading {args[2]} MiB", out
         out = out[1:]
     assert len(out) == 2 and out[1].startswith(first), out

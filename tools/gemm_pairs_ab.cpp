@@ -3,7 +3,9 @@
 // from one minute to the next (two processes run minutes apart compare two machines). A pass
 // is the 125M preset's decode step: its 48 layer projections and its LM head (220 MB of
 // weights packed by pairs, in huge pages), one gemm_pairs call each, M rows of x; the best of
-// 7 passes per build per round. The weights are not packed for either layout (timing only:
+// 7 passes per build per round. With a third argument `1b`, the Llama-1B preset's shapes
+// (16 layers, 128K-row LM head: 2.5 GB); a fourth, L, runs only the first L layers and no LM
+// head (prompt-sized M, where a pass of every layer would take seconds). The weights are not packed for either layout (timing only:
 // tests/test_kernels.py checks the results).
 //
 //     git worktree add /tmp/old <commit>
@@ -12,6 +14,7 @@
 //     c++ $F -I/tmp/old/csrc -Dfleetllm=fold -c /tmp/old/csrc/gemm.cpp -o /tmp/old.o
 //     c++ $F -Icsrc tools/gemm_pairs_ab.cpp csrc/gemm.cpp csrc/pool.cpp /tmp/old.o -o /tmp/ab
 //     /tmp/ab 1 20      # rows of x, rounds
+//     /tmp/ab 1024 5 1b 2   # prompt rows on two of Llama-1B's layers
 //
 // "old" is the build whose namespace -Dfleetllm=fold renamed; "new" is this tree's.
 #include <sys/mman.h>
@@ -38,13 +41,20 @@ bool gemm_pairs(const bf16 *, const bf16 *, const bf16 *, bf16 *, int, int, int,
 int main(int argc, char **argv)
 {
     const int M = argc > 1 ? std::atoi(argv[1]) : 1, rounds = argc > 2 ? std::atoi(argv[2]) : 8;
-    if (M < 1 || M > 512 || rounds < 1)
+    const bool big = argc > 3 && argv[3][0] == '1';
+    const int layers = big ? 16 : 12, only = argc > 4 ? std::atoi(argv[4]) : 0;
+    if (M < 1 || M > 2048 || rounds < 1 || only < 0 || only > layers)
         return 2;
-    // qkv, o, gate_up, down of 12 layers, then the LM head: N x K
-    const long shapes[5][2] = {{2304, 768}, {768, 768}, {4096, 768}, {768, 2048}, {32000, 768}};
-    long N[49], K[49], size[49], bytes = 0;
-    for (int l = 0; l < 49; l++) {
-        const int s = l == 48 ? 4 : l % 4;
+    // qkv, o, gate_up, down of each layer, then the LM head: N x K
+    const long small_shapes[5][2] = {{2304, 768}, {768, 768}, {4096, 768}, {768, 2048},
+                                     {32000, 768}};
+    const long big_shapes[5][2] = {{3072, 2048}, {2048, 2048}, {16384, 2048}, {2048, 8192},
+                                   {128256, 2048}};
+    const long (*shapes)[2] = big ? big_shapes : small_shapes;
+    const int G = only ? 4 * only : 4 * layers + 1;  // GEMMs a pass
+    long N[65], K[65], size[65], bytes = 0;
+    for (int l = 0; l < G; l++) {
+        const int s = l == 4 * layers ? 4 : l % 4;
         N[l] = shapes[s][0];
         K[l] = shapes[s][1];
         size[l] = (N[l] + 47) / 48 * 48 * K[l] * 2;  // room for either build's padding
@@ -59,11 +69,12 @@ int main(int argc, char **argv)
         v = static_cast<uint16_t *>(p);
         for (long i = 0; i < bytes / 2; i++) v[i] = static_cast<uint16_t>(0x3c00 + i % 64);
     }
-    auto *x = static_cast<uint16_t *>(std::aligned_alloc(64, 512L * 2048 * 2));
-    auto *y = static_cast<uint16_t *>(std::aligned_alloc(64, 512L * 32000 * 2));
+    const long maxK = big ? 8192 : 2048, maxN = only ? (big ? 16384 : 4096) : shapes[4][0];
+    auto *x = static_cast<uint16_t *>(std::aligned_alloc(64, M * maxK * 2));
+    auto *y = static_cast<uint16_t *>(std::aligned_alloc(64, M * maxN * 2));
     if (x == nullptr || y == nullptr)
         return 1;
-    for (long i = 0; i < 512L * 2048; i++) x[i] = 0x3f80;
+    for (long i = 0; i < M * maxK; i++) x[i] = 0x3f80;
     double total[2] = {0, 0};
     for (int r = 0; r < rounds; r++) {
         double best[2] = {1e9, 1e9};
@@ -71,7 +82,7 @@ int main(int argc, char **argv)
             for (int v = 0; v < 2; v++) {
                 const double t0 = now();
                 const uint16_t *wl = w[v];
-                for (int l = 0; l < 49; l++) {
+                for (int l = 0; l < G; l++) {
                     if (v == 0)
                         fold::kernels::gemm_pairs(
                             reinterpret_cast<const fold::kernels::bf16 *>(x),
@@ -87,8 +98,11 @@ int main(int argc, char **argv)
                 const double dt = now() - t0;
                 best[v] = dt < best[v] ? dt : best[v];
             }
-        std::printf("M=%d old %.2f ms new %.2f ms (new/old %.3f; new %.1f GB/s)\n", M,
-                    best[0] * 1e3, best[1] * 1e3, best[1] / best[0], bytes / best[1] / 1e9);
+        double flops = 0;
+        for (int l = 0; l < G; l++) flops += 2.0 * M * N[l] * K[l];
+        std::printf("M=%d old %.2f ms new %.2f ms (new/old %.3f; new %.1f GB/s, %.0f GFLOP/s)\n",
+                    M, best[0] * 1e3, best[1] * 1e3, best[1] / best[0], bytes / best[1] / 1e9,
+                    flops / best[1] / 1e9);
         total[0] += best[0];
         total[1] += best[1];
     }
