@@ -549,26 +549,30 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
     return out;
 }
 
-// The rows of `table` ([V, H], contiguous) at `ids` (int64 [T]): an embedding lookup, each
-// id checked to lie in [0, V). A plain loop, not at::index_select: that one opens an OpenMP
-// region past 32K elements (~40 rows of 768), whose threads then spin beside the kernels' pool
-// (docs/perf.md, "Not done").
-Tensor embedding_rows(const Tensor &ids, const Tensor &table)
+// The rows of `table` ([V, ...], contiguous; a row is all past dim 0) at `ids` (int64 [T]):
+// an embedding lookup, or the step's rows of the RoPE tables; each id checked to lie in
+// [0, V) (`id` and `range` name them in the error). A plain loop, not at::index_select: that
+// one opens an OpenMP region past 32K elements (~40 rows of 768), whose threads then spin
+// beside the kernels' pool (docs/perf.md, "Not done").
+Tensor table_rows(const Tensor &ids, const Tensor &table, const char *id, const char *range)
 {
     TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
-                "embed's ids must be a contiguous int64 [T], got ", ids.sizes(), " ",
+                range, ": the ids must be a contiguous int64 [T], got ", ids.sizes(), " ",
                 ids.scalar_type());
-    check_float(table, "embed", 2);
-    TORCH_CHECK(table.is_contiguous(), "embed must be contiguous");
-    const int64_t t = ids.size(0), v = table.size(0), row = table.size(1) * table.element_size();
-    Tensor out = at::empty({t, table.size(1)}, table.options());
-    const int64_t *id = ids.const_data_ptr<int64_t>();
+    TORCH_CHECK(table.device().is_cpu() && table.dim() >= 1 && table.is_contiguous(),
+                range, " must be a contiguous CPU tensor");
+    const int64_t t = ids.size(0), v = table.size(0);
+    const int64_t row = v ? table.numel() / v * table.element_size() : 0;
+    std::vector<int64_t> shape(table.sizes().begin(), table.sizes().end());
+    shape[0] = t;
+    Tensor out = at::empty(shape, table.options());
+    const int64_t *i = ids.const_data_ptr<int64_t>();
     const char *src = static_cast<const char *>(table.const_data_ptr());
     char *dst = static_cast<char *>(out.mutable_data_ptr());
-    for (int64_t i = 0; i < t; i++) {
-        TORCH_CHECK(id[i] >= 0 && id[i] < v, "embed: token id ", id[i], " is outside the ",
-                    "vocabulary [0, ", v, ")");
-        std::memcpy(dst + i * row, src + id[i] * row, static_cast<size_t>(row));
+    for (int64_t r = 0; r < t; r++) {
+        TORCH_CHECK(i[r] >= 0 && i[r] < v, id, " ", i[r], " is outside the ", range, " [0, ",
+                    v, ")");
+        std::memcpy(dst + r * row, src + i[r] * row, static_cast<size_t>(row));
     }
     return out;
 }
@@ -582,13 +586,15 @@ Tensor embedding_rows(const Tensor &ids, const Tensor &table)
 // with `final_norm` the output is the model's final norm of (output + residual), as
 // add_rmsnorm computes it. Both spare a step a Python module call and a dispatcher crossing
 // that ran cold after the weights streamed by (~70 us each at batch 1: docs/perf.md, item 27).
+// With `positions` (int64 [T]) cos and sin are the whole RoPE tables ([positions, (1,) d/2])
+// and the step's rows are looked up here: two index_selects fewer a step (item 33).
 Tensor decoder_layers(const Tensor &x, const optional<Tensor> &embed, const Tensor &residual,
                       bool first, const c10::List<optional<Tensor>> &weights, double eps,
                       int64_t heads, c10::IntArrayRef windows, double scale, const Tensor &cos,
                       const Tensor &sin, const std::vector<Tensor> &kv_caches,
                       const Tensor &slots, const Tensor &tables, const Tensor &table_start,
                       const Tensor &ctx_lens, const c10::List<optional<Tensor>> &packed,
-                      const optional<Tensor> &final_norm)
+                      const optional<Tensor> &final_norm, const optional<Tensor> &positions)
 {
     const size_t layers = kv_caches.size();
     TORCH_CHECK(layers > 0 && weights.size() == 10 * layers && windows.size() == layers &&
@@ -597,8 +603,14 @@ Tensor decoder_layers(const Tensor &x, const optional<Tensor> &embed, const Tens
                 "packed weights each; got ", weights.size(), ", ", windows.size(), ", ",
                 packed.size());
     Tensor h = x;
-    if (embed.has_value())
-        h = embedding_rows(x, *embed);
+    if (embed.has_value()) {
+        check_float(*embed, "embed", 2);
+        h = table_rows(x, *embed, "token id", "vocabulary");
+    }
+    const Tensor cos_rows = positions ? table_rows(*positions, cos, "position", "RoPE tables")
+                                      : cos;
+    const Tensor sin_rows = positions ? table_rows(*positions, sin, "position", "RoPE tables")
+                                      : sin;
     for (size_t l = 0; l < layers; l++) {
         optional<Tensor> w[10];
         for (size_t i = 0; i < 10; i++)
@@ -610,8 +622,8 @@ Tensor decoder_layers(const Tensor &x, const optional<Tensor> &embed, const Tens
         for (size_t i = 0; i < packed.size() / layers; i++)
             own.push_back(packed.get(4 * l + i));
         h = decoder_layer(h, residual, first && l == 0, *w[0], *w[1], eps, *w[2], w[3], *w[4],
-                          w[5], *w[6], w[7], *w[8], w[9], heads, windows[l], scale, cos, sin,
-                          kv_caches[l], slots, tables, table_start, ctx_lens, own);
+                          w[5], *w[6], w[7], *w[8], w[9], heads, windows[l], scale, cos_rows,
+                          sin_rows, kv_caches[l], slots, tables, table_start, ctx_lens, own);
     }
     return final_norm.has_value() ? add_rmsnorm(h, residual, *final_norm, eps) : h;
 }
@@ -676,7 +688,8 @@ TORCH_LIBRARY(fleetllm, m)
     m.def("decoder_layers(Tensor x, Tensor? embed, Tensor(a!) residual, bool first, "
           "Tensor?[] weights, float eps, int heads, int[] windows, float scale, Tensor cos, "
           "Tensor sin, Tensor(b!)[] kv_caches, Tensor slots, Tensor tables, Tensor table_start, "
-          "Tensor ctx_lens, Tensor?[] packed, Tensor? final_norm) -> Tensor");
+          "Tensor ctx_lens, Tensor?[] packed, Tensor? final_norm, Tensor? positions=None) "
+          "-> Tensor");
     m.def("argmax(Tensor x) -> Tensor");
     m.def("gemm_pairs(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
     m.def("gemm_pairs_available() -> bool", &fleetllm::gemm_pairs_available);

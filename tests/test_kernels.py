@@ -196,6 +196,37 @@ def test_decoder_layers_embed_the_ids_and_apply_the_final_norm():
 
 
 @needs_kernels
+def test_decoder_layers_look_up_the_rope_rows_of_the_positions():
+    """Given the step's positions, decoder_layers takes RoPE's whole tables and looks the rows
+    up itself (model/fused.py: two index_selects fewer a step): bit for bit the call given the
+    rows, caches included; a position outside the tables is refused, not read."""
+    g = torch.Generator().manual_seed(9)
+    full = (torch.randn(40, 1, 8, generator=g), torch.randn(40, 1, 8, generator=g))
+    positions = torch.tensor([17, 0, 39])
+    rows = tuple(t.index_select(0, positions) for t in full)
+    base = decoder_layer_args(g, *rows)
+    weights = [decoder_layer_args(g, *rows)["weights"] for _ in range(2)]
+    listed = [t for w in weights for t in (*w[:2], *w[3:])]
+    step = [base[k] for k in ("slots", "tables", "table_start", "ctx_lens")]
+    caches = [torch.randn(base["kv_cache"].shape, generator=g) for _ in range(2)]
+
+    def layers(rope, residual, kv_caches, **kw):
+        return cpu_kernels.decoder_layers(base["x"], residual, True, listed, 1e-6,
+                                          base["heads"], [0, 0], base["scale"], *rope,
+                                          kv_caches, *step, [], **kw)
+
+    want_caches, want_res = [c.clone() for c in caches], torch.empty(3, 32)
+    want = layers(rows, want_res, want_caches)
+    got_res = torch.empty(3, 32)
+    got = layers(full, got_res, caches, positions=positions)
+    assert torch.equal(got, want) and torch.equal(got_res, want_res)
+    assert all(torch.equal(a, b) for a, b in zip(caches, want_caches, strict=True))
+    for bad in (40, -1):
+        with pytest.raises(RuntimeError, match=f"position {bad} is outside the RoPE tables"):
+            layers(full, torch.empty(3, 32), caches, positions=torch.tensor([3, bad, 0]))
+
+
+@needs_kernels
 def test_argmax_gives_torchs_indices():
     """The first of equal maxima, the first NaN of a row with one, -inf rows, strided rows,
     rows shorter than a vector and longer, split across threads or not."""

@@ -128,15 +128,15 @@ def applies(x: torch.Tensor, kv_cache: torch.Tensor | None, meta: AttentionMetad
             and cpu_kernels.usable(kv_cache, *(() if x.dtype == torch.long else (x,))))
 
 
-def run_layers(model, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+def run_layers(model, positions: torch.Tensor, x: torch.Tensor,
                residual: torch.Tensor | None, kv_caches: list[torch.Tensor],
                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(output, residual) of the model's layers run in turn, in one C call
     (cpu_kernels.decoder_layers: Python and the dispatcher crossed once a step, not once a
     layer); None when the fused path does not apply (the caller then runs the modules).
     x: the first stage's token ids (int64 [T], embedded in the call) or a later stage's
-    hidden states (with their residual). On the last stage the output is the final norm's
-    (the call applies it too)."""
+    hidden states (with their residual). The call looks the positions' rows of RoPE's tables
+    up itself. On the last stage the output is the final norm's (the call applies it too)."""
     st = _stack(model)
     if st is None or not applies(x, kv_caches[0], meta):
         return None
@@ -158,8 +158,9 @@ def run_layers(model, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
     if len(kv_caches) != len(st.windows):
         kv_caches = kv_caches[:len(st.windows)]  # one a layer, as the modules take them
     dec = meta.decode
+    cos, sin = model.rotary.tables(residual.dtype)
     out = cpu_kernels.decoder_layers(
-        x, residual, first, st.weights, st.eps, st.heads, st.windows, st.scale, rope[0],
-        rope[1], kv_caches, meta.slot_mapping, dec.tables, dec.table_start, dec.ctx_lens,
-        packed, embed=st.embed, final_norm=st.final_norm)
+        x, residual, first, st.weights, st.eps, st.heads, st.windows, st.scale, cos, sin,
+        kv_caches, meta.slot_mapping, dec.tables, dec.table_start, dec.ctx_lens, packed,
+        embed=st.embed, final_norm=st.final_norm, positions=positions)
     return out, residual

@@ -227,11 +227,16 @@ class RotaryEmbedding(nn.Module):
         """The step's tables ([T, 1, d/2] each), looked up once and shared by every layer:
         rows of the tables cast to `dtype` once (the same values as casting the rows; two
         ops a step instead of six)."""
+        cos, sin = self.tables(dtype)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole (cos, sin) tables ([max_position, 1, d/2]) in `dtype`, cast once."""
         cast = self._cast
         if cast is None or cast[0] != dtype:  # (a move drops it: _apply)
             cast = self._cast = (dtype, self.cos.unsqueeze(1).to(dtype),
                                  self.sin.unsqueeze(1).to(dtype))
-        return cast[1].index_select(0, positions), cast[2].index_select(0, positions)
+        return cast[1], cast[2]
 
     def _apply(self, fn, *args, **kwargs):
         self._cast = None  # moved (to, cpu, cuda: sleep level 1): not kept where it was

@@ -165,13 +165,13 @@ class LlamaForCausalLM(nn.Module):
         else:
             x, residual = intermediate
             dtype = x.dtype
-        rope = self.rotary.cos_sin(positions, dtype)
         # The fused layers have no LoRA deltas: a step with adapter rows runs module by module.
-        # They embed the tokens and apply the final norm in the same call.
+        # They embed the tokens, look up RoPE's rows and apply the final norm in the same call.
         if kv_caches is not None and not lora_layers.active():
-            done = fused.run_layers(self, rope, x, residual, kv_caches, meta)
+            done = fused.run_layers(self, positions, x, residual, kv_caches, meta)
             if done is not None:
                 return done if not self.is_last_stage else (done[0], None)
+        rope = self.rotary.cos_sin(positions, dtype)
         hidden = self.embed_tokens(x) if self.is_first_stage else x
         for i, layer in enumerate(self.layers.values()):
             hidden, residual = layer(rope, hidden, residual,
