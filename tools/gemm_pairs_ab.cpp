@@ -69,7 +69,8 @@ int main(int argc, char **argv)
         v = static_cast<uint16_t *>(p);
         for (long i = 0; i < bytes / 2; i++) v[i] = static_cast<uint16_t>(0x3c00 + i % 64);
     }
-    const long maxK = big ? 8192 : 2048, maxN = only ? (big ? 16384 : 4096) : shapes[4][0];
+    // x's widest rows are down's K; y's, gate_up's N (the LM head's if it runs)
+    const long maxK = shapes[3][1], maxN = only ? shapes[2][0] : shapes[4][0];
     auto *x = static_cast<uint16_t *>(std::aligned_alloc(64, M * maxK * 2));
     auto *y = static_cast<uint16_t *>(std::aligned_alloc(64, M * maxN * 2));
     if (x == nullptr || y == nullptr)
