@@ -17,8 +17,15 @@
 // Each output is one lane summed over k's pairs in order (blocks of k go through a float32
 // scratch, the same sums), then the bias, then one rounding: its bits do not depend on how many
 // rows share the call or which group a row falls in.
+// Where the CPU's vdpbf16ps multiplies at under two thirds of its FMAs' rate (measured once a
+// process, pairs_by_fma below: an Intel Xeon with AVX-512 BF16 and no AMX ran it at half, 82
+// against 164 GFLOP/s a core, docs/perf.md item 34), micro_fma makes the same sums with FMAs:
+// a prompt's GEMM 1.7x as fast there, the same bits.
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels.h"
 #include "parallel.h"
@@ -39,7 +46,26 @@ struct GemmCtx {
     bf16 *y;
     int M, N, K;
     long panels, mblocks;
+    bool by_fma;  // micro_fma, not micro (pairs_by_fma)
 };
+
+// A microkernel's sums: into acc for the next block of k, or (last) the outputs.
+template <int R, int B>
+inline void store_sums(const __m512 (&a)[R][B], float *acc, bool last, const bf16 *bias,
+                       bf16 *y, long N, int n)
+{
+    if (!last) {
+        for (int r = 0; r < R; r++)
+            for (int b = 0; b < B; b++) _mm512_store_ps(acc + (r * B + b) * 16, a[r][b]);
+        return;
+    }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) {
+            const int nb = n - 16 * b;
+            if (nb > 0)
+                finish16(a[r][b], bias ? bias + 16 * b : nullptr, y + r * N + 16 * b, nb);
+        }
+}
 
 // R rows of x (K apart) by the first B blocks of 16 outputs of a panel (w: its first pair),
 // pairs [p0, p1) of k. acc: [R][B][16] float32, read unless first; last: the outputs (y: row
@@ -68,32 +94,92 @@ __attribute__((target("avx512bf16"))) void micro(const bf16 *x, long K, const bf
             for (int b = 0; b < B; b++) a[r][b] = _mm512_dpbf16_ps(a[r][b], xv, wv[b]);
         }
     }
-    if (!last) {
-        for (int r = 0; r < R; r++)
-            for (int b = 0; b < B; b++) _mm512_store_ps(acc + (r * B + b) * 16, a[r][b]);
-        return;
-    }
+    store_sums<R, B>(a, acc, last, bias, y, N, n);
+}
+
+// micro's sums by FMAs: vdpbf16ps adds a pair's upper product, then its lower one, each
+// rounded (bf16_pairs.h), and a product of two bf16s is exact in float32, so two FMAs in that
+// order give its bits (but for denormals, which vdpbf16ps reads and writes as zeros). A weight
+// vector's pairs widen in registers, the upper by a mask, the lower by a shift: 2 operations
+// per 16 FMAs of 8 rows; x comes widened (xf: R rows, xs floats apart, from pair p0), each
+// element broadcast from memory by the FMA itself.
+template <int R, int B>
+void micro_fma(const float *xf, long xs, const bf16 *w, int p0, int p1, float *acc, bool first,
+               bool last, const bf16 *bias, bf16 *y, long N, int n)
+{
+    __m512 a[R][B];
     for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++)
+            a[r][b] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + (r * B + b) * 16);
+    const __m512i upper = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const bf16 *wp = w + static_cast<long>(p0) * PAIR;
+    for (int p = 0; p < p1 - p0; p++, wp += PAIR) {
+        for (int b = 0; b < B; b++)
+            _mm_prefetch(reinterpret_cast<const char *>(wp + 32 * b) + AHEAD, _MM_HINT_T0);
+        __m512 hi[B], lo[B];
         for (int b = 0; b < B; b++) {
-            const int nb = n - 16 * b;
-            if (nb > 0)
-                finish16(a[r][b], bias ? bias + 16 * b : nullptr, y + r * N + 16 * b, nb);
+            const __m512i v = _mm512_loadu_si512(wp + 32 * b);
+            hi[b] = _mm512_castsi512_ps(_mm512_and_si512(v, upper));
+            lo[b] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512 xh = _mm512_set1_ps(xf[r * xs + 2 * p + 1]);
+            const __m512 xl = _mm512_set1_ps(xf[r * xs + 2 * p]);
+            for (int b = 0; b < B; b++)
+                a[r][b] = _mm512_fmadd_ps(lo[b], xl, _mm512_fmadd_ps(hi[b], xh, a[r][b]));
+        }
+    }
+    store_sums<R, B>(a, acc, last, bias, y, N, n);
+}
+
+// rows rows of x (K apart), elements [e0, e1), widened to float32 into xf (e1 - e0 apart).
+void widen_rows(const bf16 *x, long K, int rows, int e0, int e1, float *xf)
+{
+    const int m = e1 - e0;
+    for (int r = 0; r < rows; r++)
+        for (int e = 0; e < m; e += 16) {
+            const __mmask16 k = m - e >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (m - e)) - 1);
+            const __m256i h = _mm256_maskz_loadu_epi16(k, x + r * K + e0 + e);
+            _mm512_mask_storeu_ps(xf + static_cast<long>(r) * m + e, k, _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
         }
 }
 
-template <int B>
-void micro_rows(int rows, const bf16 *x, long K, const bf16 *w, int p0, int p1, float *acc,
+// One group's microkernel: micro on x's bf16 rows (xs = K), micro_fma on their widened block.
+template <int R, int B, class X>
+void micro_any(const X *x, long xs, const bf16 *w, int p0, int p1, float *acc, bool first,
+               bool last, const bf16 *bias, bf16 *y, long N, int n)
+{
+    if constexpr (std::is_same_v<X, float>)
+        micro_fma<R, B>(x, xs, w, p0, p1, acc, first, last, bias, y, N, n);
+    else
+        micro<R, B>(x, xs, w, p0, p1, acc, first, last, bias, y, N, n);
+}
+
+template <int B, class X>
+void micro_rows(int rows, const X *x, long xs, const bf16 *w, int p0, int p1, float *acc,
                 bool first, bool last, const bf16 *bias, bf16 *y, long N, int n)
 {
     switch (rows) {
-    case 1: micro<1, B>(x, K, w, p0, p1, acc, first, last, bias, y, N, n); break;
-    case 2: micro<2, B>(x, K, w, p0, p1, acc, first, last, bias, y, N, n); break;
-    case 3: micro<3, B>(x, K, w, p0, p1, acc, first, last, bias, y, N, n); break;
-    case 4: micro<4, B>(x, K, w, p0, p1, acc, first, last, bias, y, N, n); break;
-    case 5: micro<5, B>(x, K, w, p0, p1, acc, first, last, bias, y, N, n); break;
-    case 6: micro<6, B>(x, K, w, p0, p1, acc, first, last, bias, y, N, n); break;
-    case 7: micro<7, B>(x, K, w, p0, p1, acc, first, last, bias, y, N, n); break;
-    default: micro<8, B>(x, K, w, p0, p1, acc, first, last, bias, y, N, n);
+    case 1: micro_any<1, B>(x, xs, w, p0, p1, acc, first, last, bias, y, N, n); break;
+    case 2: micro_any<2, B>(x, xs, w, p0, p1, acc, first, last, bias, y, N, n); break;
+    case 3: micro_any<3, B>(x, xs, w, p0, p1, acc, first, last, bias, y, N, n); break;
+    case 4: micro_any<4, B>(x, xs, w, p0, p1, acc, first, last, bias, y, N, n); break;
+    case 5: micro_any<5, B>(x, xs, w, p0, p1, acc, first, last, bias, y, N, n); break;
+    case 6: micro_any<6, B>(x, xs, w, p0, p1, acc, first, last, bias, y, N, n); break;
+    case 7: micro_any<7, B>(x, xs, w, p0, p1, acc, first, last, bias, y, N, n); break;
+    default: micro_any<8, B>(x, xs, w, p0, p1, acc, first, last, bias, y, N, n);
+    }
+}
+
+template <class X>
+void micro_blocks(int blocks, int rows, const X *x, long xs, const bf16 *w, int p0, int p1,
+                  float *acc, bool first, bool last, const bf16 *bias, bf16 *y, long N, int n)
+{
+    switch (blocks) {
+    case 1: micro_rows<1>(rows, x, xs, w, p0, p1, acc, first, last, bias, y, N, n); break;
+    case 2: micro_rows<2>(rows, x, xs, w, p0, p1, acc, first, last, bias, y, N, n); break;
+    default: micro_rows<3>(rows, x, xs, w, p0, p1, acc, first, last, bias, y, N, n);
     }
 }
 
@@ -105,6 +191,7 @@ void gemm_body(void *arg, long begin, long end, int)
     const int K = c->K, pairs = K / 2;
     const long pstride = static_cast<long>(pairs) * PAIR;  // bf16s per panel
     alignas(64) float acc[MC * NB * 16];
+    alignas(64) float xf[MR * 2 * KC];  // a group's rows of x widened, one block of k (FMAs)
     for (long item = begin; item < end; item++) {
         const int m0 = static_cast<int>(item / c->panels) * MC;
         const long panel = item % c->panels;
@@ -123,19 +210,89 @@ void gemm_body(void *arg, long begin, long end, int)
                 bf16 *y = c->y + static_cast<long>(m0 + r0) * c->N + n0;
                 const bf16 *bias = c->bias ? c->bias + n0 : nullptr;
                 float *a = acc + r0 * NB * 16;
-                switch (blocks) {
-                case 1: micro_rows<1>(rows, x, K, w, p0, p1, a, first, last, bias, y, c->N, n); break;
-                case 2: micro_rows<2>(rows, x, K, w, p0, p1, a, first, last, bias, y, c->N, n); break;
-                default: micro_rows<3>(rows, x, K, w, p0, p1, a, first, last, bias, y, c->N, n);
+                if (c->by_fma) {
+                    widen_rows(x, K, rows, 2 * p0, 2 * p1, xf);
+                    micro_blocks(blocks, rows, xf, 2L * (p1 - p0), w, p0, p1, a, first, last,
+                                 bias, y, c->N, n);
+                } else {
+                    micro_blocks(blocks, rows, x, K, w, p0, p1, a, first, last, bias, y, c->N,
+                                 n);
                 }
                 r0 += rows;
             }
         }
     }
 }
+
+// Seconds for `iters` rounds of 12 independent sums, 32 multiply-adds each: by vdpbf16ps (one
+// instruction a sum) or by FMAs (two). The best of a few rounds each; the result goes to a
+// volatile so that the loops stay.
+volatile float rate_sink;
+
+void keep(const __m512 (&a)[12])
+{
+    __m512 s = a[0];
+    for (int j = 1; j < 12; j++) s = _mm512_add_ps(s, a[j]);
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, s);
+    rate_sink = lanes[0];
+}
+
+__attribute__((target("avx512bf16"))) double dot_seconds(int iters)
+{
+    __m512 a[12];
+    for (auto &v : a) v = _mm512_setzero_ps();
+    const __m512bh w = (__m512bh)_mm512_set1_epi32(0x3F803F80);  // (1, 1)
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; i++)
+        for (auto &v : a) v = _mm512_dpbf16_ps(v, w, w);
+    const auto t1 = std::chrono::steady_clock::now();
+    keep(a);
+    return std::chrono::duration<double>(t1 - t0).count();
+}
+
+double fma_seconds(int iters)
+{
+    __m512 a[12];
+    for (auto &v : a) v = _mm512_setzero_ps();
+    const __m512 w = _mm512_set1_ps(1.0f);
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; i++)
+        for (auto &v : a) v = _mm512_fmadd_ps(w, w, _mm512_fmadd_ps(w, w, v));
+    const auto t1 = std::chrono::steady_clock::now();
+    keep(a);
+    return std::chrono::duration<double>(t1 - t0).count();
+}
+
 #endif
 
 }  // namespace
+
+// Whether gemm_pairs sums by FMAs: FLEETLLM_CPU_BF16_PAIRS=fma or =dot, else measured (~2 ms,
+// once a process): FMAs where vdpbf16ps takes over 1.5x their time for the same products
+// (2.0x on the Intel Xeon of item 34, 0.5x on Zen 4 and Zen 5). Either gives the same bits, so
+// a noisy measurement costs speed only, never reproducibility.
+bool pairs_by_fma()
+{
+#if defined(__AVX512F__)
+    static const bool by_fma = [] {
+        const char *v = std::getenv("FLEETLLM_CPU_BF16_PAIRS");
+        if (v && std::strcmp(v, "fma") == 0)
+            return true;
+        if (!bf16_dot || (v && std::strcmp(v, "dot") == 0))
+            return false;
+        double dot = 1e9, fma = 1e9;
+        for (int round = 0; round < 4; round++) {  // the first warms the vector units up
+            dot = std::min(dot, dot_seconds(20000));
+            fma = std::min(fma, fma_seconds(20000));
+        }
+        return dot > 1.5 * fma;
+    }();
+    return by_fma;
+#else
+    return false;
+#endif
+}
 
 bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M, int N, int K,
                 int nthreads)
@@ -144,7 +301,7 @@ bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M,
     if (!bf16_dot || K % 2 != 0)
         return false;
     GemmCtx c{x, wp, bias, y, M, N, K, (N + PAIR_PANEL - 1) / PAIR_PANEL,
-              (M + MC - 1) / MC};
+              (M + MC - 1) / MC, pairs_by_fma()};
     const long items = c.panels * c.mblocks;
     // Runs of items per thread: each thread reads one run of panels after another in order.
     // A decode batch's GEMM streams its weights (4 runs a thread); a prompt's is compute bound,

@@ -124,6 +124,8 @@ constexpr int PAIR_PANEL = 48;
 // AVX-512 BF16; false (nothing done) where the CPU lacks it or K is odd.
 bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M, int N, int K,
                 int nthreads);
+// Whether gemm_pairs makes its sums with FMAs instead of vdpbf16ps (the same bits; gemm.cpp).
+bool pairs_by_fma();
 
 // y = x @ w^T (+ bias) on AMX tiles from w packed for them ([N/32][K/32][2][16][32], see
 // model/amx_packed.py; gemm_amx.cpp), N and K multiples of 32; false (nothing done) where the

@@ -727,6 +727,45 @@ def test_gemm_on_weights_packed_by_pairs_sums_each_output_in_one_order():
                                torch.zeros(1, 2, 16, 2, dtype=torch.bfloat16), None, 17)
 
 
+_PAIRS_CASES = """
+import random, sys, torch
+from fleetllm.attention import cpu_kernels
+from fleetllm.model import pair_packed
+assert cpu_kernels.available()
+rng, g = random.Random(6), torch.Generator().manual_seed(6)
+cases = []
+for case in range(16):
+    m, n = rng.choice([1, 3, 8, 9, 64, 71, 300]), rng.choice([1, 17, 48, 95, 130])
+    k = rng.choice([2, 250, 1030, 2100])
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if case % 2 else None
+    cases.append((x, w, bias, pair_packed.matmul(x, pair_packed.pack(w), bias)))
+torch.save({"cases": cases, "build_info": cpu_kernels.build_info()}, sys.argv[1])
+"""
+
+
+@needs_kernels
+@not_under_sanitizer
+@pytest.mark.parametrize("mode", ["fma", "dot"])
+def test_gemm_by_pairs_gives_the_same_bits_by_fmas_or_by_vdpbf16ps(mode, tmp_path):
+    """gemm_pairs makes its sums by vdpbf16ps or, where that runs at under two thirds of the
+    FMAs' rate (an Intel Xeon without AMX: half), by FMAs on the pairs widened in registers
+    (FLEETLLM_CPU_BF16_PAIRS=fma | dot; unset, measured once a process). Both give every output
+    the reference's bits (the upper product, then the lower, each rounded), so which one a
+    process picks never changes a token: random shapes of 1-300 rows, partial panels, k of up
+    to 2,100 (five blocks), with and without a bias."""
+    if not cpu_kernels.gemm_pairs_available():
+        pytest.skip("this CPU has no AVX-512 BF16")
+    out = tmp_path / f"{mode}.pt"
+    python(f"import sys; sys.argv = ['', {str(out)!r}]; exec({_PAIRS_CASES!r})",
+           env={"FLEETLLM_CPU_BF16_PAIRS": mode})
+    run = torch.load(out)
+    assert ("(gemm by fma)" in run["build_info"]) == (mode == "fma"), run["build_info"]
+    for x, w, bias, got in run["cases"]:
+        assert torch.equal(got, _pairs_reference(x, w, bias)), (x.shape, w.shape)
+
+
 @needs_kernels
 def test_gemm_on_amx_tiles_is_the_product_and_independent_of_the_batch():
     """The bf16 GEMM on AMX tiles (model/amx_packed.py, csrc/gemm_amx.cpp: 32 outputs by up to
