@@ -20,7 +20,8 @@
 // Where the CPU's vdpbf16ps multiplies at under two thirds of its FMAs' rate (measured once a
 // process, pairs_by_fma below: an Intel Xeon with AVX-512 BF16 and no AMX ran it at half, 82
 // against 164 GFLOP/s a core, docs/perf.md item 34), micro_fma makes the same sums with FMAs:
-// a prompt's GEMM 1.7x as fast there, the same bits.
+// a prompt's GEMM 1.4-1.5x as fast there, the same bits (prompt attention then takes its
+// float32 loops: prefill_attention.cpp).
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>

@@ -124,7 +124,9 @@ constexpr int PAIR_PANEL = 48;
 // AVX-512 BF16; false (nothing done) where the CPU lacks it or K is odd.
 bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M, int N, int K,
                 int nthreads);
-// Whether gemm_pairs makes its sums with FMAs instead of vdpbf16ps (the same bits; gemm.cpp).
+// Whether the compute-bound bf16 kernels (gemm_pairs, prompt attention) make their sums of bf16
+// pairs with FMAs rather than vdpbf16ps, which some CPUs run at half their FMAs' rate (the same
+// bits; gemm.cpp).
 bool pairs_by_fma();
 
 // y = x @ w^T (+ bias) on AMX tiles from w packed for them ([N/32][K/32][2][16][32], see

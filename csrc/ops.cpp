@@ -659,7 +659,7 @@ std::string build_info()
     s += " fma";
 #endif
     if (kernels::bf16_dot)
-        s += kernels::pairs_by_fma() ? " avx512bf16 (gemm by fma)" : " avx512bf16";
+        s += kernels::pairs_by_fma() ? " avx512bf16 (pairs by fma)" : " avx512bf16";
 #if defined(__SANITIZE_ADDRESS__)
     s += "; sanitize: address,undefined";
 #endif

@@ -13,7 +13,8 @@
 // tail, the numerators rounded to bfloat16 for a bf16 model, the sum divided at the end), the
 // queries' P . V sums in registers while each value row is read. A bf16 model with a bf16
 // cache, on CPUs with AVX-512 BF16, runs both products by bf16 pairs (bf16_pairs.h: the same
-// bits, two elements per instruction; 1.3-1.5x the kernel's speed here), and where the CPU
+// bits, two elements per instruction; 1.3-1.5x the kernel's speed here; not where that
+// instruction is slow, see by_pairs), and where the CPU
 // has AMX both products run on its tiles (attention_amx.h: the values repacked by pairs of
 // positions as the keys' transposition reaches them, all of a tile's queries' P . V per
 // chunk in one pass; 1.3-2.4x the pairs' speed on an AMX Xeon, in the tiles' own order of
@@ -74,11 +75,14 @@ void prefill_body(void *arg, long begin, long end, int tid)
     bool by_amx = false;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     constexpr bool pair_types = std::is_same_v<T, bf16> && std::is_same_v<C, bf16>;
-    const bool by_pairs = pair_types && bf16_dot && (D == 64 || D == 128);
-    uint32_t *kt2 = reinterpret_cast<uint32_t *>(kt), *q2 = reinterpret_cast<uint32_t *>(qf);
+    const bool pairs_fit = pair_types && bf16_dot && (D == 64 || D == 128);
     // On AMX tiles (attention_amx.h): the values by pairs of positions into vt2, P in bf16
-    // into pb.
-    by_amx = by_pairs && amx_available();
+    // into pb. Not by vdpbf16ps where it runs at under two thirds of the FMAs' rate
+    // (pairs_by_fma, gemm.cpp): the float32 loops give its bits, at 0.65-0.8x its time on
+    // the Intel Xeon of docs/perf.md item 34 (256-700 tokens).
+    by_amx = pairs_fit && amx_available();
+    const bool by_pairs = by_amx || (pairs_fit && !pairs_by_fma());
+    uint32_t *kt2 = reinterpret_cast<uint32_t *>(kt), *q2 = reinterpret_cast<uint32_t *>(qf);
     uint32_t *vt2 = reinterpret_cast<uint32_t *>(run_sum + nqmax);
     uint16_t *pb = reinterpret_cast<uint16_t *>(vt2 + (c->maxctx + 32L) / 2 * D);
     amx::TileConfig tiles;

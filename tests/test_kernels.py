@@ -413,9 +413,11 @@ def test_bf16_dot_products_and_the_loops_they_replace_agree(tmp_path):
     AVX-512 CPUs without it (Ice Lake), here with FLEETLLM_CPU_BF16_DOT=0: attention gives the
     same bits either way (the pairs are summed in the loops' order), the GEMV the same values
     to bf16 rounding. (AMX off in both: on the tiles prompt attention sums in their order, see
-    the next test.)"""
+    the next test; vdpbf16ps asked for, FLEETLLM_CPU_BF16_PAIRS=dot, where it is slow and prompt
+    attention would take the loops.)"""
     runs = {flag: _bf16_outputs(tmp_path, f"dot{flag}", {"FLEETLLM_CPU_BF16_DOT": flag,
-                                                         "FLEETLLM_CPU_AMX": "0"})
+                                                         "FLEETLLM_CPU_AMX": "0",
+                                                         "FLEETLLM_CPU_BF16_PAIRS": "dot"})
             for flag in ("1", "0")}
     assert "avx512bf16" not in runs["0"]["build_info"]
     if "avx512bf16" not in runs["1"]["build_info"]:
@@ -754,14 +756,16 @@ def test_gemm_by_pairs_gives_the_same_bits_by_fmas_or_by_vdpbf16ps(mode, tmp_pat
     (FLEETLLM_CPU_BF16_PAIRS=fma | dot; unset, measured once a process). Both give every output
     the reference's bits (the upper product, then the lower, each rounded), so which one a
     process picks never changes a token: random shapes of 1-300 rows, partial panels, k of up
-    to 2,100 (five blocks), with and without a bias."""
+    to 2,100 (five blocks), with and without a bias. (Prompt attention takes its float32 loops
+    in the fma mode: test_bf16_dot_products_and_the_loops_they_replace_agree holds their bits
+    to vdpbf16ps's.)"""
     if not cpu_kernels.gemm_pairs_available():
         pytest.skip("this CPU has no AVX-512 BF16")
     out = tmp_path / f"{mode}.pt"
     python(f"import sys; sys.argv = ['', {str(out)!r}]; exec({_PAIRS_CASES!r})",
            env={"FLEETLLM_CPU_BF16_PAIRS": mode})
     run = torch.load(out)
-    assert ("(gemm by fma)" in run["build_info"]) == (mode == "fma"), run["build_info"]
+    assert ("(pairs by fma)" in run["build_info"]) == (mode == "fma"), run["build_info"]
     for x, w, bias, got in run["cases"]:
         assert torch.equal(got, _pairs_reference(x, w, bias)), (x.shape, w.shape)
 
