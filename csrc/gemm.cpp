@@ -102,8 +102,9 @@ __attribute__((target("avx512bf16"))) void micro(const bf16 *x, long K, const bf
 // rounded (bf16_pairs.h), and a product of two bf16s is exact in float32, so two FMAs in that
 // order give its bits (but for denormals, which vdpbf16ps reads and writes as zeros). A weight
 // vector's pairs widen in registers, the upper by a mask, the lower by a shift: 2 operations
-// per 16 FMAs of 8 rows; x comes widened (xf: R rows, xs floats apart, from pair p0), each
-// element broadcast from memory by the FMA itself.
+// per 16 FMAs of 8 rows; x comes widened (xf: R rows, xs floats apart, from pair p0), a row's
+// pair broadcast once for the B blocks. (The blocks' loop outside the rows' let GCC hoist all
+// 16 broadcasts and spill the sums: 0.75-0.79x the time of vdpbf16ps at 1,024 rows, not 0.70.)
 template <int R, int B>
 void micro_fma(const float *xf, long xs, const bf16 *w, int p0, int p1, float *acc, bool first,
                bool last, const bf16 *bias, bf16 *y, long N, int n)
@@ -139,7 +140,8 @@ void widen_rows(const bf16 *x, long K, int rows, int e0, int e1, float *xf)
     const int m = e1 - e0;
     for (int r = 0; r < rows; r++)
         for (int e = 0; e < m; e += 16) {
-            const __mmask16 k = m - e >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (m - e)) - 1);
+            const __mmask16 k =
+                m - e >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (m - e)) - 1);
             const __m256i h = _mm256_maskz_loadu_epi16(k, x + r * K + e0 + e);
             _mm512_mask_storeu_ps(xf + static_cast<long>(r) * m + e, k, _mm512_castsi512_ps(
                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
