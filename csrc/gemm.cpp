@@ -228,8 +228,7 @@ void gemm_body(void *arg, long begin, long end, int)
 }
 
 // Seconds for `iters` rounds of 12 independent sums, 32 multiply-adds each: by vdpbf16ps (one
-// instruction a sum) or by FMAs (two). The best of a few rounds each; the result goes to a
-// volatile so that the loops stay.
+// instruction a sum) or by FMAs (two). The sums go to a volatile so that the loops stay.
 volatile float rate_sink;
 
 void keep(const __m512 (&a)[12])
@@ -249,8 +248,8 @@ __attribute__((target("avx512bf16"))) double dot_seconds(int iters)
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < iters; i++)
         for (auto &v : a) v = _mm512_dpbf16_ps(v, w, w);
+    keep(a);  // before the clock: the sums' volatile store keeps the loop in front of it
     const auto t1 = std::chrono::steady_clock::now();
-    keep(a);
     return std::chrono::duration<double>(t1 - t0).count();
 }
 
@@ -262,8 +261,8 @@ double fma_seconds(int iters)
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < iters; i++)
         for (auto &v : a) v = _mm512_fmadd_ps(w, w, _mm512_fmadd_ps(w, w, v));
+    keep(a);  // before the clock: the sums' volatile store keeps the loop in front of it
     const auto t1 = std::chrono::steady_clock::now();
-    keep(a);
     return std::chrono::duration<double>(t1 - t0).count();
 }
 
@@ -280,10 +279,10 @@ bool pairs_by_fma()
 #if defined(__AVX512F__)
     static const bool by_fma = [] {
         const char *v = std::getenv("FLEETLLM_CPU_BF16_PAIRS");
-        if (v && std::strcmp(v, "fma") == 0)
-            return true;
         if (!bf16_dot || (v && std::strcmp(v, "dot") == 0))
             return false;
+        if (v && std::strcmp(v, "fma") == 0)
+            return true;
         double dot = 1e9, fma = 1e9;
         for (int round = 0; round < 4; round++) {  // the first warms the vector units up
             dot = std::min(dot, dot_seconds(20000));
