@@ -756,7 +756,7 @@ def test_gemm_by_pairs_gives_the_same_bits_by_fmas_or_by_vdpbf16ps(mode, tmp_pat
     (FLEETLLM_CPU_BF16_PAIRS=fma | dot; unset, measured once a process). Both give every output
     the reference's bits (the upper product, then the lower, each rounded), so which one a
     process picks never changes a token: random shapes of 1-300 rows, partial panels, k of up
-    to 2,100 (five blocks), with and without a bias. (Prompt attention takes its float32 loops
+    to 2,100 (three blocks of k), with and without a bias. (Prompt attention takes its float32 loops
     in the fma mode: test_bf16_dot_products_and_the_loops_they_replace_agree holds their bits
     to vdpbf16ps's.)"""
     if not cpu_kernels.gemm_pairs_available():
