@@ -586,15 +586,15 @@ Tensor table_rows(const Tensor &ids, const Tensor &table, const char *id, const 
 // with `final_norm` the output is the model's final norm of (output + residual), as
 // add_rmsnorm computes it. Both spare a step a Python module call and a dispatcher crossing
 // that ran cold after the weights streamed by (~70 us each at batch 1: docs/perf.md, item 27).
-// With `positions` (int64 [T]) cos and sin are the whole RoPE tables ([positions, (1,) d/2])
-// and the step's rows are looked up here: two index_selects fewer a step (item 33).
+// cos and sin are the whole RoPE tables ([positions, (1,) d/2]) and the rows of the step's
+// `positions` (int64 [T]) are looked up here: two index_selects fewer a step (item 33).
 Tensor decoder_layers(const Tensor &x, const optional<Tensor> &embed, const Tensor &residual,
                       bool first, const c10::List<optional<Tensor>> &weights, double eps,
                       int64_t heads, c10::IntArrayRef windows, double scale, const Tensor &cos,
                       const Tensor &sin, const std::vector<Tensor> &kv_caches,
                       const Tensor &slots, const Tensor &tables, const Tensor &table_start,
                       const Tensor &ctx_lens, const c10::List<optional<Tensor>> &packed,
-                      const optional<Tensor> &final_norm, const optional<Tensor> &positions)
+                      const optional<Tensor> &final_norm, const Tensor &positions)
 {
     const size_t layers = kv_caches.size();
     TORCH_CHECK(layers > 0 && weights.size() == 10 * layers && windows.size() == layers &&
@@ -607,10 +607,8 @@ Tensor decoder_layers(const Tensor &x, const optional<Tensor> &embed, const Tens
         check_float(*embed, "embed", 2);
         h = table_rows(x, *embed, "token id", "vocabulary");
     }
-    const Tensor cos_rows = positions ? table_rows(*positions, cos, "position", "RoPE tables")
-                                      : cos;
-    const Tensor sin_rows = positions ? table_rows(*positions, sin, "position", "RoPE tables")
-                                      : sin;
+    const Tensor cos_rows = table_rows(positions, cos, "position", "RoPE tables");
+    const Tensor sin_rows = table_rows(positions, sin, "position", "RoPE tables");
     for (size_t l = 0; l < layers; l++) {
         optional<Tensor> w[10];
         for (size_t i = 0; i < 10; i++)
@@ -688,8 +686,7 @@ TORCH_LIBRARY(fleetllm, m)
     m.def("decoder_layers(Tensor x, Tensor? embed, Tensor(a!) residual, bool first, "
           "Tensor?[] weights, float eps, int heads, int[] windows, float scale, Tensor cos, "
           "Tensor sin, Tensor(b!)[] kv_caches, Tensor slots, Tensor tables, Tensor table_start, "
-          "Tensor ctx_lens, Tensor?[] packed, Tensor? final_norm, Tensor? positions=None) "
-          "-> Tensor");
+          "Tensor ctx_lens, Tensor?[] packed, Tensor? final_norm, Tensor positions) -> Tensor");
     m.def("argmax(Tensor x) -> Tensor");
     m.def("gemm_pairs(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
     m.def("gemm_pairs_available() -> bool", &fleetllm::gemm_pairs_available);

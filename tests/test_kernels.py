@@ -139,7 +139,8 @@ def test_decoder_layers_are_decoder_layer_in_turn():
 
     def layers(residual, first, kv_caches, given=listed, windows=windows):
         return cpu_kernels.decoder_layers(base["x"], residual, first, given, 1e-6, base["heads"],
-                                          windows, base["scale"], *rope, kv_caches, *step, [])
+                                          windows, base["scale"], *rope, kv_caches, *step, [],
+                                          positions=torch.arange(3))
 
     for first in (True, False):
         residual = torch.randn(base["x"].shape, generator=g)
@@ -180,7 +181,8 @@ def test_decoder_layers_embed_the_ids_and_apply_the_final_norm():
 
     def layers(x, residual, caches, **kw):
         return cpu_kernels.decoder_layers(x, residual, True, listed, 1e-6, base["heads"], [0, 0],
-                                          base["scale"], *rope, caches, *step, [], **kw)
+                                          base["scale"], *rope, caches, *step, [],
+                                          positions=torch.arange(3), **kw)
 
     caches = [torch.randn(base["kv_cache"].shape, generator=g) for _ in range(2)]
     want_caches, want_res = [c.clone() for c in caches], torch.empty(3, 32)
@@ -197,9 +199,10 @@ def test_decoder_layers_embed_the_ids_and_apply_the_final_norm():
 
 @needs_kernels
 def test_decoder_layers_look_up_the_rope_rows_of_the_positions():
-    """Given the step's positions, decoder_layers takes RoPE's whole tables and looks the rows
-    up itself (model/fused.py: two index_selects fewer a step): bit for bit the call given the
-    rows, caches included; a position outside the tables is refused, not read."""
+    """decoder_layers takes RoPE's whole tables and looks the rows of the step's positions up
+    itself (model/fused.py: two index_selects fewer a step): bit for bit decoder_layer given
+    the rows, layer after layer, caches included; a position outside the tables is refused,
+    not read."""
     g = torch.Generator().manual_seed(9)
     full = (torch.randn(40, 1, 8, generator=g), torch.randn(40, 1, 8, generator=g))
     positions = torch.tensor([17, 0, 39])
@@ -210,20 +213,22 @@ def test_decoder_layers_look_up_the_rope_rows_of_the_positions():
     step = [base[k] for k in ("slots", "tables", "table_start", "ctx_lens")]
     caches = [torch.randn(base["kv_cache"].shape, generator=g) for _ in range(2)]
 
-    def layers(rope, residual, kv_caches, **kw):
+    def layers(residual, kv_caches, positions):
         return cpu_kernels.decoder_layers(base["x"], residual, True, listed, 1e-6,
-                                          base["heads"], [0, 0], base["scale"], *rope,
-                                          kv_caches, *step, [], **kw)
+                                          base["heads"], [0, 0], base["scale"], *full,
+                                          kv_caches, *step, [], positions=positions)
 
-    want_caches, want_res = [c.clone() for c in caches], torch.empty(3, 32)
-    want = layers(rows, want_res, want_caches)
+    want_caches, want_res, want = [c.clone() for c in caches], torch.empty(3, 32), base["x"]
+    for i, w in enumerate(weights):
+        want = cpu_kernels.decoder_layer(want, want_res, i == 0, w, base["heads"], 0,
+                                         base["scale"], *rows, want_caches[i], *step)
     got_res = torch.empty(3, 32)
-    got = layers(full, got_res, caches, positions=positions)
+    got = layers(got_res, caches, positions)
     assert torch.equal(got, want) and torch.equal(got_res, want_res)
     assert all(torch.equal(a, b) for a, b in zip(caches, want_caches, strict=True))
     for bad in (40, -1):
         with pytest.raises(RuntimeError, match=f"position {bad} is outside the RoPE tables"):
-            layers(full, torch.empty(3, 32), caches, positions=torch.tensor([3, bad, 0]))
+            layers(torch.empty(3, 32), caches, torch.tensor([3, bad, 0]))
 
 
 @needs_kernels

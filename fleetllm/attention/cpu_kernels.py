@@ -177,15 +177,14 @@ def decoder_layers(x: torch.Tensor, residual: torch.Tensor, first: bool, weights
                    eps: float, heads: int, windows: list[int], scale: float, cos: torch.Tensor,
                    sin: torch.Tensor, kv_caches: list[torch.Tensor], slots: torch.Tensor,
                    tables: torch.Tensor, table_start: torch.Tensor, ctx_lens: torch.Tensor,
-                   packed: list, embed: torch.Tensor | None = None,
-                   final_norm: torch.Tensor | None = None,
-                   positions: torch.Tensor | None = None) -> torch.Tensor:
+                   packed: list, *, positions: torch.Tensor, embed: torch.Tensor | None = None,
+                   final_norm: torch.Tensor | None = None) -> torch.Tensor:
     """decoder_layer for each of a step's layers in turn, in one call. weights: 10 a layer
     (decoder_layer's, less eps); windows and kv_caches: one a layer; packed: empty or 4 a
     layer. residual is updated in place (first: set by the first layer). With embed ([V, H]),
     x is the step's token ids (int64 [T]) and the input their rows of embed; with final_norm
-    ([H]) the result is add_rmsnorm(output, residual, final_norm, eps); with positions (int64
-    [T]), cos and sin are the whole RoPE tables and the call takes the step's rows of them."""
+    ([H]) the result is add_rmsnorm(output, residual, final_norm, eps). cos and sin are the
+    whole RoPE tables; the call takes the rows of the step's positions (int64 [T])."""
     return _ops.decoder_layers(x, embed, residual, first, weights, eps, heads, windows, scale,
                                cos, sin, kv_caches, slots, tables, table_start, ctx_lens,
                                packed, final_norm, positions)
