@@ -1,6 +1,6 @@
-// The bf16 GEMM of decode batches past the GEMV's rows and of prompts, on CPUs with AVX-512
-// BF16: y = x . w^T (+ bias) from a weight packed by pairs (pack in
-// fleetllm/model/pair_packed.py): [ceil(N/48)][K/2][48][2], so that one 64-byte vector holds 16
+// The bf16 GEMM of decode batches and prompts on CPUs with AVX-512: y = x . w^T (+ bias) from
+// a weight packed by pairs (pack in fleetllm/model/pair_packed.py):
+// [ceil(N/48)][K/2][48][2], so that one 64-byte vector holds 16
 // outputs' weights for one pair of k, and a row of x's pair broadcast to the 16 lanes feeds one
 // vdpbf16ps for 16 outputs. A microkernel of up to 8 rows of x by 48 outputs (a panel) keeps 24
 // sums in registers and reads 3 weight vectors and 8 broadcast pairs per 24 dot products, where
@@ -21,7 +21,9 @@
 // process, pairs_by_fma below: an Intel Xeon with AVX-512 BF16 and no AMX ran it at half, 82
 // against 164 GFLOP/s a core, docs/perf.md item 34), micro_fma makes the same sums with FMAs:
 // a prompt's GEMM 1.4-1.5x as fast there, the same bits (prompt attention then takes its
-// float32 loops: prefill_attention.cpp).
+// float32 loops: prefill_attention.cpp). CPUs without AVX-512 BF16 (Ice Lake, Cascade Lake) run
+// micro_fma always: there oneDNN's bf16 matmul, with no bf16 instruction either, ran a prompt's
+// projections at 60 GFLOP/s against micro_fma's 203 on a 2-core Ice Lake Xeon (item 35).
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -278,8 +280,10 @@ bool pairs_by_fma()
 {
 #if defined(__AVX512F__)
     static const bool by_fma = [] {
+        if (!bf16_dot)  // no vdpbf16ps (Ice Lake, Cascade Lake, FLEETLLM_CPU_BF16_DOT=0)
+            return true;
         const char *v = std::getenv("FLEETLLM_CPU_BF16_PAIRS");
-        if (!bf16_dot || (v && std::strcmp(v, "dot") == 0))
+        if (v && std::strcmp(v, "dot") == 0)
             return false;
         if (v && std::strcmp(v, "fma") == 0)
             return true;
@@ -300,7 +304,7 @@ bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M,
                 int nthreads)
 {
 #if defined(__AVX512F__)
-    if (!bf16_dot || K % 2 != 0)
+    if (K % 2 != 0)
         return false;
     GemmCtx c{x, wp, bias, y, M, N, K, (N + PAIR_PANEL - 1) / PAIR_PANEL,
               (M + MC - 1) / MC, pairs_by_fma()};

@@ -120,13 +120,13 @@ void gemv(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, floa
 // Outputs per panel of a weight packed by pairs (model/pair_packed.py, PANEL).
 constexpr int PAIR_PANEL = 48;
 
-// y = x @ w^T (+ bias) from w packed by pairs ([ceil(N/48)][K/2][48][2], gemm.cpp) with
-// AVX-512 BF16; false (nothing done) where the CPU lacks it or K is odd.
+// y = x @ w^T (+ bias) from w packed by pairs ([ceil(N/48)][K/2][48][2], gemm.cpp) on any
+// AVX-512 CPU; false (nothing done) in the builds without AVX-512 or where K is odd.
 bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M, int N, int K,
                 int nthreads);
 // Whether the compute-bound bf16 kernels (gemm_pairs, prompt attention) make their sums of bf16
-// pairs with FMAs rather than vdpbf16ps, which some CPUs run at half their FMAs' rate (the same
-// bits; gemm.cpp).
+// pairs with FMAs rather than vdpbf16ps: CPUs without AVX-512 BF16, and those that run it at
+// half their FMAs' rate (the same bits; gemm.cpp).
 bool pairs_by_fma();
 
 // y = x @ w^T (+ bias) on AMX tiles from w packed for them ([N/32][K/32][2][16][32], see

@@ -370,11 +370,19 @@ Tensor gemm_pairs(const Tensor &x, const Tensor &packed, const optional<Tensor> 
 {
     TORCH_CHECK(x.dim() != 2 || (x.size(1) % 2 == 0 && n > 0), "gemm_pairs: in_features must "
                 "be even and out_features positive, got ", x.size(-1), " and ", n);
-    return packed_gemm("gemm_pairs", "AVX-512 BF16 (kernels.gemm_pairs_available())", x, packed,
+    return packed_gemm("gemm_pairs", "AVX-512 (kernels.gemm_pairs_available())", x, packed,
                        bias, n, check_pair_packed, kernels::gemm_pairs);
 }
 
-bool gemm_pairs_available() { return kernels::bf16_dot; }
+// Every AVX-512 build: by vdpbf16ps or by FMAs (kernels::pairs_by_fma).
+bool gemm_pairs_available()
+{
+#if defined(__AVX512F__)
+    return true;
+#else
+    return false;
+#endif
+}
 
 Tensor gemm_amx(const Tensor &x, const Tensor &packed, const optional<Tensor> &bias, int64_t n)
 {
@@ -657,7 +665,9 @@ std::string build_info()
     s += " fma";
 #endif
     if (kernels::bf16_dot)
-        s += kernels::pairs_by_fma() ? " avx512bf16 (pairs by fma)" : " avx512bf16";
+        s += " avx512bf16";
+    if (kernels::pairs_by_fma())
+        s += " (pairs by fma)";
 #if defined(__SANITIZE_ADDRESS__)
     s += "; sanitize: address,undefined";
 #endif

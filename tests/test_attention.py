@@ -308,7 +308,7 @@ def test_fused_layers_beside_onednn_on_amx_give_the_modules_bits(tiny_models, mo
     from fleetllm.model import amx_packed, pair_packed
 
     if not cpu_kernels.gemm_pairs_available():
-        pytest.skip("no AVX-512 BF16: no copies by pairs")
+        pytest.skip("no AVX-512: no copies by pairs")
     if small_kind == "amx" and not cpu_kernels.amx_available():
         pytest.skip("no AMX tiles on this CPU")
     if small_kind == "pairs":

@@ -443,7 +443,7 @@ def test_bf16_projections_are_packed_on_every_cpu(onednn_bf16, tiny_models, tmp_
             return reorder(weight, *args)
 
         monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
-        # such a CPU (AVX2) has no AVX-512 BF16 either: no pair packing (pair_packed.py)
+        # such a CPU (AVX2) has no AVX-512 either: no pair packing (pair_packed.py)
         monkeypatch.setattr(pair_packed, "applies", lambda weight: False)
     elif not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         pytest.skip("this CPU has no oneDNN bf16 packing")
@@ -480,7 +480,7 @@ def test_bf16_decode_steps_of_up_to_16_take_the_kernel_without_bf16_packing(
         return reorder(weight, *args)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
-    monkeypatch.setattr(pair_packed, "applies", lambda weight: False)  # AVX2: no AVX-512 BF16
+    monkeypatch.setattr(pair_packed, "applies", lambda weight: False)  # AVX2: no AVX-512
     seen = {"layer": 0, "head": 0}
     run_layers, gemv = fused.run_layers, cpu_kernels.gemv
 
@@ -528,7 +528,7 @@ def test_with_amx_bf16_projections_keep_onednn_and_a_copy_for_small_batches(
     from fleetllm.model import amx_packed, layers
 
     if not cpu_kernels.gemm_pairs_available():
-        pytest.skip("no AVX-512 BF16: no copies by pairs")
+        pytest.skip("no AVX-512: no copies by pairs")
     if small_kind == "amx" and not cpu_kernels.amx_available():
         pytest.skip("no AMX tiles on this CPU")
     if small_kind == "pairs":

@@ -187,7 +187,7 @@ def test_weights_packed_by_pairs_share_one_huge_page_mapping(monkeypatch):
     from fleetllm.model import layers, pair_packed
 
     if not cpu_kernels.gemm_pairs_available():
-        pytest.skip("this CPU has no AVX-512 BF16: no packing by pairs")
+        pytest.skip("this CPU has no AVX-512: no packing by pairs")
     monkeypatch.delenv("FLEETLLM_HUGE_PAGES", raising=False)
     g = torch.Generator().manual_seed(0)
 

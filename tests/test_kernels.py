@@ -656,7 +656,7 @@ def test_an_ab_tool_builds_two_trees_and_times_them_in_turn(ab_tools, tool, sour
     evict a small batch's K/V, on other heads (Qwen2-0.5B's); gemm_pairs_ab also on a layer of
     Llama-1B's shapes at more rows than a decode step's (a prompt's)."""
     if not cpu_kernels.gemm_pairs_available():
-        pytest.skip("this CPU has no AVX-512 BF16")
+        pytest.skip("this CPU has no AVX-512")
     exe = ab_tools.get(tool)
     if exe is None:  # built once per tool for the cases that run it
         flags = [*kernel_build.COMMON_FLAGS, *kernel_build.ISA_FLAGS["avx512"]]  # the kernels'
@@ -705,7 +705,7 @@ def test_gemm_on_weights_packed_by_pairs_sums_each_output_in_one_order():
     from fleetllm.model import pair_packed
 
     if not cpu_kernels.gemm_pairs_available():
-        pytest.skip("this CPU has no AVX-512 BF16")
+        pytest.skip("this CPU has no AVX-512")
     rng = random.Random(5)
     g = torch.Generator().manual_seed(5)
     for case in range(24):
@@ -754,23 +754,29 @@ torch.save({"cases": cases, "build_info": cpu_kernels.build_info()}, sys.argv[1]
 
 @needs_kernels
 @not_under_sanitizer
-@pytest.mark.parametrize("mode", ["fma", "dot"])
+@pytest.mark.parametrize("mode", ["fma", "dot", "no-dot"])
 def test_gemm_by_pairs_gives_the_same_bits_by_fmas_or_by_vdpbf16ps(mode, tmp_path):
     """gemm_pairs makes its sums by vdpbf16ps or, where that runs at under two thirds of the
-    FMAs' rate (an Intel Xeon without AMX: half), by FMAs on the pairs widened in registers
-    (FLEETLLM_CPU_BF16_PAIRS=fma | dot; unset, measured once a process). Both give every output
-    the reference's bits (the upper product, then the lower, each rounded), so which one a
-    process picks never changes a token: random shapes of 1-300 rows, partial panels, k of up
-    to 2,100 (three blocks of k), with and without a bias. (Prompt attention takes its float32 loops
-    in the fma mode: test_bf16_dot_products_and_the_loops_they_replace_agree holds their bits
-    to vdpbf16ps's.)"""
+    FMAs' rate (an Intel Xeon without AMX: half) or is missing (AVX-512 without BF16: Ice Lake,
+    Cascade Lake; simulated by FLEETLLM_CPU_BF16_DOT=0, "no-dot"), by FMAs on the pairs widened
+    in registers (FLEETLLM_CPU_BF16_PAIRS=fma | dot; unset, measured once a process). Both give
+    every output the reference's bits (the upper product, then the lower, each rounded), so
+    which one a process picks never changes a token: random shapes of 1-300 rows, partial
+    panels, k of up to 2,100 (three blocks of k), with and without a bias. (Prompt attention
+    takes its float32 loops in the fma mode: test_bf16_dot_products_and_the_loops_they_replace_agree
+    holds their bits to vdpbf16ps's.)"""
     if not cpu_kernels.gemm_pairs_available():
-        pytest.skip("this CPU has no AVX-512 BF16")
+        pytest.skip("this CPU has no AVX-512")
+    if mode == "dot" and "avx512bf16" not in cpu_kernels.build_info():
+        pytest.skip("this CPU has no AVX-512 BF16: its pairs are summed by FMAs")
     out = tmp_path / f"{mode}.pt"
-    python(f"import sys; sys.argv = ['', {str(out)!r}]; exec({_PAIRS_CASES!r})",
-           env={"FLEETLLM_CPU_BF16_PAIRS": mode})
+    env = {"FLEETLLM_CPU_BF16_DOT": "0"} if mode == "no-dot" else \
+        {"FLEETLLM_CPU_BF16_PAIRS": mode}
+    python(f"import sys; sys.argv = ['', {str(out)!r}]; exec({_PAIRS_CASES!r})", env=env)
     run = torch.load(out)
-    assert ("(pairs by fma)" in run["build_info"]) == (mode == "fma"), run["build_info"]
+    assert ("(pairs by fma)" in run["build_info"]) == (mode != "dot"), run["build_info"]
+    assert ("avx512bf16" in run["build_info"]) == (
+        mode != "no-dot" and "avx512bf16" in cpu_kernels.build_info()), run["build_info"]
     for x, w, bias, got in run["cases"]:
         assert torch.equal(got, _pairs_reference(x, w, bias)), (x.shape, w.shape)
 

@@ -26,14 +26,14 @@
 #include "ab_pool.h"
 
 namespace fleetllm::kernels {
-extern const bool bf16_dot;
-const bool bf16_dot = true;  // the caller runs this only where the CPU has AVX-512 BF16
+extern const bool bf16_dot;  // gemv.cpp's, which this tool does not link
+const bool bf16_dot = __builtin_cpu_supports("avx512bf16");
 struct bf16;
 bool gemm_pairs(const bf16 *, const bf16 *, const bf16 *, bf16 *, int, int, int, int);
 }  // namespace fleetllm::kernels
 namespace fold::kernels {
 extern const bool bf16_dot;
-const bool bf16_dot = true;
+const bool bf16_dot = __builtin_cpu_supports("avx512bf16");
 struct bf16;
 bool gemm_pairs(const bf16 *, const bf16 *, const bf16 *, bf16 *, int, int, int, int);
 }  // namespace fold::kernels

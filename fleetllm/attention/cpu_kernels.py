@@ -9,8 +9,9 @@ a padded tensor first, which measured 5-10x slower on the 125M preset at batch 6
 
 A small-M matrix-vector product (GEMV) streaming a dense [out, in] weight at the memory's
 bandwidth, for decode batches of a few sequences (oneDNN and MKL stream it at half that). On
-CPUs with AVX-512 BF16, a bf16 GEMM on weights packed by pairs (gemm_pairs, csrc/gemm.cpp;
-model/pair_packed.py) for every number of rows instead: faster than the GEMV and oneDNN alike.
+CPUs with AVX-512, a bf16 GEMM on weights packed by pairs (gemm_pairs, csrc/gemm.cpp;
+model/pair_packed.py) for every number of rows instead: faster than the GEMV and oneDNN alike
+(by AVX-512 BF16's vdpbf16ps, or by FMAs where the CPU lacks it or runs it slowly).
 
 Fused elementwise ops (residual add + RMSNorm, SiLU * up, RoPE of q and k + the K/V cache
 write): one pass and at most one parallel region each instead of 2-6 torch kernels, and no
@@ -161,7 +162,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
 
 
 def gemm_pairs_available() -> bool:
-    """Whether this CPU runs gemm_pairs (AVX-512 BF16, FLEETLLM_CPU_BF16_DOT not 0)."""
+    """Whether this CPU runs gemm_pairs (the kernels' avx512 variant)."""
     return available() and _ops.gemm_pairs_available()
 
 

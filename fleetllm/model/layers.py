@@ -23,9 +23,10 @@ sums, as bf16 kernels use too) and round back to bfloat16 once per output, as HF
 does. It costs 4 bytes per parameter beside the 2 of the dense bf16 weight; the 1-4 row GEMV
 still reads the bf16 weight (half the bytes).
 
-On CPUs with AVX-512 BF16 a bf16 weight is packed by pairs for fleetllm's own GEMM instead of
+On CPUs with AVX-512 a bf16 weight is packed by pairs for fleetllm's own GEMM instead of
 oneDNN's layout (pair_packed.py): faster than oneDNN's bf16 matmul on decode batches and equal
-on prompts, and faster than the GEMV even at one row, so it takes every projection at every
+on prompts where the CPU has AVX-512 BF16, 3.4x it on prompts where it has not (Ice Lake, whose
+oneDNN bf16 matmul converts in software), and faster than the GEMV even at one row, so it takes every projection at every
 number of rows (decode_gemv_rows 0), and the dense weights are freed (unless the embedding
 shares one): a bf16 model's projections take their own size in memory, not twice it. Where
 oneDNN runs on AMX tiles it is 2-8x faster than that GEMM from 12 rows up: there a projection

@@ -11,14 +11,17 @@ on decode batches of 1-32 rows, most where the memory is fastest (docs/perf.md, 
 
 Why: decode batches past the GEMV's 8 rows ran oneDNN's packed bf16 matmul at ~60% of the
 two cores' dot-product peak; this layout's kernel runs them 1.05-1.35x faster, matches oneDNN
-on prompts and the GEMV at 1-8 rows (docs/perf.md, item 24), so on CPUs with AVX-512 BF16 it
+on prompts and the GEMV at 1-8 rows (docs/perf.md, item 24), so on CPUs with AVX-512 it
 replaces oneDNN's packed copy and the GEMV at every number of rows, and the dense weight goes
 (layers.pack_linear_weights): half the memory the projections took with the two copies.
 Its bits do not depend on the rows beside a row (each output one lane, k in order), unlike
 oneDNN's: a sequence gets the same logits in any batch.
 
-Where it does not apply (no AVX-512 BF16, FLEETLLM_CPU_BF16_DOT=0, an odd K, float32 weights),
-layers._pack keeps oneDNN's packing.
+On AVX-512 CPUs without AVX-512 BF16 (Ice Lake, Cascade Lake) the kernel makes the same sums
+with FMAs on the pairs widened in registers (csrc/gemm.cpp, micro_fma): there oneDNN's bf16
+matmul has no bf16 instruction either and ran prompts at 60 GFLOP/s against this kernel's 203
+on a 2-core Ice Lake Xeon (docs/perf.md, item 35). Where it does not apply (no AVX-512, an odd
+K, float32 weights), layers._pack keeps oneDNN's packing.
 
 Where oneDNN's bf16 matmul runs on AMX tiles (Intel Sapphire Rapids and later), it is 2-8x this
 kernel's rate from 12 rows up (1,580 against 196 GFLOP/s at 256 rows on the 125M preset's
