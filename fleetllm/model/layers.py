@@ -26,9 +26,10 @@ still reads the bf16 weight (half the bytes).
 On CPUs with AVX-512 a bf16 weight is packed by pairs for fleetllm's own GEMM instead of
 oneDNN's layout (pair_packed.py): faster than oneDNN's bf16 matmul on decode batches and equal
 on prompts where the CPU has AVX-512 BF16, 3.4x it on prompts where it has not (Ice Lake, whose
-oneDNN bf16 matmul converts in software), and faster than the GEMV even at one row, so it takes every projection at every
-number of rows (decode_gemv_rows 0), and the dense weights are freed (unless the embedding
-shares one): a bf16 model's projections take their own size in memory, not twice it. Where
+oneDNN bf16 matmul converts in software), and faster than the GEMV even at one row, so it
+takes every projection at every number of rows (decode_gemv_rows 0), and the dense weights
+are freed (unless the embedding shares one): a bf16 model's projections take their own size
+in memory, not twice it. Where
 oneDNN runs on AMX tiles it is 2-8x faster than that GEMM from 12 rows up: there a projection
 keeps oneDNN's packed copy and, while the projections weigh at most FLEETLLM_GEMV_MAX_BYTES
 (default: a quarter of the machine's memory), a copy beside it (`pairs_weight`) for small
