@@ -29,13 +29,12 @@ on prompts where the CPU has AVX-512 BF16, 3.4x it on prompts where it has not (
 oneDNN bf16 matmul converts in software), and faster than the GEMV even at one row, so it
 takes every projection at every number of rows (decode_gemv_rows 0), and the dense weights
 are freed (unless the embedding shares one): a bf16 model's projections take their own size
-in memory, not twice it. Where
-oneDNN runs on AMX tiles it is 2-8x faster than that GEMM from 12 rows up: there a projection
-keeps oneDNN's packed copy and, while the projections weigh at most FLEETLLM_GEMV_MAX_BYTES
-(default: a quarter of the machine's memory), a copy beside it (`pairs_weight`) for small
-batches: packed for the kernels' GEMM on AMX tiles (amx_packed.py, up to its MAX_ROWS rows)
-where the CPU has AMX and the sizes are multiples of 32, else by pairs (up to
-pair_packed.SMALL_ROWS rows).
+in memory, not twice it. Where oneDNN runs on AMX tiles it is 2-8x faster than that GEMM from
+12 rows up: there a projection keeps oneDNN's packed copy and, while the projections weigh at
+most FLEETLLM_GEMV_MAX_BYTES (default: a quarter of the machine's memory), a copy beside it
+(`pairs_weight`) for small batches: packed for the kernels' GEMM on AMX tiles (amx_packed.py,
+up to its MAX_ROWS rows) where the CPU has AMX and the sizes are multiples of 32, else by pairs
+(up to pair_packed.SMALL_ROWS rows).
 """
 
 from __future__ import annotations
