@@ -33,7 +33,7 @@ bool gemm_pairs(const bf16 *, const bf16 *, const bf16 *, bf16 *, int, int, int,
 }  // namespace fleetllm::kernels
 namespace fold::kernels {
 extern const bool bf16_dot;
-const bool bf16_dot = __builtin_cpu_supports("avx512bf16");
+const bool bf16_dot = fleetllm::kernels::bf16_dot;  // one reading for both builds
 struct bf16;
 bool gemm_pairs(const bf16 *, const bf16 *, const bf16 *, bf16 *, int, int, int, int);
 }  // namespace fold::kernels
