@@ -136,6 +136,16 @@ bool gemm_amx(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M, i
               int nthreads);
 bool amx_available();
 
+// MKL's packed sgemm (mkl_sgemm.cpp): float32 y = x @ w^T from w [n, k] packed once by
+// mkl_pack into mkl_pack_bytes(n, k) bytes; accumulate: y holds the bias rows and gets the
+// product added (beta 1, as F.linear's addmm). Available where torch links MKL and the CPU
+// is Intel's.
+bool mkl_packed_available();
+size_t mkl_pack_bytes(int n, int k);
+void mkl_pack(const float *w, int n, int k, void *dest);
+void mkl_compute(const float *x, int m, int n, int k, const void *packed, float *y,
+                 bool accumulate);
+
 // A projection run by the caller instead of the GEMV kernel: x @ W^T (+ bias) for the layer's
 // projection `which` (0 qkv, 1 o, 2 gate_up, 3 down), in the layer's dtype; returns where the
 // result is, valid until the layer's call returns (no copy into the layer's buffers).

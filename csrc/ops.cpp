@@ -392,6 +392,54 @@ Tensor gemm_amx(const Tensor &x, const Tensor &packed, const optional<Tensor> &b
 
 bool amx_available() { return kernels::amx_available(); }
 
+// MKL's packed sgemm for float32 projections (mkl_sgemm.cpp): the packed weight is a uint8
+// tensor of kernels::mkl_pack_bytes(n, k) bytes.
+bool mkl_available() { return kernels::mkl_packed_available(); }
+
+void check_mkl_packed(const Tensor &packed, int64_t n, int64_t k)
+{
+    TORCH_CHECK(kernels::mkl_packed_available(), "mkl_linear: needs MKL on an Intel CPU "
+                "(kernels.mkl_available())");
+    TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
+                    packed.dim() == 1 && packed.is_contiguous(),
+                "an MKL-packed weight must be a contiguous 1-d uint8 CPU tensor, got ",
+                packed.scalar_type(), " ", packed.sizes());
+    TORCH_CHECK(packed.numel() >= static_cast<int64_t>(kernels::mkl_pack_bytes(
+                                      to_int(n, "out_features"), to_int(k, "in_features"))),
+                "an MKL-packed weight of ", packed.numel(), " bytes is too small for [", n,
+                ", ", k, "]");
+}
+
+Tensor mkl_pack(const Tensor &weight)
+{
+    check_float(weight, "weight", 2);
+    const int n = to_int(weight.size(0), "out_features");
+    const int k = to_int(weight.size(1), "in_features");
+    check_dense(weight, "weight", {n, k}, at::kFloat);
+    TORCH_CHECK(kernels::mkl_packed_available(), "mkl_pack: needs MKL on an Intel CPU "
+                "(kernels.mkl_available())");
+    Tensor out = at::empty({static_cast<int64_t>(kernels::mkl_pack_bytes(n, k))},
+                           weight.options().dtype(at::kByte));
+    kernels::mkl_pack(cptr<float>(weight), n, k, out.mutable_data_ptr());
+    return out;
+}
+
+// x @ w^T (+ bias) as F.linear computes it: the bias rows first, the product added to them.
+Tensor mkl_linear(const Tensor &x, const Tensor &packed, const optional<Tensor> &bias, int64_t n)
+{
+    check_float(x, "x", 2);
+    const int m = to_int(x.size(0), "rows"), k = to_int(x.size(1), "in_features");
+    check_dense(x, "x", {m, k}, at::kFloat);
+    check_mkl_packed(packed, n, k);
+    if (bias)
+        check_dense(*bias, "bias", {n}, at::kFloat);
+    Tensor y = bias ? bias->expand({m, n}).contiguous() : at::empty({m, n}, x.options());
+    if (m > 0)
+        kernels::mkl_compute(cptr<float>(x), m, to_int(n, "out_features"), k,
+                             packed.const_data_ptr(), mptr<float>(y), bias.has_value());
+    return y;
+}
+
 // A decoder layer's projections through oneDNN's packed weights (decoder_layer's `packed`;
 // weights packed for the kernels' own GEMMs the layer multiplies itself), computed as
 // model/layers.py's linear() and the Linear modules compute them, so that the one-call layer
@@ -430,7 +478,8 @@ const void *project_packed(void *ctx, int which, const void *x)
         if (bias.has_value())
             bias = bias->to(at::kFloat);
     }
-    Tensor out = linear_pointwise(in, w, bias);
+    Tensor out = w.dim() == 1 ? mkl_linear(in, w, bias, p.out[which])  // MKL's packing
+                              : linear_pointwise(in, w, bias);
     if (widen)
         out = out.to(p.type);
     if (bias_after && p.bias[which]->has_value())
@@ -458,7 +507,10 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
     // (layers.pack_linear_weights frees them; empty tensors here) and the intermediate size
     // comes from down's packed copy, [hid/48, I/2, 48, 2] by pairs, [hid/32, I/32, 2, 16, 32]
     // for AMX tiles or oneDNN's [hid, I].
-    const optional<Tensor> down_packed = packed.size() == 4 ? packed.get(3) : optional<Tensor>();
+    // (MKL's packing, 1-d bytes, says nothing of it: there the dense weights stay.)
+    optional<Tensor> down_packed = packed.size() == 4 ? packed.get(3) : optional<Tensor>();
+    if (down_packed.has_value() && down_packed->dim() == 1)
+        down_packed.reset();
     const bool by_pairs = down_packed.has_value() && down_packed->dim() == 4;
     const Tensor &inter_of = down_packed.has_value() ? *down_packed : w_down;
     const bool by_tiles = down_packed.has_value() && down_packed->dim() == 5;
@@ -517,6 +569,10 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
                     check_amx_packed(*w, out[i], in[i]);
                 own[i] = cptr<kernels::bf16>(*w);
                 own_dim = w->dim();
+            } else if (w->dim() == 1) {  // MKL's packed sgemm (float32, dense weights kept)
+                TORCH_CHECK(type == at::kFloat, "decoder_layer: MKL-packed weights are float32");
+                check_dense(w_down, "w_down", {d.hid, d.I}, type);
+                check_mkl_packed(*w, out[i], in[i]);
             } else {  // oneDNN's (an opaque layout: its sizes are the dense weight's)
                 TORCH_CHECK(w->dim() == 2 && w->size(0) == out[i] && w->size(1) == in[i],
                             "decoder_layer: packed weight ", i, " must have shape [", out[i],
@@ -702,6 +758,9 @@ TORCH_LIBRARY(fleetllm, m)
     m.def("gemm_pairs_available() -> bool", &fleetllm::gemm_pairs_available);
     m.def("gemm_amx(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
     m.def("amx_available() -> bool", &fleetllm::amx_available);
+    m.def("mkl_pack(Tensor weight) -> Tensor");
+    m.def("mkl_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+    m.def("mkl_available() -> bool", &fleetllm::mkl_available);
     m.def("build_info() -> str", &fleetllm::build_info);
 }
 
@@ -718,6 +777,8 @@ TORCH_LIBRARY_IMPL(fleetllm, CPU, m)
     m.impl("argmax", &fleetllm::argmax);
     m.impl("gemm_pairs", &fleetllm::gemm_pairs);
     m.impl("gemm_amx", &fleetllm::gemm_amx);
+    m.impl("mkl_pack", &fleetllm::mkl_pack);
+    m.impl("mkl_linear", &fleetllm::mkl_linear);
 }
 
 // oneDNN's packed float32 weights are opaque MkldnnCPU tensors; given as decoder_layer's

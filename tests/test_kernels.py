@@ -819,3 +819,38 @@ def test_gemm_on_amx_tiles_is_the_product_and_independent_of_the_batch():
     with pytest.raises(RuntimeError, match="packed"):
         cpu_kernels.gemm_amx(torch.zeros(2, 64, dtype=torch.bfloat16),
                              torch.zeros(1, 1, 2, 16, 32, dtype=torch.bfloat16), None, 32)
+
+
+@needs_kernels
+def test_float32_projections_take_mkls_packed_sgemm_on_intel_cpus(monkeypatch):
+    """On an Intel CPU with torch's MKL (model/mkl_packed.py) a float32 projection whose dense
+    weight stays (for the GEMV's small batches) gets MKL's packed copy in place of oneDNN's:
+    F.linear's products, the bias added as its addmm adds it, at any number of rows, and
+    decoder_layer reads it (tests/test_attention.py checks the one-call layers' bits). Where
+    the dense weight goes (FLEETLLM_LINEAR=packed), oneDNN's copy, which can be unpacked."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from fleetllm.model import layers, mkl_packed
+
+    if not cpu_kernels.mkl_available():
+        pytest.skip("no MKL on an Intel CPU here")
+    g = torch.Generator().manual_seed(0)
+    for mode, kind in (("auto", mkl_packed.MklPacked), ("packed", torch.Tensor)):
+        monkeypatch.setenv("FLEETLLM_LINEAR", mode)
+        proj = layers.ColumnParallelLinear(96, [(200, 200, 0)], bias=True)
+        proj.weight.data = torch.randn(200, 96, generator=g)
+        proj.bias.data = torch.randn(200, generator=g)
+        dense, bias = proj.weight.detach().clone(), proj.bias.detach().clone()
+        assert layers.pack_linear_weights(nn.ModuleList([proj])) == 1
+        assert isinstance(proj.packed_weight, kind), mode
+        assert (proj.weight is None) == (mode == "packed")
+        for rows in (5, 64, 300):
+            x = torch.randn(rows, 96, generator=g)
+            torch.testing.assert_close(proj(x), F.linear(x, dense, bias), rtol=1e-5, atol=1e-5)
+    packed = mkl_packed.pack(dense)
+    x = torch.randn(7, 96, generator=g)
+    with pytest.raises(RuntimeError, match="too small"):
+        cpu_kernels.mkl_linear(x, packed.data[:100], None, 200)
+    with pytest.raises(RuntimeError, match="must be Float"):
+        cpu_kernels.mkl_linear(x.bfloat16(), packed.data, None, 200)

@@ -57,7 +57,8 @@ _tried = False
 _lock = threading.Lock()
 _OPS = ("paged_decode", "prefill_attention", "add_rmsnorm", "silu_mul", "rope_qk_kv", "gemv",
         "decoder_layer", "decoder_layers", "argmax", "build_info", "gemm_pairs",
-        "gemm_pairs_available", "gemm_amx", "amx_available")
+        "gemm_pairs_available", "gemm_amx", "amx_available", "mkl_pack", "mkl_linear",
+        "mkl_available")
 
 
 def _load() -> SimpleNamespace | None:
@@ -172,6 +173,24 @@ def gemm_pairs(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     [M, K]; float32 sums over k in order, the bias, one rounding: a row's bits do not depend on
     the rows beside it."""
     return _ops.gemm_pairs(x, packed, bias, out_features)
+
+
+def mkl_available() -> bool:
+    """Whether float32 projections run MKL's packed sgemm here (torch links MKL, an Intel
+    CPU: model/mkl_packed.py)."""
+    return available() and _ops.mkl_available()
+
+
+def mkl_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [N, K] (contiguous) in MKL's packed layout: uint8 bytes."""
+    return _ops.mkl_pack(weight)
+
+
+def mkl_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+               out_features: int) -> torch.Tensor:
+    """x @ w.T (+ bias) in float32 from mkl_pack(w): contiguous x [M, K]; the bias rows, then
+    the product added (F.linear's order)."""
+    return _ops.mkl_linear(x, packed, bias, out_features)
 
 
 def decoder_layers(x: torch.Tensor, residual: torch.Tensor, first: bool, weights: list,

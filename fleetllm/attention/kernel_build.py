@@ -63,7 +63,8 @@ PACKAGE = Path(__file__).resolve().parents[1]
 # checkout has them at the repository root.
 _SOURCE_DIRS = (PACKAGE / "_csrc", PACKAGE.parent / "csrc")
 SOURCES = ("ops.cpp", "paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp", "gemv.cpp",
-           "gemm.cpp", "gemm_amx.cpp", "argmax.cpp", "parallel.cpp", "pool.cpp")
+           "gemm.cpp", "gemm_amx.cpp", "argmax.cpp", "parallel.cpp", "pool.cpp",
+           "mkl_sgemm.cpp")
 
 # -O3 with vectorization hints (`omp simd`, without an OpenMP runtime: -fopenmp-simd), and
 # no errno or trap semantics for float math, which otherwise keep sqrt and the exp loops

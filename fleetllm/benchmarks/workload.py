@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fleetllm.config import ArchConfig
-from fleetllm.model import amx_packed, huge_pages, pair_packed
+from fleetllm.model import amx_packed, huge_pages, mkl_packed, pair_packed
 
 
 @dataclass
@@ -214,7 +214,8 @@ def matmul_rate(a: ArchConfig, rows: int, dtype: torch.dtype = torch.float32,
     plain F.linear (`x @ W.T`: MKL in float32, torch's own bf16 GEMM in bfloat16), oneDNN
     with pre-packed weights (what fleetllm runs for more than 4 rows), and for bf16 on CPUs with
     AVX-512 BF16 fleetllm's GEMM on weights packed by pairs (model/pair_packed.py, which
-    replaces oneDNN there) and, with AMX, its GEMM on AMX tiles (model/amx_packed.py, beside
+    replaces oneDNN there), for float32 on Intel CPUs MKL's packed sgemm
+    (model/mkl_packed.py) and, with AMX, its GEMM on AMX tiles (model/amx_packed.py, beside
     oneDNN there for decode batches); "best" is the fastest, the machine's rate for the
     roofline. With more than 2 GiB of projection weights, only enough layers for 2 GiB are
     built."""
@@ -247,6 +248,11 @@ def matmul_rate(a: ArchConfig, rows: int, dtype: torch.dtype = torch.float32,
             except RuntimeError:
                 pass
             packed = []  # freed before the next copy
+        if mkl_packed.applies(dense[0]):
+            mkl = [(mkl_packed.pack(w), w.shape[1]) for w in dense]
+            rates["mkl"] = flops / _best_time(lambda: [
+                mkl_packed.matmul(inputs[k], w, None) for w, k in mkl], repeat) / 1e9
+            mkl = []
         if pair_packed.applies(dense[0]):
             pairs = [(pair_packed.pack(w), w.shape[1]) for w in dense]
             rates["pairs"] = flops / _best_time(lambda: [

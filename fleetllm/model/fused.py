@@ -42,7 +42,6 @@ class _Stack(NamedTuple):
     scale: float
     gemv_rows: int  # up to this many rows the projections take the GEMV kernel
     linears: tuple  # qkv, o, gate_up, down of each layer: where `packed` is gathered from
-    by_pairs: bool  # their packed weights are PairPacked (else oneDNN's, or none)
     small_rows: int  # up to this many rows their pairs_weight copies (oneDNN on AMX), or 0
     embed: torch.Tensor | None  # the first stage's embedding (looked up in the call), or None
     final_norm: torch.Tensor | None  # the last stage's final norm (applied in the call)
@@ -79,9 +78,9 @@ def _stack(model) -> _Stack | None:
     linears = tuple(m for layer in layers for m in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
         layer.mlp.down_proj))
+    # All packed by pairs or none (an odd K keeps oneDNN's packing beside the pairs': not fused)
     kinds = {isinstance(getattr(m, "packed_weight", None), pair_packed.PairPacked)
              for m in linears}
-    by_pairs = kinds == {True}  # (an odd K keeps oneDNN's packing: both kinds, not fused)
     gemv_rows = min((decode_gemv_rows(m) for m in linears), default=0)
     small = {small_batch_rows(m) for m in linears}
     weights = [_layer_weights(layer, gemv_rows > 0) for layer in layers]
@@ -98,7 +97,7 @@ def _stack(model) -> _Stack | None:
     if ok:
         model._fused_stack = _Stack(
             [t for w in weights for t in w], layers[0].input_layernorm.eps, attn[0].num_heads,
-            [a.sliding_window or 0 for a in attn], attn[0].scale, gemv_rows, linears, by_pairs,
+            [a.sliding_window or 0 for a in attn], attn[0].scale, gemv_rows, linears,
             small.pop() if len(small) == 1 else 0, embed,
             None if norm is None else norm.weight, {})
     return model._fused_stack
@@ -116,7 +115,8 @@ def _packed(st: _Stack, small: bool) -> list | None:
     packed = [small_batch_weight(m) if small else m.packed_weight for m in st.linears]
     if any(p is None for p in packed):
         return None
-    return [p.data for p in packed] if st.by_pairs or small else packed
+    # (oneDNN's packed copies are tensors; the kernels' and MKL's copies hold theirs in .data)
+    return [p if isinstance(p, torch.Tensor) else p.data for p in packed]
 
 
 def applies(x: torch.Tensor, kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> bool:

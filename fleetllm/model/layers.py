@@ -52,8 +52,9 @@ from torch import nn
 from fleetllm.attention import cpu_kernels
 from fleetllm.distributed.parallel_state import get_tp_group
 from fleetllm.lora.layers import lora_delta
-from fleetllm.model import amx_packed, huge_pages, pair_packed
+from fleetllm.model import amx_packed, huge_pages, mkl_packed, pair_packed
 from fleetllm.model.amx_packed import AmxPacked
+from fleetllm.model.mkl_packed import MklPacked
 
 logger = logging.getLogger(__name__)
 
@@ -338,7 +339,8 @@ def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
     number of rows (pair_packed.py); beside oneDNN's copy, the small batches' copy
     (small_batch_weight: on AMX tiles or by pairs) up to its row limit; else the GEMV kernel
     for up to `gemv_rows` rows when the dense weight is kept, else the packed weight when the
-    layer has one, else F.linear."""
+    layer has one (oneDNN's, or MKL's for float32 on Intel CPUs: mkl_packed.py), else
+    F.linear."""
     packed, weight = getattr(layer, "packed_weight", None), layer.weight
     small = small_batch_weight(layer)
     if small is not None and x.numel() <= small_batch_rows(layer) * x.shape[-1]:
@@ -358,6 +360,8 @@ def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
         x = x.reshape(-1, shape[-1])
     if pairs:
         y = pair_packed.matmul(x, packed, bias)
+    elif isinstance(packed, MklPacked):
+        y = mkl_packed.matmul(x, packed, bias)
     elif packed.dtype != x.dtype:  # a float32 copy of a bf16 weight (see the module docstring)
         y = torch.ops.mkldnn._linear_pointwise(x.float().contiguous(), packed,
                                                None if bias is None else bias.float(), "none",
@@ -410,7 +414,12 @@ def pack_linear_weights(model: nn.Module) -> int:
                 else:
                     small = pair_packed.pack(weight.detach(), arena[offset:offset + size])
                 offset += size
-            packed = _pack(weight.detach()) if small is None or amx else small
+            if small is not None and not amx:
+                packed = small
+            elif keep_dense and mkl_packed.applies(weight):  # MKL's has no way back to dense
+                packed = mkl_packed.pack(weight.detach())
+            else:
+                packed = _pack(weight.detach())
             probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
             probe = probe.to(weight.dtype)
             tol = 1e-4 if weight.dtype == torch.float32 else 2e-2  # bf16: output rounding
