@@ -440,8 +440,9 @@ Tensor mkl_linear(const Tensor &x, const Tensor &packed, const optional<Tensor> 
     return y;
 }
 
-// A decoder layer's projections through oneDNN's packed weights (decoder_layer's `packed`;
-// weights packed for the kernels' own GEMMs the layer multiplies itself), computed as
+// A decoder layer's projections through oneDNN's packed weights or MKL's (1-d bytes: float32
+// on Intel CPUs, mkl_linear) (decoder_layer's `packed`; weights packed for the kernels' own
+// GEMMs the layer multiplies itself), computed as
 // model/layers.py's linear() and the Linear modules compute them, so that the one-call layer
 // gives the modules' bits: the packed matmul with the bias inside for qkv and
 // gate_up, added after it for o and down (RowParallelLinear adds its bias after the

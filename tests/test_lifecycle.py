@@ -38,8 +38,9 @@ def rss(executor) -> int:
 
 def kv_and_weight_bytes(executor) -> tuple[int, int]:
     kv = executor.collective_rpc(lambda w: w.cache_engine.nbytes())
-    weights = executor.collective_rpc(lambda w: sum(  # parameters and oneDNN-packed copies
-        t.numel() * t.element_size() for t in [
+    weights = executor.collective_rpc(lambda w: sum(  # parameters and packed copies (oneDNN's
+        # tensors; MKL's and the kernels' say what they take)
+        t.nbytes for t in [
             *w.model_runner.model.parameters(),
             *(m.packed_weight for m in w.model_runner.model.modules()
               if getattr(m, "packed_weight", None) is not None)]))

@@ -12,7 +12,8 @@ projections packed (by pairs or by oneDNN, their dense weights freed: empty tens
 a step of decode tokens only and nothing else; otherwise the modules run. Up to the layers'
 GEMV row limit (8; 16 for bf16 weights on a CPU without bf16 packing; 0 without dense weights:
 layers.decode_gemv_rows) the projections take the GEMV kernel; above it the packed weights, as
-the modules would: oneDNN's matmul, or the bf16 GEMM on weights packed by pairs
+the modules would: oneDNN's matmul (MKL's packed sgemm for float32 on Intel CPUs:
+model/mkl_packed.py), or the bf16 GEMM on weights packed by pairs
 (model/pair_packed.py), which the C layer calls itself; where oneDNN runs on AMX, the small
 batches' copies (layers.small_batch_weight: on AMX tiles, or by pairs) up to their row limit
 and oneDNN's above."""

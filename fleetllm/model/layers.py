@@ -15,6 +15,11 @@ oneDNN's rate there, so the dense copy is kept too while the projections weigh a
 FLEETLLM_GEMV_MAX_BYTES (default 2 GiB): twice the weight memory for a faster small batch.
 FLEETLLM_LINEAR=packed keeps only the packed weights, =dense only plain F.linear.
 
+On Intel CPUs a float32 projection whose dense weight stays gets MKL's packed sgemm copy in
+place of oneDNN's (mkl_packed.py): 1.05-1.18x oneDNN's rate on the 125M shapes on an Ice Lake
+Xeon, and F.linear's bits for most shapes. MKL's layout cannot be unpacked, so where the dense
+weights go oneDNN's copy serves as before; AMD CPUs keep oneDNN (MKL is 2-4x slower there).
+
 oneDNN packs bfloat16 only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere (AVX2)
 PyTorch's bfloat16 matmul has no fast kernel at all (measured 16 GFLOP/s against 122 for packed
 float32 on a 2-core AVX2 EPYC, 7x slower prefill). There a bfloat16 projection gets a float32
