@@ -510,7 +510,8 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
     // for AMX tiles or oneDNN's [hid, I].
     // (MKL's packing, 1-d bytes, says nothing of it: there the dense weights stay.)
     optional<Tensor> down_packed = packed.size() == 4 ? packed.get(3) : optional<Tensor>();
-    if (down_packed.has_value() && down_packed->dim() == 1)
+    const bool by_mkl = down_packed.has_value() && down_packed->dim() == 1;
+    if (by_mkl)
         down_packed.reset();
     const bool by_pairs = down_packed.has_value() && down_packed->dim() == 4;
     const Tensor &inter_of = down_packed.has_value() ? *down_packed : w_down;
@@ -530,6 +531,8 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
     check_dense(residual, "residual", {d.T, d.hid}, type);
     check_dense(w_in, "w_in", {d.hid}, type);
     check_dense(w_post, "w_post", {d.hid}, type);
+    if (by_mkl)  // the intermediate size came from it: the dense weight, not a stand-in
+        check_dense(w_down, "w_down", {d.hid, d.I}, type);
     if (packed.empty()) {
         check_dense(w_qkv, "w_qkv", {qkv_dim, d.hid}, type);
         check_dense(w_o, "w_o", {d.hid, static_cast<int64_t>(d.H) * d.D}, type);
@@ -572,7 +575,6 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
                 own_dim = w->dim();
             } else if (w->dim() == 1) {  // MKL's packed sgemm (float32, dense weights kept)
                 TORCH_CHECK(type == at::kFloat, "decoder_layer: MKL-packed weights are float32");
-                check_dense(w_down, "w_down", {d.hid, d.I}, type);
                 check_mkl_packed(*w, out[i], in[i]);
             } else {  // oneDNN's (an opaque layout: its sizes are the dense weight's)
                 TORCH_CHECK(w->dim() == 2 && w->size(0) == out[i] && w->size(1) == in[i],
