@@ -531,14 +531,13 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
     check_dense(residual, "residual", {d.T, d.hid}, type);
     check_dense(w_in, "w_in", {d.hid}, type);
     check_dense(w_post, "w_post", {d.hid}, type);
-    if (by_mkl)  // the intermediate size came from it: the dense weight, not a stand-in
-        check_dense(w_down, "w_down", {d.hid, d.I}, type);
     if (packed.empty()) {
         check_dense(w_qkv, "w_qkv", {qkv_dim, d.hid}, type);
         check_dense(w_o, "w_o", {d.hid, static_cast<int64_t>(d.H) * d.D}, type);
         check_dense(w_gu, "w_gu", {2L * d.I, d.hid}, type);
-        check_dense(w_down, "w_down", {d.hid, d.I}, type);
     }
+    if (packed.empty() || by_mkl)  // the intermediate size came from the dense w_down
+        check_dense(w_down, "w_down", {d.hid, d.I}, type);
     const std::tuple<const optional<Tensor> *, const char *, int64_t> biases[] = {
         {&b_qkv, "b_qkv", qkv_dim}, {&b_o, "b_o", d.hid}, {&b_gu, "b_gu", 2L * d.I},
         {&b_down, "b_down", d.hid}};
