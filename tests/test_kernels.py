@@ -821,6 +821,26 @@ def test_gemm_on_amx_tiles_is_the_product_and_independent_of_the_batch():
                              torch.zeros(1, 1, 2, 16, 32, dtype=torch.bfloat16), None, 32)
 
 
+def test_a_packed_copy_that_disagrees_with_f_linear_is_not_used(monkeypatch, caplog):
+    """pack_linear_weights checks each copy against F.linear; one that differs (a broken
+    kernel, an odd CPU) leaves the model on its dense weights, with a warning saying why."""
+    from torch import nn
+
+    from fleetllm.model import layers
+
+    if not layers._can_pack(torch.zeros(1, 1)):
+        pytest.skip("no oneDNN linear here")
+    monkeypatch.setenv("FLEETLLM_LINEAR", "packed")
+    proj = layers.ColumnParallelLinear(64, [(96, 96, 0)], bias=False)
+    dense = proj.weight.detach().clone()
+    real = layers.linear
+    monkeypatch.setattr(layers, "linear", lambda layer, x, *a, **k: real(layer, x, *a, **k) + 1)
+    with caplog.at_level("WARNING", logger=layers.__name__):
+        assert layers.pack_linear_weights(nn.ModuleList([proj])) == 0
+    assert "differs from F.linear" in caplog.text
+    assert getattr(proj, "packed_weight", None) is None and torch.equal(proj.weight, dense)
+
+
 @needs_kernels
 def test_float32_projections_take_mkls_packed_sgemm_on_intel_cpus(monkeypatch):
     """On an Intel CPU with torch's MKL (model/mkl_packed.py) a float32 projection whose dense
