@@ -48,7 +48,7 @@ from fleetllm.engine.async_stream import (
     StreamingCompletionOutput,
     deliver_threadsafe,
 )
-from fleetllm.engine.llm_engine import LLMEngine, PromptType, load_tokenizer
+from fleetllm.engine.llm_engine import LLMEngine, PromptType
 from fleetllm.engine.outputs import PoolingRequestOutput, RequestOutput
 from fleetllm.engine.stats import (
     EngineLoad,
@@ -57,6 +57,7 @@ from fleetllm.engine.stats import (
     StatLogger,
     record_stats,
 )
+from fleetllm.engine.tokenizer import load_tokenizer
 from fleetllm.errors import EngineShutdownError, EngineSleepingError, InvalidRequestError
 from fleetllm.lora.request import LoRARequest
 from fleetllm.pooling_params import PoolingParams

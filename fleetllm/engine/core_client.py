@@ -38,7 +38,7 @@ from fleetllm.engine.async_engine import (
 )
 from fleetllm.engine.async_stream import RequestStream, deliver_threadsafe
 from fleetllm.engine.core_proc import run_engine_core
-from fleetllm.engine.llm_engine import PromptType, load_tokenizer
+from fleetllm.engine.llm_engine import PromptType
 from fleetllm.engine.stats import (
     EngineLoad,
     IterationStats,
@@ -46,6 +46,7 @@ from fleetllm.engine.stats import (
     StatLogger,
     record_stats,
 )
+from fleetllm.engine.tokenizer import load_tokenizer
 from fleetllm.errors import EngineShutdownError, InvalidRequestError
 from fleetllm.executor.multiproc import _main_not_reimported
 from fleetllm.lora.request import LoRARequest

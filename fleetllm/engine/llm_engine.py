@@ -26,6 +26,7 @@ from fleetllm.engine.output_processing import Output, OutputsMixin
 from fleetllm.engine.outputs import request_output
 from fleetllm.engine.recovery import RecoveryMixin
 from fleetllm.engine.request_checks import PromptType, RequestChecksMixin
+from fleetllm.engine.tokenizer import load_tokenizer
 from fleetllm.errors import (
     CommunicationTimeoutError,
     EngineSleepingError,
@@ -46,16 +47,6 @@ from fleetllm.spec_decode.metrics import SpecDecodeWorkerMetrics
 from fleetllm.structured_outputs.manager import Grammar, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-
-def load_tokenizer(path: str) -> Any:
-    """The checkpoint's HF tokenizer, or None when the directory ships none."""
-    if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer.model",
-                                                   "vocab.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin, OutputsMixin):
