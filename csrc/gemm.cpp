@@ -1,4 +1,5 @@
-// The bf16 GEMM of decode batches and prompts on CPUs with AVX-512: y = x . w^T (+ bias) from
+// The bf16 GEMM of decode batches and prompts on CPUs with AVX-512 (and, by the microkernels
+// of gemm_avx2.h, AVX2): y = x . w^T (+ bias) from
 // a weight packed by pairs (pack in fleetllm/model/pair_packed.py):
 // [ceil(N/48)][K/2][48][2], so that one 64-byte vector holds 16
 // outputs' weights for one pair of k, and a row of x's pair broadcast to the 16 lanes feeds one
@@ -32,17 +33,16 @@
 
 #include "kernels.h"
 #include "parallel.h"
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include "gemm_avx2.h"
+#endif
 
 namespace fleetllm::kernels {
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int NB = PAIR_PANEL / 16;  // 16-output blocks per panel: 3
-constexpr int PAIR = NB * 32;  // bf16s per pair of k in a panel: 3 vectors side by side
-constexpr int MR = 8;     // rows of x per microkernel pass (8 x 3 sums + 3 weights + 1 x)
-constexpr int KC = 512;   // pairs of k per block: a panel's block is 96 KiB (L2), x's 8 rows 16
+#if defined(__AVX512F__) || defined(__AVX2__)
+constexpr int PAIR = PAIR_PANEL * 2;  // bf16s per pair of k in a panel: 3 vectors side by side
 constexpr int MC = 128;   // rows of x per work item: their block of k stays in L2
-constexpr int AHEAD = 8192;  // bytes of the weight stream prefetched ahead of the microkernel
 
 struct GemmCtx {
     const bf16 *x, *wp, *bias;
@@ -51,6 +51,13 @@ struct GemmCtx {
     long panels, mblocks;
     bool by_fma;  // micro_fma, not micro (pairs_by_fma)
 };
+#endif
+
+#if defined(__AVX512F__)
+constexpr int NB = PAIR_PANEL / 16;  // 16-output blocks per panel: 3
+constexpr int MR = 8;     // rows of x per microkernel pass (8 x 3 sums + 3 weights + 1 x)
+constexpr int KC = 512;   // pairs of k per block: a panel's block is 96 KiB (L2), x's 8 rows 16
+constexpr int AHEAD = 8192;  // bytes of the weight stream prefetched ahead of the microkernel
 
 // A microkernel's sums: into acc for the next block of k, or (last) the outputs.
 template <int R, int B>
@@ -188,44 +195,18 @@ void micro_blocks(int blocks, int rows, const X *x, long xs, const bf16 *w, int 
     }
 }
 
-// Work item i: row block i / panels, panel i % panels (a thread's run of items shares the
-// rows' block, which stays in L2 while the panels stream by).
-void gemm_body(void *arg, long begin, long end, int)
+// One group of rows (at most MR) by one panel over pairs [p0, p1): micro on x's bf16 rows, or
+// micro_fma on their block widened into xf. acc: the group's sums, rows PAIR_PANEL floats apart.
+void group(bool by_fma, int rows, const bf16 *x, long K, const bf16 *w, int p0, int p1,
+           float *acc, bool first, bool last, const bf16 *bias, bf16 *y, long N, int n, float *xf)
 {
-    const auto *c = static_cast<const GemmCtx *>(arg);
-    const int K = c->K, pairs = K / 2;
-    const long pstride = static_cast<long>(pairs) * PAIR;  // bf16s per panel
-    alignas(64) float acc[MC * NB * 16];
-    alignas(64) float xf[MR * 2 * KC];  // a group's rows of x widened, one block of k (FMAs)
-    for (long item = begin; item < end; item++) {
-        const int m0 = static_cast<int>(item / c->panels) * MC;
-        const long panel = item % c->panels;
-        const int n0 = static_cast<int>(panel) * PAIR_PANEL;
-        const int mb = std::min(MC, c->M - m0), n = std::min(PAIR_PANEL, c->N - n0);
-        const int blocks = (n + 15) / 16;
-        const bf16 *w = c->wp + panel * pstride;
-        const int groups = (mb + MR - 1) / MR;
-        for (int p0 = 0; p0 < pairs; p0 += KC) {
-            const int p1 = std::min(pairs, p0 + KC);
-            const bool first = p0 == 0, last = p1 == pairs;
-            for (int g = 0, r0 = 0; g < groups; g++) {
-                // rows split evenly: 9 as 5 + 4, not 8 + 1
-                const int rows = mb / groups + (g < mb % groups ? 1 : 0);
-                const bf16 *x = c->x + static_cast<long>(m0 + r0) * K;
-                bf16 *y = c->y + static_cast<long>(m0 + r0) * c->N + n0;
-                const bf16 *bias = c->bias ? c->bias + n0 : nullptr;
-                float *a = acc + r0 * NB * 16;
-                if (c->by_fma) {
-                    widen_rows(x, K, rows, 2 * p0, 2 * p1, xf);
-                    micro_blocks(blocks, rows, xf, 2L * (p1 - p0), w, p0, p1, a, first, last,
-                                 bias, y, c->N, n);
-                } else {
-                    micro_blocks(blocks, rows, x, K, w, p0, p1, a, first, last, bias, y, c->N,
-                                 n);
-                }
-                r0 += rows;
-            }
-        }
+    const int blocks = (n + 15) / 16;
+    if (by_fma) {
+        widen_rows(x, K, rows, 2 * p0, 2 * p1, xf);
+        micro_blocks(blocks, rows, xf, 2L * (p1 - p0), w, p0, p1, acc, first, last, bias, y, N,
+                     n);
+    } else {
+        micro_blocks(blocks, rows, x, K, w, p0, p1, acc, first, last, bias, y, N, n);
     }
 }
 
@@ -268,6 +249,52 @@ double fma_seconds(int iters)
     return std::chrono::duration<double>(t1 - t0).count();
 }
 
+#elif defined(__AVX2__)
+using pairs_avx2::MR, pairs_avx2::KC;
+
+// AVX2 sums by FMAs always (gemm_avx2.h).
+inline void group(bool, int rows, const bf16 *x, long K, const bf16 *w, int p0, int p1,
+                  float *acc, bool first, bool last, const bf16 *bias, bf16 *y, long N, int n,
+                  float *xf)
+{
+    pairs_avx2::group(rows, x, K, w, p0, p1, acc, first, last, bias, y, N, n, xf);
+}
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+// Work item i: row block i / panels, panel i % panels (a thread's run of items shares the
+// rows' block, which stays in L2 while the panels stream by).
+void gemm_body(void *arg, long begin, long end, int)
+{
+    const auto *c = static_cast<const GemmCtx *>(arg);
+    const int K = c->K, pairs = K / 2;
+    const long pstride = static_cast<long>(pairs) * PAIR;  // bf16s per panel
+    alignas(64) float acc[MC * PAIR_PANEL];
+    alignas(64) float xf[MR * 2 * KC];  // a group's rows of x widened, one block of k (FMAs)
+    for (long item = begin; item < end; item++) {
+        const int m0 = static_cast<int>(item / c->panels) * MC;
+        const long panel = item % c->panels;
+        const int n0 = static_cast<int>(panel) * PAIR_PANEL;
+        const int mb = std::min(MC, c->M - m0), n = std::min(PAIR_PANEL, c->N - n0);
+        const bf16 *w = c->wp + panel * pstride;
+        const int groups = (mb + MR - 1) / MR;
+        for (int p0 = 0; p0 < pairs; p0 += KC) {
+            const int p1 = std::min(pairs, p0 + KC);
+            const bool first = p0 == 0, last = p1 == pairs;
+            for (int g = 0, r0 = 0; g < groups; g++) {
+                // rows split evenly: 9 as 5 + 4, not 8 + 1
+                const int rows = mb / groups + (g < mb % groups ? 1 : 0);
+                const bf16 *x = c->x + static_cast<long>(m0 + r0) * K;
+                bf16 *y = c->y + static_cast<long>(m0 + r0) * c->N + n0;
+                const bf16 *bias = c->bias ? c->bias + n0 : nullptr;
+                group(c->by_fma, rows, x, K, w, p0, p1, acc + r0 * PAIR_PANEL, first, last,
+                      bias, y, c->N, n, xf);
+                r0 += rows;
+            }
+        }
+    }
+}
+
 #endif
 
 }  // namespace
@@ -295,6 +322,8 @@ bool pairs_by_fma()
         return dot > 1.5 * fma;
     }();
     return by_fma;
+#elif defined(__AVX2__)
+    return true;  // no bf16 instruction: gemm_avx2.h
 #else
     return false;
 #endif
@@ -303,7 +332,7 @@ bool pairs_by_fma()
 bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M, int N, int K,
                 int nthreads)
 {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
     if (K % 2 != 0)
         return false;
     GemmCtx c{x, wp, bias, y, M, N, K, (N + PAIR_PANEL - 1) / PAIR_PANEL,

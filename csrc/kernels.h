@@ -121,7 +121,7 @@ void gemv(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, floa
 constexpr int PAIR_PANEL = 48;
 
 // y = x @ w^T (+ bias) from w packed by pairs ([ceil(N/48)][K/2][48][2], gemm.cpp) on any
-// AVX-512 CPU; false (nothing done) in the builds without AVX-512 or where K is odd.
+// AVX-512 or AVX2 CPU; false (nothing done) in the portable build or where K is odd.
 bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M, int N, int K,
                 int nthreads);
 // Whether the compute-bound bf16 kernels (gemm_pairs, prompt attention) make their sums of bf16

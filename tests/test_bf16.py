@@ -429,8 +429,9 @@ def _projections(worker) -> list[tuple[torch.dtype | None, torch.dtype | None, o
 def test_bf16_projections_are_packed_on_every_cpu(onednn_bf16, tiny_models, tmp_path,
                                                   monkeypatch):
     """oneDNN packs bf16 weights only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on
-    the others (AVX2) PyTorch's plain bf16 matmul runs 3-7x slower than float32, so each bf16
-    projection gets a float32 packed copy instead (layers.py). Either way: every projection is
+    the others PyTorch's plain bf16 matmul runs 3-7x slower than float32, so where the kernels'
+    GEMM by pairs does not apply either (no AVX2) each bf16 projection gets a float32 packed
+    copy instead (layers.py). Either way: every projection is
     packed, the saved state is bf16, and greedy outputs match transformers in bf16. Here the
     CPU without bf16 packing is simulated wherever this runs."""
     if not onednn_bf16:
@@ -443,7 +444,7 @@ def test_bf16_projections_are_packed_on_every_cpu(onednn_bf16, tiny_models, tmp_
             return reorder(weight, *args)
 
         monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
-        # such a CPU (AVX2) has no AVX-512 either: no pair packing (pair_packed.py)
+        # and no pair packing: a CPU with neither AVX2 nor AVX-512 (pair_packed.py)
         monkeypatch.setattr(pair_packed, "applies", lambda weight: False)
     elif not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         pytest.skip("this CPU has no oneDNN bf16 packing")
@@ -465,10 +466,11 @@ def test_bf16_projections_are_packed_on_every_cpu(onednn_bf16, tiny_models, tmp_
 @needs_kernels
 def test_bf16_decode_steps_of_up_to_16_take_the_kernel_without_bf16_packing(
         tiny_models, tmp_path, monkeypatch):
-    """Where oneDNN packs no bf16 (AVX2: simulated here), a bf16 projection's packed copy is
-    float32 (twice the bytes), and the GEMV kernel on the bf16 weight is faster up to ~24 rows;
-    decode steps of up to 16 sequences run the fused layers (and the LM head the kernel), with
-    greedy outputs that still follow transformers in bf16."""
+    """Where oneDNN packs no bf16 and the projections are not packed by pairs (AVX2 within the
+    float32 copies' budget; simulated here), a bf16 projection's packed copy is float32 (twice
+    the bytes), and the GEMV kernel on the bf16 weight is faster up to ~24 rows; decode steps
+    of up to 16 sequences run the fused layers (and the LM head the kernel), with greedy
+    outputs that still follow transformers in bf16."""
     from fleetllm.model import fused, layers
 
     reorder = torch.ops.mkldnn._reorder_linear_weight
@@ -480,7 +482,7 @@ def test_bf16_decode_steps_of_up_to_16_take_the_kernel_without_bf16_packing(
         return reorder(weight, *args)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
-    monkeypatch.setattr(pair_packed, "applies", lambda weight: False)  # AVX2: no AVX-512
+    monkeypatch.setattr(pair_packed, "applies", lambda weight: False)  # no AVX2 / AVX-512
     seen = {"layer": 0, "head": 0}
     run_layers, gemv = fused.run_layers, cpu_kernels.gemv
 
@@ -527,8 +529,8 @@ def test_with_amx_bf16_projections_keep_onednn_and_a_copy_for_small_batches(
 
     from fleetllm.model import amx_packed, layers
 
-    if not cpu_kernels.gemm_pairs_available():
-        pytest.skip("no AVX-512: no copies by pairs")
+    if not cpu_kernels.gemm_pairs_available() or not pair_packed.onednn_packs_bf16():
+        pytest.skip("no copies by pairs, or oneDNN packs no bf16 here (every CPU with AMX does)")
     if small_kind == "amx" and not cpu_kernels.amx_available():
         pytest.skip("no AMX tiles on this CPU")
     if small_kind == "pairs":
@@ -563,6 +565,53 @@ def test_with_amx_bf16_projections_keep_onednn_and_a_copy_for_small_batches(
         _close_in_bf16(want, (x.float() @ dense.float().T).to(BF16), 1e-2)
 
 
+@needs_kernels
+@pytest.mark.parametrize("budget", [None, "0"], ids=["within-budget", "over-budget"])
+def test_without_onednn_bf16_packing_the_pairs_take_over_where_the_dense_weights_go(
+        budget, monkeypatch):
+    """Where oneDNN packs no bf16 (AVX2 CPUs; simulated on others) but the pairs' GEMM runs, a
+    bf16 projection keeps the dense weight for the GEMV and a float32 copy for oneDNN (the
+    faster pair there) while the dense weights fit FLEETLLM_GEMV_MAX_BYTES; past it the
+    projection is packed by pairs alone (2 bytes a parameter, not the float32 copy's 4),
+    whose GEMM takes every batch with its own bits."""
+    from torch import nn
+
+    from fleetllm.model import layers
+
+    if not cpu_kernels.gemm_pairs_available():
+        pytest.skip("no AVX2 or AVX-512: no copies by pairs")
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+
+    def without_bf16(weight, *args):  # what PyTorch says on a CPU without bf16 packing
+        if weight.dtype == BF16:
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
+                               "avx_ne_convert or avx512bw, avx512vl and avx512dq")
+        return reorder(weight, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
+    monkeypatch.setattr(pair_packed, "onednn_amx", lambda: False)
+    monkeypatch.setattr(pair_packed, "onednn_packs_bf16", lambda: False)
+    if budget is not None:
+        monkeypatch.setenv("FLEETLLM_GEMV_MAX_BYTES", budget)
+    g = torch.Generator().manual_seed(0)
+    proj = layers.RowParallelLinear(128, 96, bias=False)
+    proj.weight.data = torch.randn(96, 128, generator=g).to(BF16)
+    dense = proj.weight.detach().clone()
+    assert layers.pack_linear_weights(nn.ModuleList([proj])) == 1
+    assert layers.small_batch_weight(proj) is None
+    if budget is None:
+        assert proj.packed_weight.is_mkldnn and proj.packed_weight.dtype == torch.float32
+        assert proj.weight is not None and layers.decode_gemv_rows(proj) == 16
+        return
+    assert isinstance(proj.packed_weight, pair_packed.PairPacked) and proj.weight is None
+    assert layers.decode_gemv_rows(proj) == 0
+    for rows in (1, 5, 300):
+        x = torch.randn(rows, 128, generator=g).to(BF16)
+        want = pair_packed.matmul(x, pair_packed.pack(dense), None)
+        assert torch.equal(layers.linear(proj, x), want), rows
+        _close_in_bf16(want, (x.float() @ dense.float().T).to(BF16), 1e-2)
+
+
 def test_packing_frees_the_dense_weights(tiny_models, tmp_path, monkeypatch):
     """The dense weights that packed copies replace are freed, not kept alive by the loader's
     name -> Parameter index (a Llama-1B-shaped bf16 model held 2 GB more for it)."""
@@ -581,6 +630,8 @@ def test_packing_frees_the_dense_weights(tiny_models, tmp_path, monkeypatch):
         return pack(model)
 
     monkeypatch.setattr(loader, "pack_linear_weights", recorded)
+    # no dense copies kept for the GEMV (a CPU without oneDNN bf16 packing keeps them within it)
+    monkeypatch.setenv("FLEETLLM_GEMV_MAX_BYTES", "0")
     path = _bf16_checkpoint(tiny_models["llama_gqa"], tmp_path / "llama")
     with LLM(path, kv_cache_memory=16 << 20):
         gc.collect()

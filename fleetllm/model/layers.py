@@ -26,7 +26,9 @@ float32 on a 2-core AVX2 EPYC, 7x slower prefill). There a bfloat16 projection g
 packed copy instead: rows convert to float32, multiply exactly as the float32 model does (fp32
 sums, as bf16 kernels use too) and round back to bfloat16 once per output, as HF's bf16 linear
 does. It costs 4 bytes per parameter beside the 2 of the dense bf16 weight; the 1-4 row GEMV
-still reads the bf16 weight (half the bytes).
+still reads the bf16 weight (half the bytes). Where the dense weights would not be kept
+(FLEETLLM_GEMV_MAX_BYTES), the projections are packed by pairs instead (2 bytes a parameter,
+half the float32 copy's bytes read at every decode step; _packing_plan).
 
 On CPUs with AVX-512 a bf16 weight is packed by pairs for fleetllm's own GEMM instead of
 oneDNN's layout (pair_packed.py): faster than oneDNN's bf16 matmul on decode batches and equal
@@ -391,13 +393,13 @@ def pack_linear_weights(model: nn.Module) -> int:
     while all of them weigh at most FLEETLLM_GEMV_MAX_BYTES and none is packed by pairs (that
     copy serves every number of rows), else it is freed (unless the embedding shares it).
     Returns the number of layers packed; 0 leaves the model unchanged."""
-    linears, shared, packable, keep_dense = _packing_plan(model)
+    linears, shared, packable, keep_dense, by_pairs = _packing_plan(model)
     if not packable:
         return 0  # CUDA weights (or FLEETLLM_LINEAR=dense): don't build the CPU kernels below
     # The copies packed by pairs are what decode steps stream: one huge-page arena for all of
     # them (model/huge_pages.py: 7% at batch 1 for the GEMV's weights, docs/perf.md item 18).
     pairs = [m.weight for m in linears if m.weight is not None and _can_pack(m.weight)
-             and pair_packed.applies(m.weight)]
+             and pair_packed.applies(m.weight)] if by_pairs else []
     # With AMX, oneDNN's copy serves all but small batches; the pairs' copy beside it costs
     # the projections' size again, kept within _pairs_budget().
     amx = bool(pairs) and pair_packed.onednn_amx()
@@ -450,13 +452,14 @@ def pack_linear_weights(model: nn.Module) -> int:
 def dense_weights_kept(model: nn.Module) -> bool:
     """Whether the projections' dense weights stay after pack_linear_weights (for the GEMV
     kernel or plain F.linear); computable before loading, from the shapes alone."""
-    _, _, packable, keep_dense = _packing_plan(model)
+    _, _, packable, keep_dense, _ = _packing_plan(model)
     return keep_dense or not packable
 
 
-def _packing_plan(model: nn.Module) -> tuple[list[nn.Module], set[int], bool, bool]:
+def _packing_plan(model: nn.Module) -> tuple[list[nn.Module], set[int], bool, bool, bool]:
     """The projections (and LM head), the ids of weights the embedding shares, whether any of
-    them can be packed, and whether packing keeps the dense weights beside the packed copies."""
+    them can be packed, whether packing keeps the dense weights beside the packed copies, and
+    whether the bf16 ones are packed by pairs."""
     shared = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)
               and not isinstance(m, ParallelLMHead)}
     linears = [m for m in model.modules()
@@ -464,12 +467,19 @@ def _packing_plan(model: nn.Module) -> tuple[list[nn.Module], set[int], bool, bo
     # What keeping the dense weights costs: a tied LM head's is the embedding's, kept anyway.
     dense_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears
                       if m.weight is not None and id(m.weight) not in shared)
+    dense_ok = os.environ.get("FLEETLLM_LINEAR", "auto") == "auto" and cpu_kernels.available() \
+        and dense_bytes <= _dense_budget()
     # Weights packed by pairs read only that copy at any number of rows: no dense copy then.
-    by_pairs = any(m.weight is not None and pair_packed.applies(m.weight) for m in linears)
-    keep_dense = os.environ.get("FLEETLLM_LINEAR", "auto") == "auto" and cpu_kernels.available() \
-        and dense_bytes <= _dense_budget() and not by_pairs
+    # Where oneDNN packs no bf16 (AVX2), its float32 copy (prompts) and the dense weight for the
+    # GEMV (decode steps of up to 16 rows) were the faster pair, so the pairs' copy takes over
+    # only where the dense weights would not be kept: there the float32 copy alone read twice
+    # the bytes in every decode step (a Llama-1B-shaped model: 4.0 against 8.0 tokens/s at
+    # batch 1 by pairs, docs/perf.md item 38), in twice the memory.
+    by_pairs = any(m.weight is not None and pair_packed.applies(m.weight) for m in linears) \
+        and (not dense_ok or pair_packed.onednn_packs_bf16())
+    keep_dense = dense_ok and not by_pairs
     packable = any(m.weight is not None and _can_pack(m.weight) for m in linears)
-    return linears, shared, packable, keep_dense
+    return linears, shared, packable, keep_dense, by_pairs
 
 
 def _dense_budget() -> int:

@@ -20,8 +20,15 @@ oneDNN's: a sequence gets the same logits in any batch.
 On AVX-512 CPUs without AVX-512 BF16 (Ice Lake, Cascade Lake) the kernel makes the same sums
 with FMAs on the pairs widened in registers (csrc/gemm.cpp, micro_fma): there oneDNN's bf16
 matmul has no bf16 instruction either and ran prompts at 60 GFLOP/s against this kernel's 203
-on a 2-core Ice Lake Xeon (docs/perf.md, item 35). Where it does not apply (no AVX-512, an odd
-K, float32 weights), layers._pack keeps oneDNN's packing.
+on a 2-core Ice Lake Xeon (docs/perf.md, item 35). CPUs with AVX2 and no AVX-512 (Zen 2/3,
+Haswell to Comet Lake) make the same sums by FMAs on 8-float vectors (csrc/gemm_avx2.h). There
+oneDNN packs no bf16 at all, and a bf16 model otherwise keeps a float32 copy of each projection
+for oneDNN (4 bytes a parameter) beside the dense bf16 weight for the GEMV: still the faster
+pair on a 2-core Zen 3 (prompts ~1.2x, decode steps of 2-8 rows 1.2-1.4x), so this copy takes
+over only where the dense weights would not be kept (layers._packing_plan), from the float32
+copy alone: half the memory, and half the bytes every decode step reads (docs/perf.md, item
+38). Where it does not apply (no AVX2, an odd K, float32
+weights), layers._pack keeps oneDNN's packing.
 
 Where oneDNN's bf16 matmul runs on AMX tiles (Intel Sapphire Rapids and later), it is 2-8x this
 kernel's rate from 12 rows up (1,580 against 196 GFLOP/s at 256 rows on the 125M preset's
@@ -70,6 +77,17 @@ def applies(weight: torch.Tensor) -> bool:
     """This CPU's kernels run `weight` packed by pairs."""
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
             and weight.shape[1] % 2 == 0 and cpu_kernels.gemm_pairs_available())
+
+
+@functools.cache
+def onednn_packs_bf16() -> bool:
+    """oneDNN packs bf16 weights on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): else
+    layers._pack gives a bf16 weight a float32 copy."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except (RuntimeError, AttributeError):
+        return False
+    return True
 
 
 @functools.cache
