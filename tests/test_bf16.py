@@ -425,6 +425,37 @@ def _projections(worker) -> list[tuple[torch.dtype | None, torch.dtype | None, o
     return out
 
 
+def _without_onednn_bf16(monkeypatch) -> None:
+    """Simulate a CPU where oneDNN packs no bf16 (AVX2): PyTorch's reorder refuses bf16."""
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+
+    def without_bf16(weight, *args):
+        if weight.dtype == BF16:  # what PyTorch says on such a CPU
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
+                               "avx_ne_convert or avx512bw, avx512vl and avx512dq")
+        return reorder(weight, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
+    monkeypatch.setattr(pair_packed, "onednn_packs_bf16", lambda: False)
+
+
+def _packed_projection(monkeypatch, budget: str | None):
+    """A 96 x 128 bf16 projection packed by layers.pack_linear_weights under the budget
+    FLEETLLM_GEMV_MAX_BYTES (None: the default); (projection, its dense weight, generator)."""
+    from torch import nn
+
+    from fleetllm.model import layers
+
+    if budget is not None:
+        monkeypatch.setenv("FLEETLLM_GEMV_MAX_BYTES", budget)
+    g = torch.Generator().manual_seed(0)
+    proj = layers.RowParallelLinear(128, 96, bias=False)
+    proj.weight.data = torch.randn(96, 128, generator=g).to(BF16)
+    dense = proj.weight.detach().clone()
+    assert layers.pack_linear_weights(nn.ModuleList([proj])) == 1
+    return proj, dense, g
+
+
 @pytest.mark.parametrize("onednn_bf16", [True, False], ids=["bf16-packing", "no-bf16-packing"])
 def test_bf16_projections_are_packed_on_every_cpu(onednn_bf16, tiny_models, tmp_path,
                                                   monkeypatch):
@@ -435,15 +466,7 @@ def test_bf16_projections_are_packed_on_every_cpu(onednn_bf16, tiny_models, tmp_
     packed, the saved state is bf16, and greedy outputs match transformers in bf16. Here the
     CPU without bf16 packing is simulated wherever this runs."""
     if not onednn_bf16:
-        reorder = torch.ops.mkldnn._reorder_linear_weight
-
-        def without_bf16(weight, *args):
-            if weight.dtype == BF16:  # what PyTorch says on such a CPU
-                raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu "
-                                   "support avx_ne_convert or avx512bw, avx512vl and avx512dq")
-            return reorder(weight, *args)
-
-        monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
+        _without_onednn_bf16(monkeypatch)
         # and no pair packing: a CPU with neither AVX2 nor AVX-512 (pair_packed.py)
         monkeypatch.setattr(pair_packed, "applies", lambda weight: False)
     elif not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
@@ -473,15 +496,7 @@ def test_bf16_decode_steps_of_up_to_16_take_the_kernel_without_bf16_packing(
     outputs that still follow transformers in bf16."""
     from fleetllm.model import fused, layers
 
-    reorder = torch.ops.mkldnn._reorder_linear_weight
-
-    def without_bf16(weight, *args):
-        if weight.dtype == BF16:
-            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
-                               "avx_ne_convert or avx512bw, avx512vl and avx512dq")
-        return reorder(weight, *args)
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
+    _without_onednn_bf16(monkeypatch)
     monkeypatch.setattr(pair_packed, "applies", lambda weight: False)  # no AVX2 / AVX-512
     seen = {"layer": 0, "head": 0}
     run_layers, gemv = fused.run_layers, cpu_kernels.gemv
@@ -525,7 +540,6 @@ def test_with_amx_bf16_projections_keep_onednn_and_a_copy_for_small_batches(
     amx_packed.MAX_ROWS rows) where the CPU has AMX, else by pairs (up to SMALL_ROWS); over
     the budget oneDNN's alone. The dense weight goes either way; each copy gives its own
     kernel's bits."""
-    from torch import nn
 
     from fleetllm.model import amx_packed, layers
 
@@ -536,13 +550,7 @@ def test_with_amx_bf16_projections_keep_onednn_and_a_copy_for_small_batches(
     if small_kind == "pairs":
         monkeypatch.setattr(amx_packed, "applies", lambda w: False)
     monkeypatch.setattr(pair_packed, "onednn_amx", lambda: True)
-    if budget is not None:
-        monkeypatch.setenv("FLEETLLM_GEMV_MAX_BYTES", budget)
-    g = torch.Generator().manual_seed(0)
-    proj = layers.RowParallelLinear(128, 96, bias=False)
-    proj.weight.data = torch.randn(96, 128, generator=g).to(BF16)
-    dense = proj.weight.detach().clone()
-    assert layers.pack_linear_weights(nn.ModuleList([proj])) == 1
+    proj, dense, g = _packed_projection(monkeypatch, budget)
     assert proj.weight is None and proj.packed_weight.is_mkldnn
     small = layers.small_batch_weight(proj)
     assert (small is None) == (budget is not None)
@@ -574,30 +582,13 @@ def test_without_onednn_bf16_packing_the_pairs_take_over_where_the_dense_weights
     faster pair there) while the dense weights fit FLEETLLM_GEMV_MAX_BYTES; past it the
     projection is packed by pairs alone (2 bytes a parameter, not the float32 copy's 4),
     whose GEMM takes every batch with its own bits."""
-    from torch import nn
-
     from fleetllm.model import layers
 
     if not cpu_kernels.gemm_pairs_available():
         pytest.skip("no AVX2 or AVX-512: no copies by pairs")
-    reorder = torch.ops.mkldnn._reorder_linear_weight
-
-    def without_bf16(weight, *args):  # what PyTorch says on a CPU without bf16 packing
-        if weight.dtype == BF16:
-            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
-                               "avx_ne_convert or avx512bw, avx512vl and avx512dq")
-        return reorder(weight, *args)
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
+    _without_onednn_bf16(monkeypatch)
     monkeypatch.setattr(pair_packed, "onednn_amx", lambda: False)
-    monkeypatch.setattr(pair_packed, "onednn_packs_bf16", lambda: False)
-    if budget is not None:
-        monkeypatch.setenv("FLEETLLM_GEMV_MAX_BYTES", budget)
-    g = torch.Generator().manual_seed(0)
-    proj = layers.RowParallelLinear(128, 96, bias=False)
-    proj.weight.data = torch.randn(96, 128, generator=g).to(BF16)
-    dense = proj.weight.detach().clone()
-    assert layers.pack_linear_weights(nn.ModuleList([proj])) == 1
+    proj, dense, g = _packed_projection(monkeypatch, budget)
     assert layers.small_batch_weight(proj) is None
     if budget is None:
         assert proj.packed_weight.is_mkldnn and proj.packed_weight.dtype == torch.float32
