@@ -77,7 +77,8 @@ void micro(const float *xf, long xs, const bf16 *w, int b0, int p0, int p1, floa
         UNROLL for (int i = 0; i < R * B; i++) a[i] = _mm256_setzero_ps();
     } else {
         UNROLL for (int r = 0; r < R; r++)
-            UNROLL for (int b = 0; b < B; b++) a[r * B + b] = _mm256_load_ps(acc + (r * BLOCKS + b0 + b) * 8);
+            UNROLL for (int b = 0; b < B; b++)
+                a[r * B + b] = _mm256_load_ps(acc + (r * BLOCKS + b0 + b) * 8);
     }
     const bf16 *wp = w + static_cast<long>(p0) * PAIR + 16 * b0;
     for (int p = 0; p < p1 - p0; p++, wp += PAIR) {
@@ -88,19 +89,22 @@ void micro(const float *xf, long xs, const bf16 *w, int b0, int p0, int p1, floa
         UNROLL for (int b = 0; b < B; b++) h[b] = upper_half(wp + 16 * b);
         UNROLL for (int r = 0; r < R; r++) {
             const __m256 xh = _mm256_broadcast_ss(xf + r * xs + 2 * p + 1);
-            UNROLL for (int b = 0; b < B; b++) a[r * B + b] = _mm256_fmadd_ps(h[b], xh, a[r * B + b]);
+            UNROLL for (int b = 0; b < B; b++)
+                a[r * B + b] = _mm256_fmadd_ps(h[b], xh, a[r * B + b]);
         }
         UNROLL for (int b = 0; b < B; b++)
             h[b] = _mm256_castsi256_ps(_mm256_slli_epi32(
                 _mm256_loadu_si256(reinterpret_cast<const __m256i *>(wp + 16 * b)), 16));
         UNROLL for (int r = 0; r < R; r++) {
             const __m256 xl = _mm256_broadcast_ss(xf + r * xs + 2 * p);
-            UNROLL for (int b = 0; b < B; b++) a[r * B + b] = _mm256_fmadd_ps(h[b], xl, a[r * B + b]);
+            UNROLL for (int b = 0; b < B; b++)
+                a[r * B + b] = _mm256_fmadd_ps(h[b], xl, a[r * B + b]);
         }
     }
     if (!last) {
         UNROLL for (int r = 0; r < R; r++)
-            UNROLL for (int b = 0; b < B; b++) _mm256_store_ps(acc + (r * BLOCKS + b0 + b) * 8, a[r * B + b]);
+            UNROLL for (int b = 0; b < B; b++)
+                _mm256_store_ps(acc + (r * BLOCKS + b0 + b) * 8, a[r * B + b]);
         return;
     }
     UNROLL for (int r = 0; r < R; r++)
@@ -194,8 +198,7 @@ inline void group(int rows, const bf16 *x, long K, const bf16 *w, int p0, int p1
     case 2: panel<2>(xf, xs, w, p0, p1, acc, first, last, bias, y, N, n); break;
     case 3: panel<3>(xf, xs, w, p0, p1, acc, first, last, bias, y, N, n); break;
     case 4: panel<4>(xf, xs, w, p0, p1, acc, first, last, bias, y, N, n); break;
-    case 5: panel<5>(xf, xs, w, p0, p1, acc, first, last, bias, y, N, n); break;
-    default: panel<6>(xf, xs, w, p0, p1, acc, first, last, bias, y, N, n);
+    default: panel<MR>(xf, xs, w, p0, p1, acc, first, last, bias, y, N, n);
     }
 }
 

@@ -370,8 +370,8 @@ Tensor gemm_pairs(const Tensor &x, const Tensor &packed, const optional<Tensor> 
 {
     TORCH_CHECK(x.dim() != 2 || (x.size(1) % 2 == 0 && n > 0), "gemm_pairs: in_features must "
                 "be even and out_features positive, got ", x.size(-1), " and ", n);
-    return packed_gemm("gemm_pairs", "AVX2 or AVX-512 (kernels.gemm_pairs_available())", x, packed,
-                       bias, n, check_pair_packed, kernels::gemm_pairs);
+    return packed_gemm("gemm_pairs", "AVX2 or AVX-512 (kernels.gemm_pairs_available())", x,
+                       packed, bias, n, check_pair_packed, kernels::gemm_pairs);
 }
 
 // Every AVX-512 build (by vdpbf16ps or by FMAs: kernels::pairs_by_fma) and AVX2 build (by

@@ -833,6 +833,8 @@ def test_a_packed_copy_that_disagrees_with_f_linear_is_not_used(monkeypatch, cap
         pytest.skip("no oneDNN linear here")
     monkeypatch.setenv("FLEETLLM_LINEAR", "packed")
     proj = layers.ColumnParallelLinear(64, [(96, 96, 0)], bias=False)
+    # set, not left as allocated: uninitialized memory may hold NaNs, which torch.equal refuses
+    proj.weight.data.normal_(generator=torch.Generator().manual_seed(0))
     dense = proj.weight.detach().clone()
     real = layers.linear
     monkeypatch.setattr(layers, "linear", lambda layer, x, *a, **k: real(layer, x, *a, **k) + 1)
