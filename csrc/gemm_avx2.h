@@ -9,8 +9,9 @@
 // a parameter where this takes 2 (docs/perf.md, item 38).
 // 16 ymm registers hold R x B sums of 8 outputs, B widened weight vectors and a broadcast row:
 // a pair's upper products for every row, then its lower ones (the weights re-read from L1), so
-// that 6 rows x 16 outputs (12 sums, the shape of AVX2 sgemm kernels) fit. Fewer rows take more
-// blocks: a decode step of one row reads the whole 48-output panel in one pass.
+// that 5 rows x 16 outputs (10 sums) fit with the registers GCC keeps besides (6 rows spilled a
+// sum: upper_half). Fewer rows take more blocks: a decode step of one row reads the whole
+// 48-output panel in one pass.
 #pragma once
 
 #include <algorithm>

@@ -462,9 +462,9 @@ def test_bf16_projections_are_packed_on_every_cpu(onednn_bf16, tiny_models, tmp_
     """oneDNN packs bf16 weights only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on
     the others PyTorch's plain bf16 matmul runs 3-7x slower than float32, so where the kernels'
     GEMM by pairs does not apply either (no AVX2) each bf16 projection gets a float32 packed
-    copy instead (layers.py). Either way: every projection is
-    packed, the saved state is bf16, and greedy outputs match transformers in bf16. Here the
-    CPU without bf16 packing is simulated wherever this runs."""
+    copy instead (layers.py). Either way: every projection is packed, the saved state is bf16,
+    and greedy outputs match transformers in bf16. Here the CPU without bf16 packing is
+    simulated wherever this runs."""
     if not onednn_bf16:
         _without_onednn_bf16(monkeypatch)
         # and no pair packing: a CPU with neither AVX2 nor AVX-512 (pair_packed.py)
@@ -489,8 +489,8 @@ def test_bf16_projections_are_packed_on_every_cpu(onednn_bf16, tiny_models, tmp_
 @needs_kernels
 def test_bf16_decode_steps_of_up_to_16_take_the_kernel_without_bf16_packing(
         tiny_models, tmp_path, monkeypatch):
-    """Where oneDNN packs no bf16 and the projections are not packed by pairs (AVX2 within the
-    float32 copies' budget; simulated here), a bf16 projection's packed copy is float32 (twice
+    """Where oneDNN packs no bf16 and the projections are not packed by pairs (AVX2 within
+    FLEETLLM_GEMV_MAX_BYTES; simulated here), a bf16 projection's packed copy is float32 (twice
     the bytes), and the GEMV kernel on the bf16 weight is faster up to ~24 rows; decode steps
     of up to 16 sequences run the fused layers (and the LM head the kernel), with greedy
     outputs that still follow transformers in bf16."""
@@ -540,7 +540,6 @@ def test_with_amx_bf16_projections_keep_onednn_and_a_copy_for_small_batches(
     amx_packed.MAX_ROWS rows) where the CPU has AMX, else by pairs (up to SMALL_ROWS); over
     the budget oneDNN's alone. The dense weight goes either way; each copy gives its own
     kernel's bits."""
-
     from fleetllm.model import amx_packed, layers
 
     if not cpu_kernels.gemm_pairs_available() or not pair_packed.onednn_packs_bf16():

@@ -189,7 +189,7 @@ def test_weights_packed_by_pairs_share_one_huge_page_mapping(monkeypatch):
     if not cpu_kernels.gemm_pairs_available():
         pytest.skip("this CPU has neither AVX2 nor AVX-512: no packing by pairs")
     monkeypatch.delenv("FLEETLLM_HUGE_PAGES", raising=False)
-    if not pair_packed.onednn_packs_bf16():  # AVX2: the pairs only past the float32 budget
+    if not pair_packed.onednn_packs_bf16():  # AVX2: the pairs only past the dense budget
         monkeypatch.setenv("FLEETLLM_GEMV_MAX_BYTES", "0")
     g = torch.Generator().manual_seed(0)
 

@@ -1,6 +1,7 @@
 /* The CPU's arithmetic peak on one core, as a bound for the matmul rates the benchmarks print:
- * float32 FMA (vfmadd231ps, 512-bit with AVX-512, else 256-bit with AVX2 and FMA) and, where the CPU has AVX-512 BF16, the dot product of bf16
- * pairs (vdpbf16ps: 32 multiply-adds per 512-bit instruction), each with 12 independent
+ * float32 FMA (vfmadd231ps, 512-bit with AVX-512, else 256-bit with AVX2 and FMA) and, where
+ * the CPU has AVX-512 BF16, the dot product of bf16 pairs (vdpbf16ps: 32 multiply-adds per
+ * 512-bit instruction), each with 12 independent
  * accumulators in registers (unrolled: GCC -O2 kept them in memory, at half the rate) so that
  * only the instruction's throughput counts.
  *
@@ -9,7 +10,7 @@
  * Prints GFLOP/s per core (2 FLOPs per multiply-add). On the 2-core Zen 4 of docs/perf.md:
  * float32 ~115 GFLOP/s (one 16-lane FMA a cycle at ~3.6 GHz), bf16 ~234. -march=native
  * suits a measurement run on the machine measured; the engine's kernels never use it. On the
- * 2-core Zen 3 EPYC of item 38 (AVX2, two 256-bit FMAs a cycle): float32 ~137 GFLOP/s. */
+ * 2-core Zen 3 EPYC of item 38 (AVX2, two 256-bit FMAs a cycle): float32 91-97 GFLOP/s. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>

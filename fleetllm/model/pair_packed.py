@@ -27,8 +27,8 @@ for oneDNN (4 bytes a parameter) beside the dense bf16 weight for the GEMV: stil
 pair on a 2-core Zen 3 (prompts ~1.2x, decode steps of 2-8 rows 1.2-1.4x), so this copy takes
 over only where the dense weights would not be kept (layers._packing_plan), from the float32
 copy alone: half the memory, and half the bytes every decode step reads (docs/perf.md, item
-38). Where it does not apply (no AVX2, an odd K, float32
-weights), layers._pack keeps oneDNN's packing.
+38). Where it does not apply (no AVX2, an odd K, float32 weights), layers._pack keeps oneDNN's
+packing.
 
 Where oneDNN's bf16 matmul runs on AMX tiles (Intel Sapphire Rapids and later), it is 2-8x this
 kernel's rate from 12 rows up (1,580 against 196 GFLOP/s at 256 rows on the 125M preset's
