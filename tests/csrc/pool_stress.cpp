@@ -8,7 +8,8 @@
 //       child runs jobs on the pool and exits. Prints "hung N failed M": N children did not
 //       finish within 10 s (it stops at the first), M exited with an error (both must be 0).
 //       Built with -DPOOL_TEST_LOCKED (a worker sleeping while it holds the sleep lock), the
-//       pool without fork handlers hung in about 40% of the children.
+//       pool without fork handlers hung in about 40% of the children. The test's sleeps must
+//       not take a lock (rand() does: a child forked while the busy thread held it hung).
 #include <signal.h>
 #include <sys/wait.h>
 #include <time.h>
