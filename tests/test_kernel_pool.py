@@ -27,7 +27,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # The sleeps draw from a per-thread rand_r, not rand(): rand() takes glibc's lock, and a child
 # forked while the parent's other thread was inside rand() waited for that lock forever in its
-# first hook (1 run of `pool_stress fork` in 40 hung so, the pool's locks all free: gdb).
+# first hook (1 run of `pool_stress fork` in 40-50 hung so, the pool's locks all free: gdb).
 SEED = "thread_local unsigned seed = static_cast<unsigned>(reinterpret_cast<uintptr_t>(&seed))"
 HOOKS = [f"-DPOOL_TEST_PREEMPT()=do {{ {SEED}; if (rand_r(&seed) % 16 == 0) "
          "usleep(rand_r(&seed) % 30); } while (0)",
