@@ -263,7 +263,11 @@ inline void group(bool, int rows, const bf16 *x, long K, const bf16 *w, int p0, 
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 // Work item i: row block i / panels, panel i % panels (a thread's run of items shares the
-// rows' block, which stays in L2 while the panels stream by).
+// rows' block, which stays in L2 while the panels stream by). BY_FMA is a template argument:
+// with c->by_fma tested per group (this driver as item 38 left it), GCC's code took 1.02-1.05x
+// the time of the tree before at 8-32 rows by vdpbf16ps, and 0.97-1.00x so
+// (tools/gemm_pairs_ab.cpp on the Zen 4; docs/perf.md item 39).
+template <bool BY_FMA>
 void gemm_body(void *arg, long begin, long end, int)
 {
     const auto *c = static_cast<const GemmCtx *>(arg);
@@ -287,7 +291,7 @@ void gemm_body(void *arg, long begin, long end, int)
                 const bf16 *x = c->x + static_cast<long>(m0 + r0) * K;
                 bf16 *y = c->y + static_cast<long>(m0 + r0) * c->N + n0;
                 const bf16 *bias = c->bias ? c->bias + n0 : nullptr;
-                group(c->by_fma, rows, x, K, w, p0, p1, acc + r0 * PAIR_PANEL, first, last,
+                group(BY_FMA, rows, x, K, w, p0, p1, acc + r0 * PAIR_PANEL, first, last,
                       bias, y, c->N, n, xf);
                 r0 += rows;
             }
@@ -344,7 +348,8 @@ bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M,
     // not split evenly (a prompt of 1,042 rows: 9 row blocks; 16 runs a thread took 0.92x the
     // time there, 0.99-1.01x at 1,024-2,048 rows; tools/gemm_pairs_ab.cpp, docs/perf.md item 33).
     const long chunk = std::max(1L, items / ((M <= 64 ? 4L : 16L) * std::max(1, nthreads)));
-    parallel_run(nthreads, gemm_body, &c, items, chunk, M <= 64);
+    parallel_run(nthreads, c.by_fma ? gemm_body<true> : gemm_body<false>, &c, items, chunk,
+                 M <= 64);
     return true;
 #else
     (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)nthreads;
