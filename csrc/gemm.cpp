@@ -264,9 +264,9 @@ inline void group(bool, int rows, const bf16 *x, long K, const bf16 *w, int p0, 
 #if defined(__AVX512F__) || defined(__AVX2__)
 // Work item i: row block i / panels, panel i % panels (a thread's run of items shares the
 // rows' block, which stays in L2 while the panels stream by). BY_FMA is a template argument:
-// with c->by_fma tested per group (this driver as item 38 left it), GCC's code took 1.02-1.05x
-// the time of the tree before at 8-32 rows by vdpbf16ps, and 0.97-1.00x so
-// (tools/gemm_pairs_ab.cpp on the Zen 4; docs/perf.md item 39).
+// with c->by_fma tested per group (this driver as item 38 left it), GCC's code took 1.02-1.09x
+// the time of the tree before item 38 at 8-32 rows by vdpbf16ps; as a template argument,
+// 0.97-1.00x (tools/gemm_pairs_ab.cpp on the Zen 4; docs/perf.md item 39).
 template <bool BY_FMA>
 void gemm_body(void *arg, long begin, long end, int)
 {
