@@ -49,7 +49,6 @@ struct GemmCtx {
     bf16 *y;
     int M, N, K;
     long panels, mblocks;
-    bool by_fma;  // micro_fma, not micro (pairs_by_fma)
 };
 #endif
 
@@ -264,9 +263,9 @@ inline void group(bool, int rows, const bf16 *x, long K, const bf16 *w, int p0, 
 #if defined(__AVX512F__) || defined(__AVX2__)
 // Work item i: row block i / panels, panel i % panels (a thread's run of items shares the
 // rows' block, which stays in L2 while the panels stream by). BY_FMA is a template argument:
-// with c->by_fma tested per group (this driver as item 38 left it), GCC's code took 1.02-1.09x
-// the time of the tree before item 38 at 8-32 rows by vdpbf16ps; as a template argument,
-// 0.97-1.00x (tools/gemm_pairs_ab.cpp on the Zen 4; docs/perf.md item 39).
+// tested per group from the context (this driver as item 38 left it), GCC's code took
+// 1.02-1.09x the time of the tree before item 38 at 8-32 rows by vdpbf16ps; as a template
+// argument, 0.97-1.00x (tools/gemm_pairs_ab.cpp on the Zen 4; docs/perf.md item 39).
 template <bool BY_FMA>
 void gemm_body(void *arg, long begin, long end, int)
 {
@@ -339,8 +338,7 @@ bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M,
 #if defined(__AVX512F__) || defined(__AVX2__)
     if (K % 2 != 0)
         return false;
-    GemmCtx c{x, wp, bias, y, M, N, K, (N + PAIR_PANEL - 1) / PAIR_PANEL,
-              (M + MC - 1) / MC, pairs_by_fma()};
+    GemmCtx c{x, wp, bias, y, M, N, K, (N + PAIR_PANEL - 1) / PAIR_PANEL, (M + MC - 1) / MC};
     const long items = c.panels * c.mblocks;
     // Runs of items per thread: each thread reads one run of panels after another in order.
     // A decode batch's GEMM streams its weights (4 runs a thread); a prompt's is compute bound,
@@ -348,8 +346,9 @@ bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M,
     // not split evenly (a prompt of 1,042 rows: 9 row blocks; 16 runs a thread took 0.92x the
     // time there, 0.99-1.01x at 1,024-2,048 rows; tools/gemm_pairs_ab.cpp, docs/perf.md item 33).
     const long chunk = std::max(1L, items / ((M <= 64 ? 4L : 16L) * std::max(1, nthreads)));
-    parallel_run(nthreads, c.by_fma ? gemm_body<true> : gemm_body<false>, &c, items, chunk,
-                 M <= 64);
+    // micro_fma or micro (pairs_by_fma)
+    parallel_run(nthreads, pairs_by_fma() ? gemm_body<true> : gemm_body<false>, &c, items,
+                 chunk, M <= 64);
     return true;
 #else
     (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)nthreads;
