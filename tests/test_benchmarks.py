@@ -5,6 +5,7 @@ roofline, the shared-prefix mode and the latency split are computed and written.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -160,3 +161,23 @@ def test_fp32_gemm_ab_tool_times_both_packings_on_the_same_product(capsys):
     assert [line.split(":")[0] for line in lines] == ["rows 4", "rows 70"], lines
     for line in lines:  # " / " in the header, each of the 5 shapes and the ratio
         assert line.count(" / ") == 7 and float(line.rsplit(" ", 1)[1]) > 0, line
+
+
+def test_host_ab_tool_swaps_functions_step_by_step_and_times_both(tiny_models, capsys):
+    """tools/host_ab.py (docs/perf.md item 40): a function of a git revision against the
+    working tree's, swapped step by step in one process; both medians printed."""
+    import shutil
+    import subprocess
+
+    from helpers import load_tool
+
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    tool = load_tool("host_ab")
+    for extra in ([], ["--forward-python"]):
+        tool.main(["--model", str(tiny_models["llama_gqa"]), "--rounds", "1",
+                   "--stream-mib", "4", *extra, "fleetllm.worker.sampler:sample"])
+        out = capsys.readouterr().out
+        assert "median of 63 steps each: HEAD " in out and "working tree " in out, out

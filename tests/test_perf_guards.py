@@ -7,6 +7,9 @@ shared test machine cannot keep steady):
   table (a few bytes per block of block_size tokens; the token history is never resent);
 - in this process the request references the engine's sequence data instead of copying it;
 - LLM.generate builds one RequestOutput per request, not one per request per step;
+- a decode step's host work stays off torch paths it does not need (each runs from memory
+  after the step's weight stream): no inference_mode Python wrapper, no tensor of the sampled
+  ids, no slice of logits that have no padding;
 - `import fleetllm` sets OpenMP's bounded spin-wait before torch loads, and keeps a user's own.
 """
 
@@ -70,6 +73,45 @@ def test_decode_step_work_and_request_size_do_not_grow_with_history(tiny_models)
         grown = blocks[late] - blocks[early]
         assert grown > 20
         assert sizes[late] - sizes[early] <= 3 * grown, (sizes[early], sizes[late], grown)
+
+
+def test_a_decode_steps_host_work_stays_off_torch_paths_it_does_not_need(tiny_models):
+    """docs/perf.md item 40: each of these cost a batch-1 step 20-45 us from a cold cache."""
+    import torch
+
+    def torch_calls(fn) -> tuple[set[str], int]:
+        files, tensors = set(), 0
+
+        def profile(frame, event, arg):
+            nonlocal tensors
+            if event == "call" and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+                files.add(frame.f_code.co_filename.rsplit(f"{os.sep}torch{os.sep}", 1)[1])
+            elif event == "c_call" and arg is torch.tensor:
+                tensors += 1
+
+        sys.setprofile(profile)
+        try:
+            fn()
+        finally:
+            sys.setprofile(None)
+        return files, tensors
+
+    with LLM(tiny_models["llama_gqa"], kv_cache_memory=KV) as llm:
+        engine = llm.llm_engine
+        runner = engine.model_executor.driver_worker.worker.model_runner
+        inner, outputs = runner.execute_model, []
+        runner.execute_model = lambda *a, **k: outputs.append(inner(*a, **k)) or outputs[-1]
+        engine.add_request("r", {"prompt_token_ids": list(range(5, 40))},
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        engine.step()  # the prompt
+        files, tensors = torch_calls(engine.step)  # a decode step
+        [result] = outputs[-1]
+        assert len(result.outputs[0].samples) == 1 and result.sampled_token_ids is None
+        assert not any(f.startswith(("autograd/grad_mode", "utils/_contextlib")) for f in files)
+        assert tensors <= 6  # the step's index tensors (model_runner._prepare)
+        head = runner.model.lm_head  # no padding to slice off: the GEMM's own output
+        logits = head.logits(torch.zeros(1, head.weight.shape[1], dtype=head.weight.dtype))
+        assert logits.shape == (1, head.vocab_size) and logits._base is None
 
 
 def test_generate_builds_one_output_per_request(tiny_models, monkeypatch):

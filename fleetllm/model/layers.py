@@ -204,7 +204,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Full-vocabulary logits on every TP rank (gathered)."""
         # The rows are the sequences sampled in a step (a prompt's tokens with prompt logprobs)
         local = linear(self, hidden, gemv_rows=decode_gemv_rows(self))
-        return get_tp_group().all_gather(local, dim=-1)[..., : self.vocab_size]
+        full = get_tp_group().all_gather(local, dim=-1)
+        # Slice off the shards' padding only where there is some: from a cold cache, after the
+        # weight stream, the slice cost a batch-1 step 22 us (docs/perf.md item 40).
+        return full if full.shape[-1] == self.vocab_size else full[..., : self.vocab_size]
 
 
 class RotaryEmbedding(nn.Module):

@@ -69,7 +69,6 @@ class ModelRunner:
                                                 lora_torch_dtype(lora, self.dtype))
             self.lora_manager.attach(self.model)
 
-    @torch.inference_mode()
     def execute_model(self, request: ExecuteModelRequest, kv_caches: list[torch.Tensor] | None,
                       drafts: dict[int, list[int]] | None = None) -> list[SamplerOutput] | None:
         """One step; None on a rank that does not sample. drafts (speculative decoding):
@@ -78,11 +77,14 @@ class ModelRunner:
         self.penalties.drop(request.finished_requests_ids)
         if not request.seq_group_metadata_list:
             return [SamplerOutput([])] if self.is_output_rank else None
-        batch = self._prepare(request, drafts)
-        logits = self._forward(batch, kv_caches)
-        if logits is None or not self.is_output_rank:
-            return None
-        return self._sample(request, batch, logits)
+        # Inference mode by its C++ guard: torch.inference_mode()'s Python wrapper ran from
+        # memory after a step's weight stream (22 us of a batch-1 step; docs/perf.md item 40).
+        with torch._C._InferenceMode(True):
+            batch = self._prepare(request, drafts)
+            logits = self._forward(batch, kv_caches)
+            if logits is None or not self.is_output_rank:
+                return None
+            return self._sample(request, batch, logits)
 
     def _forward(self, batch: _Batch, kv_caches: list[torch.Tensor] | None
                  ) -> torch.Tensor | None:
@@ -289,9 +291,9 @@ class ModelRunner:
             if targets:
                 chunk += sampler.prompt_logprobs(logits[first: first + len(targets)], targets, n)
             outputs[g_index].prompt_logprobs = chunk
-        return [SamplerOutput(outs, sampled_token_ids=torch.tensor(
-                    [x.output_token for o in outs for x in o.samples], dtype=torch.long))
-                for outs in (outputs, *later)]
+        # sampled_token_ids stays None, as in vLLM without a tensor consumer: nothing reads it,
+        # and building it cost a batch-1 step 39 us from a cold cache (docs/perf.md item 40).
+        return [SamplerOutput(outs) for outs in (outputs, *later)]
 
     @torch.inference_mode()
     def profile_run(self) -> None:
