@@ -646,15 +646,17 @@ def ab_tools(tmp_path_factory) -> dict:
     ("gemm_pairs_ab.cpp", "gemm.cpp", ["72", "1", "1b", "1"], "M=72 mean old "),
     ("decode_ab.cpp", "paged_decode.cpp", ["8", "1"], "B=8 mean old "),
     ("decode_ab.cpp", "paged_decode.cpp", ["1", "1", "16", "14", "2"], "B=1 mean old "),
+    ("gemv_ab.cpp", "gemv.cpp", ["1", "1"], "M=1 mean old "),
 ])
 def test_an_ab_tool_builds_two_trees_and_times_them_in_turn(ab_tools, tool, source, args,
                                                              first):
-    """tools/gemm_pairs_ab.cpp and tools/decode_ab.cpp, the measurements behind perf.md items
-    26 and 30: built as their headers say (here this tree as both builds, one renamed), run for
-    a round, each prints both builds' times (of a 125M decode step's GEMMs; of its attention)
-    and their ratio; decode_ab also with a stream read before each pass, as a step's weights
-    evict a small batch's K/V, on other heads (Qwen2-0.5B's); gemm_pairs_ab also on a layer of
-    Llama-1B's shapes at more rows than a decode step's (a prompt's)."""
+    """tools/gemm_pairs_ab.cpp, tools/decode_ab.cpp and tools/gemv_ab.cpp, the measurements
+    behind perf.md items 26, 30 and 40: built as their headers say (here this tree as both
+    builds, one renamed), run for a round, each prints both builds' times (of a 125M decode
+    step's GEMMs by pairs or by the GEMV; of its attention) and their ratio; decode_ab also
+    with a stream read before each pass, as a step's weights evict a small batch's K/V, on
+    other heads (Qwen2-0.5B's); gemm_pairs_ab also on a layer of Llama-1B's shapes at more
+    rows than a decode step's (a prompt's)."""
     if not cpu_kernels.gemm_pairs_available():
         pytest.skip("this CPU has neither AVX2 nor AVX-512")
     exe = ab_tools.get(tool)
