@@ -342,12 +342,13 @@ bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M,
     const long items = c.panels * c.mblocks;
     // Runs of items per thread: each thread reads one run of panels after another in order.
     // A decode batch's GEMM streams its weights: one run a thread (the weight in as many
-    // contiguous parts as threads) took 0.945x the time of 4 runs a thread at 1 row when the
-    // memory ran at 44-60 GB/s, 0.92x at 4 rows, 0.96-0.98x at 8-64 (and 1.00x at 1 row when it
-    // ran at ~34; tools/gemm_pairs_ab.cpp on the Zen 4, docs/perf.md item 40). A prompt's is
-    // compute bound, and 4 runs a thread left one thread a whole run more than the other
-    // whenever the runs did not split evenly (a prompt of 1,042 rows: 9 row blocks; 16 runs a
-    // thread took 0.92x the time there, 0.99-1.01x at 1,024-2,048 rows; item 33).
+    // contiguous parts as threads) took 0.945-0.98x the time of 4 runs a thread at 1 row when
+    // the memory ran at 44-66 GB/s (1.00x at ~34), 0.92-1.00x at 4 rows, 0.96-0.98x at 8-64
+    // (tools/gemm_pairs_ab.cpp on the Zen 4; the AVX2 build 0.93-0.94x; docs/perf.md item
+    // 40). A prompt's is compute bound, and 4 runs a thread left one thread a whole run more
+    // than the other whenever the runs did not split evenly (a prompt of 1,042 rows: 9 row
+    // blocks; 16 runs a thread took 0.92x the time there, 0.99-1.01x at 1,024-2,048 rows;
+    // item 33).
     const long threads = std::max(1, nthreads);
     const long chunk = M <= 64 ? (items + threads - 1) / threads
                                : std::max(1L, items / (16L * threads));

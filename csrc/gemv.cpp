@@ -523,9 +523,9 @@ void gemv(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, floa
 {
     const long tiles = (N + 3) / 4;
     // One chunk a thread (the weight in as many contiguous parts), inline if small: against
-    // ~4 a thread, 0.973x the time at 1 row of float32 and 0.964x at 4 when the memory ran at
-    // 44-60 GB/s, 1.00x / 0.99x at ~34 (the 125M decode step's projections and LM head, two
-    // builds in one process on the Zen 4; docs/perf.md item 40).
+    // ~4 a thread, 0.97x the time at 1-4 rows of float32 when the memory ran at 44-66 GB/s,
+    // 1.00x at ~34 (the 125M decode step's projections and LM head, two builds in one
+    // process on the Zen 4: tools/gemv_ab.cpp; docs/perf.md item 40).
     const long threads = nthreads > 0 ? nthreads : 1;
     const long chunk = static_cast<long>(N) * K < 4 * PAR_MIN
                            ? tiles : (tiles + threads - 1) / threads;
