@@ -175,9 +175,15 @@ def test_host_ab_tool_swaps_functions_step_by_step_and_times_both(tiny_models, c
     if shutil.which("git") is None or subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True).returncode != 0:
         pytest.skip("not a git checkout")
+    from fleetllm.attention import cpu_kernels
+    from fleetllm.worker import sampler
+
     tool = load_tool("host_ab")
+    before = (sampler.sample, cpu_kernels.decoder_layers, cpu_kernels.gemm_pairs)
     for extra in ([], ["--forward-python"]):
         tool.main(["--model", str(tiny_models["llama_gqa"]), "--rounds", "1",
                    "--stream-mib", "4", *extra, "fleetllm.worker.sampler:sample"])
         out = capsys.readouterr().out
         assert "median of 63 steps each: HEAD " in out and "working tree " in out, out
+        # the process's functions as they were: later tests run the working tree's
+        assert (sampler.sample, cpu_kernels.decoder_layers, cpu_kernels.gemm_pairs) == before

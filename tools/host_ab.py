@@ -142,25 +142,30 @@ def main(argv: list[str] | None = None) -> None:
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     times: dict[str, list[float]] = {"old": [], "new": []}
     k = 0
-    for r in range(args.rounds):
-        engine.add_request(f"r{r}", {"prompt_token_ids": list(range(5, 133))}, params)
-        engine.step()  # the prompt
-        engine.step()  # the first decode keeps the logits
-        while engine.has_unfinished_requests():
-            which = ("old", "new")[(k + k // 2) % 2]
-            k += 1
-            for owner, attr, old, new in table:
-                setattr(owner, attr, old if which == "old" else new)
-            start = time.perf_counter()
-            engine.step()
-            times[which].append(time.perf_counter() - start - streamed[0])
+    try:
+        for r in range(args.rounds):
+            engine.add_request(f"r{r}", {"prompt_token_ids": list(range(5, 133))}, params)
+            engine.step()  # the prompt
+            engine.step()  # the first decode keeps the logits
+            while engine.has_unfinished_requests():
+                which = ("old", "new")[(k + k // 2) % 2]
+                k += 1
+                for owner, attr, old, new in table:
+                    setattr(owner, attr, old if which == "old" else new)
+                start = time.perf_counter()
+                engine.step()
+                times[which].append(time.perf_counter() - start - streamed[0])
+    finally:  # this process's modules as they were (a test runs the tool in its own)
+        for owner, attr, _, new in table:
+            setattr(owner, attr, new)
+        if args.forward_python:
+            cpu_kernels.decoder_layers, cpu_kernels.gemm_pairs = real_layers, real_gemm
+        llm.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
     old, new = (statistics.median(times[w]) * 1e3 for w in ("old", "new"))
     what = "host work and forward Python" if args.forward_python else "host work"
     print(f"{what} per decode step, median of {len(times['new'])} steps each: "
           f"{args.base} {old:.3f} ms, working tree {new:.3f} ms ({new - old:+.3f} ms)")
-    llm.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
-
 
 if __name__ == "__main__":
     main()
