@@ -18,7 +18,6 @@
 //     /tmp/ab 4 10 200 32 8   # ... and other heads: query heads, KV heads (Llama-3.2-1B's)
 //
 // "old" is the build whose namespace -Dfleetllm=fold renamed; "new" is this tree's.
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -72,11 +71,9 @@ int main(int argc, char **argv)
     std::shuffle(tables.begin(), tables.end(), rng);
     const int maxlen = *std::max_element(lens.begin(), lens.end());
     const long half = blocks * BS * KVH * D, bytes = 2 * half * 2 * LAYERS;  // K and V, bf16
-    void *p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED)
+    auto *cache = static_cast<uint16_t *>(huge_mapping(bytes));
+    if (cache == nullptr)
         return 1;
-    madvise(p, bytes, MADV_HUGEPAGE);
-    auto *cache = static_cast<uint16_t *>(p);
     for (long i = 0; i < bytes / 2; i++) cache[i] = static_cast<uint16_t>(0x3c00 + (rng() & 255));
     std::vector<uint16_t> q(static_cast<size_t>(B) * H * D, 0x3f80), out(q.size());
     std::vector<float> scratch(fleetllm::kernels::paged_decode_scratch(H, D, BS, maxlen, 2));
@@ -86,28 +83,26 @@ int main(int argc, char **argv)
     auto *op = reinterpret_cast<bf16 *>(out.data());
     double total[2] = {0, 0};
     for (int r = 0; r < rounds; r++) {
-        double best[2] = {1e9, 1e9};
-        for (int rep = 0; rep < 7; rep++)
-            for (int v = 0; v < 2; v++) {
-                for (const uint64_t w : stream) sink += w;  // evicts K/V, as a step's weights do
-                const double t0 = now();
-                for (int l = 0; l < LAYERS; l++) {
-                    const auto *k = reinterpret_cast<const bf16 *>(cache) + 2 * half * l;
-                    using fb = fold::kernels::bf16;
-                    if (v == 0)
-                        fold::kernels::paged_decode<fb, fb>(
-                            reinterpret_cast<const fb *>(qp), H * D,
-                            reinterpret_cast<const fb *>(k), reinterpret_cast<const fb *>(k + half),
-                            ob, reinterpret_cast<fb *>(op), B, H, KVH, D, BS, 0, 0.125f,
-                            scratch.data(), 2);
-                    else
-                        fleetllm::kernels::paged_decode<bf16, bf16>(qp, H * D, k, k + half, nb,
-                                                                    op, B, H, KVH, D, BS, 0,
-                                                                    0.125f, scratch.data(), 2);
-                }
-                const double dt = now() - t0;
-                best[v] = dt < best[v] ? dt : best[v];
+        double best[2];
+        best_in_turns(7, best, [&](int v) {
+            for (const uint64_t w : stream) sink += w;  // evicts K/V, as a step's weights do
+            const double t0 = now();
+            for (int l = 0; l < LAYERS; l++) {
+                const auto *k = reinterpret_cast<const bf16 *>(cache) + 2 * half * l;
+                using fb = fold::kernels::bf16;
+                if (v == 0)
+                    fold::kernels::paged_decode<fb, fb>(
+                        reinterpret_cast<const fb *>(qp), H * D,
+                        reinterpret_cast<const fb *>(k), reinterpret_cast<const fb *>(k + half),
+                        ob, reinterpret_cast<fb *>(op), B, H, KVH, D, BS, 0, 0.125f,
+                        scratch.data(), 2);
+                else
+                    fleetllm::kernels::paged_decode<bf16, bf16>(qp, H * D, k, k + half, nb, op,
+                                                                B, H, KVH, D, BS, 0, 0.125f,
+                                                                scratch.data(), 2);
             }
+            return now() - t0;
+        });
         std::printf("B=%d old %.2f ms new %.2f ms (new/old %.3f)\n", B, best[0] * 1e3,
                     best[1] * 1e3, best[1] / best[0]);
         total[0] += best[0];

@@ -18,8 +18,6 @@
 //     /tmp/ab 1024 5 1b 2   # prompt rows on two of Llama-1B's layers
 //
 // "old" is the build whose namespace -Dfleetllm=fold renamed; "new" is this tree's.
-#include <sys/mman.h>
-
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -63,11 +61,9 @@ int main(int argc, char **argv)
     }
     uint16_t *w[2];
     for (auto &v : w) {
-        void *p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (p == MAP_FAILED)
+        v = static_cast<uint16_t *>(huge_mapping(bytes));
+        if (v == nullptr)
             return 1;
-        madvise(p, bytes, MADV_HUGEPAGE);
-        v = static_cast<uint16_t *>(p);
         for (long i = 0; i < bytes / 2; i++) v[i] = static_cast<uint16_t>(0x3c00 + i % 64);
     }
     // x's widest rows are down's K; y's, gate_up's N (the LM head's if it runs)
@@ -79,27 +75,25 @@ int main(int argc, char **argv)
     for (long i = 0; i < M * maxK; i++) x[i] = 0x3f80;
     double total[2] = {0, 0};
     for (int r = 0; r < rounds; r++) {
-        double best[2] = {1e9, 1e9};
-        for (int rep = 0; rep < 7; rep++)
-            for (int v = 0; v < 2; v++) {
-                const double t0 = now();
-                const uint16_t *wl = w[v];
-                for (int l = 0; l < G; l++) {
-                    if (v == 0)
-                        fold::kernels::gemm_pairs(
-                            reinterpret_cast<const fold::kernels::bf16 *>(x),
-                            reinterpret_cast<const fold::kernels::bf16 *>(wl), nullptr,
-                            reinterpret_cast<fold::kernels::bf16 *>(y), M, N[l], K[l], 2);
-                    else
-                        fleetllm::kernels::gemm_pairs(
-                            reinterpret_cast<const fleetllm::kernels::bf16 *>(x),
-                            reinterpret_cast<const fleetllm::kernels::bf16 *>(wl), nullptr,
-                            reinterpret_cast<fleetllm::kernels::bf16 *>(y), M, N[l], K[l], 2);
-                    wl += size[l] / 2;
-                }
-                const double dt = now() - t0;
-                best[v] = dt < best[v] ? dt : best[v];
+        double best[2];
+        best_in_turns(7, best, [&](int v) {
+            const double t0 = now();
+            const uint16_t *wl = w[v];
+            for (int l = 0; l < G; l++) {
+                if (v == 0)
+                    fold::kernels::gemm_pairs(
+                        reinterpret_cast<const fold::kernels::bf16 *>(x),
+                        reinterpret_cast<const fold::kernels::bf16 *>(wl), nullptr,
+                        reinterpret_cast<fold::kernels::bf16 *>(y), M, N[l], K[l], 2);
+                else
+                    fleetllm::kernels::gemm_pairs(
+                        reinterpret_cast<const fleetllm::kernels::bf16 *>(x),
+                        reinterpret_cast<const fleetllm::kernels::bf16 *>(wl), nullptr,
+                        reinterpret_cast<fleetllm::kernels::bf16 *>(y), M, N[l], K[l], 2);
+                wl += size[l] / 2;
             }
+            return now() - t0;
+        });
         double flops = 0;
         for (int l = 0; l < G; l++) flops += 2.0 * M * N[l] * K[l];
         std::printf("M=%d old %.2f ms new %.2f ms (new/old %.3f; new %.1f GB/s, %.0f GFLOP/s)\n",

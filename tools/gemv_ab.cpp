@@ -14,8 +14,6 @@
 //     /tmp/gemv_ab 1 100      # rows of x, rounds
 //
 // "old" is the build whose namespace -Dfleetllm=fold renamed; "new" is this tree's.
-#include <sys/mman.h>
-
 #include <cstdio>
 #include <cstdlib>
 
@@ -47,11 +45,9 @@ int main(int argc, char **argv)
     }
     float *w[2];
     for (auto &v : w) {
-        void *p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (p == MAP_FAILED)
+        v = static_cast<float *>(huge_mapping(bytes));
+        if (v == nullptr)
             return 1;
-        madvise(p, bytes, MADV_HUGEPAGE);
-        v = static_cast<float *>(p);
         for (long i = 0; i < bytes / 4; i++) v[i] = 0.001f * static_cast<float>(i % 64);
     }
     auto *x = static_cast<float *>(std::aligned_alloc(64, 8 * 2048 * 4));
@@ -62,21 +58,19 @@ int main(int argc, char **argv)
     for (int i = 0; i < 8 * 2048; i++) x[i] = 1.0f;
     double total[2] = {0, 0};
     for (int r = 0; r < rounds; r++) {
-        double best[2] = {1e9, 1e9};
-        for (int rep = 0; rep < 5; rep++)
-            for (int v = 0; v < 2; v++) {
-                const double t0 = now();
-                const float *wl = w[v];
-                for (int l = 0; l < G; l++) {
-                    if (v == 0)
-                        fold::kernels::gemv<float>(x, wl, nullptr, y, M, N[l], K[l], xf, 2);
-                    else
-                        fleetllm::kernels::gemv<float>(x, wl, nullptr, y, M, N[l], K[l], xf, 2);
-                    wl += N[l] * K[l];
-                }
-                const double dt = now() - t0;
-                best[v] = dt < best[v] ? dt : best[v];
+        double best[2];
+        best_in_turns(5, best, [&](int v) {
+            const double t0 = now();
+            const float *wl = w[v];
+            for (int l = 0; l < G; l++) {
+                if (v == 0)
+                    fold::kernels::gemv<float>(x, wl, nullptr, y, M, N[l], K[l], xf, 2);
+                else
+                    fleetllm::kernels::gemv<float>(x, wl, nullptr, y, M, N[l], K[l], xf, 2);
+                wl += N[l] * K[l];
             }
+            return now() - t0;
+        });
         std::printf("M=%d old %.2f ms new %.2f ms (new/old %.3f; new %.1f GB/s)\n", M,
                     best[0] * 1e3, best[1] * 1e3, best[1] / best[0], bytes / best[1] / 1e9);
         total[0] += best[0];
