@@ -113,7 +113,8 @@ def forget(model) -> None:
 def _packed(st: _Stack, small: bool) -> list | None:
     """The packed weights of every projection, as the call takes them, or None if one is
     missing."""
-    packed = [small_batch_weight(m) if small else m.packed_weight for m in st.linears]
+    packed = [small_batch_weight(m) if small else getattr(m, "packed_weight", None)
+              for m in st.linears]
     if any(p is None for p in packed):
         return None
     # (oneDNN's packed copies are tensors; the kernels' and MKL's copies hold theirs in .data)
