@@ -693,6 +693,87 @@ Tensor decoder_layers(const Tensor &x, const optional<Tensor> &embed, const Tens
     return final_norm.has_value() ? add_rmsnorm(h, residual, *final_norm, eps) : h;
 }
 
+// The LM head's logits of h ([T, hid]) as layers.linear computes them: `head` is the tensor it
+// reads at T rows (fused.run_passes picks it): packed by pairs (4 dims) or for AMX tiles (5),
+// MKL's packed bytes (1), oneDNN's packed copy (opaque; a float32 copy of a bf16 weight takes
+// h widened, the result rounded once), or the dense weight: the GEMV kernel, up to gemv_rows
+// rows. n: the head's outputs (the vocabulary: one rank).
+Tensor head_logits(const Tensor &h, const Tensor &head, int64_t n, int64_t gemv_rows)
+{
+    const optional<Tensor> none;  // an LM head has no bias
+    if (head.is_mkldnn())
+        return head.scalar_type() == h.scalar_type()
+                   ? linear_pointwise(h, head, none)
+                   : linear_pointwise(h.to(at::kFloat), head, none).to(h.scalar_type());
+    switch (head.dim()) {
+    case 4: return gemm_pairs(h, head, none, n);
+    case 5: return gemm_amx(h, head, none, n);
+    case 1: return mkl_linear(h, head, none, n);
+    default:
+        TORCH_CHECK(h.size(0) <= gemv_rows, "greedy_passes: a dense LM head takes the GEMV "
+                    "kernel, up to ", gemv_rows, " rows; got ", h.size(0));
+        return gemv(h, head, none);
+    }
+}
+
+// Up to k greedy decode passes in one call (worker/greedy_passes.py, through fused.run_passes):
+// each pass is decoder_layers (embedding, every layer, the final norm) at its row of
+// `positions`, `slots` and `ctx_lens` ([k, T]), then the LM head (head_logits) and each row's
+// argmax, which is the next pass's input: no Python between passes (~0.1 ms a token at batch
+// 1, from cold caches after the weights stream). tables must hold the blocks of the last
+// pass. `interrupts` (int64 [1], the rank's StepInterrupts, which another thread bumps while
+// this call runs without the GIL) is read after each pass: a count other than
+// interrupts_before (the multi-step call's) ends the call there.
+// Returns the tokens of the passes done (int64 [passes, T]).
+Tensor greedy_passes(const Tensor &ids, const Tensor &embed,
+                     const c10::List<optional<Tensor>> &weights, double eps, int64_t heads, c10::IntArrayRef windows, double scale,
+                     const Tensor &cos, const Tensor &sin, const std::vector<Tensor> &kv_caches,
+                     const Tensor &slots, const Tensor &tables, const Tensor &table_start,
+                     const Tensor &ctx_lens, const c10::List<optional<Tensor>> &packed,
+                     const Tensor &final_norm, const Tensor &positions, const Tensor &head,
+                     int64_t head_n, int64_t gemv_rows, const Tensor &interrupts,
+                     int64_t interrupts_before)
+{
+    const int64_t t = ids.size(0), k = positions.size(0);
+    check_index(ids, at::kLong, "ids", t);
+    for (const auto &[m, type, name] :
+         {std::tuple{&positions, at::kLong, "positions"}, {&slots, at::kLong, "slots"},
+          {&ctx_lens, at::kInt, "ctx_lens"}})
+        TORCH_CHECK(m->dim() == 2 && m->size(0) == k && m->size(1) == t &&
+                        m->scalar_type() == type && m->is_contiguous() && m->device().is_cpu(),
+                    "greedy_passes: ", name, " must be a contiguous CPU ", type, " [", k, ", ",
+                    t, "], got ", m->sizes(), " ", m->scalar_type());
+    TORCH_CHECK(interrupts.numel() == 1 && interrupts.scalar_type() == at::kLong &&
+                    interrupts.device().is_cpu() &&
+                    reinterpret_cast<uintptr_t>(interrupts.const_data_ptr()) % 8 == 0,
+                "greedy_passes: interrupts must be one aligned CPU int64");
+    const auto *count = interrupts.const_data_ptr<int64_t>();
+    Tensor tokens = at::empty({k, t}, at::TensorOptions().dtype(at::kLong));
+    Tensor x = ids;
+    int64_t done = 0;
+    while (done < k) {
+        const Tensor residual = at::empty({t, embed.size(1)}, embed.options());
+        const Tensor h = decoder_layers(x, embed, residual, true, weights, eps, heads, windows,
+                                        scale, cos, sin, kv_caches, slots[done], tables,
+                                        table_start, ctx_lens[done], packed, final_norm,
+                                        positions[done]);
+        const Tensor logits = head_logits(h, head, head_n, gemv_rows);
+        check_float(logits, "logits", 2);
+        TORCH_CHECK(logits.size(0) == t && logits.stride(1) == 1 && logits.size(1) > 0,
+                    "greedy_passes: the LM head gave ", logits.sizes());
+        x = tokens[done++];
+        dispatch(logits.scalar_type(), [&](auto tag) {
+            using T = decltype(tag);
+            kernels::argmax<T>(cptr<T>(logits), logits.stride(0), static_cast<int>(t),
+                               to_int(logits.size(1), "vocabulary"), mptr<int64_t>(x),
+                               at::get_num_threads());
+        });
+        if (__atomic_load_n(count, __ATOMIC_ACQUIRE) != interrupts_before)
+            break;
+    }
+    return tokens.narrow(0, 0, done);
+}
+
 Tensor argmax(const Tensor &x)
 {
     check_float(x, "x", 2);
@@ -756,6 +837,11 @@ TORCH_LIBRARY(fleetllm, m)
           "Tensor?[] weights, float eps, int heads, int[] windows, float scale, Tensor cos, "
           "Tensor sin, Tensor(b!)[] kv_caches, Tensor slots, Tensor tables, Tensor table_start, "
           "Tensor ctx_lens, Tensor?[] packed, Tensor? final_norm, Tensor positions) -> Tensor");
+    m.def("greedy_passes(Tensor ids, Tensor embed, Tensor?[] weights, float eps, int heads, "
+          "int[] windows, float scale, Tensor cos, Tensor sin, Tensor(a!)[] kv_caches, "
+          "Tensor slots, Tensor tables, Tensor table_start, Tensor ctx_lens, Tensor?[] packed, "
+          "Tensor final_norm, Tensor positions, Tensor head, int head_n, int gemv_rows, "
+          "Tensor interrupts, int interrupts_before) -> Tensor");
     m.def("argmax(Tensor x) -> Tensor");
     m.def("gemm_pairs(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
     m.def("gemm_pairs_available() -> bool", &fleetllm::gemm_pairs_available);
@@ -777,6 +863,7 @@ TORCH_LIBRARY_IMPL(fleetllm, CPU, m)
     m.impl("gemv", &fleetllm::gemv);
     m.impl("decoder_layer", &fleetllm::decoder_layer);
     m.impl("decoder_layers", &fleetllm::decoder_layers);
+    m.impl("greedy_passes", &fleetllm::greedy_passes);
     m.impl("argmax", &fleetllm::argmax);
     m.impl("gemm_pairs", &fleetllm::gemm_pairs);
     m.impl("gemm_amx", &fleetllm::gemm_amx);
@@ -790,4 +877,5 @@ TORCH_LIBRARY_IMPL(fleetllm, MkldnnCPU, m)
 {
     m.impl("decoder_layer", &fleetllm::decoder_layer);
     m.impl("decoder_layers", &fleetllm::decoder_layers);
+    m.impl("greedy_passes", &fleetllm::greedy_passes);
 }

@@ -42,13 +42,14 @@ def python(code: str, env: dict[str, str] | None = None, timeout: float = 300
 def test_ops_have_schemas():
     schemas = {n: str(getattr(torch.ops.fleetllm, n).default._schema)
                for n in ("gemv", "paged_decode", "prefill_attention", "rope_qk_kv",
-                         "decoder_layer", "decoder_layers", "argmax")}
+                         "decoder_layer", "decoder_layers", "greedy_passes", "argmax")}
     assert schemas["gemv"] == "fleetllm::gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
     assert "Tensor(a!) out) -> ()" in schemas["paged_decode"]
     assert "Tensor(a!) out) -> ()" in schemas["prefill_attention"]
     assert "Tensor(a!)? kv_cache, Tensor? slots) -> (Tensor, Tensor)" in schemas["rope_qk_kv"]
     assert "Tensor(b!) kv_cache" in schemas["decoder_layer"]
     assert "Tensor(b!)[] kv_caches" in schemas["decoder_layers"]
+    assert "Tensor(a!)[] kv_caches" in schemas["greedy_passes"]
     assert schemas["argmax"] == "fleetllm::argmax(Tensor x) -> Tensor"
     assert kernel_build.best_variant() in kernel_build.variants()
     assert ("sanitize: address,undefined" in cpu_kernels.build_info()) == SANITIZE
@@ -229,6 +230,67 @@ def test_decoder_layers_look_up_the_rope_rows_of_the_positions():
     for bad in (40, -1):
         with pytest.raises(RuntimeError, match=f"position {bad} is outside the RoPE tables"):
             layers(torch.empty(3, 32), caches, torch.tensor([3, bad, 0]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_passes_are_the_layers_head_and_argmax_in_turn(dtype):
+    """greedy_passes (multi-step decoding's passes in one call: worker/greedy_passes.py) gives
+    bit for bit what decoder_layers (embedding, final norm), the GEMV of the LM head and the
+    argmax give pass after pass, each pass's tokens the next one's ids: the tokens and every
+    layer's cache. A changed interrupt count ends it after the pass under way; arguments that
+    do not match are refused."""
+    g = torch.Generator().manual_seed(11)
+    full = (torch.randn(40, 1, 8, generator=g).to(dtype),
+            torch.randn(40, 1, 8, generator=g).to(dtype))
+    base = decoder_layer_args(g, *full)
+    weights = [tuple(w.to(dtype) if isinstance(w, torch.Tensor) else w
+                     for w in decoder_layer_args(g, *full)["weights"]) for _ in range(2)]
+    listed = [t for w in weights for t in (*w[:2], *w[3:])]
+    embed, norm = torch.randn(11, 32, generator=g).to(dtype), torch.randn(32).to(dtype)
+    head = torch.randn(11, 32, generator=g).to(dtype)
+    k, bs = 4, 16
+    cache = torch.randn(2, 8, bs, 2, 16, generator=g).to(dtype)
+    tables = [[3, 5], [0, 7], [6, 1]]
+    ctx0 = [5, 14, 20]  # each row's context before the first pass, its last token included
+    pos = torch.tensor([[c - 1 + i for c in ctx0] for i in range(k)])
+    slots = torch.tensor([[tables[r][p // bs] * bs + p % bs for r, p in enumerate(row)]
+                          for row in pos.tolist()])
+    ctx = (pos + 1).to(torch.int32)
+    flat_tables = torch.tensor([b for t in tables for b in t], dtype=torch.int32)
+    starts = torch.tensor([0, 2, 4], dtype=torch.int32)
+    ids = torch.tensor([3, 0, 10])
+
+    def passes(caches, interrupts=None, **changes):
+        args = dict(positions=pos, embed=embed, final_norm=norm, head=head, head_n=11,
+                    gemv_rows=8, interrupts=torch.zeros(1, dtype=torch.long)
+                    if interrupts is None else interrupts, interrupts_before=0)
+        args.update(changes)
+        return cpu_kernels.greedy_passes(ids, listed, 1e-6, base["heads"], [0, 0],
+                                         base["scale"], *full, caches, slots, flat_tables,
+                                         starts, ctx, [], **args)
+
+    want_caches, x, want = [cache.clone(), cache.clone()], ids, []
+    for i in range(k):
+        h = cpu_kernels.decoder_layers(x, torch.empty(3, 32, dtype=dtype), True, listed, 1e-6,
+                                       base["heads"], [0, 0], base["scale"], *full,
+                                       want_caches, slots[i], flat_tables, starts, ctx[i], [],
+                                       positions=pos[i], embed=embed, final_norm=norm)
+        x = cpu_kernels.argmax(cpu_kernels.gemv(h, head, None))
+        want.append(x)
+    got_caches = [cache.clone(), cache.clone()]
+    got = passes(got_caches)
+    assert torch.equal(got, torch.stack(want))
+    assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches, strict=True))
+    stopped = passes([cache.clone(), cache.clone()], torch.ones(1, dtype=torch.long))
+    assert torch.equal(stopped, got[:1])  # the count moved: one pass, then the call ends
+    for changes, message in [
+            (dict(positions=pos[:3]), "slots must be a contiguous CPU Long \\[3, 3\\], got "
+                                      "\\[4, 3\\]"),
+            (dict(gemv_rows=2), "a dense LM head takes the GEMV kernel, up to 2 rows"),
+            (dict(interrupts=torch.zeros(1)), "interrupts must be one aligned CPU int64")]:
+        with pytest.raises(RuntimeError, match=message):
+            passes([cache.clone(), cache.clone()], **changes)
 
 
 @needs_kernels

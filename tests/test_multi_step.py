@@ -2,12 +2,15 @@
 the workers and gives the same tokens as one pass per call (greedy, seeded sampling with
 penalties and n > 1, stop strings and max_tokens ending sequences mid-call), on uni, mp (TP=2,
 PP=2) and ray; prompts, waiting requests and grammars still go one pass at a time; every
-block comes back. The randomized differential test with multi-step on is in
+block comes back. Batches of plain greedy rows take the lean path (greedy_passes.py: all
+passes in one C call on the CPU), checked here by a randomized differential test of its own;
+the randomized differential test of the whole engine with multi-step on is in
 test_random_workloads.py."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 
@@ -15,11 +18,14 @@ import pytest
 from serving_helpers import KV
 
 from fleetllm import LLM, SamplingParams
+from fleetllm.attention import cpu_kernels
 from fleetllm.engine.arg_utils import DEMO_MODEL
 from fleetllm.engine.async_engine import AsyncLLMEngine
 from fleetllm.engine.core_client import EngineCoreClient
 from fleetllm.errors import ConfigurationError
+from fleetllm.model import fused
 from fleetllm.sampling_params import StructuredOutputsParams
+from fleetllm.worker import greedy_passes
 
 PROMPTS = ["def add(a, b):\n", "The cat sat on the", "import os\n", "class Engine:\n"]
 PARAMS = [SamplingParams(temperature=0, max_tokens=37, ignore_eos=True),
@@ -115,21 +121,28 @@ def test_distributed_backends_same_tokens(tiny_models, distributed):
 
 
 def slow_passes(llm: LLM, seconds: float) -> None:
-    """Every forward pass on every rank sleeps `seconds` first (in the worker that the
-    MultiStepWorker wraps); called again, it changes the sleep."""
+    """Every forward pass on every rank sleeps `seconds` first (in the model runner's forward,
+    which greedy passes run too, without the wrapped worker's execute_model); called again,
+    it changes the sleep. While passes sleep, the fused layers are off (the modules compute
+    the same bits): greedy passes then run one forward at a time, not all in one C call."""
     def install(worker):
         import time as clock
 
-        inner = worker.worker
-        if not hasattr(inner, "pass_delay"):
-            run = inner.execute_model
+        from fleetllm.model import fused
 
-            def execute_model(request):
-                clock.sleep(inner.pass_delay)
-                return run(request)
+        runner = worker.worker.model_runner
+        if not hasattr(runner, "pass_delay"):
+            run = runner._forward
 
-            inner.execute_model = execute_model
-        inner.pass_delay = seconds
+            def forward(batch, kv_caches):
+                clock.sleep(runner.pass_delay)
+                return run(batch, kv_caches)
+
+            runner._forward = forward
+        runner.pass_delay = seconds
+        fused.forget(runner.model)
+        if seconds:
+            runner.model._fused_stack = None  # (cached: the fused path does not apply)
 
     llm.llm_engine.model_executor.collective_rpc(install)
 
@@ -224,6 +237,169 @@ def test_an_abort_through_a_server_front_end_ends_the_multi_step_call(tiny_model
     after = next(i for i, (t, _) in enumerate(seen) if t > aborted_at)
     assert 1 <= counts[after] - counts[after - 1] < 8, counts
     assert counts[-1] == 33
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_passes_random_workloads_match_one_pass_a_call(tiny_models, dtype,
+                                                              monkeypatch):
+    """Randomized differential test of the lean path (greedy_passes.py): batches of mostly
+    plain greedy requests (prompts of 1-90 tokens, max_tokens 1-40, stop token ids, min_tokens
+    holding them back, n 1-2, EOS on or off), now and then one with logprobs or a penalty
+    (its batch's passes then go one by one through the worker, until it ends), k 2-8 and
+    max_num_seqs 2-6 (requests wait, so prompts and decodes alternate), against the same
+    requests at one pass a call: identical tokens, finish reasons and stop reasons, every
+    block back, and the lean path ran (it is what ran most passes)."""
+    lean = {"calls": 0, "passes": 0, "one_c_call": 0}
+    run, run_passes = greedy_passes.run, fused.run_passes
+
+    def counted(*args, **kwargs):
+        tokens = run(*args, **kwargs)
+        lean["calls"] += 1
+        lean["passes"] += len(tokens)
+        return tokens
+
+    def c_counted(*args, **kwargs):
+        tokens = run_passes(*args, **kwargs)
+        lean["one_c_call"] += tokens is not None
+        return tokens
+
+    monkeypatch.setattr(greedy_passes, "run", counted)
+    monkeypatch.setattr(fused, "run_passes", c_counted)
+    model = tiny_models["llama_gqa"]
+    ref_llm = LLM(model, dtype=dtype, kv_cache_memory=KV)
+    llms = {k: LLM(model, dtype=dtype, kv_cache_memory=KV, num_scheduler_steps=k)
+            for k in (3, 8)}
+    try:
+        for index in range(20):
+            rng = random.Random(f"greedy-passes-{dtype}-{index}")
+            prompts, params = [], []
+            for _ in range(rng.randint(1, 6)):
+                prompts.append({"prompt_token_ids": [rng.randrange(3, 512)
+                                                     for _ in range(rng.randint(1, 90))]})
+                plain, most = rng.random() < 0.85, rng.randint(1, 40)
+                params.append(SamplingParams(
+                    temperature=0, n=rng.choice([1, 1, 1, 2]), max_tokens=most,
+                    ignore_eos=rng.random() < 0.5,
+                    stop_token_ids=rng.sample(range(3, 512), 25) if rng.random() < 0.5 else None,
+                    min_tokens=rng.choice([0, 0, rng.randint(0, most)]),
+                    logprobs=None if plain or rng.random() < 0.5 else 1,
+                    presence_penalty=0.0 if plain else 0.5))
+            llm = llms[rng.choice([3, 8])]
+            llm.llm_engine.scheduler.config.max_num_seqs = rng.randint(2, 6)
+            want = ref_llm.generate(prompts, params, use_tqdm=False)
+            got = llm.generate(prompts, params, use_tqdm=False)
+            assert [[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs]
+                    for o in got] == \
+                [[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs]
+                 for o in want], index
+            bm = llm.llm_engine.scheduler.block_manager
+            assert bm.num_free_gpu_blocks == bm.num_gpu_blocks and not bm.block_tables
+    finally:
+        for engine in (ref_llm, *llms.values()):
+            engine.shutdown()
+    print(f"{dtype}: {lean}")
+    assert lean["calls"] >= 20 and lean["passes"] >= 200, lean
+    assert lean["one_c_call"] == lean["calls"], lean  # all of them in the C loop here
+
+
+HEADS = {"float32": ("float32", {}), "bfloat16": ("bfloat16", {}),
+         "float32-dense": ("float32", {"FLEETLLM_LINEAR": "dense"}),
+         "bfloat16-beside-onednn": ("bfloat16", {"amx": True})}
+
+
+@pytest.mark.parametrize("case", list(HEADS))
+def test_greedy_passes_in_one_c_call_read_every_kind_of_lm_head(tiny_models, monkeypatch,
+                                                                 case):
+    """The C loop (cpu_kernels.greedy_passes) computes the LM head as layers.linear does at
+    the batch's rows, from the tensor fused._head picks: the GEMV kernel on the dense weight
+    up to its row limit, then oneDNN's packed copy (float32), the copy by pairs (bf16 with
+    AVX-512 BF16), or the small batches' copy beside oneDNN's (where oneDNN runs on AMX:
+    simulated, as in test_attention.py); where nothing is packed (FLEETLLM_LINEAR=dense),
+    past the GEMV's rows the passes run one forward at a time (the fused layers need the
+    packed weights there). 3 and 11 sequences, 4 passes a call: the tokens of one pass a
+    call."""
+    from fleetllm.model import amx_packed, pair_packed
+
+    dtype, setting = HEADS[case]
+    if setting.get("amx"):
+        if not cpu_kernels.gemm_pairs_available() or not pair_packed.onednn_packs_bf16():
+            pytest.skip("no copies by pairs, or oneDNN packs no bf16 here")
+        monkeypatch.setattr(amx_packed, "applies", lambda w: False)
+        monkeypatch.setattr(pair_packed, "onednn_amx", lambda: True)
+    for name, value in setting.items():
+        if name.isupper():
+            monkeypatch.setenv(name, value)
+    seen = []
+    greedy = cpu_kernels.greedy_passes
+
+    def counted(ids, *args, head, **kwargs):
+        seen.append((ids.shape[0], head.dim(), head.is_mkldnn))
+        return greedy(ids, *args, head=head, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, "greedy_passes", counted)
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    model = tiny_models["llama_gqa"]
+    for count in (3, 11):
+        prompts = [{"prompt_token_ids": list(range(5 + i, 30 + 3 * i))} for i in range(count)]
+        with LLM(model, dtype=dtype, kv_cache_memory=KV) as base:
+            want = base.generate(prompts, params, use_tqdm=False)
+        with LLM(model, dtype=dtype, kv_cache_memory=KV, num_scheduler_steps=4) as llm:
+            got = llm.generate(prompts, params, use_tqdm=False)
+        assert tokens(got) == tokens(want), count
+    kinds = {rows: (dim, mkldnn) for rows, dim, mkldnn in seen}
+    if case == "float32-dense":
+        assert kinds == {3: (2, False)}, seen  # the GEMV; 11 rows one forward at a time
+        return
+    assert set(kinds) == {3, 11}, seen  # the C loop ran at both sizes
+    if case == "float32":
+        assert kinds == {3: (2, False), 11: (2, True)}  # the GEMV's dense weight, then oneDNN
+    elif case == "bfloat16" and cpu_kernels.gemm_pairs_available():
+        assert kinds == {3: (4, False), 11: (4, False)}  # by pairs at every size
+    elif setting.get("amx"):
+        assert kinds == {3: (4, False), 11: (2, True)}  # the small copy, then oneDNN
+
+
+def test_an_interrupt_ends_the_c_loop_of_greedy_passes(tiny_models):
+    """An interrupt from another thread while the passes run in one C call (which runs
+    without the GIL and reads the count after each pass): the call returns after fewer
+    passes than it was given, and the tokens it gave are those of one pass a call."""
+    prompt = {"prompt_token_ids": [5, 9, 17, 33]}
+    params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+    model = tiny_models["llama_gqa"]
+    with LLM(model, kv_cache_memory=KV) as base:
+        [want] = base.generate([prompt], params, use_tqdm=False)
+    calls = []
+    with LLM(model, kv_cache_memory=KV, num_scheduler_steps=1000) as llm:
+        engine = llm.llm_engine
+        passes = cpu_kernels.greedy_passes
+
+        def counted(*args, **kwargs):
+            calls.append(kwargs["positions"].shape[0])
+            out = passes(*args, **kwargs)
+            calls[-1] = (calls[-1], out.shape[0])
+            return out
+
+        def interrupt_once_it_runs():  # 2 ms into the call (899 passes take far longer)
+            deadline = time.monotonic() + 60
+            while not calls and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.002)
+            engine.interrupt_step()
+
+        cpu_kernels.greedy_passes = counted
+        try:
+            engine.add_request("r", prompt, params)
+            engine.step()  # the prefill
+            thread = threading.Thread(target=interrupt_once_it_runs)
+            thread.start()
+            [out] = engine.step()  # up to 899 passes in one call
+            thread.join(timeout=60)
+        finally:
+            cpu_kernels.greedy_passes = passes
+        given, done = calls[0]
+        print(f"interrupted after {done} of {given} passes")
+        assert given == 899 and 1 <= done < given, calls
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids[:done + 1]
 
 
 def test_sequences_near_max_model_len_stop_there(tiny_models):

@@ -25,7 +25,8 @@ request run alone in a large pool with no faults:
 - speculative decoding (n-gram and draft-model proposers) and multi-step decoding (a fifth
   of the workloads each; the reference runs without them): the same tokens, and a sequence
   never holds more blocks than its tokens and lookahead slots need; with multi-step, aborts
-  and bare interrupts also land inside a call, between its passes (MidCallAborts).
+  and bare interrupts also land inside a call, between its passes (MidCallAborts), and
+  batches of plain greedy rows run multi-step's lean path (greedy_passes.py) now and then.
 
 FLEETLLM_RANDOM_WORKLOADS=N runs more (the default keeps `make test` near a minute);
 FLEETLLM_RANDOM_SEED picks another series; each workload has its own generator, so a failure
@@ -51,6 +52,7 @@ from fleetllm.errors import (
     RemoteWorkerError,
     WorkerCrashedError,
 )
+from fleetllm.worker import greedy_passes
 
 NUM_WORKLOADS = int(os.environ.get("FLEETLLM_RANDOM_WORKLOADS", "60"))
 ONLY = os.environ.get("FLEETLLM_RANDOM_ONLY")
@@ -174,18 +176,27 @@ class Faults:
 
 
 class MidCallAborts:
-    """Multi-step decoding: during a pass of a call (the worker that the MultiStepWorker
-    wraps), now and then abort a random live request, as another thread would (the engine
-    defers the abort and interrupts the call after this pass), or only interrupt the call."""
+    """Multi-step decoding: during a pass of a call (the model runner's forward, which the
+    passes of greedy_passes and of the wrapped worker both run), now and then abort a random
+    live request, as another thread would (the engine defers the abort and interrupts the
+    call after this pass), or only interrupt the call. Counts the passes greedy_passes ran."""
 
     def __init__(self, engine, reqs: list, rng: random.Random):
         self.engine, self.reqs, self.rng = engine, reqs, rng
-        self.step = self.aborts = self.interrupts = 0
-        self.worker = engine.model_executor.driver_worker.worker.worker
-        self.inner = self.worker.execute_model
-        self.worker.execute_model = self
+        self.step = self.aborts = self.interrupts = self.lean_passes = 0
+        self.runner = engine.model_executor.driver_worker.worker.worker.model_runner
+        self.inner = self.runner._forward
+        self.runner._forward = self
+        self.lean_run = greedy_passes.run
 
-    def __call__(self, request):
+        def counted(*args, **kwargs):
+            tokens = self.lean_run(*args, **kwargs)
+            self.lean_passes += len(tokens)
+            return tokens
+
+        greedy_passes.run = counted
+
+    def __call__(self, batch, kv_caches):
         if self.rng.random() < 0.05:
             live = [r for r in self.reqs if r.aborted_at is None
                     and r.rid in self.engine.seq_groups]
@@ -197,10 +208,11 @@ class MidCallAborts:
             else:
                 self.engine.interrupt_step()
                 self.interrupts += 1
-        return self.inner(request)
+        return self.inner(batch, kv_caches)
 
     def remove(self) -> None:  # a worker restart may have replaced the worker meanwhile
-        self.worker.__dict__.pop("execute_model", None)
+        self.runner.__dict__.pop("_forward", None)
+        greedy_passes.run = self.lean_run
 
 
 @pytest.fixture(scope="module")
@@ -315,7 +327,8 @@ def run_workload(llm: LLM, reqs: list[Req], rng: random.Random
         # This workload wrote into blocks the engine's own scheduler may have cached.
         saved_scheduler.block_manager.reset_prefix_cache()
     return scheduler, faults.count, faults.multi_step, \
-        0 if mid_call is None else mid_call.aborts + mid_call.interrupts
+        (0, 0) if mid_call is None else (mid_call.aborts + mid_call.interrupts,
+                                         mid_call.lean_passes)
 
 
 def check(req: Req, ref: Reference, scheduler: Scheduler) -> None:
@@ -363,7 +376,7 @@ def check(req: Req, ref: Reference, scheduler: Scheduler) -> None:
 
 def test_random_workloads_match_requests_run_alone(engines):
     totals = {"requests": 0, "preemptions": 0, "faults": 0, "restarts": 0, "aborted": 0,
-              "prefix_hit_tokens": 0, "mid_call_aborts": 0}
+              "prefix_hit_tokens": 0, "mid_call_aborts": 0, "greedy_passes": 0}
     indices = [int(ONLY)] if ONLY else range(NUM_WORKLOADS)
     multi_step_calls = 0
     for index in indices:
@@ -389,7 +402,8 @@ def test_random_workloads_match_requests_run_alone(engines):
         totals["restarts"] += llm.llm_engine.worker_restarts
         totals["aborted"] += sum(r.aborted_at is not None for r in reqs)
         multi_step_calls += multi
-        totals["mid_call_aborts"] += mid_call
+        totals["mid_call_aborts"] += mid_call[0]
+        totals["greedy_passes"] += mid_call[1]  # multi-step's lean path (greedy_passes.py)
     spec = engines["spec"].llm_engine.spec_decode_metrics
     totals["spec_accepted_tokens"] = spec.accepted_tokens if spec else 0
     draft = engines["draft"].llm_engine.spec_decode_metrics

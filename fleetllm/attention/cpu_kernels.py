@@ -56,7 +56,7 @@ _ops: SimpleNamespace | None = None
 _tried = False
 _lock = threading.Lock()
 _OPS = ("paged_decode", "prefill_attention", "add_rmsnorm", "silu_mul", "rope_qk_kv", "gemv",
-        "decoder_layer", "decoder_layers", "argmax", "build_info", "gemm_pairs",
+        "decoder_layer", "decoder_layers", "greedy_passes", "argmax", "build_info", "gemm_pairs",
         "gemm_pairs_available", "gemm_amx", "amx_available", "mkl_pack", "mkl_linear",
         "mkl_available")
 
@@ -208,6 +208,25 @@ def decoder_layers(x: torch.Tensor, residual: torch.Tensor, first: bool, weights
     return _ops.decoder_layers(x, embed, residual, first, weights, eps, heads, windows, scale,
                                cos, sin, kv_caches, slots, tables, table_start, ctx_lens,
                                packed, final_norm, positions)
+
+
+def greedy_passes(ids: torch.Tensor, weights: list, eps: float, heads: int, windows: list[int],
+                  scale: float, cos: torch.Tensor, sin: torch.Tensor,
+                  kv_caches: list[torch.Tensor], slots: torch.Tensor, tables: torch.Tensor,
+                  table_start: torch.Tensor, ctx_lens: torch.Tensor, packed: list, *,
+                  positions: torch.Tensor, embed: torch.Tensor, final_norm: torch.Tensor,
+                  head: torch.Tensor, head_n: int, gemv_rows: int,
+                  interrupts: torch.Tensor, interrupts_before: int) -> torch.Tensor:
+    """Up to k greedy decode passes: each decoder_layers (embed, layers, final norm) at its
+    row of positions, slots and ctx_lens ([k, T]), the LM head (`head`, head_n outputs: what
+    layers.linear reads at T rows; the GEMV kernel up to gemv_rows rows of a dense one) and
+    each row's argmax, the next pass's ids. Ends early after a pass where interrupts (int64
+    [1]) is not interrupts_before.
+    Returns the passes' tokens, int64 [passes, T]."""
+    return _ops.greedy_passes(ids, embed, weights, eps, heads, windows, scale, cos, sin,
+                              kv_caches, slots, tables, table_start, ctx_lens, packed,
+                              final_norm, positions, head, head_n, gemv_rows, interrupts,
+                              interrupts_before)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

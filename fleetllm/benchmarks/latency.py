@@ -19,7 +19,8 @@ once) plus the batch's KV cache in its dtype; divided by the memory read bandwid
 this run (after every round, best kept), that gives the most decode tokens/s the memory
 allows. The decode step split:
 the model's forward (embedding to logits, timed inside the worker) against everything else in
-LLMEngine.step (scheduling, input preparation, sampling, detokenization, outputs, IPC).
+LLMEngine.step (scheduling, input preparation, sampling, detokenization, outputs, IPC), per
+forward pass (with --num-scheduler-steps k, a step runs up to k of them).
 """
 
 from __future__ import annotations
@@ -72,10 +73,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _timed_forward(worker) -> None:
-    """Installed in each worker: record the wall time of every model forward."""
+    """Installed in each worker: record the wall time of every model forward (greedy passes
+    in one C call, multi-step decoding's: the call's time split evenly over its passes)."""
+    from fleetllm.model import fused
+
     runner = worker.model_runner
     if getattr(runner, "_bench_times", None) is None:
-        inner = runner._forward
+        inner, inner_passes = runner._forward, fused.run_passes
 
         def forward(batch, kv_caches):
             start = time.perf_counter()
@@ -84,7 +88,16 @@ def _timed_forward(worker) -> None:
             finally:
                 runner._bench_times.append(time.perf_counter() - start)
 
+        def run_passes(model, *args, **kwargs):
+            start = time.perf_counter()
+            tokens = inner_passes(model, *args, **kwargs)
+            if tokens is not None and model is runner.model:
+                took = time.perf_counter() - start
+                runner._bench_times.extend([took / len(tokens)] * len(tokens))
+            return tokens
+
         runner._forward = forward
+        fused.run_passes = run_passes
     runner._bench_times = []
 
 
@@ -125,11 +138,14 @@ class _FleetLatency:
         forwards = engine.model_executor.collective_rpc(_forward_times)[-1]
         spec = engine.model_executor.metrics.spec_decode
         split = None
-        if len(forwards) == len(step_times) and first_decode < len(step_times):
+        # A step runs one forward, or several passes with multi-step decoding (prompt steps
+        # never do): the split is per decode pass.
+        if first_decode is not None and first_decode < len(step_times) and \
+                len(forwards) >= len(step_times):
             steps, model = step_times[first_decode:], forwards[first_decode:]
             total, fwd = sum(steps), sum(model)
-            split = {"steps": len(steps), "step_s": total / len(steps),
-                     "forward_s": fwd / len(steps), "other_s": (total - fwd) / len(steps),
+            split = {"steps": len(model), "step_s": total / len(model),
+                     "forward_s": fwd / len(model), "other_s": (total - fwd) / len(model),
                      "other_fraction": (total - fwd) / total}
         result = _summary(start, token_times, split)
         if spec is not None:  # this run's counts: the difference from the last run's
@@ -317,7 +333,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"decode step: {split['step_s'] * 1e3:.2f} ms = model forward "
               f"{split['forward_s'] * 1e3:.2f} ms + everything else {split['other_s'] * 1e3:.2f}"
               f" ms ({split['other_fraction']:.1%}: scheduling, input preparation, sampling, "
-              f"detokenization, outputs; mean of {split['steps']} steps)")
+              f"detokenization, outputs; mean of {split['steps']} passes)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)

@@ -27,7 +27,9 @@ import torch
 from fleetllm.attention import AttentionMetadata, cpu_kernels
 from fleetllm.distributed.parallel_state import get_tp_group
 from fleetllm.model import pair_packed
+from fleetllm.model.amx_packed import AmxPacked
 from fleetllm.model.layers import decode_gemv_rows, small_batch_rows, small_batch_weight
+from fleetllm.model.mkl_packed import MklPacked
 
 # The most rows a step takes here (its activations: 76 KiB per row on Qwen2-0.5B shapes).
 MAX_ROWS = 256
@@ -121,6 +123,20 @@ def _packed(st: _Stack, small: bool) -> list | None:
     return [p if isinstance(p, torch.Tensor) else p.data for p in packed]
 
 
+def _packed_for(st: _Stack, rows: int) -> list | None:
+    """The packed weights the call reads at `rows` rows (none up to the GEMV's rows), gathered
+    once per kind; None if one is missing."""
+    if rows <= st.gemv_rows:
+        return []
+    small = rows <= st.small_rows
+    packed = st.packed.get(small)
+    if packed is None:
+        packed = _packed(st, small)
+        if packed is not None:
+            st.packed[small] = packed
+    return packed
+
+
 def applies(x: torch.Tensor, kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> bool:
     """This step can use the fused layers: decode tokens only, at most MAX_ROWS of them. x: the
     step's token ids (int64 [T]) or hidden states ([T, H])."""
@@ -142,16 +158,9 @@ def run_layers(model, positions: torch.Tensor, x: torch.Tensor,
     st = _stack(model)
     if st is None or not applies(x, kv_caches[0], meta):
         return None
-    packed = []
-    if x.shape[0] > st.gemv_rows:  # past the GEMV kernel: the packed weights, as the
-        # modules take them
-        small = x.shape[0] <= st.small_rows
-        packed = st.packed.get(small)
-        if packed is None:
-            packed = _packed(st, small)
-            if packed is None:
-                return None
-            st.packed[small] = packed
+    packed = _packed_for(st, x.shape[0])  # past the GEMV kernel's rows, as the modules take them
+    if packed is None:
+        return None
     # The first stage (x its token ids, st.embed its embedding) starts the residual; a later
     # stage's comes with its input.
     first = residual is None
@@ -166,3 +175,55 @@ def run_layers(model, positions: torch.Tensor, x: torch.Tensor,
         kv_caches, meta.slot_mapping, dec.tables, dec.table_start, dec.ctx_lens, packed,
         embed=st.embed, final_norm=st.final_norm, positions=positions)
     return out, residual
+
+
+def _head(head, rows: int) -> tuple[torch.Tensor, int, int] | None:
+    """What layers.linear reads for the LM head's logits of `rows` rows, as greedy_passes takes
+    it: (the tensor, its outputs, the GEMV's row limit); None where it is not one the call
+    reads (a dense weight the kernels cannot, say)."""
+    packed, weight = getattr(head, "packed_weight", None), head.weight
+    gemv_rows = decode_gemv_rows(head)
+    small = small_batch_weight(head)
+    if small is not None and rows <= small_batch_rows(head):
+        packed = small
+    if isinstance(packed, (pair_packed.PairPacked, AmxPacked)):
+        return packed.data, packed.out_features, gemv_rows
+    if weight is not None and rows <= gemv_rows:  # the GEMV kernel's rows
+        return (weight, weight.shape[0], gemv_rows) if weight.is_contiguous() and \
+            cpu_kernels.usable(weight) else None
+    if packed is None:  # F.linear: not in the call (nor are the layers then: nothing packed)
+        return None
+    if isinstance(packed, MklPacked):
+        return packed.data, packed.out_features, gemv_rows
+    return packed, packed.shape[0], gemv_rows  # oneDNN's packed copy
+
+
+def run_passes(model, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               ctx_lens: torch.Tensor, tables: torch.Tensor, table_start: torch.Tensor,
+               kv_caches: list[torch.Tensor], interrupts: torch.Tensor, interrupts_before: int
+               ) -> torch.Tensor | None:
+    """Up to k greedy decode passes in one C call (cpu_kernels.greedy_passes: the layers'
+    call, the LM head and the argmax of each pass, with no Python between passes), for
+    worker/greedy_passes.py; the tokens of the passes done (int64 [passes, T]), or None where
+    the call does not apply (the model is not all one stage with an LM head on one rank, the
+    fused layers do not apply, or the LM head's weight is not one the call reads). ids: the
+    rows' last tokens (int64 [T]); positions, slots (int64) and ctx_lens (int32): [k, T];
+    the call ends after a pass where interrupts (int64 [1]) no longer holds interrupts_before."""
+    st = _stack(model)
+    rows = ids.shape[0]
+    if st is None or st.embed is None or st.final_norm is None or model.lm_head is None or \
+            rows > MAX_ROWS or not cpu_kernels.usable(kv_caches[0]) or \
+            not kv_caches[0].is_contiguous():
+        return None
+    packed, head = _packed_for(st, rows), _head(model.lm_head, rows)
+    if packed is None or head is None:
+        return None
+    if len(kv_caches) != len(st.windows):
+        kv_caches = kv_caches[:len(st.windows)]
+    cos, sin = model.rotary.tables(st.embed.dtype)
+    weight, n, gemv_rows = head
+    return cpu_kernels.greedy_passes(
+        ids, st.weights, st.eps, st.heads, st.windows, st.scale, cos, sin, kv_caches, slots,
+        tables, table_start, ctx_lens, packed, positions=positions, embed=st.embed,
+        final_norm=st.final_norm, head=weight, head_n=n, gemv_rows=gemv_rows,
+        interrupts=interrupts, interrupts_before=interrupts_before)

@@ -17,6 +17,10 @@ after each pass the output rank checks whether the count moved since the call be
 broadcasts that with the tokens, so every rank stops after the same pass. The engine applies
 the passes done and the aborted request's blocks are freed k - 1 passes earlier.
 
+Passes that every active group takes as a plain argmax (greedy_passes.applies), on one rank
+through the stock Worker, run by greedy_passes: all in one C call on the CPU, with none of
+the per-pass sampling and output work (the first pass too, unless the call moves blocks).
+
 Any other request (num_steps 1) goes to the wrapped worker unchanged. A failure in pass i
 fails the whole call: the engine has applied nothing and recomputes the step, as for any
 failed step.
@@ -36,7 +40,10 @@ from fleetllm.sequence import (
     SamplerOutput,
     SequenceData,
     SequenceGroupMetadata,
+    SequenceOutput,
 )
+from fleetllm.worker import greedy_passes
+from fleetllm.worker.worker import Worker
 from fleetllm.worker.worker_base import DelegatingWorker, StepInterrupts, WorkerBase
 
 
@@ -47,6 +54,8 @@ class MultiStepWorker(DelegatingWorker):
         self.max_model_len = config.model_config.max_model_len
         self.block_size = config.cache_config.block_size
         self.interrupts = interrupts or StepInterrupts()
+        parallel = config.parallel_config
+        self.single_rank = parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1
 
     def execute_model(self, execute_model_req: ExecuteModelRequest
                       ) -> list[SamplerOutput] | None:
@@ -57,8 +66,20 @@ class MultiStepWorker(DelegatingWorker):
         passes = [self._passes(g, req.num_steps) for g in groups]
         results: list[SamplerOutput] = []
         interrupts_before = self.interrupts.count
-        for step in range(max(passes)):
+        step = 0
+        while step < max(passes):
             active = [i for i, n in enumerate(passes) if n > step]
+            # The passes all of them still take, by greedy_passes where it applies (the first
+            # pass too, unless it moves blocks).
+            if self._lean(active, groups) and (step > 0 or not (
+                    req.blocks_to_swap_in or req.blocks_to_swap_out or req.blocks_to_copy)):
+                done = self._greedy_passes(
+                    groups, active, min(passes[i] for i in active) - step, interrupts_before,
+                    results, req.finished_requests_ids if step == 0 else [])
+                step += done
+                if self.interrupts.count != interrupts_before:
+                    break
+                continue
             first = step == 0  # block moves and finished ids go with the first pass only
             sub = dataclasses.replace(
                 req, seq_group_metadata_list=[groups[i] for i in active], num_steps=1,
@@ -85,7 +106,36 @@ class MultiStepWorker(DelegatingWorker):
                 data = group.seq_data[sid]
                 data.output_token_ids.append(token)
                 data.num_computed_tokens += 1
+            step += 1
         return results or None
+
+    def _lean(self, active: list[int], groups: list[SequenceGroupMetadata]) -> bool:
+        """The next passes can run as greedy_passes does: one rank, the stock Worker's
+        execute_model (a worker that overrides it, by class or instance, sees every pass),
+        plain greedy rows."""
+        return (self.single_rank
+                and getattr(self.worker.execute_model, "__func__", None) is Worker.execute_model
+                and self.worker.cache_engine is not None
+                and greedy_passes.applies([groups[i] for i in active]))
+
+    def _greedy_passes(self, groups: list[SequenceGroupMetadata], active: list[int],
+                       most: int, interrupts_before: int, results: list[SamplerOutput],
+                       finished_ids: list[str]) -> int:
+        """Run up to `most` passes over the active groups by greedy_passes, append their
+        outputs to results and their tokens to the groups' copies; returns the passes done."""
+        seqs = [(i, sid) for i in active for sid in groups[i].seq_data]
+        tokens = greedy_passes.run(self.worker.model_runner, self.worker.cache_engine.gpu_cache,
+                                   [groups[i] for i in active], most, self.interrupts,
+                                   interrupts_before, finished_ids)
+        for row_tokens in tokens:
+            outputs = [CompletionSequenceGroupOutput(g.request_id, []) for g in groups]
+            for (i, sid), token in zip(seqs, row_tokens, strict=True):
+                outputs[i].samples.append(SequenceOutput(sid, token, {}))
+                data = groups[i].seq_data[sid]
+                data.output_token_ids.append(token)
+                data.num_computed_tokens += 1
+            results.append(SamplerOutput(outputs))
+        return len(tokens)
 
     def _device(self) -> torch.device:
         return getattr(self.worker, "device", torch.device("cpu"))

@@ -117,6 +117,10 @@ class StepInterrupts:
     def count(self) -> int:
         return self._COUNT.unpack_from(self._buf)[0]
 
+    def buffer(self) -> bytearray | mmap.mmap:
+        """The count's 8 bytes (native int64), for a C loop to read between its passes."""
+        return self._buf
+
     def bump(self) -> None:
         with self._lock:  # one writer per process: the driver (mp) or this process
             self._COUNT.pack_into(self._buf, 0, self.count + 1)

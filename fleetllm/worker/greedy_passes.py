@@ -1,0 +1,104 @@
+"""Greedy decode passes run back to back: multi-step decoding's lean path (MultiStepWorker).
+
+What: a multi-step call's passes, for a batch that needs nothing but each row's argmax
+(every sequence greedy, no penalties, logprobs, min_tokens still holding back a stop token,
+grammar or adapter) on a single rank, through the stock Worker. Such a pass needs no
+sampler, no SamplerOutput and no token ids back in Python.
+
+How: the inputs of all the passes (positions, KV slots and context lengths of each, the
+block tables up to the last pass) are built once, in two tensors. On the CPU, where the
+fused layers apply, all the passes then run in one C call (fused.run_passes:
+cpu_kernels.greedy_passes), each pass's argmax the next one's input; elsewhere (CUDA, a
+model the fused layers do not take) a Python loop runs ModelRunner._forward and the
+sampler's argmax per pass. The tokens come back in one list at the end. Why: at batch 1 a
+step's host work runs from cold caches after the weights have streamed through them: one
+pass a call spent ~0.23 ms a token besides the forward, the generic multi-step loop
+~0.2, this path ~0.06 (the C call) or ~0.09 (the Python loop), and the forward itself ran
+~0.1 ms faster in the C call (docs/perf.md, item 41).
+
+What fails and how: the tokens are those the generic pass draws (the same kernels on the
+same rows, the same argmax; tests/test_multi_step.py compares them on random workloads). An
+interrupt (an abort) ends the call after the pass under way: the C call reads the
+StepInterrupts count after each pass, without the GIL, so the aborting thread runs
+meanwhile. An error in any pass fails the whole call, which the engine recomputes, as for
+any failed step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fleetllm.attention.backend import AttentionMetadata, DecodeBatch
+from fleetllm.model import fused
+from fleetllm.sequence import SequenceGroupMetadata
+from fleetllm.worker import sampler
+from fleetllm.worker.model_runner import _Batch
+from fleetllm.worker.worker_base import StepInterrupts
+
+
+def applies(groups: list[SequenceGroupMetadata]) -> bool:
+    """Every row of these decode groups takes its plain argmax in every pass from here on."""
+    for group in groups:
+        params = group.sampling_params
+        if (group.is_prompt or not group.do_sample or group.lora_request is not None
+                or group.grammar_bitmask is not None or params is None or not params.greedy
+                or params.has_penalties or params.logprobs is not None
+                or any(len(d.output_token_ids) < params.min_tokens
+                       for d in group.seq_data.values())):
+            return False
+    return True
+
+
+def run(runner, kv_caches: list[torch.Tensor], groups: list[SequenceGroupMetadata],
+        passes: int, interrupts: StepInterrupts, interrupts_before: int,
+        finished_ids: list[str] = ()) -> list[list[int]]:
+    """Up to `passes` greedy passes over the groups' sequences (in their order; each group's
+    block tables must hold the slots of all of them). Returns the tokens of each pass done:
+    it stops early after a pass where the interrupts' count is no longer interrupts_before.
+    finished_ids: the requests whose state the runner drops first, as its execute_model
+    would."""
+    runner.penalties.drop(finished_ids)
+    bs, dev = runner.block_size, runner.device
+    # Two tensors a call (built from cold caches, each torch path costs tens of us): int64
+    # ids, then each pass's positions and slots; int32 each pass's context lengths, then the
+    # block tables and where each row's starts.
+    ids: list[int] = []
+    positions: list[list[int]] = [[] for _ in range(passes)]
+    slots: list[list[int]] = [[] for _ in range(passes)]
+    tables: list[int] = []
+    table_start: list[int] = []
+    for group in groups:
+        for seq_id, data in group.seq_data.items():
+            first = data.get_len() - 1  # the position of its last token, not in the cache yet
+            table = group.block_tables[seq_id]
+            ids.append(data.token_at(first))
+            table_start.append(len(tables))
+            tables += table[: (first + passes - 1 + bs) // bs]
+            for i in range(passes):
+                p = first + i
+                positions[i].append(p)
+                slots[i].append(table[p // bs] * bs + p % bs)
+    rows = len(ids)
+    longs = torch.tensor([ids, *positions, *slots], device=dev)
+    ints = torch.tensor([c + 1 for pos in positions for c in pos] + tables + table_start,
+                        dtype=torch.int32, device=dev)
+    pos_t, slots_t = longs[1: 1 + passes], longs[1 + passes:]
+    ctx_t = ints[: passes * rows].view(passes, rows)
+    tables_t, start_t = ints[passes * rows: -rows], ints[-rows:]
+    with torch._C._InferenceMode(True):
+        if dev.type == "cpu":  # all passes in one C call, where it applies
+            done = fused.run_passes(runner.model, longs[0], pos_t, slots_t, ctx_t, tables_t,
+                                    start_t, kv_caches,
+                                    torch.frombuffer(interrupts.buffer(), dtype=torch.int64),
+                                    interrupts_before)
+            if done is not None:
+                return done.tolist()
+        x, out, logits_rows = longs[0], [], list(range(rows))
+        for i in range(passes):
+            meta = AttentionMetadata(slots_t[i], [], DecodeBatch(tables_t, start_t, ctx_t[i]))
+            x = sampler.argmax(runner._forward(_Batch(x, pos_t[i], meta, logits_rows),
+                                               kv_caches))
+            out.append(x)
+            if interrupts.count != interrupts_before:
+                break
+    return torch.stack(out).tolist()
