@@ -514,14 +514,19 @@ def test_a_draft_model_gives_the_same_tokens_on_cuda():
     assert metrics.draft_acceptance_rate > 0.3, metrics
 
 
+@pytest.mark.parametrize("mix", ["mixed", "greedy"])
 @pytest.mark.parametrize("backend", ["uni", "mp"])
-def test_multi_step_gives_the_same_tokens_on_cuda(tiny_models, backend):
+def test_multi_step_gives_the_same_tokens_on_cuda(tiny_models, backend, mix):
     """num_scheduler_steps=8 on cuda: the worker's k passes feed the sampled tokens back on
     the GPU (broadcast from the output rank, a worker process with mp); greedy and seeded
-    outputs are the tokens of one pass per call, with n=2 and max_tokens inside a call."""
+    outputs are the tokens of one pass per call, with n=2 and max_tokens inside a call. All
+    greedy on one rank: the lean path's loop (greedy_passes.py; no C call on cuda)."""
     prompts = [{"prompt_token_ids": p} for p in random_prompts(512, 6, 3, 40, seed=11)]
     params = [SamplingParams(temperature=0, max_tokens=29, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=21, ignore_eos=True)] * 3
+    if mix == "greedy":
+        params = [SamplingParams(temperature=0, max_tokens=21 + 4 * i, ignore_eos=True)
+                  for i in range(6)]
     path = tiny_models["llama_gqa"]
     results = {}
     for k in (1, 8):
@@ -529,5 +534,5 @@ def test_multi_step_gives_the_same_tokens_on_cuda(tiny_models, backend):
                  distributed_executor_backend=backend, **SMALL) as llm:
             results[k] = [[c.token_ids for c in o.outputs]
                           for o in llm.generate(prompts, params, use_tqdm=False)]
-    report("multi_step", backend=backend, requests=len(prompts))
+    report("multi_step", backend=backend, mix=mix, requests=len(prompts))
     assert results[8] == results[1]
