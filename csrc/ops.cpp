@@ -726,8 +726,9 @@ Tensor head_logits(const Tensor &h, const Tensor &head, int64_t n, int64_t gemv_
 // interrupts_before (the multi-step call's) ends the call there.
 // Returns the tokens of the passes done (int64 [passes, T]).
 Tensor greedy_passes(const Tensor &ids, const Tensor &embed,
-                     const c10::List<optional<Tensor>> &weights, double eps, int64_t heads, c10::IntArrayRef windows, double scale,
-                     const Tensor &cos, const Tensor &sin, const std::vector<Tensor> &kv_caches,
+                     const c10::List<optional<Tensor>> &weights, double eps, int64_t heads,
+                     c10::IntArrayRef windows, double scale, const Tensor &cos,
+                     const Tensor &sin, const std::vector<Tensor> &kv_caches,
                      const Tensor &slots, const Tensor &tables, const Tensor &table_start,
                      const Tensor &ctx_lens, const c10::List<optional<Tensor>> &packed,
                      const Tensor &final_norm, const Tensor &positions, const Tensor &head,
