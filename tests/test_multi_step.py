@@ -359,46 +359,55 @@ def test_greedy_passes_in_one_c_call_read_every_kind_of_lm_head(tiny_models, mon
         assert kinds == {3: (4, False), 11: (2, True)}  # the small copy, then oneDNN
 
 
-def test_an_interrupt_ends_the_c_loop_of_greedy_passes(tiny_models):
+@pytest.mark.parametrize("backend", ["uni", "mp"])
+def test_an_interrupt_ends_the_c_loop_of_greedy_passes(tiny_models, backend):
     """An interrupt from another thread while the passes run in one C call (which runs
-    without the GIL and reads the count after each pass): the call returns after fewer
-    passes than it was given, and the tokens it gave are those of one pass a call."""
+    without the GIL and reads the count after each pass; with mp, TP=1, the count lives in
+    the 8-byte file the driver writes and the worker process maps): the call returns after
+    fewer passes than it was given, and the tokens it gave are those of one pass a call.
+    A thread interrupts every 2 ms while the step runs (one that lands before the call
+    begins is part of the count the call starts from)."""
     prompt = {"prompt_token_ids": [5, 9, 17, 33]}
     params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
     model = tiny_models["llama_gqa"]
     with LLM(model, kv_cache_memory=KV) as base:
         [want] = base.generate([prompt], params, use_tqdm=False)
     calls = []
-    with LLM(model, kv_cache_memory=KV, num_scheduler_steps=1000) as llm:
+    with LLM(model, kv_cache_memory=KV, num_scheduler_steps=1000,
+             distributed_executor_backend=backend) as llm:
         engine = llm.llm_engine
         passes = cpu_kernels.greedy_passes
+        stepping = threading.Event()
 
-        def counted(*args, **kwargs):
-            calls.append(kwargs["positions"].shape[0])
+        def counted(*args, **kwargs):  # (uni: in this process)
             out = passes(*args, **kwargs)
-            calls[-1] = (calls[-1], out.shape[0])
+            calls.append(out.shape[0])
             return out
 
-        def interrupt_once_it_runs():  # 2 ms into the call (899 passes take far longer)
+        def interrupt_while_stepping():
             deadline = time.monotonic() + 60
-            while not calls and time.monotonic() < deadline:
-                time.sleep(0.001)
-            time.sleep(0.002)
-            engine.interrupt_step()
+            while stepping.is_set() and time.monotonic() < deadline:
+                time.sleep(0.002)
+                engine.interrupt_step()
 
         cpu_kernels.greedy_passes = counted
         try:
             engine.add_request("r", prompt, params)
             engine.step()  # the prefill
-            thread = threading.Thread(target=interrupt_once_it_runs)
+            stepping.set()
+            thread = threading.Thread(target=interrupt_while_stepping)
             thread.start()
-            [out] = engine.step()  # up to 899 passes in one call
-            thread.join(timeout=60)
+            try:
+                [out] = engine.step()  # up to 899 passes in one call
+            finally:
+                stepping.clear()
+                thread.join(timeout=60)
         finally:
             cpu_kernels.greedy_passes = passes
-        given, done = calls[0]
-        print(f"interrupted after {done} of {given} passes")
-        assert given == 899 and 1 <= done < given, calls
+        done = len(out.outputs[0].token_ids) - 1
+        print(f"{backend}: interrupted after {done} of 899 passes")
+        assert 1 <= done < 899
+        assert calls == ([done] if backend == "uni" else [])  # the one C call ran them
         assert out.outputs[0].token_ids == want.outputs[0].token_ids[:done + 1]
 
 
