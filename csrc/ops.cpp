@@ -16,6 +16,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "kernels.h"
 #include "parallel.h"
@@ -723,7 +724,9 @@ Tensor head_logits(const Tensor &h, const Tensor &head, int64_t n, int64_t gemv_
 // 1, from cold caches after the weights stream). tables must hold the blocks of the last
 // pass. `interrupts` (int64 [1], the rank's StepInterrupts, which another thread bumps while
 // this call runs without the GIL) is read after each pass: a count other than
-// interrupts_before (the multi-step call's) ends the call there.
+// interrupts_before (the multi-step call's) ends the call there. So does the pass after which
+// every row has drawn one of its stop tokens (`stops`: int64 [T, S], -1 where a row has
+// fewer; S may be 0): the engine ends each such sequence there and would discard the rest.
 // Returns the tokens of the passes done (int64 [passes, T]).
 Tensor greedy_passes(const Tensor &ids, const Tensor &embed,
                      const c10::List<optional<Tensor>> &weights, double eps, int64_t heads,
@@ -732,8 +735,8 @@ Tensor greedy_passes(const Tensor &ids, const Tensor &embed,
                      const Tensor &slots, const Tensor &tables, const Tensor &table_start,
                      const Tensor &ctx_lens, const c10::List<optional<Tensor>> &packed,
                      const Tensor &final_norm, const Tensor &positions, const Tensor &head,
-                     int64_t head_n, int64_t gemv_rows, const Tensor &interrupts,
-                     int64_t interrupts_before)
+                     int64_t head_n, int64_t gemv_rows, const Tensor &stops,
+                     const Tensor &interrupts, int64_t interrupts_before)
 {
     const int64_t t = ids.size(0), k = positions.size(0);
     check_index(ids, at::kLong, "ids", t);
@@ -748,6 +751,12 @@ Tensor greedy_passes(const Tensor &ids, const Tensor &embed,
                     interrupts.device().is_cpu() &&
                     reinterpret_cast<uintptr_t>(interrupts.const_data_ptr()) % 8 == 0,
                 "greedy_passes: interrupts must be one aligned CPU int64");
+    TORCH_CHECK(stops.dim() == 2 && stops.size(0) == t && stops.scalar_type() == at::kLong &&
+                    stops.is_contiguous() && stops.device().is_cpu(),
+                "greedy_passes: stops must be a contiguous CPU Long [", t, ", S], got ",
+                stops.sizes(), " ", stops.scalar_type());
+    const int64_t s = stops.size(1), *stop = stops.const_data_ptr<int64_t>();
+    std::vector<char> ended(t, 0);
     const auto *count = interrupts.const_data_ptr<int64_t>();
     Tensor tokens = at::empty({k, t}, at::TensorOptions().dtype(at::kLong));
     Tensor x = ids;
@@ -771,6 +780,17 @@ Tensor greedy_passes(const Tensor &ids, const Tensor &embed,
         });
         if (__atomic_load_n(count, __ATOMIC_ACQUIRE) != interrupts_before)
             break;
+        if (s > 0) {
+            const int64_t *drawn = x.const_data_ptr<int64_t>();
+            bool all = true;
+            for (int64_t r = 0; r < t; r++) {
+                for (int64_t j = 0; j < s && !ended[r]; j++)
+                    ended[r] = stop[r * s + j] == drawn[r];
+                all = all && ended[r];
+            }
+            if (all)
+                break;
+        }
     }
     return tokens.narrow(0, 0, done);
 }
@@ -842,7 +862,7 @@ TORCH_LIBRARY(fleetllm, m)
           "int[] windows, float scale, Tensor cos, Tensor sin, Tensor(a!)[] kv_caches, "
           "Tensor slots, Tensor tables, Tensor table_start, Tensor ctx_lens, Tensor?[] packed, "
           "Tensor final_norm, Tensor positions, Tensor head, int head_n, int gemv_rows, "
-          "Tensor interrupts, int interrupts_before) -> Tensor");
+          "Tensor stops, Tensor interrupts, int interrupts_before) -> Tensor");
     m.def("argmax(Tensor x) -> Tensor");
     m.def("gemm_pairs(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
     m.def("gemm_pairs_available() -> bool", &fleetllm::gemm_pairs_available);

@@ -238,8 +238,9 @@ def test_greedy_passes_are_the_layers_head_and_argmax_in_turn(dtype):
     """greedy_passes (multi-step decoding's passes in one call: worker/greedy_passes.py) gives
     bit for bit what decoder_layers (embedding, final norm), the GEMV of the LM head and the
     argmax give pass after pass, each pass's tokens the next one's ids: the tokens and every
-    layer's cache. A changed interrupt count ends it after the pass under way; arguments that
-    do not match are refused."""
+    layer's cache. A changed interrupt count ends it after the pass under way, and so does
+    the pass after which every row has drawn one of its stop tokens; arguments that do not
+    match are refused."""
     g = torch.Generator().manual_seed(11)
     full = (torch.randn(40, 1, 8, generator=g).to(dtype),
             torch.randn(40, 1, 8, generator=g).to(dtype))
@@ -263,7 +264,8 @@ def test_greedy_passes_are_the_layers_head_and_argmax_in_turn(dtype):
 
     def passes(caches, interrupts=None, **changes):
         args = dict(positions=pos, embed=embed, final_norm=norm, head=head, head_n=11,
-                    gemv_rows=8, interrupts=torch.zeros(1, dtype=torch.long)
+                    gemv_rows=8, stops=torch.empty(3, 0, dtype=torch.long),
+                    interrupts=torch.zeros(1, dtype=torch.long)
                     if interrupts is None else interrupts, interrupts_before=0)
         args.update(changes)
         return cpu_kernels.greedy_passes(ids, listed, 1e-6, base["heads"], [0, 0],
@@ -284,11 +286,22 @@ def test_greedy_passes_are_the_layers_head_and_argmax_in_turn(dtype):
     assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches, strict=True))
     stopped = passes([cache.clone(), cache.clone()], torch.ones(1, dtype=torch.long))
     assert torch.equal(stopped, got[:1])  # the count moved: one pass, then the call ends
+    # Each row's stop tokens: row 0 stops at the token it draws in pass 2, row 1 at pass 0's,
+    # row 2 at pass 1's (plus a token it never draws, and padding): the call ends after the
+    # first pass by which all three have stopped.
+    drawn = got.t().tolist()
+    ends = [2, 0, 1]
+    stops = torch.tensor([[drawn[0][2], -1], [drawn[1][0], -1], [drawn[2][1], 99]])
+    want_passes = max(row.index(row[e]) for row, e in zip(drawn, ends, strict=True)) + 1
+    ended = passes([cache.clone(), cache.clone()], stops=stops)
+    assert torch.equal(ended, got[:want_passes]) and want_passes <= 3
     for changes, message in [
             (dict(positions=pos[:3]), "slots must be a contiguous CPU Long \\[3, 3\\], got "
                                       "\\[4, 3\\]"),
             (dict(gemv_rows=2), "a dense LM head takes the GEMV kernel, up to 2 rows"),
-            (dict(interrupts=torch.zeros(1)), "interrupts must be one aligned CPU int64")]:
+            (dict(interrupts=torch.zeros(1)), "interrupts must be one aligned CPU int64"),
+            (dict(stops=torch.zeros(2, 1, dtype=torch.long)), "stops must be a contiguous CPU "
+                                                               "Long \\[3, S\\]")]:
         with pytest.raises(RuntimeError, match=message):
             passes([cache.clone(), cache.clone()], **changes)
 

@@ -359,6 +359,45 @@ def test_greedy_passes_in_one_c_call_read_every_kind_of_lm_head(tiny_models, mon
         assert kinds == {3: (4, False), 11: (2, True)}  # the small copy, then oneDNN
 
 
+def test_greedy_passes_end_when_every_row_has_drawn_a_stop_token(tiny_models):
+    """The C loop ends a call after the pass in which the last row still going draws one of
+    its stop tokens (a stop token id, or EOS unless ignore_eos): no passes are run for tokens
+    the engine would discard. Two requests whose stop token ids each first appear at an
+    output position that is not a multiple of k: the passes run are exactly the tokens kept
+    (past the prefill's), and the outputs are those of one pass a call."""
+    model = tiny_models["llama_gqa"]
+    prompts = [{"prompt_token_ids": [5, 9, 17, 33]}, {"prompt_token_ids": [7, 7, 40]}]
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(model, kv_cache_memory=KV) as base:
+        runs = [o.outputs[0].token_ids for o in base.generate(prompts, free, use_tqdm=False)]
+        # a token first drawn at an output position past 1 that k = 8 does not divide
+        ends = [next(p for p in range(2, 40) if p % 8 and row.index(row[p]) == p)
+                for row in runs]
+        params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                 stop_token_ids=[row[p]]) for row, p in zip(runs, ends,
+                                                                              strict=True)]
+        want = base.generate(prompts, params, use_tqdm=False)
+    done = []
+    passes = cpu_kernels.greedy_passes
+
+    def counted(*args, **kwargs):
+        out = passes(*args, **kwargs)
+        done.append(out.shape[0])
+        return out
+
+    with LLM(model, kv_cache_memory=KV, num_scheduler_steps=8) as llm:
+        cpu_kernels.greedy_passes = counted
+        try:
+            got = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            cpu_kernels.greedy_passes = passes
+    assert tokens(got) == tokens(want)
+    assert [o.outputs[0].finish_reason for o in got] == ["stop", "stop"]
+    # Both decode together until the shorter stops (the engine then drops it from the
+    # batch), then the longer alone: each call ends at its last stop, not at 8 passes.
+    assert sum(done) == max(ends), (done, ends)
+
+
 @pytest.mark.parametrize("backend", ["uni", "mp"])
 def test_an_interrupt_ends_the_c_loop_of_greedy_passes(tiny_models, backend):
     """An interrupt from another thread while the passes run in one C call (which runs

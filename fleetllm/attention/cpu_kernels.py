@@ -215,18 +215,19 @@ def greedy_passes(ids: torch.Tensor, weights: list, eps: float, heads: int, wind
                   kv_caches: list[torch.Tensor], slots: torch.Tensor, tables: torch.Tensor,
                   table_start: torch.Tensor, ctx_lens: torch.Tensor, packed: list, *,
                   positions: torch.Tensor, embed: torch.Tensor, final_norm: torch.Tensor,
-                  head: torch.Tensor, head_n: int, gemv_rows: int,
+                  head: torch.Tensor, head_n: int, gemv_rows: int, stops: torch.Tensor,
                   interrupts: torch.Tensor, interrupts_before: int) -> torch.Tensor:
     """Up to k greedy decode passes: each decoder_layers (embed, layers, final norm) at its
     row of positions, slots and ctx_lens ([k, T]), the LM head (`head`, head_n outputs: what
     layers.linear reads at T rows; the GEMV kernel up to gemv_rows rows of a dense one) and
     each row's argmax, the next pass's ids. Ends early after a pass where interrupts (int64
-    [1]) is not interrupts_before.
+    [1]) is not interrupts_before, or after which every row has drawn one of its stops (int64
+    [T, S], -1 padding; S may be 0).
     Returns the passes' tokens, int64 [passes, T]."""
     return _ops.greedy_passes(ids, embed, weights, eps, heads, windows, scale, cos, sin,
                               kv_caches, slots, tables, table_start, ctx_lens, packed,
-                              final_norm, positions, head, head_n, gemv_rows, interrupts,
-                              interrupts_before)
+                              final_norm, positions, head, head_n, gemv_rows, stops,
+                              interrupts, interrupts_before)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -200,15 +200,16 @@ def _head(head, rows: int) -> tuple[torch.Tensor, int, int] | None:
 
 def run_passes(model, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                ctx_lens: torch.Tensor, tables: torch.Tensor, table_start: torch.Tensor,
-               kv_caches: list[torch.Tensor], interrupts: torch.Tensor, interrupts_before: int
-               ) -> torch.Tensor | None:
+               kv_caches: list[torch.Tensor], stops: torch.Tensor, interrupts: torch.Tensor,
+               interrupts_before: int) -> torch.Tensor | None:
     """Up to k greedy decode passes in one C call (cpu_kernels.greedy_passes: the layers'
     call, the LM head and the argmax of each pass, with no Python between passes), for
     worker/greedy_passes.py; the tokens of the passes done (int64 [passes, T]), or None where
     the call does not apply (the model is not all one stage with an LM head on one rank, the
     fused layers do not apply, or the LM head's weight is not one the call reads). ids: the
     rows' last tokens (int64 [T]); positions, slots (int64) and ctx_lens (int32): [k, T];
-    the call ends after a pass where interrupts (int64 [1]) no longer holds interrupts_before."""
+    the call ends after a pass where interrupts (int64 [1]) no longer holds interrupts_before,
+    or after which every row has drawn one of its stop tokens (stops: int64 [T, S])."""
     st = _stack(model)
     rows = ids.shape[0]
     if st is None or st.embed is None or st.final_norm is None or model.lm_head is None or \
@@ -225,5 +226,5 @@ def run_passes(model, ids: torch.Tensor, positions: torch.Tensor, slots: torch.T
     return cpu_kernels.greedy_passes(
         ids, st.weights, st.eps, st.heads, st.windows, st.scale, cos, sin, kv_caches, slots,
         tables, table_start, ctx_lens, packed, positions=positions, embed=st.embed,
-        final_norm=st.final_norm, head=weight, head_n=n, gemv_rows=gemv_rows,
+        final_norm=st.final_norm, head=weight, head_n=n, gemv_rows=gemv_rows, stops=stops,
         interrupts=interrupts, interrupts_before=interrupts_before)

@@ -20,8 +20,9 @@ What fails and how: the tokens are those the generic pass draws (the same kernel
 same rows, the same argmax; tests/test_multi_step.py compares them on random workloads). An
 interrupt (an abort) ends the call after the pass under way: the C call reads the
 StepInterrupts count after each pass, without the GIL, so the aborting thread runs
-meanwhile. An error in any pass fails the whole call, which the engine recomputes, as for
-any failed step.
+meanwhile. The C call also ends after the pass by which every row has drawn one of its stop
+tokens (the engine ends those sequences there and would discard later passes). An error in
+any pass fails the whole call, which the engine recomputes, as for any failed step.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def run(runner, kv_caches: list[torch.Tensor], groups: list[SequenceGroupMetadat
         finished_ids: list[str] = ()) -> list[list[int]]:
     """Up to `passes` greedy passes over the groups' sequences (in their order; each group's
     block tables must hold the slots of all of them). Returns the tokens of each pass done:
-    it stops early after a pass where the interrupts' count is no longer interrupts_before.
+    it stops early after a pass where the interrupts' count is no longer interrupts_before,
+    and (the C call) after the pass in which the last row still going drew a stop token.
     finished_ids: the requests whose state the runner drops first, as its execute_model
     would."""
     runner.penalties.drop(finished_ids)
@@ -67,8 +69,11 @@ def run(runner, kv_caches: list[torch.Tensor], groups: list[SequenceGroupMetadat
     slots: list[list[int]] = [[] for _ in range(passes)]
     tables: list[int] = []
     table_start: list[int] = []
+    stops: list[list[int]] = []  # each row's stop token ids (EOS unless ignored)
     for group in groups:
+        stop_ids = group.sampling_params.min_tokens_stop_ids
         for seq_id, data in group.seq_data.items():
+            stops.append(stop_ids)
             first = data.get_len() - 1  # the position of its last token, not in the cache yet
             table = group.block_tables[seq_id]
             ids.append(data.token_at(first))
@@ -87,8 +92,11 @@ def run(runner, kv_caches: list[torch.Tensor], groups: list[SequenceGroupMetadat
     tables_t, start_t = ints[passes * rows: -rows], ints[-rows:]
     with torch._C._InferenceMode(True):
         if dev.type == "cpu":  # all passes in one C call, where it applies
+            most = max(map(len, stops))
+            stops_t = torch.tensor([s + [-1] * (most - len(s)) for s in stops],
+                                   dtype=torch.long).view(rows, most)
             done = fused.run_passes(runner.model, longs[0], pos_t, slots_t, ctx_t, tables_t,
-                                    start_t, kv_caches,
+                                    start_t, kv_caches, stops_t,
                                     torch.frombuffer(interrupts.buffer(), dtype=torch.int64),
                                     interrupts_before)
             if done is not None:

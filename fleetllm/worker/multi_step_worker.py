@@ -73,11 +73,11 @@ class MultiStepWorker(DelegatingWorker):
             # pass too, unless it moves blocks).
             if self._lean(active, groups) and (step > 0 or not (
                     req.blocks_to_swap_in or req.blocks_to_swap_out or req.blocks_to_copy)):
-                done = self._greedy_passes(
-                    groups, active, min(passes[i] for i in active) - step, interrupts_before,
-                    results, req.finished_requests_ids if step == 0 else [])
+                most = min(passes[i] for i in active) - step
+                done = self._greedy_passes(groups, active, most, interrupts_before, results,
+                                           req.finished_requests_ids if step == 0 else [])
                 step += done
-                if self.interrupts.count != interrupts_before:
+                if done < most:  # interrupted, or every row drew a stop token: all done
                     break
                 continue
             first = step == 0  # block moves and finished ids go with the first pass only
