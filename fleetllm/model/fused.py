@@ -137,13 +137,19 @@ def _packed_for(st: _Stack, rows: int) -> list | None:
     return packed
 
 
+def _fits(x: torch.Tensor, kv_cache: torch.Tensor | None) -> bool:
+    """At most MAX_ROWS contiguous rows, and a cache the kernels read. x: the step's token ids
+    (int64 [T]) or hidden states ([T, H])."""
+    return (kv_cache is not None and x.shape[0] <= MAX_ROWS and x.is_contiguous()
+            and kv_cache.is_contiguous()
+            and cpu_kernels.usable(kv_cache, *(() if x.dtype == torch.long else (x,))))
+
+
 def applies(x: torch.Tensor, kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> bool:
     """This step can use the fused layers: decode tokens only, at most MAX_ROWS of them. x: the
     step's token ids (int64 [T]) or hidden states ([T, H])."""
-    return (kv_cache is not None and x.shape[0] <= MAX_ROWS and not meta.prefills
-            and meta.decode is not None and meta.decode.num == x.shape[0]
-            and x.is_contiguous() and kv_cache.is_contiguous()
-            and cpu_kernels.usable(kv_cache, *(() if x.dtype == torch.long else (x,))))
+    return (_fits(x, kv_cache) and not meta.prefills and meta.decode is not None
+            and meta.decode.num == x.shape[0])
 
 
 def run_layers(model, positions: torch.Tensor, x: torch.Tensor,
@@ -213,8 +219,7 @@ def run_passes(model, ids: torch.Tensor, positions: torch.Tensor, slots: torch.T
     st = _stack(model)
     rows = ids.shape[0]
     if st is None or st.embed is None or st.final_norm is None or model.lm_head is None or \
-            rows > MAX_ROWS or not cpu_kernels.usable(kv_caches[0]) or \
-            not kv_caches[0].is_contiguous():
+            not _fits(ids, kv_caches[0]):
         return None
     packed, head = _packed_for(st, rows), _head(model.lm_head, rows)
     if packed is None or head is None:

@@ -54,8 +54,7 @@ class MultiStepWorker(DelegatingWorker):
         self.max_model_len = config.model_config.max_model_len
         self.block_size = config.cache_config.block_size
         self.interrupts = interrupts or StepInterrupts()
-        parallel = config.parallel_config
-        self.single_rank = parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1
+        self.single_rank = config.parallel_config.world_size == 1
 
     def execute_model(self, execute_model_req: ExecuteModelRequest
                       ) -> list[SamplerOutput] | None:
