@@ -52,6 +52,7 @@ from fleetllm.errors import (
     RemoteWorkerError,
     WorkerCrashedError,
 )
+from fleetllm.model import fused
 from fleetllm.worker import greedy_passes
 
 NUM_WORKLOADS = int(os.environ.get("FLEETLLM_RANDOM_WORKLOADS", "60"))
@@ -176,10 +177,11 @@ class Faults:
 
 
 class MidCallAborts:
-    """Multi-step decoding: during a pass of a call (the model runner's forward, which the
-    passes of greedy_passes and of the wrapped worker both run), now and then abort a random
-    live request, as another thread would (the engine defers the abort and interrupts the
-    call after this pass), or only interrupt the call. Counts the passes greedy_passes ran."""
+    """Multi-step decoding: during a call, now and then abort a random live request, as
+    another thread would (the engine defers the abort and interrupts the call after the pass
+    under way), or only interrupt the call: at a pass of the model runner's forward (the
+    wrapped worker's passes, and greedy_passes' Python loop), or as greedy_passes' one C call
+    begins (it then ends after its first pass). Counts the passes greedy_passes ran."""
 
     def __init__(self, engine, reqs: list, rng: random.Random):
         self.engine, self.reqs, self.rng = engine, reqs, rng
@@ -187,17 +189,21 @@ class MidCallAborts:
         self.runner = engine.model_executor.driver_worker.worker.worker.model_runner
         self.inner = self.runner._forward
         self.runner._forward = self
-        self.lean_run = greedy_passes.run
+        self.lean_run, self.one_call = greedy_passes.run, fused.run_passes
 
         def counted(*args, **kwargs):
             tokens = self.lean_run(*args, **kwargs)
             self.lean_passes += len(tokens)
             return tokens
 
-        greedy_passes.run = counted
+        def one_call(*args, **kwargs):
+            self._maybe_abort(0.3)
+            return self.one_call(*args, **kwargs)
 
-    def __call__(self, batch, kv_caches):
-        if self.rng.random() < 0.05:
+        greedy_passes.run, fused.run_passes = counted, one_call
+
+    def _maybe_abort(self, chance: float) -> None:
+        if self.rng.random() < chance:
             live = [r for r in self.reqs if r.aborted_at is None
                     and r.rid in self.engine.seq_groups]
             if live and self.rng.random() < 0.5:
@@ -208,11 +214,14 @@ class MidCallAborts:
             else:
                 self.engine.interrupt_step()
                 self.interrupts += 1
+
+    def __call__(self, batch, kv_caches):
+        self._maybe_abort(0.05)
         return self.inner(batch, kv_caches)
 
     def remove(self) -> None:  # a worker restart may have replaced the worker meanwhile
         self.runner.__dict__.pop("_forward", None)
-        greedy_passes.run = self.lean_run
+        greedy_passes.run, fused.run_passes = self.lean_run, self.one_call
 
 
 @pytest.fixture(scope="module")
