@@ -162,3 +162,19 @@ def test_what_cannot_work_is_refused(tiny_models, tmp_path):
         LLM(target, speculative_config=draft(tmp_path / "missing"))
     with pytest.raises(ConfigurationError, match="draft_tensor_parallel_size"):
         LLM(target, speculative_config={**draft(target), "draft_tensor_parallel_size": 2})
+
+
+def test_sleep_and_wake_beside_a_tp_or_pp_target(tiny_models, distributed):
+    """The draft runs whole on the output rank, and is put to sleep and woken there as it was
+    loaded (parallel_state.alone()): a draft reloaded as a shard would fail its rank at every
+    wake. Several cycles of both levels: the same tokens, no worker replaced."""
+    target = tiny_models["llama_gqa"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(target, block_size=4, speculative_config=draft(target), max_worker_restarts=1,
+             **distributed) as llm:
+        before = tokens(llm.generate(PROMPTS[:3], params, use_tqdm=False))
+        for level in (1, 2, 2, 1):
+            llm.sleep(level=level)
+            llm.wake_up()
+            assert tokens(llm.generate(PROMPTS[:3], params, use_tqdm=False)) == before
+        assert llm.llm_engine.worker_restarts == 0

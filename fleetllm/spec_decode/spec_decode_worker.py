@@ -111,14 +111,20 @@ class SpecDecodeWorker(DelegatingWorker):
             with parallel_state.alone():
                 self.draft.initialize_cache(num_gpu_blocks, num_cpu_blocks)
 
+    # The draft sleeps and wakes as it was loaded, whole (alone()): woken under a TP/PP
+    # target's groups it would reload as a shard and fail its rank at the next step.
     def sleep(self, level: int = 1) -> int:
         freed = self.worker.sleep(level)
-        return freed + (self.draft.sleep(level) if self.draft is not None else 0)
+        if self.draft is not None:
+            with parallel_state.alone():
+                freed += self.draft.sleep(level)
+        return freed
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.worker.wake_up(tags)
         if self.draft is not None:
-            self.draft.wake_up(tags)
+            with parallel_state.alone():
+                self.draft.wake_up(tags)
 
     def shutdown(self) -> None:
         self.proposer.forget(None)
