@@ -303,6 +303,10 @@ class ParallelConfig:
     # Times the engine may replace crashed or hung workers and resume every request (0: none;
     # then a crash fails every request, as in vLLM).
     max_worker_restarts: int = 3
+    # ... within any window of this many seconds: a restart older than that is forgotten, so
+    # a server that runs for weeks is not killed by its 4th unrelated crash in months, while
+    # a crash loop still exhausts the limit within seconds (inf: over the engine's life).
+    worker_restart_window_s: float = 3600.0
     # The "ray" backend's settings (fleetllm/executor/ray_executor.py, docs/distributed.md);
     # the other backends ignore them, so one command line can compare backends. The Ray cluster to
     # join ("auto", "host:port", "ray://host:port"); None: $RAY_ADDRESS when set, else a private
@@ -339,6 +343,9 @@ class ParallelConfig:
                f"{self.worker_cls!r}")
         _check(self.startup_timeout > 0, "startup_timeout", "must be > 0 seconds")
         _check(self.max_worker_restarts >= 0, "max_worker_restarts", "must be >= 0")
+        _check(self.worker_restart_window_s > 0, "worker_restart_window_s",
+               f"must be > 0 seconds (inf: never forgotten), got "
+               f"{self.worker_restart_window_s!r}")
         timeout = self.execute_model_timeout
         _check(isinstance(timeout, int | float) and not isinstance(timeout, bool)
                and 0 < timeout < float("inf"), "execute_model_timeout",

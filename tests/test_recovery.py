@@ -16,6 +16,7 @@ import time
 import pytest
 
 from fleetllm import LLM, SamplingParams
+from fleetllm.engine.recovery import RestartBudget
 from fleetllm.errors import WorkerCrashedError
 from fleetllm.sequence import ExecuteModelRequest
 from fleetllm.worker.faults import inject_fault
@@ -93,6 +94,50 @@ def test_past_max_worker_restarts_requests_fail_with_the_typed_error(tiny_models
         inject_fault(llm.llm_engine.model_executor, rank=1, kind="crash", at_call=2)
         with pytest.raises(WorkerCrashedError):
             llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_restart_budget_forgets_restarts_older_than_its_window():
+    now = [0.0]
+    budget = RestartBudget(2, window_s=100.0, clock=lambda: now[0])
+    assert budget.take() and budget.take() and not budget.take()
+    now[0] = 99.0
+    assert not budget.take() and budget.in_window() == 2
+    now[0] = 100.0  # the first two are forgotten
+    assert budget.take() and budget.in_window() == 1 and budget.total == 3
+    now[0] = 150.0
+    assert budget.take() and not budget.take()
+    now[0] = 200.0  # the third only
+    assert budget.take() and not budget.take() and budget.total == 5
+    forever = RestartBudget(1, clock=lambda: now[0])  # inf: over the whole life
+    assert forever.take()
+    now[0] = 1e12
+    assert not forever.take() and forever.total == 1
+    budget.reset()
+    assert budget.in_window() == 0 and budget.total == 0 and budget.take()
+    assert not RestartBudget(0).take()  # fail-stop
+
+
+def test_worker_restarts_count_within_a_window(tiny_models):
+    """max_worker_restarts=1 per worker_restart_window_s (a fake clock): a crash an hour
+    after the last restart is recovered from again; a second crash within the hour is not."""
+    prompts, params = workload(8)
+    now = [0.0]
+    with LLM(tiny_models["llama_gqa"], tensor_parallel_size=2, kv_cache_memory=KV,
+             max_worker_restarts=1, worker_restart_window_s=3600) as llm:
+        engine = llm.llm_engine
+        engine.restart_budget.clock = lambda: now[0]
+        undisturbed = tokens(llm.generate(prompts, params, use_tqdm=False))
+        inject_fault(engine.model_executor, rank=1, kind="crash", at_call=2)
+        assert tokens(llm.generate(prompts, params, use_tqdm=False)) == undisturbed
+        now[0] += 3600.0
+        inject_fault(engine.model_executor, rank=0, kind="crash", at_call=2)
+        assert tokens(llm.generate(prompts, params, use_tqdm=False)) == undisturbed
+        assert engine.worker_restarts == 2
+        now[0] += 3599.0
+        inject_fault(engine.model_executor, rank=1, kind="crash", at_call=2)
+        with pytest.raises(WorkerCrashedError):
+            llm.generate(prompts, params, use_tqdm=False)
+        assert engine.worker_restarts == 2
 
 
 def test_an_out_of_memory_step_is_retried_with_half_the_tokens(tiny_models):

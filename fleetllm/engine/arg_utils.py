@@ -53,6 +53,8 @@ _HELP = {
                              "more, then declared hung and restarted",
     "max_worker_restarts": "times crashed or hung workers are replaced, every request "
                            "resumed; 0: fail-stop",
+    "worker_restart_window_s": "seconds after which a worker restart no longer counts "
+                               "against max_worker_restarts (inf: never)",
     "ray_address": "ray: the cluster to join (auto, host:port, ray://host:port; default: "
                    "$RAY_ADDRESS, else a private local instance)",
     "placement_strategy": "ray: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD",

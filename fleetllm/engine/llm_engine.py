@@ -24,7 +24,7 @@ from fleetllm.engine.detokenizer import Detokenizer
 from fleetllm.engine.lora_requests import LoRAMixin, LoRARequests
 from fleetllm.engine.output_processing import Output, OutputsMixin
 from fleetllm.engine.outputs import request_output
-from fleetllm.engine.recovery import RecoveryMixin
+from fleetllm.engine.recovery import RecoveryMixin, RestartBudget
 from fleetllm.engine.request_checks import PromptType, RequestChecksMixin
 from fleetllm.engine.tokenizer import load_tokenizer
 from fleetllm.errors import (
@@ -80,7 +80,10 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin, OutputsMixin):
         self._stepping = False
         self._deferred_adds: list[SequenceGroup] = []
         self._deferred_aborts: list[str] = []
-        self.worker_restarts = 0  # workers replaced after a crash or hang (max_worker_restarts)
+        # Workers replaced after a crash or hang: max_worker_restarts per window
+        # (worker_restart_window_s); its total is self.worker_restarts.
+        pc = config.parallel_config
+        self.restart_budget = RestartBudget(pc.max_worker_restarts, pc.worker_restart_window_s)
         # The executor's kv_cache_epoch when this engine last knew the workers' KV content.
         self._kv_epoch = self.model_executor.kv_cache_epoch
         # Good steps since an out-of-memory step halved the token budget, which stays halved

@@ -1,7 +1,8 @@
 """How LLMEngine recovers when its workers fail, wherever the failure is found (a step, the
 idle health probe, sleep, wake_up): workers that crashed or hung are replaced
-(Executor.restart_failed_workers, within max_worker_restarts; a restart that fails counts and
-is tried again) and every request is recomputed; a step out of memory, also one that failed
+(Executor.restart_failed_workers, within max_worker_restarts per worker_restart_window_s:
+RestartBudget; a restart that fails counts and is tried again) and every request is
+recomputed; a step out of memory, also one that failed
 the workers under TP/PP (the OOM is the WorkerCrashedError's __cause__), is retried with half
 its tokens and the budget stays halved for OOM_FORGET_STEPS good steps. The engine also
 watches the executor's kv_cache_epoch: whenever the workers' KV content is gone (sleep or a
@@ -14,7 +15,9 @@ apart so that the engine's request path reads on its own.
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -28,7 +31,53 @@ logger = logging.getLogger(__name__)
 OOM_FORGET_STEPS = 1000
 
 
+class RestartBudget:
+    """At most `limit` restarts within any `window_s` seconds (math.inf: over its whole
+    life). A restart older than the window is forgotten: a server that runs for weeks
+    survives unrelated crashes months apart, while a crash loop (a request that crashes
+    every worker it reaches, a device gone) exhausts the limit in seconds and gives up.
+    `clock` is injectable for tests. Not thread-safe: one owner (the engine's step loop, or
+    whatever restarts an engine core) calls it."""
+
+    def __init__(self, limit: int, window_s: float = math.inf,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit, self.window_s, self.clock = limit, window_s, clock
+        self.total = 0  # every restart ever taken (metrics)
+        self._times: deque[float] = deque()  # when the restarts still in the window were
+
+    def in_window(self) -> int:
+        """Restarts that still count against the limit."""
+        now = self.clock()
+        while self._times and now - self._times[0] >= self.window_s:
+            self._times.popleft()
+        return len(self._times)
+
+    def take(self) -> bool:
+        """Count one restart if the limit allows it (True), else change nothing (False)."""
+        if self.in_window() >= self.limit:
+            return False
+        self._times.append(self.clock())
+        self.total += 1
+        return True
+
+    def reset(self, total: int = 0) -> None:
+        """Start over with `total` restarts, all counted as of now (0: the full budget)."""
+        now = self.clock()
+        self.total = total
+        self._times = deque(now for _ in range(min(total, self.limit)))
+
+
 class RecoveryMixin:
+    @property
+    def worker_restarts(self) -> int:
+        """Workers replaced after a crash or hang, since the start (metrics)."""
+        return self.restart_budget.total
+
+    @worker_restarts.setter
+    def worker_restarts(self, value: int) -> None:
+        """Set the count; the budget then holds that many restarts as of now (0: full)."""
+        self.restart_budget.reset(value)
+
     def _recover(self, sched: SchedulerOutputs, error: BaseException) -> bool:
         """After a failed step (already requeued): can the engine carry on? Workers that
         crashed or hung are replaced and every request resumes; a step out of memory is
@@ -57,23 +106,26 @@ class RecoveryMixin:
     def _restart_workers(self, error: BaseException) -> bool:
         """Replace the workers (Executor.restart_failed_workers) and recompute every request.
         A restart that fails counts as one and is tried again, after a short pause, until
-        max_worker_restarts is reached: then False (the caller raises)."""
-        limit = self.config.parallel_config.max_worker_restarts
+        max_worker_restarts within worker_restart_window_s is reached: then False (the
+        caller raises)."""
+        budget, pc = self.restart_budget, self.config.parallel_config
         while True:
-            if self.worker_restarts >= limit:
-                logger.error("workers failed again after %d restarts (max_worker_restarts=%d):"
-                             " giving up: %s", self.worker_restarts, limit, error)
+            if not budget.take():
+                logger.error("workers failed again after %d restarts within %ss "
+                             "(max_worker_restarts=%d, worker_restart_window_s): giving up: %s",
+                             budget.in_window(), pc.worker_restart_window_s, budget.limit,
+                             error)
                 return False
-            self.worker_restarts += 1
-            logger.warning("workers failed (%s); restarting them (%d of %d) and resuming %d "
-                           "requests", str(error).splitlines()[0], self.worker_restarts, limit,
-                           len(self.seq_groups))
+            logger.warning("workers failed (%s); restarting them (%d of %d within %ss, %d in "
+                           "all) and resuming %d requests", str(error).splitlines()[0],
+                           budget.in_window(), budget.limit, pc.worker_restart_window_s,
+                           budget.total, len(self.seq_groups))
             try:
                 self.model_executor.restart_failed_workers()
                 break
             except WorkerCrashedError as restart_error:
                 error = restart_error
-                time.sleep(min(2.0, 0.25 * self.worker_restarts))
+                time.sleep(min(2.0, 0.25 * budget.in_window()))
         # The new workers hold no KV blocks and no per-request state: every request is
         # recomputed from its prompt and the tokens it has (seeded draws are counter-based,
         # so they continue exactly).
