@@ -6,6 +6,7 @@ Messages say what happened and what to do about it.
 from __future__ import annotations
 
 import builtins
+import re
 from functools import cache
 
 
@@ -116,9 +117,29 @@ class EngineShutdownError(FleetLLMError, RuntimeError):
 
 class InvalidRequestError(FleetLLMError, ValueError):
     """A request that can never be served (too long, bad token ids, duplicate id, ...).
-    Rejected before it is queued; other requests are unaffected."""
+    Rejected before it is queued; other requests are unaffected.
+
+    `param`: the request field at fault (the server's 400 names it), given, or read from a
+    message that starts with it ("stop_token_ids: ..."), so that it survives any boundary
+    that carries only the class name and the message (the engine-core process's wire)."""
 
     code = "E007"
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param if param is not None else _leading_param(message)
+
+    def __reduce__(self):
+        return (type(self), (self.args[0] if self.args else "", self.param))
+
+
+_PARAM_PREFIX = re.compile(r"([a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)*): ")
+
+
+def _leading_param(message: object) -> str | None:
+    """"name: ..." -> "name" (a lower-case field name or dotted path), else None."""
+    match = _PARAM_PREFIX.match(message) if isinstance(message, str) else None
+    return match.group(1) if match else None
 
 
 class LoRAAdapterError(InvalidRequestError, ConfigurationError):

@@ -122,9 +122,10 @@ def small_pool(model):
 def test_samples_that_can_never_fit_the_pool_are_refused_with_a_400_saying_why(small_pool):
     body = {"prompt": list(range(3, 43)), "n": 2, "max_tokens": 40, "ignore_eos": True}
     for stream in (False, True):
+        # the engine's 400 names the field at fault (issue 70: it was "param": null)
         error = assert_error(small_pool.request("POST", COMPLETIONS,
-                                                json={**body, "stream": stream}), 400)
-        assert "n=2 samples of 80 tokens" in error["message"]
+                                                json={**body, "stream": stream}), 400, "n")
+        assert "2 samples of 80 tokens" in error["message"]
         assert "the whole pool has 4" in error["message"]
 
 

@@ -120,7 +120,10 @@ class StructuredOutputManager:
             if future is not None and not (future.done() and future.exception()):
                 self._cache.move_to_end(key)
                 return Grammar(future)
-        backend, parsed = self._parse(params)
+        try:
+            backend, parsed = self._parse(params)
+        except InvalidRequestError as e:  # led by the field at fault: a server's 400 names it
+            raise InvalidRequestError(f"structured_outputs: {e.args[0]}") from None
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="fleetllm-grammar")

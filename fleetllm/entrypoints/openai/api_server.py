@@ -61,7 +61,11 @@ from fleetllm.entrypoints.openai.protocol import (
 from fleetllm.entrypoints.openai.serving_chat import ServingChat
 from fleetllm.entrypoints.openai.serving_completion import ServingCompletion
 from fleetllm.entrypoints.openai.serving_embedding import ServingEmbedding
-from fleetllm.entrypoints.openai.serving_engine import json_response, parse_body
+from fleetllm.entrypoints.openai.serving_engine import (
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    json_response,
+    parse_body,
+)
 from fleetllm.entrypoints.openai.serving_models import ServingModels
 from fleetllm.entrypoints.openai.serving_tokenization import ServingTokenization
 from fleetllm.entrypoints.openai.tool_parsers import get_tool_parser
@@ -87,13 +91,15 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
               http: HTTPOptions | None = None, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None,
               lora_modules: list[LoRAModulePath] | None = None,
-              allow_runtime_lora_updating: bool = False) -> FastAPI:
+              allow_runtime_lora_updating: bool = False,
+              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST) -> FastAPI:
     """`enable_auto_tool_choice` + `tool_call_parser` (a TOOL_PARSERS name): chat requests
     with tools may leave the choice to the model (tool_choice "auto"), and the parser reads
     its calls; vLLM's flags and rule (one without the other is a ConfigurationError).
     `lora_modules`: the adapters served by name (with enable_lora; loaded by
     `await app.state.models.init_static_loras()`); `allow_runtime_lora_updating` adds
-    /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+    /v1/load_lora_adapter and /v1/unload_lora_adapter. `max_prompts_per_request`: the most
+    engine requests (prompts x n) one completion or embedding request may start."""
     http = http or HTTPOptions()
     if enable_auto_tool_choice and not tool_call_parser:
         raise ConfigurationError("--enable-auto-tool-choice needs --tool-call-parser")
@@ -105,10 +111,15 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
                                 if lora_config is not None else None)
     engine.stat_loggers.append(metrics)
     models = ServingModels(engine, names, lora_modules)
-    completion = ServingCompletion(engine, names, chat_template, models)
+    if max_prompts_per_request < 1:
+        raise ConfigurationError(f"--max-prompts-per-request must be >= 1, got "
+                                 f"{max_prompts_per_request}")
+    completion = ServingCompletion(engine, names, chat_template, models,
+                                   max_prompts_per_request=max_prompts_per_request)
     chat = ServingChat(engine, names, chat_template,
                        parser if enable_auto_tool_choice else None, models)
-    embedding = ServingEmbedding(engine, names, models=models)
+    embedding = ServingEmbedding(engine, names, models=models,
+                                 max_prompts_per_request=max_prompts_per_request)
     tokenization = ServingTokenization(engine, names, chat_template, models)
 
     app = FastAPI(title="fleetllm", version=fleetllm.__version__, openapi_url=None,

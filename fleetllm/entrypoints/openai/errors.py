@@ -54,6 +54,10 @@ class APIError(Exception):
 
 
 def truncate(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """At most `limit` characters, and always encodable (a lone surrogate from the request,
+    echoed back, is written as its escape: an error must never fail to be sent)."""
+    if not text.isascii():
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text if len(text) <= limit else text[:limit - 15] + "... (truncated)"
 
 
@@ -79,7 +83,7 @@ def api_error_from(e: BaseException) -> APIError:
                   | RequestAbortedError):
         return APIError(503, _plain(e))
     if isinstance(e, ValueError):  # InvalidRequestError, ConfigurationError (bad params)
-        return APIError(400, _plain(e))
+        return APIError(400, _plain(e), getattr(e, "param", None))
     if isinstance(e, RequestFailedError):  # accepted, then failed in the engine: say why
         return APIError(500, _plain(e))
     logger.error("unexpected error serving a request", exc_info=e)

@@ -114,7 +114,8 @@ def run_serve(args: argparse.Namespace) -> int:
                         chat_template, state, enable_sleep_mode=args.enable_sleep_mode,
                         http=http, enable_auto_tool_choice=args.enable_auto_tool_choice,
                         tool_call_parser=args.tool_call_parser, lora_modules=args.lora_modules,
-                        allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                        max_prompts_per_request=args.max_prompts_per_request)
         sock = _bind(args.host, args.port)
         host, port = sock.getsockname()[:2]
         # Tests and scripts wait for this line to learn the port (--port 0).

@@ -31,17 +31,16 @@ from fleetllm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from fleetllm.entrypoints.openai.serving_engine import (
-    ClientDisconnected,
     OpenAIServing,
     SSEResponse,
-    collect_final,
+    engine_params,
     json_response,
-    merge_streams,
     request_ids,
     sse,
     sse_error,
 )
 from fleetllm.entrypoints.openai.serving_models import ServingModels
+from fleetllm.entrypoints.openai.streams import ClientDisconnected, collect_final, merge_streams
 from fleetllm.entrypoints.openai.structured_outputs import structured_outputs_for
 from fleetllm.entrypoints.openai.tool_parsers import ToolParser
 
@@ -84,7 +83,8 @@ class ServingChat(OpenAIServing):
                                       and self.keep_special_tokens else None)
         request_id, engine_id = request_ids(raw, "chatcmpl")
         streams = await self.start(engine_id, [({"prompt": text, "prompt_token_ids": ids},
-                                                 params)], arrival, lora_request)
+                                                 params)], arrival, lora_request,
+                                   engine_params(req, "messages"))
         fmt = LogprobFormatter(self.tokenizer, req.return_tokens_as_token_ids,
                                req.skip_special_tokens)
         if req.stream:

@@ -13,8 +13,10 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from starlette.responses import Response
 
+from fleetllm.engine.async_engine import RequestStream
 from fleetllm.engine.llm_engine import PromptType
 from fleetllm.engine.outputs import CompletionOutput, RequestOutput
+from fleetllm.entrypoints.openai.body_checks import until_disconnected
 from fleetllm.entrypoints.openai.errors import APIError
 from fleetllm.entrypoints.openai.logprobs import LogprobFormatter
 from fleetllm.entrypoints.openai.protocol import (
@@ -25,18 +27,18 @@ from fleetllm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from fleetllm.entrypoints.openai.serving_engine import (
-    ClientDisconnected,
     OpenAIServing,
     SSEResponse,
-    collect_final,
+    engine_params,
     json_response,
-    merge_streams,
     request_ids,
     sse,
     sse_error,
 )
+from fleetllm.entrypoints.openai.streams import ClientDisconnected, collect_final, merge_streams
 from fleetllm.entrypoints.openai.structured_outputs import structured_outputs_for
-from fleetllm.sampling_params import SamplingParams
+from fleetllm.lora.request import LoRARequest
+from fleetllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class _Prompt:
@@ -94,15 +96,12 @@ class ServingCompletion(OpenAIServing):
             raise APIError(400, "max_tokens: must be at least 1 (0 only with echo: true, "
                            "which scores the prompt)", "max_tokens")
         structured = structured_outputs_for(req, self.structured_outputs_backend)
-        prompts = await self._prompts(req.prompt)
-        requests: list[tuple[PromptType, SamplingParams]] = []
-        for p in prompts:
-            max_tokens = self.max_tokens_for(req.max_tokens, len(p.token_ids), "prompt")
-            prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-            requests.append((p.engine_prompt(), self.sampling_params(
-                req, max(max_tokens, 1), req.logprobs, prompt_logprobs, structured)))
         response_id, engine_id = request_ids(raw, "cmpl")
-        streams = await self.start(engine_id, requests, arrival, lora_request)
+        try:  # a client that leaves while its prompts are tokenized and added stops both
+            prompts, streams = await until_disconnected(
+                self._prepare(req, engine_id, arrival, lora_request, structured), raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
         fmt = LogprobFormatter(self.tokenizer, req.return_tokens_as_token_ids,
                                req.skip_special_tokens)
         if req.stream:
@@ -123,16 +122,35 @@ class ServingCompletion(OpenAIServing):
                                                 model=model, choices=choices,
                                                 usage=_usage(prompts, generated)))
 
-    async def _prompts(self, prompt: str | list) -> list[_Prompt]:
+    async def _prepare(self, req: CompletionRequest, engine_id: str, arrival: float,
+                       lora_request: LoRARequest | None,
+                       structured: StructuredOutputsParams | None
+                       ) -> tuple[list[_Prompt], list[RequestStream]]:
+        """The prompts, tokenized and checked, and their engine requests, started."""
+        prompts = await self._prompts(req.prompt, req.n)
+        requests: list[tuple[PromptType, SamplingParams]] = []
+        for p in prompts:
+            max_tokens = self.max_tokens_for(req.max_tokens, len(p.token_ids), "prompt")
+            prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+            requests.append((p.engine_prompt(), self.sampling_params(
+                req, max(max_tokens, 1), req.logprobs, prompt_logprobs, structured)))
+        return prompts, await self.start(engine_id, requests, arrival, lora_request,
+                                         engine_params(req, "prompt"))
+
+    async def _prompts(self, prompt: str | list, n: int) -> list[_Prompt]:
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "prompt: must not be empty", "prompt")
         if isinstance(prompt[0], int):
             prompt = [prompt]
+        self.check_prompt_count(len(prompt), n, "prompt")
+        params = ["prompt"] if len(prompt) == 1 else [f"prompt.{i}" for i in range(len(prompt))]
+        for p, param in zip(prompt, params, strict=True):  # all, before any is tokenized
+            if isinstance(p, str):
+                self.text_bound.check(p, param)
         out = []
-        for i, p in enumerate(prompt):
-            param = "prompt" if len(prompt) == 1 else f"prompt.{i}"
+        for p, param in zip(prompt, params, strict=True):
             if isinstance(p, str):
                 ids = await self.engine.tokenize(p)
                 out.append(_Prompt(p, ids))

@@ -23,7 +23,9 @@ from typing import Any
 from fastapi import Request
 from starlette.responses import Response
 
+from fleetllm.engine.async_engine import RequestStream
 from fleetllm.engine.outputs import PoolingRequestOutput
+from fleetllm.entrypoints.openai.body_checks import until_disconnected
 from fleetllm.entrypoints.openai.errors import APIError
 from fleetllm.entrypoints.openai.protocol import (
     MAX_EMBEDDING_INPUTS,
@@ -33,14 +35,15 @@ from fleetllm.entrypoints.openai.protocol import (
     EmbeddingUsage,
 )
 from fleetllm.entrypoints.openai.serving_engine import (
-    ClientDisconnected,
     OpenAIServing,
-    collect_final,
     json_response,
     request_ids,
 )
+from fleetllm.entrypoints.openai.streams import ClientDisconnected, collect_final
 from fleetllm.errors import ConfigurationError, InvalidRequestError
 from fleetllm.pooling_params import PoolingParams
+
+_MARGIN = 64  # tokens kept past truncate_prompt_tokens when only a text's end is tokenized
 
 
 class ServingEmbedding(OpenAIServing):
@@ -59,10 +62,17 @@ class ServingEmbedding(OpenAIServing):
             self.engine.model_config.check_dimensions(req.dimensions)  # the engine's rule
         except InvalidRequestError as e:
             raise APIError(400, str(e).removeprefix(f"[{e.code}] "), "dimensions") from None
-        prompts = await self._prompts(req)
         response_id, engine_id = request_ids(raw, "embd")
-        streams = await self.start(engine_id, [(p, params) for p in prompts], arrival,
-                                   lora_request)
+
+        async def prepare() -> tuple[list[dict[str, Any]], list[RequestStream]]:
+            prompts = await self._prompts(req)
+            return prompts, await self.start(engine_id, [(p, params) for p in prompts],
+                                             arrival, lora_request, {"prompt": "input"})
+
+        try:  # a client that leaves while its inputs are tokenized and added stops both
+            prompts, streams = await until_disconnected(prepare(), raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
         try:
             finals: list[PoolingRequestOutput] = await collect_final(streams, raw)
         except ClientDisconnected:
@@ -86,13 +96,16 @@ class ServingEmbedding(OpenAIServing):
         if len(inputs) > MAX_EMBEDDING_INPUTS:
             raise APIError(400, f"input: at most {MAX_EMBEDDING_INPUTS} inputs per request, "
                            f"got {len(inputs)}", "input")
+        self.check_prompt_count(len(inputs), 1, "input")
         texts = [x for x in inputs if isinstance(x, str)]
         if texts and self.tokenizer is None:
             raise APIError(400, "input: this model has no tokenizer: send token ids", "input")
+        keep = self._truncation(req.truncate_prompt_tokens)
+        texts = [self._bounded(t, keep, "input" if len(inputs) == 1 else f"input.{i}")
+                 for i, t in enumerate(inputs) if isinstance(t, str)]
         encoded = iter(await self.engine.run_in_tokenizer_thread(
             lambda: [self.tokenizer.encode(t, add_special_tokens=req.add_special_tokens)
                      for t in texts]) if texts else [])
-        keep = self._truncation(req.truncate_prompt_tokens)
         prompts = []
         for i, x in enumerate(inputs):
             param = "input" if len(inputs) == 1 else f"input.{i}"
@@ -108,6 +121,18 @@ class ServingEmbedding(OpenAIServing):
             prompts.append({"prompt": text, "prompt_token_ids": ids} if text is not None
                            else {"prompt_token_ids": ids})
         return prompts
+
+    def _bounded(self, text: str, keep: int | None, param: str) -> str:
+        """The text to tokenize: all of it (refused past what max_model_len tokens can
+        spell, TextBound), or with truncation to the last `keep` tokens only its end, long
+        enough to hold `keep` + _MARGIN tokens (each token spells at most `longest`
+        characters): the margin's tokens, where the cut may split a word, are dropped."""
+        limit = self.text_bound.max_chars
+        if keep is None or limit is None:
+            self.text_bound.check(text, param)
+            return text
+        tail = (keep + _MARGIN) * (limit // self.max_model_len)
+        return text[-tail:] if len(text) > tail else text
 
     def _truncation(self, value: int | None) -> int | None:
         """How many tokens of each input to keep (None: all)."""

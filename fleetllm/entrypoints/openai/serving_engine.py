@@ -1,8 +1,8 @@
-"""What the completion, chat, embedding and tokenization handlers share: parsing a body,
-checking the model name, the task the server runs and the context length, building
-SamplingParams, starting engine requests (all of a request's prompts at once, so that the
-engine batches them) and reading them back (streamed as server-sent events, or collected
-while watching for the client to go away)."""
+"""What the completion, chat, embedding and tokenization handlers share: parsing a body
+(screened first: body_checks), checking the model name, the task the server runs, the
+context length, the token ids and the number of prompts, building SamplingParams, starting
+engine requests (all of a request's prompts at once, so that the engine batches them; all or
+none), and answering in server-sent events. Reading the streams back is streams.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,10 @@ from starlette.types import Receive, Scope, Send
 
 from fleetllm.engine.async_engine import AsyncLLMEngine, RequestStream
 from fleetllm.engine.llm_engine import PromptType
-from fleetllm.engine.outputs import PoolingRequestOutput, RequestOutput
+from fleetllm.entrypoints.openai.body_checks import (
+    TextBound,
+    screen_json,
+)
 from fleetllm.entrypoints.openai.chat_tools import template_message
 from fleetllm.entrypoints.openai.errors import (
     APIError,
@@ -35,22 +38,21 @@ from fleetllm.entrypoints.openai.protocol import (
     SamplingRequest,
 )
 from fleetllm.entrypoints.openai.serving_models import ServingModels
-from fleetllm.errors import ConfigurationError, RequestFailedError
+from fleetllm.errors import ConfigurationError
 from fleetllm.lora.request import LoRARequest
 from fleetllm.pooling_params import PoolingParams
 from fleetllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 M = TypeVar("M", bound=BaseModel)
-Out = TypeVar("Out", RequestOutput, PoolingRequestOutput)
 MAX_BODY_BYTES = 16 << 20
-_END = object()
+# The request fields an output constraint comes from (structured_outputs_for allows one).
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                      "guided_choice", "guided_grammar")
+# prompts x n per request (--max-prompts-per-request): past any batch a client sends
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 4096
 # What each task serves, for the 400 an endpoint of the other task gets.
 TASK_ENDPOINTS = {"generate": "/v1/completions and /v1/chat/completions",
                   "embed": "/v1/embeddings"}
-
-
-class ClientDisconnected(Exception):
-    """The client went away before its response was ready; its requests are aborted."""
 
 
 class SSEResponse(StreamingResponse):
@@ -102,17 +104,6 @@ def request_ids(raw: Request | None, prefix: str) -> tuple[str, str]:
     return rid, f"{rid}-{uuid.uuid4().hex[:8]}"
 
 
-def checked(out: Out) -> Out:
-    """A request the engine ended with an error (finish_reason "error", or a pooling request
-    with no vector) raises RequestFailedError (a 500 with the reason, or an in-band error
-    event): "error" is not an OpenAI finish reason and would hide why."""
-    failed = out.finish_reason == "error" if isinstance(out, PoolingRequestOutput) else \
-        any(c.finish_reason == "error" for c in out.outputs)
-    if out.error is not None or failed:
-        raise RequestFailedError(out.error or "the engine ended the request with an error")
-    return out
-
-
 async def parse_body(request: Request, model: type[M]) -> M:
     """The JSON body as `model`: a 400 for a missing or wrong content type, malformed JSON,
     a non-object, or a field that fails validation; 413 past MAX_BODY_BYTES."""
@@ -134,6 +125,7 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise APIError(400, f"malformed JSON body: {truncate(str(e), 200)}") from None
     if not isinstance(obj, dict):
         raise APIError(400, f"the body must be a JSON object, got {type(obj).__name__}")
+    screen_json(obj)
     try:
         return model.model_validate(obj)
     except ValidationError as e:
@@ -153,8 +145,12 @@ class OpenAIServing:
     needs_task: str | None = None
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
-                 chat_template: str | None = None, models: ServingModels | None = None):
+                 chat_template: str | None = None, models: ServingModels | None = None, *,
+                 max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST):
+        """`max_prompts_per_request`: engine requests (prompts x n) one HTTP request may
+        start (--max-prompts-per-request)."""
         self.engine = engine
+        self.max_prompts_per_request = max_prompts_per_request
         self.task = engine.model_config.task
         self.model_names = served_model_names
         # The base model's names and the LoRA adapters (shared by every handler of an app).
@@ -163,6 +159,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
         self.vocab_size = engine.model_config.arch.vocab_size
+        self.text_bound = TextBound(self.tokenizer, self.max_model_len)
         self.max_num_seqs = engine.config.scheduler_config.max_num_seqs
         self.structured_outputs_backend = \
             engine.config.decoding_config.structured_outputs_backend
@@ -176,13 +173,24 @@ class OpenAIServing:
         name."""
         return self.models.lora_request(model)
 
-    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
-        if not ids:
+    def check_token_ids(self, ids: Sequence[int], param: str, empty_ok: bool = False
+                        ) -> None:
+        """Every id in [0, vocab_size): a 400 naming `param` before anything reaches the
+        engine (an id past 2**64 cannot even cross to the engine-core process)."""
+        if not ids and not empty_ok:
             raise APIError(400, f"{param}: the prompt is empty", param)
-        bad = [t for t in ids if t >= self.vocab_size]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise APIError(400, f"{param}: token ids {bad[:5]} are outside the vocabulary "
-                           f"[0, {self.vocab_size})", param)
+            raise APIError(400, f"{param}: token ids {[truncate(str(t), 30) for t in bad[:5]]}"
+                           f" are outside the vocabulary [0, {self.vocab_size})", param)
+
+    def check_prompt_count(self, prompts: int, n: int, param: str) -> None:
+        """prompts x n engine requests at most max_prompts_per_request, checked before any
+        is tokenized (one body of tiny prompts must not keep the server busy for minutes)."""
+        if prompts * n > self.max_prompts_per_request:
+            raise APIError(400, f"{param}: {prompts} prompts x n={n} is more than the "
+                           f"server's --max-prompts-per-request="
+                           f"{self.max_prompts_per_request}; split the request", param)
 
     def check_task(self) -> None:
         """A 400 that names the server's task when this endpoint needs the other one."""
@@ -229,6 +237,8 @@ class OpenAIServing:
         if req.n > self.max_num_seqs:
             raise APIError(400, f"n: {req.n} is more than the server's max_num_seqs="
                            f"{self.max_num_seqs}", "n")
+        if req.stop_token_ids:
+            self.check_token_ids(req.stop_token_ids, "stop_token_ids", empty_ok=True)
         given = {
             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
             "min_p": req.min_p, "presence_penalty": req.presence_penalty,
@@ -259,6 +269,8 @@ class OpenAIServing:
         if not template:
             raise APIError(400, "this model has no chat template: start the server with "
                            "--chat-template FILE, or use /v1/completions", "messages")
+        for i, m in enumerate(messages):
+            self.text_bound.check(m.text(), f"messages.{i}.content")
         conversation = [template_message(m) for m in messages]
         tool_dicts = None if not tools else [t.model_dump(exclude_none=True) for t in tools]
         try:
@@ -268,6 +280,7 @@ class OpenAIServing:
         except Exception as e:  # jinja2 errors, raise_exception() in templates
             raise APIError(400, f"the chat template failed on these messages: "
                            f"{truncate(str(e), 300)}", "messages") from None
+        self.text_bound.check(text, "messages")
         # The template writes any BOS itself: do not add special tokens again.
         return text, await self.engine.tokenize(text, add_special_tokens=False)
 
@@ -281,13 +294,14 @@ class OpenAIServing:
 
     async def start(self, engine_id: str,
                     requests: list[tuple[PromptType, SamplingParams | PoolingParams]],
-                    arrival_time: float, lora_request: LoRARequest | None = None
-                    ) -> list[RequestStream]:
+                    arrival_time: float, lora_request: LoRARequest | None = None,
+                    params: dict[str, str] | None = None) -> list[RequestStream]:
         """One engine request per prompt (`engine_id`-i), all added at once: queued in
         order before any is accepted, so the engine takes them into the same step rather than
         one per step. All accepted, or none (the first rejection, by index, raised as a
         4xx/503; the accepted ones are aborted). Each runs through `lora_request`'s adapter
-        when given."""
+        when given. `params`: the engine's name of a field -> the request's ("prompt" ->
+        "messages"), for the `param` of a 400 the engine gives."""
         tasks = [asyncio.ensure_future(self.engine.add_request(
             f"{engine_id}-{i}", prompt, params, arrival_time, lora_request))
             for i, (prompt, params) in enumerate(requests)]
@@ -300,8 +314,21 @@ class OpenAIServing:
         error = next((e for e in failures if e is not None), None)
         if error is not None:
             _undo(tasks)
-            raise api_error_from(error) from None
+            api_error = api_error_from(error)
+            if api_error.param is not None and params:
+                head, _, rest = api_error.param.partition(".")
+                if head in params:
+                    api_error.param = params[head] + (f".{rest}" if rest else "")
+            raise api_error from None
         return [t.result() for t in tasks]
+
+
+def engine_params(req: SamplingRequest, prompt_field: str) -> dict[str, str]:
+    """The engine's field names -> this request's (OpenAIServing.start's `params`): the
+    prompt's, and the field its output constraint came from (tools, for a tool_choice)."""
+    given = [f for f in _STRUCTURED_FIELDS if getattr(req, f, None) is not None]
+    source = given[0] if given else "tools"
+    return {"prompt": prompt_field, "structured_outputs": source}
 
 
 def _undo(tasks: list[asyncio.Future]) -> None:
@@ -312,82 +339,3 @@ def _undo(tasks: list[asyncio.Future]) -> None:
             task.cancel()
         elif not task.cancelled() and task.exception() is None:
             task.result().close()
-
-
-async def merge_streams(streams: list[RequestStream]
-                        ) -> AsyncIterator[tuple[int, Any]]:
-    """(prompt index, output) from several streams as they come; closes them all at the end."""
-    if len(streams) == 1:  # the common case needs no task and no queue
-        try:
-            async for out in streams[0]:
-                yield 0, checked(out)
-        finally:
-            streams[0].close()
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for out in stream:
-                queue.put_nowait((i, checked(out)))
-            queue.put_nowait((i, _END))
-        except Exception as e:
-            queue.put_nowait((i, e))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            i, item = await queue.get()
-            if item is _END:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        for stream in streams:
-            stream.close()
-
-
-async def collect_final(streams: list[RequestStream], request: Request | None
-                        ) -> list[Any]:
-    """Every stream's final output (RequestOutput, or PoolingRequestOutput for a pooling
-    request). Raises ClientDisconnected (the requests aborted) if the client goes away
-    first."""
-
-    async def last(stream: RequestStream) -> Any:
-        final = None
-        async for out in stream:
-            final = checked(out)
-        assert final is not None  # a stream ends with its finished output or raises
-        return final
-
-    tasks = [asyncio.ensure_future(last(s)) for s in streams]
-    waiters: set[asyncio.Future] = set(tasks)
-    gone = None
-    if request is not None:
-        gone = asyncio.ensure_future(_disconnected(request))
-        waiters.add(gone)
-    try:
-        while True:
-            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            if gone is not None and gone in done:
-                raise ClientDisconnected
-            for task in done:
-                task.result()  # an engine error: raise it now
-            waiters -= done
-            if all(t.done() for t in tasks):
-                return [t.result() for t in tasks]
-    finally:
-        for task in [*tasks, *([gone] if gone else [])]:
-            task.cancel()
-        for stream in streams:
-            stream.close()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

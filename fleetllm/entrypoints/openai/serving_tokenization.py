@@ -17,6 +17,7 @@ class ServingTokenization(OpenAIServing):
             _, ids = await self.render_chat(req.messages, req.add_generation_prompt,
                                             req.tools)
         else:
+            self.text_bound.check(req.prompt or "", "prompt")
             ids = await self.engine.tokenize(req.prompt or "", req.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
 
@@ -24,9 +25,6 @@ class ServingTokenization(OpenAIServing):
         self.check_model(req.model)
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
-        bad = [t for t in req.tokens if t >= self.vocab_size]
-        if bad:
-            raise APIError(400, f"tokens: ids {bad[:5]} are outside the vocabulary "
-                           f"[0, {self.vocab_size})", "tokens")
+        self.check_token_ids(req.tokens, "tokens", empty_ok=True)
         text = await self.engine.run_in_tokenizer_thread(self.decode, req.tokens)
         return {"prompt": text}
