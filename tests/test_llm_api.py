@@ -67,6 +67,26 @@ def test_generate_takes_vllm_prompt_token_ids(llm):
         llm.generate(["a"], GREEDY, prompt_token_ids=ids)
 
 
+# ---------------------------------------------------------------- requests that cannot run
+
+@pytest.mark.timeout(120)
+def test_more_samples_than_a_steps_token_budget_are_refused_not_hung(tiny_models):
+    """n samples decode together, a token each per step: n > max_num_batched_tokens could
+    never be scheduled (generate waited for ever); refused at add time, saying why."""
+    with LLM(tiny_models["llama_gqa"], max_num_batched_tokens=4, kv_cache_memory=32 << 20
+             ) as llm:
+        params = SamplingParams(n=8, max_tokens=4)
+        with pytest.raises(InvalidRequestError, match="max_num_batched_tokens=4"):
+            llm.llm_engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, params)
+        [out] = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)
+        assert out.finished and "max_num_batched_tokens" in out.error
+        # n up to the budget runs, also with a prompt longer than it (prefilled in chunks)
+        [out] = llm.generate({"prompt_token_ids": list(range(5, 25))},
+                             SamplingParams(n=4, max_tokens=4, ignore_eos=True),
+                             use_tqdm=False)
+        assert [len(c.token_ids) for c in out.outputs] == [4] * 4
+
+
 # ---------------------------------------------------------------- chat()
 
 def test_chat_applies_the_tokenizers_template(chat_model):
