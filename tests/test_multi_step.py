@@ -10,11 +10,14 @@ test_random_workloads.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import torch
 from serving_helpers import KV
 
 from fleetllm import LLM, SamplingParams
@@ -304,20 +307,24 @@ def test_greedy_passes_random_workloads_match_one_pass_a_call(tiny_models, dtype
 
 HEADS = {"float32": ("float32", {}), "bfloat16": ("bfloat16", {}),
          "float32-dense": ("float32", {"FLEETLLM_LINEAR": "dense"}),
-         "bfloat16-beside-onednn": ("bfloat16", {"amx": True})}
+         "bfloat16-beside-onednn": ("bfloat16", {"amx": True}),
+         "bfloat16-avx2": ("bfloat16", {"no_bf16_packing": True})}
 
 
 @pytest.mark.parametrize("case", list(HEADS))
 def test_greedy_passes_in_one_c_call_read_every_kind_of_lm_head(tiny_models, monkeypatch,
                                                                  case):
     """The C loop (cpu_kernels.greedy_passes) computes the LM head as layers.linear does at
-    the batch's rows, from the tensor fused._head picks: the GEMV kernel on the dense weight
-    up to its row limit, then oneDNN's packed copy (float32), the copy by pairs (bf16 with
-    AVX-512 BF16), or the small batches' copy beside oneDNN's (where oneDNN runs on AMX:
-    simulated, as in test_attention.py); where nothing is packed (FLEETLLM_LINEAR=dense),
-    past the GEMV's rows the passes run one forward at a time (the fused layers need the
-    packed weights there). 3 and 11 sequences, 4 passes a call: the tokens of one pass a
-    call."""
+    the batch's rows, from the tensor fused._head picks, which depends on the CPU
+    (_head_kind): the GEMV kernel on the dense weight up to its row limit, then MKL's or
+    oneDNN's packed copy (float32); for bf16 the copy by pairs (AVX-512 without AMX), the
+    small batches' copy beside oneDNN's (where oneDNN runs on AMX; also simulated, as in
+    test_attention.py), or the GEMV up to 16 rows beside oneDNN's float32 copy (AVX2-only
+    CPUs, also simulated: oneDNN packs no bf16 there, and the dense bf16 weight with a
+    float32 copy was the faster pair, layers._packing_plan); where nothing is packed
+    (FLEETLLM_LINEAR=dense), past the GEMV's rows the passes run one forward at a time (the
+    fused layers need the packed weights there). 3 and 11 sequences, 4 passes a call: the
+    tokens of one pass a call."""
     from fleetllm.model import amx_packed, pair_packed
 
     dtype, setting = HEADS[case]
@@ -326,6 +333,18 @@ def test_greedy_passes_in_one_c_call_read_every_kind_of_lm_head(tiny_models, mon
             pytest.skip("no copies by pairs, or oneDNN packs no bf16 here")
         monkeypatch.setattr(amx_packed, "applies", lambda w: False)
         monkeypatch.setattr(pair_packed, "onednn_amx", lambda: True)
+    if setting.get("no_bf16_packing"):  # an AVX2-only CPU's oneDNN: no bf16 packing, no AMX
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+
+        def without_bf16(weight, *args):
+            if weight.dtype == torch.bfloat16:
+                raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu "
+                                   "support avx_ne_convert or avx512bw, avx512vl and avx512dq")
+            return reorder(weight, *args)
+
+        monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
+        monkeypatch.setattr(pair_packed, "onednn_packs_bf16", lambda: False)
+        monkeypatch.setattr(pair_packed, "onednn_amx", lambda: False)
     for name, value in setting.items():
         if name.isupper():
             monkeypatch.setenv(name, value)
@@ -351,12 +370,33 @@ def test_greedy_passes_in_one_c_call_read_every_kind_of_lm_head(tiny_models, mon
         assert kinds == {3: (2, False)}, seen  # the GEMV; 11 rows one forward at a time
         return
     assert set(kinds) == {3, 11}, seen  # the C loop ran at both sizes
-    if case == "float32":
-        assert kinds == {3: (2, False), 11: (2, True)}  # the GEMV's dense weight, then oneDNN
-    elif case == "bfloat16" and cpu_kernels.gemm_pairs_available():
-        assert kinds == {3: (4, False), 11: (4, False)}  # by pairs at every size
-    elif setting.get("amx"):
-        assert kinds == {3: (4, False), 11: (2, True)}  # the small copy, then oneDNN
+    config = json.loads((Path(model) / "config.json").read_text())
+    head = (config["vocab_size"], config["hidden_size"])  # the LM head's weight: [vocab, hidden]
+    assert kinds == {rows: _head_kind(dtype, head, rows) for rows in (3, 11)}, seen
+
+
+def _head_kind(dtype: str, shape: tuple[int, int], rows: int) -> tuple[int, bool]:
+    """(dims, is oneDNN's) of the tensor the LM head of `shape` reads at `rows` rows on this
+    CPU (or the one simulated), by layers' packing rules: 2-D dense for the GEMV, 2-D mkldnn
+    for oneDNN, 1-D for MKL's sgemm, 4-D by pairs, 5-D for the kernels' AMX tiles."""
+    from fleetllm.model import amx_packed, mkl_packed, pair_packed
+
+    weight = torch.zeros(shape, dtype=getattr(torch, dtype))
+    if dtype == "float32":  # the GEMV up to 8 rows, then MKL's packed sgemm (Intel) or oneDNN's
+        return (2, False) if rows <= 8 else (1, False) if mkl_packed.applies(weight) \
+            else (2, True)
+    pairs = pair_packed.applies(weight)
+    if pairs and (pair_packed.batch_invariant() or pair_packed.onednn_packs_bf16()
+                  and not pair_packed.onednn_amx()):
+        return (4, False)  # by pairs at every size (AVX-512, or FLEETLLM_BATCH_INVARIANT)
+    if pairs and pair_packed.onednn_amx():  # the small batches' copy, then oneDNN's
+        tiles = amx_packed.applies(weight)
+        small = amx_packed.MAX_ROWS if tiles else pair_packed.SMALL_ROWS
+        return ((5 if tiles else 4), False) if rows <= small else (2, True)
+    # AVX2-only (the dense bf16 weight for the GEMV up to 16 rows, a float32 copy for oneDNN)
+    # or no pairs' GEMM at all (oneDNN's bf16 copy past 8 rows): layers.decode_gemv_rows
+    limit = 16 if not pair_packed.onednn_packs_bf16() else 8
+    return (2, False) if rows <= limit else (2, True)
 
 
 def test_greedy_passes_end_when_every_row_has_drawn_a_stop_token(tiny_models):
