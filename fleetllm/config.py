@@ -466,7 +466,8 @@ class EngineConfig:
         _check(spec is None or not m.is_pooling, "speculative_config",
                "speculative decoding applies to generating models only (task='generate')")
         if spec is not None and spec.method == "draft_model":
-            draft = ModelConfig(model=spec.model, max_model_len=m.max_model_len).arch
+            self.speculative_config = spec = _resolve_draft_len(spec, m)
+            draft = ModelConfig(model=spec.model, max_model_len=spec.max_model_len).arch
             _check(draft.vocab_size == a.vocab_size, "speculative_config",
                    f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from "
                    f"the target's ({a.vocab_size}): it must share the tokenizer")
@@ -565,6 +566,23 @@ class VllmArg:
                            value, self.note)
         elif value != self.default:
             raise ConfigurationError(f"{name}: {value!r} is not supported: {self.note}")
+
+
+def _resolve_draft_len(spec: SpeculativeConfig, target: ModelConfig) -> SpeculativeConfig:
+    """The draft model's max_model_len, as vLLM sets it: the draft's own limit, capped at the
+    target's (and at speculative_config's max_model_len, which may not exceed either). A
+    shorter draft is no error: sequences past its length decode without drafts."""
+    try:
+        own = ModelConfig(model=spec.model).max_model_len
+    except (ConfigurationError, ModelLoadError) as e:  # say which model it is about
+        raise type(e)(f"speculative_config: the draft model {spec.model}: "
+                      f"{e.args[0] if e.args else e}") from e
+    cap = min(own, target.max_model_len)
+    asked = spec.max_model_len
+    _check(asked is None or asked <= cap, "speculative_config",
+           f"max_model_len={asked} exceeds the draft model's ({own}) or the target's "
+           f"max_model_len ({target.max_model_len})")
+    return dataclasses.replace(spec, max_model_len=cap if asked is None else asked)
 
 
 # vLLM's older flat speculative arguments -> speculative_config keys.

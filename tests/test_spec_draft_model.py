@@ -178,3 +178,33 @@ def test_sleep_and_wake_beside_a_tp_or_pp_target(tiny_models, distributed):
             llm.wake_up()
             assert tokens(llm.generate(PROMPTS[:3], params, use_tqdm=False)) == before
         assert llm.llm_engine.worker_restarts == 0
+
+
+def test_a_draft_with_a_shorter_context_drafts_only_within_it(tiny_models, reference,
+                                                             tmp_path):
+    """As in vLLM, a draft model's length is capped at its own context (and may be capped
+    lower with speculative_config's max_model_len): a sequence past it decodes without
+    drafts, and the tokens stay the target's. A prompt longer than the draft's context is
+    never fed to it."""
+    target = tiny_models["llama_gqa"]
+    short = make_checkpoint(tmp_path / "short", "LlamaForCausalLM", seed=42, hidden_size=32,
+                            intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=16, max_position_embeddings=40)
+    with LLM(target, block_size=4, speculative_config=draft(short)) as llm:
+        assert llm.llm_engine.config.speculative_config.max_model_len == 40
+        assert llm.llm_engine.config.model_config.max_model_len == 1024
+        assert tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == tokens(reference)
+    # The target as its own draft, capped at 40: a 25-token prompt decoded to 55 tokens has
+    # drafts accepted up to position 40 only (about 21 of 29 without the cap).
+    capped = {**draft(target), "max_model_len": 40}
+    with LLM(target, block_size=4, speculative_config=capped) as llm:
+        got = llm.generate(PROMPTS[:1], PARAMS[0], use_tqdm=False)
+        m = llm.llm_engine.spec_decode_metrics
+    assert tokens(got) == tokens(reference)[:1]
+    assert 5 <= m.accepted_tokens <= 40 - 25, m
+    with pytest.raises(ConfigurationError, match="speculative_config: max_model_len=64 "
+                                                 "exceeds the draft model's \\(40\\)"):
+        LLM(target, speculative_config={**draft(short), "max_model_len": 64})
+    with pytest.raises(ModelLoadError, match="speculative_config: the draft model .*"
+                                             "config.json not found"):
+        LLM(target, speculative_config=draft(tmp_path))

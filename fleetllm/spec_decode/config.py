@@ -8,8 +8,10 @@
                                    "num_speculative_tokens": 4})
 
 Proposers: "ngram" (prompt lookup) and "draft_model" (a smaller checkpoint with the target's
-vocabulary, run greedily beside the target; tensor_parallel_size and pipeline_parallel_size
-1 for now). Other methods (EAGLE, Medusa, MTP) are refused with a ConfigurationError, never
+vocabulary, run greedily beside the target, whole on the output rank of a TP/PP target). A
+draft with a shorter context than the target is capped at its own length, as in vLLM
+(`max_model_len`, resolved by EngineConfig): a sequence whose drafts would pass it decodes
+without them. Other methods (EAGLE, Medusa, MTP) are refused with a ConfigurationError, never
 accepted and ignored.
 """
 
@@ -38,6 +40,9 @@ class SpeculativeConfig:
     # draft_model: the draft checkpoint's directory, and its tensor-parallel size (1).
     model: str | None = None
     draft_tensor_parallel_size: int = 1
+    # draft_model: the longest sequence drafted (vLLM's key). None: the shorter of the
+    # draft's and the target's max_model_len (EngineConfig sets it).
+    max_model_len: int | None = None
 
     @classmethod
     def from_value(cls, value: Any) -> SpeculativeConfig | None:
@@ -81,6 +86,12 @@ class SpeculativeConfig:
         if (self.method == "draft_model") != (self.model is not None):
             raise ConfigurationError("speculative_config: a draft model's directory goes in "
                                      "'model', with method 'draft_model' (or none)")
+        if self.max_model_len is not None and (
+                not isinstance(self.max_model_len, int) or isinstance(self.max_model_len, bool)
+                or self.max_model_len < 1 or self.method != "draft_model"):
+            raise ConfigurationError("speculative_config: max_model_len is a draft model's "
+                                     f"(an int >= 1), got {self.max_model_len!r} with "
+                                     f"method {self.method!r}")
         if self.draft_tensor_parallel_size != 1:
             raise ConfigurationError("speculative_config: draft_tensor_parallel_size must be "
                                      f"1, got {self.draft_tensor_parallel_size!r}")

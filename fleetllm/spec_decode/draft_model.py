@@ -33,10 +33,12 @@ _GREEDY = SamplingParams(temperature=0.0)
 
 def draft_engine_config(config: EngineConfig) -> EngineConfig:
     """The draft model's config: the target's settings (device, dtype, cache layout, budgets)
-    with the draft checkpoint, no adapters, no speculation of its own."""
+    with the draft checkpoint and its own max_model_len (speculative_config's: at most the
+    target's), no adapters, no speculation of its own."""
     m, c, s = config.model_config, config.cache_config, config.scheduler_config
+    spec = config.speculative_config
     return EngineConfig.from_kwargs(
-        config.speculative_config.model, dtype=m.dtype, max_model_len=m.max_model_len,
+        spec.model, dtype=m.dtype, max_model_len=spec.max_model_len,
         seed=m.seed, block_size=c.block_size, kv_cache_dtype=c.kv_cache_dtype,
         max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
         device=config.device_config.device, load_format=config.load_config.load_format)
@@ -94,7 +96,13 @@ class DraftModelProposer:
         cache.swap_in(req.blocks_to_swap_in)
         cache.copy(req.blocks_to_copy)
         groups = req.seq_group_metadata_list
-        prompts = [_greedy(g) for g in groups if g.is_prompt and g.pooling_params is None]
+        # Chunks past the draft's max_model_len are not cached: such a sequence is never
+        # drafted (SpecDecodeWorker._budgets keeps drafting within the draft's positions).
+        limit = self.draft_config.model_config.max_model_len
+        prompts = [_greedy(g) for g in groups if g.is_prompt and g.pooling_params is None
+                   and all(d.num_computed_tokens + (g.token_chunk_size or d.get_len() -
+                                                    d.num_computed_tokens) <= limit
+                           for d in g.seq_data.values())]
         if prompts:  # the draft caches the step's prompt chunks too
             runner.execute_model(ExecuteModelRequest(prompts), cache.gpu_cache)
             for g in prompts:

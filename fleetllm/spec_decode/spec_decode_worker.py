@@ -13,7 +13,8 @@ greedy and seeded requests emit the very same tokens). The step returns one Samp
 emitted position; the engine appends them in order. The first carries SpecDecodeWorkerMetrics.
 
 Not drafted: prompt steps, requests with a structured-output grammar (their allowed tokens
-depend on the drafts), a sequence's last allowed token (max_tokens, max_model_len). A failure
+depend on the drafts), a sequence's last allowed token (max_tokens, max_model_len), a
+sequence past a draft model's shorter max_model_len (as in vLLM). A failure
 is the scorer's failure (or the draft model's, the same way): a step fails as a whole and the
 engine recovers as from any failed step. The proposers' state (n-gram indexes, how far the
 draft model's cache is computed) only affects which drafts are proposed, never the output.
@@ -58,6 +59,9 @@ class SpecDecodeWorker(DelegatingWorker):
         spec = config.speculative_config
         self.num_spec_tokens = spec.num_speculative_tokens
         self.max_model_len = config.model_config.max_model_len
+        # The longest sequence a draft model drafts (its own max_model_len, at most the
+        # target's: speculative_config.max_model_len); past it a sequence decodes without.
+        self.draft_max_len = spec.max_model_len or self.max_model_len
         self.block_size = config.cache_config.block_size
         self.draft_proposer = None  # method "draft_model", on the output rank only
         # Back-off: a sequence whose drafts keep being rejected stops paying for them.
@@ -178,7 +182,8 @@ class SpecDecodeWorker(DelegatingWorker):
                     self.cooldown[seq_id] -= 1
                     continue
                 room = min(self.max_model_len - data.get_len() - 1,
-                           len(group.block_tables[seq_id]) * self.block_size - data.get_len())
+                           len(group.block_tables[seq_id]) * self.block_size - data.get_len(),
+                           self.draft_max_len - data.get_len())  # positions the draft has
                 if max_tokens is not None:
                     room = min(room, max_tokens - len(data.output_token_ids) - 1)
                 # After a step whose drafts were all rejected, a sequence is probed with one
