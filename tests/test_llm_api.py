@@ -108,6 +108,56 @@ def test_chat_applies_the_tokenizers_template(chat_model):
         assert out.prompt == "hello!"
 
 
+def test_chat_takes_vllms_arguments_in_vllms_order(chat_model, tmp_path):
+    """LLM.chat(messages, sampling_params, use_tqdm, lora_request, chat_template,
+    chat_template_content_format, add_generation_prompt, continue_final_message, tools,
+    chat_template_kwargs, mm_processor_kwargs), as vLLM's."""
+    import inspect
+
+    from lora_helpers import lora_request, make_adapter
+
+    assert list(inspect.signature(LLM.chat).parameters)[1:] == [
+        "messages", "sampling_params", "use_tqdm", "lora_request", "chat_template",
+        "chat_template_content_format", "add_generation_prompt", "continue_final_message",
+        "tools", "chat_template_kwargs", "mm_processor_kwargs"]
+    conv = [{"role": "user", "content": [{"type": "text", "text": "hello"},
+                                          {"type": "text", "text": "there"}]}]
+    adapter = lora_request(make_adapter(chat_model, tmp_path / "a", seed=3), 1)
+    with LLM(chat_model, kv_cache_memory=32 << 20, enable_lora=True, max_lora_rank=8) as llm:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        # positional: use_tqdm, lora_request, chat_template
+        [out] = llm.chat(conv, params, False, adapter, "{{ messages[0]['content'] }}:")
+        assert out.prompt == "hello\nthere:"  # text parts joined, as vLLM's "string"
+        [base] = llm.chat(conv, params, False, None, "{{ messages[0]['content'] }}:")
+        ids = {"prompt_token_ids": out.prompt_token_ids}
+        assert out.outputs[0].token_ids == llm.generate(
+            ids, params, use_tqdm=False, lora_request=adapter)[0].outputs[0].token_ids
+        assert base.outputs[0].token_ids == llm.generate(
+            ids, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert out.outputs[0].token_ids != base.outputs[0].token_ids  # the adapter ran
+        loops = "{% for p in messages[0]['content'] %}[{{ p['text'] }}]{% endfor %}"
+        [out] = llm.chat(conv, params, use_tqdm=False, chat_template=loops)  # auto: openai
+        assert out.prompt == "[hello][there]"
+        [out] = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False,
+                         chat_template=loops, chat_template_content_format="openai")
+        assert out.prompt == "[hi]"
+        # continue_final_message, tools and chat_template_kwargs reach the template
+        template = ("{{ greeting }}{% for t in tools %}<{{ t['name'] }}>{% endfor %}"
+                    "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                    "{% if add_generation_prompt %}<assistant>{% endif %}")
+        [out] = llm.chat([{"role": "assistant", "content": "Once upon"}], params,
+                         use_tqdm=False, chat_template=template, add_generation_prompt=False,
+                         continue_final_message=True, tools=[{"name": "f"}],
+                         chat_template_kwargs={"greeting": "hey "})
+        assert out.prompt == "hey <f>Once upon"
+        with pytest.raises(InvalidRequestError, match="continue_final_message"):
+            llm.chat(conv, params, continue_final_message=True)
+        with pytest.raises(InvalidRequestError, match="chat_template_content_format"):
+            llm.chat(conv, params, chat_template_content_format="xml")
+        with pytest.raises(InvalidRequestError, match="text-only"):
+            llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+
+
 def test_chat_without_a_template_says_so(llm):
     with pytest.raises((ConfigurationError, InvalidRequestError), match="chat_template"):
         llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)

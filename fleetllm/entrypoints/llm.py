@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -157,19 +158,37 @@ class LLM:
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             chat_template: str | None = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate replies to conversations ([{"role": ..., "content": ...}, ...]) rendered
-        with the tokenizer's chat template, or `chat_template` (a Jinja string). One
-        conversation gives a list of one output; a list of them, one output each."""
+        with the tokenizer's chat template, or `chat_template` (a Jinja string); vLLM's
+        arguments, in vLLM's order. One conversation gives a list of one output; a list of
+        them, one output each. `lora_request` as for generate(). A message's content is a
+        string or a list of {"type": "text", "text": ...} parts; the template sees a string
+        (parts joined by newlines: chat_template_content_format "string") or a list of parts
+        ("openai"); "auto" picks "openai" for a template that loops over a message's
+        content. `continue_final_message` continues the last (assistant) message instead of
+        starting a reply; `tools` and `chat_template_kwargs` reach the template."""
         self._check_not_shut_down()
         tokenizer = self.get_tokenizer()
         model = self.llm_engine.model_config.model
         if tokenizer is None:
             raise InvalidRequestError(f"chat needs a tokenizer and {model} has none")
-        if not (chat_template or getattr(tokenizer, "chat_template", None)):
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
             raise ConfigurationError(f"chat_template: the tokenizer of {model} has none; pass "
                                      "chat_template=<a Jinja template string>")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message: continuing the final message "
+                                      "and add_generation_prompt cannot both be True")
+        if mm_processor_kwargs:
+            raise InvalidRequestError("mm_processor_kwargs: fleetllm serves text-only models")
+        content_format = _content_format(chat_template_content_format, template)
         one = not messages or not isinstance(messages[0], list | tuple)
         conversations = [messages] if one else list(messages)
         from jinja2 import TemplateError
@@ -178,8 +197,11 @@ class LLM:
         for conversation in conversations:
             try:
                 text = tokenizer.apply_chat_template(
-                    list(conversation), chat_template=chat_template, tokenize=False,
-                    add_generation_prompt=add_generation_prompt)
+                    [_template_message(m, content_format) for m in conversation],
+                    chat_template=chat_template, tokenize=False, tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    **(chat_template_kwargs or {}))
             except (TemplateError, ValueError, TypeError, KeyError) as e:
                 raise InvalidRequestError(f"the chat template cannot render this "
                                           f"conversation: {e}") from e
@@ -187,7 +209,7 @@ class LLM:
             # must not add a second BOS, as vLLM's chat does not.
             prompts.append({"prompt": text, "prompt_token_ids":
                             tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, results: dict[str, Any], total: int, use_tqdm: bool) -> None:
         engine = self.llm_engine
@@ -254,6 +276,43 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+CONTENT_FORMATS = ("auto", "string", "openai")
+# A template that iterates over a message's content wants it as a list of parts.
+_LOOPS_OVER_CONTENT = re.compile(r"for\s+\w+\s+in\s+\S*?(\[\s*['\"]content['\"]\s*\]|"
+                                 r"\.content\b)")
+
+
+def _content_format(requested: str, template: str) -> str:
+    if requested not in CONTENT_FORMATS:
+        raise InvalidRequestError(f"chat_template_content_format: must be one of "
+                                  f"{', '.join(CONTENT_FORMATS)}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    return "openai" if _LOOPS_OVER_CONTENT.search(template) else "string"
+
+
+def _template_message(message: Any, content_format: str) -> dict[str, Any]:
+    """A message as the template reads it: its content a string ("string": text parts joined
+    by newlines, as vLLM does) or a list of text parts ("openai")."""
+    if not isinstance(message, dict):
+        raise InvalidRequestError(f"a chat message is a dict with 'role' and 'content', got "
+                                  f"{type(message).__name__}")
+    content = message.get("content")
+    if isinstance(content, list | tuple):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise InvalidRequestError("a message's content parts must be {'type': "
+                                          "'text', 'text': str} (fleetllm serves text-only "
+                                          f"models), got {part!r:.80}")
+            parts.append({"type": "text", "text": part["text"]})
+        content = parts if content_format == "openai" else "\n".join(p["text"] for p in parts)
+    elif isinstance(content, str) and content_format == "openai":
+        content = [{"type": "text", "text": content}]
+    return {**message, "content": content}
 
 
 def _params_list(params: Any, kind: type, prompts: list[PromptType]) -> list[Any]:
