@@ -288,3 +288,24 @@ def test_a_client_that_leaves_while_its_prompts_are_prepared_stops_them(engine, 
     while engine.engine.has_unfinished_requests():
         assert time.monotonic() < deadline, "requests left in the engine"
         time.sleep(0.05)
+
+
+def test_the_listening_socket_sets_tcp_nodelay_for_kept_alive_connections():
+    """Found by the fuzz pass: with proto 0 asyncio skipped TCP_NODELAY, and each reply after
+    the first on a kept-alive connection waited ~40 ms for the client's delayed ACK (the
+    latency test against a real server is in test_server_fuzz_core.py)."""
+    import socket
+
+    from fleetllm.entrypoints.openai.launcher import _bind
+
+    sock = _bind("127.0.0.1", 0)
+    try:
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        sock.listen()
+        client = socket.create_connection(sock.getsockname()[:2])
+        accepted, _ = sock.accept()
+        assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        accepted.close()
+        client.close()
+    finally:
+        sock.close()

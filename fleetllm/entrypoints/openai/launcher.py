@@ -190,6 +190,11 @@ def load_chat_template(value: str | None) -> str | None:
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family, backlog=2048)
+    # asyncio sets TCP_NODELAY only on sockets made with proto=IPPROTO_TCP, and this one has
+    # proto 0: without it every reply after the first on a kept-alive connection waited
+    # ~40 ms (Nagle's algorithm against the client's delayed ACK). Accepted sockets
+    # inherit it.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 
 
