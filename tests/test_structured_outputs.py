@@ -5,6 +5,7 @@ is compiling delays no other request; the masks travel to mp and ray workers."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import threading
@@ -139,6 +140,37 @@ def test_no_grammar_ends_before_its_first_character(tiny_models, backend, constr
     matcher.fill(bitmask, 0)
     assert not bool(unpack_bitmask(bitmask, len(tokenizer))[0, eos])
     assert not matcher.accept(eos)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_disable_any_whitespace_is_compact_json_with_either_backend(tiny_models, backend):
+    """No space after any ',' or ':', also inside values of no given type and any json_object
+    (xgrammar 0.2 writes its generic JSON rules with ', ' and ': ' whatever its separators)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["llama_gqa"])
+    eos = tokenizer.eos_token_id
+    backend_ = backends.make_backend(backend, tokenizer, len(tokenizer), [eos])
+
+    def accepts(so: StructuredOutputsParams, text: str) -> bool:
+        matcher = backend_.matcher(backend_.compile(backend_.parse(so)))
+        return all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False)
+                   ) and matcher.accept(eos)
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "string"}},
+        "c": {}, "d": {"enum": ["p, q", "r: s"]}}, "required": ["a", "b", "c", "d"]}
+    value = {"a": 1, "b": ["x", "y"], "c": {"k": [1, 2], "m": {"n": None}}, "d": "p, q"}
+    compact, spaced = json.dumps(value, separators=(",", ":")), json.dumps(value)
+    for so in (StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+               StructuredOutputsParams(json_object=True, disable_any_whitespace=True)):
+        assert accepts(so, compact)
+        assert not accepts(so, spaced)
+        gaps = [i + 1 for i, ch in enumerate(compact) if ch in ",:" and i < compact.index('"d"')]
+        for i in gaps:  # a single space in any gap is refused
+            assert not accepts(so, compact[:i] + " " + compact[i:]), compact[:i] + " "
+    # without it, the usual spacing (and up to MAX_JSON_WHITESPACE per gap) is allowed
+    assert accepts(StructuredOutputsParams(json=schema), spaced)
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])

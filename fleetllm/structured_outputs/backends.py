@@ -140,12 +140,27 @@ _SURROGATES = r"\ud800-\udfff"
 _EBNF_PIECE = re.compile(r'"(?:\\.|[^"\\])*"|\[\^((?:\\.|[^\]\\])*)\]')
 
 
-def _valid_utf8_classes(grammar: Any, json_strings: bool = False) -> Any:
+# xgrammar 0.2 writes its generic JSON rules (basic_array, basic_object and their items:
+# values of no given type, any json_object) with ", " and ": " whatever `separators` says;
+# compact JSON (disable_any_whitespace) rewrites the separators of those rules only (they hold
+# no user text: a schema's own literals are in the other rules).
+_BASIC_RULE = re.compile(r'^(basic_(?:array|object)\w* ::= )(.*)$', re.M)
+
+
+def _compact_basic_rules(text: str) -> str:
+    return _BASIC_RULE.sub(lambda m: m.group(1) + m.group(2).replace('", "', '","')
+                           .replace('": "', '":"'), text)
+
+
+def _valid_utf8_classes(grammar: Any, json_strings: bool = False,
+                        compact: bool = False) -> Any:
     import xgrammar as xgr
 
     text = str(grammar)
     if json_strings:
         text = text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+    if compact:
+        text = _compact_basic_rules(text)
     text = text.replace(_ANY_CHAR, f"[^{_SURROGATES}]")
 
     def close(m: re.Match) -> str:
@@ -170,12 +185,15 @@ class XgrammarBackend:
 
         kind = params.kind
         try:
+            compact = params.disable_any_whitespace
             if kind == "json":
                 return _valid_utf8_classes(xgr.Grammar.from_json_schema(
-                    _schema_text(params), **self._spacing(params)), json_strings=True)
+                    _schema_text(params), **self._spacing(params)), json_strings=True,
+                    compact=compact)
             if kind == "json_object":
                 return _valid_utf8_classes(xgr.Grammar.from_json_schema(
-                    '{"type": "object"}', **self._spacing(params)), json_strings=True)
+                    '{"type": "object"}', **self._spacing(params)), json_strings=True,
+                    compact=compact)
             if kind == "choice":
                 return xgr.Grammar.from_ebnf(
                     "root ::= " + " | ".join(_literal(c) for c in params.choice))
@@ -191,8 +209,8 @@ class XgrammarBackend:
 
     @staticmethod
     def _spacing(params: StructuredOutputsParams) -> dict[str, Any]:
-        if params.disable_any_whitespace:
-            return {"any_whitespace": False}
+        if params.disable_any_whitespace:  # compact, as json.dumps(separators=(",", ":"))
+            return {"any_whitespace": False, "separators": (",", ":")}
         return {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
 
     def compile(self, grammar: Any) -> Any:
