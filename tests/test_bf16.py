@@ -680,3 +680,44 @@ def test_kv_cache_dtype(dtype, kv_cache_dtype, tiny_models, monkeypatch):
 def test_kv_cache_dtype_is_validated(tiny_models):
     with pytest.raises(ConfigurationError, match="kv_cache_dtype: 'fp8' is not supported"):
         LLM(tiny_models["llama_gqa"], kv_cache_dtype="fp8")
+
+
+@needs_kernels
+@pytest.mark.parametrize("cpu", ["this-cpu", "amx", "no-bf16-packing"])
+def test_batch_invariant_bf16_rows_are_the_same_bits_in_any_batch(cpu, monkeypatch):
+    """FLEETLLM_BATCH_INVARIANT=1 (issue 70, 9): a bf16 projection keeps the kernels' own copy
+    alone (on AMX tiles where the CPU has them and the sizes are multiples of 32, else by
+    pairs), on every CPU whose kernels run that GEMM (AVX2 or AVX-512), so a row's outputs are
+    the same bits alone or among any number of rows. By default the layers switch kernels with the
+    batch's rows (the GEMV up to 16 rows then oneDNN's float32 copy without oneDNN bf16
+    packing; the small batches' copy then oneDNN with AMX), whose sums round differently: a
+    speculative step's k + 1 rows a sequence then gave other tokens than plain decode steps.
+    Every CPU kind is simulated here (oneDNN on AMX; oneDNN packing no bf16), at sizes that
+    suit no tile (130 x 688) and the GEMV's, the small copies' and oneDNN's row counts."""
+    from torch import nn
+
+    from fleetllm.model import amx_packed, layers
+
+    if not cpu_kernels.gemm_pairs_available():
+        pytest.skip("no AVX2 or AVX-512: no copies by pairs")
+    if cpu == "amx":
+        monkeypatch.setattr(pair_packed, "onednn_amx", lambda: True)
+    elif cpu == "no-bf16-packing":
+        _without_onednn_bf16(monkeypatch)
+        monkeypatch.setattr(pair_packed, "onednn_amx", lambda: False)
+    monkeypatch.setenv("FLEETLLM_BATCH_INVARIANT", "1")
+    g = torch.Generator().manual_seed(9)
+    for n, k in ((130, 688), (256, 96)):
+        proj = layers.RowParallelLinear(k, n, bias=False)
+        proj.weight.data = torch.randn(n, k, generator=g).to(BF16)
+        dense = proj.weight.detach().clone()
+        assert layers.pack_linear_weights(nn.ModuleList([proj])) == 1
+        kind = amx_packed.AmxPacked if amx_packed.applies(dense) else pair_packed.PairPacked
+        assert isinstance(proj.packed_weight, kind) and proj.weight is None
+        assert layers.small_batch_weight(proj) is None and layers.decode_gemv_rows(proj) == 0
+        x = torch.randn(300, k, generator=g).to(BF16)
+        alone = torch.cat([layers.linear(proj, x[i:i + 1]) for i in range(6)])
+        for rows in (2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 100, 257, 300):
+            assert torch.equal(layers.linear(proj, x[:rows])[:6], alone[:min(rows, 6)]), \
+                (n, k, rows)
+        _close_in_bf16(alone, (x[:6].float() @ dense.float().T).to(BF16), 1e-2)

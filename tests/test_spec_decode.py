@@ -247,3 +247,49 @@ def test_the_per_prompt_tool_runs_every_copy_prompt_with_and_without_speculation
     assert [line.split(":")[0] for line in lines[:2]] == ["prompt 0", "prompt 1"]
     assert "decode steps with speculation" in lines[0]
     assert lines[-1].startswith("2 prompts (stdlib-heldout): ")
+
+
+def test_bf16_greedy_same_tokens_with_batch_invariant_kernels(monkeypatch):
+    """bf16 (issue 70, 9): a drafted step scores k + 1 rows a sequence, so its projections ran
+    other kernels than a plain decode step's (the GEMV up to 16 rows on AVX2-only CPUs, the
+    small batches' copy up to 4-64 rows beside oneDNN on AMX) and rounded differently: the
+    demo model's greedy tokens differed from the 9th-25th on. With FLEETLLM_BATCH_INVARIANT=1
+    every row is the same bits in any batch (layers packed by pairs alone): the same tokens
+    from 8 sequences drafted together (up to 40 rows a step, past every kernel's row limit) as
+    from each sequence alone without drafts (one row a step)."""
+    from fleetllm.attention import cpu_kernels
+
+    if not cpu_kernels.gemm_pairs_available():
+        pytest.skip("no AVX2 or AVX-512: no batch-invariant bf16 GEMM here")
+    monkeypatch.setenv("FLEETLLM_BATCH_INVARIANT", "1")
+    prompts = COPY_PROMPTS + [p.replace("a", "o") for p in COPY_PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    kwargs = {"dtype": "bfloat16", "kv_cache_memory": 64 << 20}
+    with LLM(str(DEMO_MODEL), **kwargs) as base:
+        want = [base.generate(p, params, use_tqdm=False)[0] for p in prompts]
+    with LLM(str(DEMO_MODEL), speculative_config=NGRAM, **kwargs) as spec:
+        got = spec.generate(prompts, params, use_tqdm=False)
+        assert spec.llm_engine.spec_decode_metrics.accepted_tokens > 32
+    assert tokens(got) == tokens(want)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_bias"])
+def test_bf16_random_checkpoints_same_tokens_with_batch_invariant_kernels(
+        tiny_models, name, monkeypatch):
+    """The same on checkpoints whose every size suits the AMX tiles (all of the layers in the
+    one-call decode step, on AMX copies alone where the CPU has AMX) and with q/k/v biases:
+    10 sequences drafted together against each alone."""
+    from fleetllm.attention import cpu_kernels
+
+    if not cpu_kernels.gemm_pairs_available():
+        pytest.skip("no AVX2 or AVX-512: no batch-invariant bf16 GEMM here")
+    monkeypatch.setenv("FLEETLLM_BATCH_INVARIANT", "1")
+    prompts = [{"prompt_token_ids": ([5, 9, 17, 33, 2 + i] * 8)[:30 + i]} for i in range(10)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    kwargs = {"dtype": "bfloat16", "block_size": 4}
+    with LLM(tiny_models[name], **kwargs) as base:
+        want = [base.generate(p, params, use_tqdm=False)[0] for p in prompts]
+    with LLM(tiny_models[name], speculative_config=NGRAM, **kwargs) as spec:
+        got = spec.generate(prompts, params, use_tqdm=False)
+        assert spec.llm_engine.spec_decode_metrics.accepted_tokens > 0
+    assert tokens(got) == tokens(want)

@@ -41,7 +41,9 @@ in memory, not twice it. Where oneDNN runs on AMX tiles it is 2-8x faster than t
 most FLEETLLM_GEMV_MAX_BYTES (default: a quarter of the machine's memory), a copy beside it
 (`pairs_weight`) for small batches: packed for the kernels' GEMM on AMX tiles (amx_packed.py,
 up to its MAX_ROWS rows) where the CPU has AMX and the sizes are multiples of 32, else by pairs
-(up to pair_packed.SMALL_ROWS rows).
+(up to pair_packed.SMALL_ROWS rows). FLEETLLM_BATCH_INVARIANT=1 keeps the kernels' copy alone
+(AMX tiles where they apply, else by pairs) at every size on every CPU with the pairs' GEMM: a
+row's bits then do not depend on its batch (docs/spec_decode.md).
 """
 
 from __future__ import annotations
@@ -405,7 +407,9 @@ def pack_linear_weights(model: nn.Module) -> int:
              and pair_packed.applies(m.weight)] if by_pairs else []
     # With AMX, oneDNN's copy serves all but small batches; the pairs' copy beside it costs
     # the projections' size again, kept within _pairs_budget().
-    amx = bool(pairs) and pair_packed.onednn_amx()
+    # FLEETLLM_BATCH_INVARIANT: the kernels' copy alone (on AMX tiles where it applies).
+    invariant = pair_packed.batch_invariant()
+    amx = bool(pairs) and pair_packed.onednn_amx() and not invariant
     if amx and sum(map(pair_packed.nbytes, pairs)) > _pairs_budget():
         pairs = []  # oneDNN's alone: 16-30% slower at one row, the same from two
     arena = huge_pages.empty(sum(map(pair_packed.nbytes, pairs))) if pairs else None
@@ -419,7 +423,7 @@ def pack_linear_weights(model: nn.Module) -> int:
         try:
             if id(weight) in by_pairs:
                 size = pair_packed.nbytes(weight)
-                if amx and amx_packed.applies(weight):
+                if (amx or invariant) and amx_packed.applies(weight):
                     small = amx_packed.pack(weight.detach(), arena[offset:offset + size])
                 else:
                     small = pair_packed.pack(weight.detach(), arena[offset:offset + size])
@@ -478,8 +482,9 @@ def _packing_plan(model: nn.Module) -> tuple[list[nn.Module], set[int], bool, bo
     # only where the dense weights would not be kept: there the float32 copy alone read twice
     # the bytes in every decode step (a Llama-1B-shaped model: 4.0 against 8.0 tokens/s at
     # batch 1 by pairs, docs/perf.md item 38), in twice the memory.
+    # FLEETLLM_BATCH_INVARIANT: the pairs' copy alone at every size, whatever is faster.
     by_pairs = any(m.weight is not None and pair_packed.applies(m.weight) for m in linears) \
-        and (not dense_ok or pair_packed.onednn_packs_bf16())
+        and (not dense_ok or pair_packed.onednn_packs_bf16() or pair_packed.batch_invariant())
     keep_dense = dense_ok and not by_pairs
     packable = any(m.weight is not None and _can_pack(m.weight) for m in linears)
     return linears, shared, packable, keep_dense, by_pairs

@@ -43,6 +43,7 @@ takes this one's place.
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -77,6 +78,15 @@ def applies(weight: torch.Tensor) -> bool:
     """This CPU's kernels run `weight` packed by pairs."""
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
             and weight.shape[1] % 2 == 0 and cpu_kernels.gemm_pairs_available())
+
+
+def batch_invariant() -> bool:
+    """FLEETLLM_BATCH_INVARIANT=1: bf16 projections read only this copy, at every number of
+    rows (no GEMV, no oneDNN copy, no AMX copy beside it), so a row's outputs are the same bits
+    in any batch (as vLLM's VLLM_BATCH_INVARIANT). By default AVX2-only CPUs switch from the
+    GEMV to oneDNN's float32 copy past 16 rows and AMX CPUs to oneDNN past the small batches'
+    copy, whose sums round differently (docs/spec_decode.md, "bf16")."""
+    return os.environ.get("FLEETLLM_BATCH_INVARIANT", "0").strip().lower() in ("1", "true")
 
 
 @functools.cache
