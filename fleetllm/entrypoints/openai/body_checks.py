@@ -15,6 +15,7 @@ compiler), and bounds on the work one request can make the API process do.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Awaitable
 from typing import Any, TypeVar
@@ -76,11 +77,16 @@ def longest_token_chars(tokenizer: Any) -> int | None:
     byte-level entries spell one character per byte, so this bounds the text's characters
     too); None when it cannot be read."""
     try:
-        vocab = tokenizer.get_vocab()
-        added = getattr(tokenizer, "added_tokens_encoder", None) or {}
-        return max(len(t) for t in [*vocab, *added]) or None
-    except Exception:
+        return _longest(tokenizer)
+    except Exception:  # no vocabulary to read (or an unhashable stand-in)
         return None
+
+
+@functools.lru_cache(maxsize=8)  # one read per tokenizer, not per handler (128k entries)
+def _longest(tokenizer: Any) -> int | None:
+    vocab = tokenizer.get_vocab()
+    added = getattr(tokenizer, "added_tokens_encoder", None) or {}
+    return max(len(t) for t in [*vocab, *added]) or None
 
 
 class TextBound:
