@@ -40,6 +40,9 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False  # JSON without optional whitespace
     disable_additional_properties: bool = False  # objects get additionalProperties: false
+    # JSON: at most this many optional whitespace characters per gap (None: the backends'
+    # MAX_JSON_WHITESPACE; 0: as disable_any_whitespace). Tool calls use 1.
+    json_whitespace_limit: int | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in _CONSTRAINTS if getattr(self, k) not in (None, False)]
@@ -63,6 +66,11 @@ class StructuredOutputsParams:
             raise ConfigurationError(f"{kind}: must be a non-empty string, got {value!r}")
         elif kind == "json_object" and value is not True:
             raise ConfigurationError(f"json_object: must be True, got {value!r}")
+        limit = self.json_whitespace_limit
+        if limit is not None and not (isinstance(limit, int) and not isinstance(limit, bool)
+                                      and 0 <= limit <= 1000):
+            raise ConfigurationError(f"json_whitespace_limit: must be None or an int in "
+                                     f"[0, 1000], got {limit!r}")
 
     @property
     def kind(self) -> str:
@@ -76,7 +84,7 @@ class StructuredOutputsParams:
         elif isinstance(value, list):
             value = tuple(value)
         return (self.kind, value, self.disable_any_whitespace,
-                self.disable_additional_properties)
+                self.disable_additional_properties, self.json_whitespace_limit)
 
     def __hash__(self) -> int:
         return hash(self.key())

@@ -66,6 +66,15 @@ def _no_additional_properties(schema: Any) -> Any:
     return schema
 
 
+def _compact(params: StructuredOutputsParams) -> bool:
+    return params.disable_any_whitespace or params.json_whitespace_limit == 0
+
+
+def _whitespace_limit(params: StructuredOutputsParams) -> int:
+    limit = params.json_whitespace_limit
+    return MAX_JSON_WHITESPACE if limit is None else limit
+
+
 def _literal(text: str) -> str:
     """A double-quoted grammar literal (EBNF and Lark share JSON's escapes)."""
     return json.dumps(text, ensure_ascii=False)
@@ -185,7 +194,7 @@ class XgrammarBackend:
 
         kind = params.kind
         try:
-            compact = params.disable_any_whitespace
+            compact = _compact(params)
             if kind == "json":
                 return _valid_utf8_classes(xgr.Grammar.from_json_schema(
                     _schema_text(params), **self._spacing(params)), json_strings=True,
@@ -209,9 +218,9 @@ class XgrammarBackend:
 
     @staticmethod
     def _spacing(params: StructuredOutputsParams) -> dict[str, Any]:
-        if params.disable_any_whitespace:  # compact, as json.dumps(separators=(",", ":"))
+        if _compact(params):  # as json.dumps(separators=(",", ":"))
             return {"any_whitespace": False, "separators": (",", ":")}
-        return {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
+        return {"any_whitespace": True, "max_whitespace_cnt": _whitespace_limit(params)}
 
     def compile(self, grammar: Any) -> Any:
         if self._compiler is None:
@@ -248,8 +257,8 @@ class GuidanceBackend:
         import llguidance
 
         kind, m = params.kind, llguidance.LLMatcher
-        flexible = {"whitespace_flexible": False} if params.disable_any_whitespace else \
-            {"whitespace_pattern": rf"[\x20\n\t]{{0,{MAX_JSON_WHITESPACE}}}"}
+        flexible = {"whitespace_flexible": False} if _compact(params) else \
+            {"whitespace_pattern": rf"[\x20\n\t]{{0,{_whitespace_limit(params)}}}"}
         try:
             if kind == "json":
                 grammar = m.grammar_from_json_schema(_schema_text(params), defaults=flexible)

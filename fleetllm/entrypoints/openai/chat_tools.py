@@ -6,8 +6,8 @@ assistant's answer read back as OpenAI's `tool_calls`, whole or streamed.
     "required"        the output is constrained to a JSON array of {"name", "parameters"} calls
     {"type": "function", "function": {"name": ...}}
                       the output is constrained to that function's parameters: the arguments
-Both constraints are compact JSON (disable_any_whitespace): a call costs its content's tokens,
-never free whitespace a small model can fill until max_tokens.
+Both constraints allow at most one whitespace character per gap of the JSON: a call costs
+about its content's tokens, never free whitespace a small model can fill until max_tokens.
 A chat with tools answers finish_reason "tool_calls" when it made calls (vLLM does so for
 "required" and named calls too).
 """

@@ -1,7 +1,7 @@
 """A request's constraint on its output, from whichever field asked for it: OpenAI's
 `response_format`, vLLM's `structured_outputs` object or its older `guided_*` fields, or a
-chat request's `tool_choice` ("required" or a named function: compact JSON, no free
-whitespace). At most one per request; the engine compiles and enforces it
+chat request's `tool_choice` ("required" or a named function: at most one whitespace
+character per gap of its JSON). At most one per request; the engine compiles and enforces it
 (fleetllm/structured_outputs, docs/structured_outputs.md)."""
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ def structured_outputs_for(req: SamplingRequest, engine_backend: str | None,
         fields = req.structured_outputs.model_dump(by_alias=True, exclude_defaults=True)
         given["structured_outputs"] = fields
     if tool_schema is not None:
-        # Compact: the calls are re-serialized anyway, and free whitespace in every gap lets
-        # a small model write newlines until max_tokens instead of its call.
-        given["tool_choice"] = {"json": tool_schema, "disable_any_whitespace": True}
+        # At most one whitespace character per gap: up to MAX_JSON_WHITESPACE there let a
+        # small model write newlines until max_tokens instead of its call. Not none at all:
+        # a model that ends a number with a newline would then write digits for ever.
+        given["tool_choice"] = {"json": tool_schema, "json_whitespace_limit": 1}
     if req.guided_decoding_backend is not None:
         _check_backend(req.guided_decoding_backend, engine_backend)
     if not given:
