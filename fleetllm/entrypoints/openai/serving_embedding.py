@@ -67,7 +67,8 @@ class ServingEmbedding(OpenAIServing):
         async def prepare() -> tuple[list[dict[str, Any]], list[RequestStream]]:
             prompts = await self._prompts(req)
             return prompts, await self.start(engine_id, [(p, params) for p in prompts],
-                                             arrival, lora_request, {"prompt": "input"})
+                                             arrival, lora_request,
+                                             {"prompt": "input", "lora_request": "model"})
 
         try:  # a client that leaves while its inputs are tokenized and added stops both
             prompts, streams = await until_disconnected(prepare(), raw)

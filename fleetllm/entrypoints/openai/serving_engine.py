@@ -325,10 +325,11 @@ class OpenAIServing:
 
 def engine_params(req: SamplingRequest, prompt_field: str) -> dict[str, str]:
     """The engine's field names -> this request's (OpenAIServing.start's `params`): the
-    prompt's, and the field its output constraint came from (tools, for a tool_choice)."""
+    prompt's, the field its output constraint came from (tools, for a tool_choice), and
+    `model` for its LoRA adapter."""
     given = [f for f in _STRUCTURED_FIELDS if getattr(req, f, None) is not None]
     source = given[0] if given else "tools"
-    return {"prompt": prompt_field, "structured_outputs": source}
+    return {"prompt": prompt_field, "structured_outputs": source, "lora_request": "model"}
 
 
 def _undo(tasks: list[asyncio.Future]) -> None:
