@@ -38,33 +38,46 @@ def screen_json(obj: Any) -> None:
     stack: list[tuple[Any, tuple[Any, ...]]] = [(obj, ())]
     while stack:
         value, path = stack.pop()
-        if isinstance(value, str):
-            _check_text(value, path)
-        elif isinstance(value, bool) or value is None:
+        if len(path) >= MAX_JSON_DEPTH:
+            _refuse(path, f"nested more than {MAX_JSON_DEPTH} levels deep")
+        if isinstance(value, list) and _plain_ints(value):  # token ids: checked at C speed
             continue
-        elif isinstance(value, int):
-            if not MIN_INT <= value <= MAX_INT:
-                _refuse(path, f"the integer {truncate(str(value), 40)} is out of range "
-                        f"(integers here are in [-2**63, 2**64 - 1])")
-        elif isinstance(value, float):
-            if not math.isfinite(value):
-                _refuse(path, "must be a finite number")
-        elif isinstance(value, dict | list):
-            if len(path) >= MAX_JSON_DEPTH:
-                _refuse(path, f"nested more than {MAX_JSON_DEPTH} levels deep")
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            for key, item in items:
-                if isinstance(key, str):
-                    _check_text(key, (*path, key))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str) and not _is_text(key):
+                _refuse((*path, key), _SURROGATE)
+            kind = type(item)
+            if kind is str:
+                if not _is_text(item):
+                    _refuse((*path, key), _SURROGATE)
+            elif kind is int:
+                if not MIN_INT <= item <= MAX_INT:
+                    _refuse((*path, key), f"the integer {truncate(str(item), 40)} is out of "
+                            f"range (integers here are in [-2**63, 2**64 - 1])")
+            elif kind is float:
+                if not math.isfinite(item):
+                    _refuse((*path, key), "must be a finite number")
+            elif kind is dict or kind is list:
                 stack.append((item, (*path, key)))
 
 
-def _check_text(text: str, path: tuple[Any, ...]) -> None:
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            _refuse(path, "contains a lone surrogate (\\ud800-\\udfff), which is not text")
+_SURROGATE = "contains a lone surrogate (\\ud800-\\udfff), which is not text"
+
+
+def _plain_ints(values: list) -> bool:
+    """A non-empty list of ints (no bools), all in range."""
+    return bool(values) and set(map(type, values)) == {int} and \
+        MIN_INT <= min(values) and max(values) <= MAX_INT
+
+
+def _is_text(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _refuse(path: tuple[Any, ...], why: str) -> None:
