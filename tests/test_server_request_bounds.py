@@ -61,9 +61,9 @@ def raw_json(app: AppClient, path: str, text: str):
 
 
 @pytest.mark.parametrize("ids, param", [
-    ([HUGE], "stop_token_ids.0"), ([2 ** 63], "stop_token_ids"), ([VOCAB], "stop_token_ids"),
-    ([5, 10 ** 30], "stop_token_ids.1"), ([-1], "stop_token_ids.0"),
-    ([-(2 ** 63) - 1], "stop_token_ids.0"),
+    ([HUGE], "stop_token_ids"), ([2 ** 63], "stop_token_ids"), ([VOCAB], "stop_token_ids"),
+    ([5, 10 ** 30], "stop_token_ids"), ([-1], "stop_token_ids.0"),
+    ([-(2 ** 63) - 1], "stop_token_ids"),
 ])
 @pytest.mark.parametrize("path, base", [(COMPLETIONS, HI), (CHAT, {"messages": MESSAGES})])
 def test_stop_token_ids_outside_the_vocabulary_are_a_400_naming_them(app, ids, param, path,
@@ -73,10 +73,10 @@ def test_stop_token_ids_outside_the_vocabulary_are_a_400_naming_them(app, ids, p
 
 
 @pytest.mark.parametrize("path, body, param", [
-    (COMPLETIONS, {"prompt": [5, HUGE]}, "prompt.1"),
+    (COMPLETIONS, {"prompt": [5, HUGE]}, "prompt"),
     (COMPLETIONS, {"prompt": [5, VOCAB]}, "prompt"),
     (COMPLETIONS, {"prompt": [[5], [2 ** 63]]}, "prompt.1"),
-    ("/detokenize", {"tokens": [HUGE]}, "tokens.0"),
+    ("/detokenize", {"tokens": [HUGE]}, "tokens"),
     ("/detokenize", {"tokens": [VOCAB]}, "tokens"),
 ])
 def test_prompt_ids_outside_the_vocabulary_are_a_400_naming_them(app, path, body, param):
@@ -94,7 +94,7 @@ BIG_INTS = [HUGE, -(2 ** 63) - 1, 10 ** 30]
         "name": "x", "schema": {"type": "integer", "minimum": v}}}},
      "response_format.json_schema.schema.minimum"),
     (COMPLETIONS, lambda v: {**HI, "structured_outputs": {"json": {"enum": [1, v]}}},
-     "structured_outputs.json.enum.1"),
+     "structured_outputs.json.enum"),
     (CHAT, lambda v: {"messages": MESSAGES, "tool_choice": "required", "tools": [{
         "type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"a": {"type": "integer", "maximum": v}}}}}]},

@@ -51,9 +51,11 @@ def screen_json(obj: Any) -> None:
                 if not _is_text(item):
                     _refuse((*path, key), _SURROGATE)
             elif kind is int:
-                if not MIN_INT <= item <= MAX_INT:
-                    _refuse((*path, key), f"the integer {truncate(str(item), 40)} is out of "
-                            f"range (integers here are in [-2**63, 2**64 - 1])")
+                if not MIN_INT <= item <= MAX_INT:  # in a list (of ids): named by the list
+                    where = (*path, key) if isinstance(value, dict) or not path else path
+                    at = f"item {key} " if where is path else ""
+                    _refuse(where, f"{at}{truncate(str(item), 40)} is out of range (integers "
+                            f"here are in [-2**63, 2**64 - 1])")
             elif kind is float:
                 if not math.isfinite(item):
                     _refuse((*path, key), "must be a finite number")
