@@ -211,6 +211,11 @@ def test_prompts_times_n_are_capped_before_any_is_tokenized(app, engine, monkeyp
         assert "--max-prompts-per-request=6" in error["message"]
     assert calls == []
     assert_error(app.request("POST", "/v1/embeddings", json={"input": ["a"] * 7}), 400)
+    for path, body in ((COMPLETIONS, {"prompt": "a", "n": 7}),
+                       (CHAT, {"messages": MESSAGES, "n": 7})):
+        error = assert_error(app.request("POST", path, json={**body, "max_tokens": 1}), 400,
+                             "n")
+        assert "--max-prompts-per-request=6" in error["message"]
     r = app.request("POST", COMPLETIONS, json={"prompt": ["a", "b", "c"], "n": 2,
                                                "max_tokens": 1})
     assert r.status_code == 200 and len(r.json()["choices"]) == 6, r.text

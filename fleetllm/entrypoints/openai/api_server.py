@@ -117,7 +117,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     completion = ServingCompletion(engine, names, chat_template, models,
                                    max_prompts_per_request=max_prompts_per_request)
     chat = ServingChat(engine, names, chat_template,
-                       parser if enable_auto_tool_choice else None, models)
+                       parser if enable_auto_tool_choice else None, models,
+                       max_prompts_per_request=max_prompts_per_request)
     embedding = ServingEmbedding(engine, names, models=models,
                                  max_prompts_per_request=max_prompts_per_request)
     tokenization = ServingTokenization(engine, names, chat_template, models)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from starlette.responses import Response
@@ -51,10 +52,10 @@ class ServingChat(OpenAIServing):
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
                  chat_template: str | None = None, tool_parser: ToolParser | None = None,
-                 models: ServingModels | None = None):
+                 models: ServingModels | None = None, **options: Any):
         """`tool_parser`: reads tool_choice "auto" answers (--enable-auto-tool-choice
-        --tool-call-parser); None refuses "auto"."""
-        super().__init__(engine, served_model_names, chat_template, models)
+        --tool-call-parser); None refuses "auto". `options`: OpenAIServing's keywords."""
+        super().__init__(engine, served_model_names, chat_template, models, **options)
         self.tool_parser = tool_parser
         # The parser reads tokens the tokenizer counts as special (Llama's <|python_tag|>):
         # "auto" answers keep them (vLLM's parsers turn skip_special_tokens off the same way).
@@ -69,6 +70,7 @@ class ServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: only allowed with logprobs: true",
                            "top_logprobs")
+        self.check_prompt_count(1, req.n, "n")
         plan = plan_tools(req, self.tool_parser)
         structured = structured_outputs_for(req, self.structured_outputs_backend, plan.schema)
         text, ids = await self.render_chat(req.messages, req.add_generation_prompt, req.tools)

@@ -188,6 +188,7 @@ class OpenAIServing:
         """prompts x n engine requests at most max_prompts_per_request, checked before any
         is tokenized (one body of tiny prompts must not keep the server busy for minutes)."""
         if prompts * n > self.max_prompts_per_request:
+            param = param if prompts > 1 else "n"
             raise APIError(400, f"{param}: {prompts} prompts x n={n} is more than the "
                            f"server's --max-prompts-per-request="
                            f"{self.max_prompts_per_request}; split the request", param)
