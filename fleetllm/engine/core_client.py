@@ -21,6 +21,7 @@ import itertools
 import logging
 import multiprocessing
 import queue
+import select
 import socket
 import threading
 import time
@@ -84,6 +85,8 @@ class EngineCoreClient:
         self._tracker = RequestStatsTracker()
         self._outbox: queue.Queue[Any] = queue.Queue()
         self._control_lock = threading.Lock()
+        self._probe_ids = itertools.count()
+        self._writer_done = False
 
         data, core_data = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._control, core_control = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -103,6 +106,7 @@ class EngineCoreClient:
         core_control.close()
         core_interrupts.close()
         self._data = data
+        self._control_frames = wire.FrameBuffer()
         first = self._await_ready(data)
         if first is not None:  # the engine could not be built
             self._proc.join(10)
@@ -163,9 +167,12 @@ class EngineCoreClient:
             self._raise_if_unusable()
             if request_id in self._adds or request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            # Encoded here: a value the wire cannot carry is this request's 400, and
+            # nothing is queued.
+            body = wire.encode(["add", request_id, text, token_ids, wire.params_msg(params),
+                                arrival_time, wire.lora_msg(lora_request)])
             self._adds[request_id] = [accepted, stream, state, arrival_time, None]
-            self._outbox.put(["add", request_id, text, token_ids, wire.params_msg(params),
-                              arrival_time, wire.lora_msg(lora_request)])
+            self._outbox.put(("add", body))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -200,8 +207,9 @@ class EngineCoreClient:
         with self._lock:
             self._raise_if_unusable()
             call_id = next(self._call_ids)
+            body = wire.encode(["call", call_id, name, arg])
             self._calls[call_id] = done
-            self._outbox.put(["call", call_id, name, arg])
+            self._outbox.put(("call", body))
         return await asyncio.wrap_future(done)
 
     def abort(self, request_id: str, error: BaseException | None = None) -> None:
@@ -220,7 +228,10 @@ class EngineCoreClient:
                     self._adds[rid][4] = error or RequestAbortedError(
                         f"request {rid} was aborted")
             ended = [(self._streams.pop(r)[0], r) for r in ids if r in self._streams]
-            self._outbox.put(["abort", request_id])
+            try:
+                self._outbox.put(("abort", wire.encode(["abort", request_id])))
+            except InvalidRequestError:  # an id the wire cannot carry was never sent either
+                pass
             stats = IterationStats()
             for _, rid in ended:  # under the lock: the reader thread updates it too
                 self._tracker.abort(rid, stats)
@@ -233,28 +244,52 @@ class EngineCoreClient:
         if not self._proc.is_alive():
             raise EngineDeadError(f"the engine core process died (exit code "
                                   f"{self._proc.exitcode})")
+        if self._writer_done and not self._stopped:
+            raise EngineUnhealthyError("the thread that sends requests to the engine core "
+                                       "has stopped (its error is in the log)")
 
     def check_workers(self, timeout: float = 5.0) -> None:
         """Ask the core's control thread (never queued behind a step): wedged, or a worker
         that does not answer its ping, raises EngineUnhealthyError."""
         with self._control_lock:
-            self._control.settimeout(timeout + 5.0)
-            try:
-                wire.send(self._control, ["health", timeout])
-                reply = wire.recv(self._control)
-            except (OSError, TimeoutError) as e:
-                raise EngineUnhealthyError(f"the engine core did not answer: {e}") from e
+            probe_id = next(self._probe_ids)
+            reply = self._probe(probe_id, timeout, timeout + 5.0)
         if reply is None:
             raise EngineDeadError("the engine core process is gone")
-        if reply[0] is not None:
-            raise EngineUnhealthyError(reply[0][1])
+        if reply[1] is not None:
+            raise EngineUnhealthyError(reply[1][1])
+
+    def _probe(self, probe_id: int, timeout: float, wait: float) -> list[Any] | None:
+        """Send a health probe and wait up to `wait` s for the reply that carries its id
+        (a late reply to an earlier probe that timed out is read and discarded). None when
+        the core closed the socket; a timeout is EngineUnhealthyError, not death."""
+        try:
+            wire.send(self._control, ["health", probe_id, timeout])
+        except OSError:
+            return None
+        deadline = time.monotonic() + wait
+        while True:
+            for reply in self._control_frames.take():
+                if reply[0] == probe_id:
+                    return reply
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._control], [], [], left)[0]:
+                raise EngineUnhealthyError(f"the engine core did not answer a health probe "
+                                           f"within {wait:g} s")
+            try:
+                chunk = self._control.recv(1 << 16)
+            except OSError:
+                return None
+            if not chunk:
+                return None
+            self._control_frames.feed(chunk)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
-            self._outbox.put(["stop"])
+            self._outbox.put(("stop", wire.encode(["stop"])))
             self._outbox.put(_STOP)
         self._proc.join(timeout)
         if self._proc.is_alive():
@@ -274,18 +309,27 @@ class EngineCoreClient:
     # ---------------------------------------------------------------- threads
 
     def _write(self) -> None:
-        while True:
-            msg = self._outbox.get()
-            if msg is _STOP:
-                return
-            try:
-                wire.send(self._data, msg)
-                if msg[0] == "abort" and self.config.scheduler_config.num_scheduler_steps > 1:
-                    self._interrupts.send(b"!", socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                pass  # interrupts already waiting to be read: one more adds nothing
-            except OSError:
-                return  # the core is gone: the reader reports it
+        """Send what the callers encoded, in order. One message that fails is logged and
+        the next one goes on; if this thread ends anyway, check_health says so."""
+        try:
+            while True:
+                msg = self._outbox.get()
+                if msg is _STOP:
+                    return
+                kind, body = msg
+                try:
+                    wire.send_encoded(self._data, body)
+                    if kind == "abort" and \
+                            self.config.scheduler_config.num_scheduler_steps > 1:
+                        self._interrupts.send(b"!", socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    pass  # interrupts already waiting to be read: one more adds nothing
+                except OSError:
+                    return  # the core is gone: the reader reports it
+                except Exception:  # noqa: BLE001 - one message, never the thread
+                    logger.exception("could not send a %r message to the engine core", kind)
+        finally:
+            self._writer_done = True
 
     def _read(self) -> None:
         while True:

@@ -21,6 +21,7 @@ drain reaches it there, and it stops the core in order).
 
 from __future__ import annotations
 
+import collections
 import logging
 import select
 import signal
@@ -36,6 +37,10 @@ from fleetllm.engine.stats import EngineLoad
 from fleetllm.errors import EngineSleepingError
 
 logger = logging.getLogger(__name__)
+# Messages applied between two steps at most (and about this many seconds of them): a burst
+# of adds is spread over steps instead of stalling the requests already running.
+APPLY_BURST = 256
+APPLY_BURST_S = 0.02
 
 
 def run_engine_core(model: str, engine_kwargs: dict[str, Any], data: socket.socket,
@@ -74,6 +79,7 @@ class EngineCore:
         self.live: set[str] = set()  # requests added and not yet finished or aborted
         self.busy_since: float | None = None  # monotonic start of the engine call under way
         self.fatal: BaseException | None = None
+        self.pending: collections.deque[Any] = collections.deque()  # read, not yet applied
 
     # ------------------------------------------------------------ the main loop
 
@@ -82,20 +88,24 @@ class EngineCore:
         try:
             while True:
                 idle = not self.engine.has_unfinished_requests()
-                messages = self._receive(self.health_probe_interval_s if idle else 0.0)
-                if messages is None:
+                received = self._receive(
+                    self.health_probe_interval_s if idle and not self.pending else 0.0)
+                if received is None:
                     return 0
-                if not messages and idle:
+                self.pending.extend(received)
+                if not self.pending and idle:
                     self._busy(self.engine.check_health)  # a dead worker is replaced now
                     # worker_restarts may have moved
                     wire.send(self.data, ["out", self._load(), []])
-                for msg in messages:
-                    if msg[0] == "stop":
-                        return 0
-                    self._apply(msg)
+                # At most one burst of messages, then a step: a client that sends 200,000
+                # adds at once does not hold every other request's next token for their
+                # whole burst (order is kept: the rest wait in self.pending).
+                applied = self._apply_burst()
+                if applied is None:
+                    return 0
                 if self.engine.has_unfinished_requests():
                     self._step()
-                elif messages:  # e.g. the last request aborted: /metrics sees it freed
+                elif applied:  # e.g. the last request aborted: /metrics sees it freed
                     wire.send(self.data, ["out", self._load(), []])
         except BaseException as e:  # noqa: BLE001 - anything from the engine is fatal
             self.fatal = e
@@ -105,6 +115,22 @@ class EngineCore:
             except OSError:
                 pass
             return 1
+
+    def _apply_burst(self) -> int | None:
+        """Apply the oldest pending messages: up to APPLY_BURST of them, for about
+        APPLY_BURST_S at most (adds are checked and tokenized here). How many; None on
+        "stop"."""
+        deadline = time.monotonic() + APPLY_BURST_S
+        applied = 0
+        while self.pending and applied < APPLY_BURST:
+            msg = self.pending.popleft()
+            if msg[0] == "stop":
+                return None
+            self._apply(msg)
+            applied += 1
+            if time.monotonic() > deadline:
+                break
+        return applied
 
     def _receive(self, timeout: float) -> list[Any] | None:
         """Every whole message waiting (waiting up to `timeout` for the first); None at EOF."""
@@ -198,13 +224,14 @@ class EngineCore:
             msg = wire.recv(control)
             if msg is None:
                 return
+            _, probe_id, timeout = msg
             try:
-                self._check_health(float(msg[1]))
+                self._check_health(float(timeout))
                 reply = None
             except Exception as e:
                 reply = wire.error_msg(e)
             try:
-                wire.send(control, [reply])
+                wire.send(control, [probe_id, reply])
             except OSError:
                 return
 

@@ -29,7 +29,8 @@ token ids and new logprobs only, never the history. Pooling (its one delta, fini
 [request_id, finished, error text, metrics, vector (list of floats) | None (rejected)]; the
 API side knows which kind each request is (RequestState / PoolingState) from its add.
 Control socket (a thread of the core answers it, never queued behind a step):
-    ["health", timeout] -> [error | None]
+    ["health", probe_id, timeout] -> [probe_id, error | None]   (a reply to an earlier probe
+        that timed out carries that probe's id: the client discards it)
 """
 
 from __future__ import annotations
@@ -65,6 +66,21 @@ def send(sock: socket.socket, msg: Any) -> None:
     tr.send_frame(sock, _encoder.encode(msg))
 
 
+def encode(msg: Any) -> bytes:
+    """A message's bytes, encoded by the caller (never by the writer thread, which one bad
+    value would kill): a value msgpack cannot carry (an int outside [-2**63, 2**64 - 1], a
+    string with a lone surrogate, nesting too deep) is that request's InvalidRequestError."""
+    try:
+        return _encoder.encode(msg)
+    except (OverflowError, UnicodeError, RecursionError, TypeError) as e:
+        raise errors.InvalidRequestError(f"the request holds a value that cannot be "
+                                         f"sent to the engine: {e}") from None
+
+
+def send_encoded(sock: socket.socket, body: bytes) -> None:
+    tr.send_frame(sock, body)
+
+
 def recv(sock: socket.socket) -> Any:
     """One message, blocking; None when the peer is gone."""
     try:
@@ -83,6 +99,23 @@ class FrameReader:
     def feed(self, data: bytes) -> list[Any]:
         self._buf += data
         return [_decoder.decode(frame) for frame in tr.take_frames(self._buf)]
+
+
+class FrameBuffer(FrameReader):
+    """A FrameReader that keeps the whole messages until take() (the client's control
+    socket: a probe's reader stops at its own reply)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ready: list[Any] = []
+
+    def feed(self, data: bytes) -> list[Any]:
+        self._ready += super().feed(data)
+        return []
+
+    def take(self) -> list[Any]:
+        ready, self._ready = self._ready, []
+        return ready
 
 
 # ------------------------------------------------------------------ errors
