@@ -251,3 +251,20 @@ def test_replies_on_a_kept_alive_connection_are_not_held_by_nagle(server):
             took.append(time.perf_counter() - started)
     took.sort()
     assert took[10] < 0.03, took  # the median; a delayed ACK is 40 ms at least
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "(unclosed"}, "guided_regex"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2 ** 64]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [512]}, "stop_token_ids"),
+])
+def test_the_engine_core_s_400s_name_their_param(server, path, body, param):
+    """A refusal from the engine core (across its wire: a class name and a message) names
+    the request's field, as one from the API process does."""
+    r = httpx.post(f"{server.url}{path}", json={"model": "tiny", "max_tokens": 2, **body},
+                   timeout=TIMEOUT_S)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text

@@ -314,3 +314,33 @@ def test_the_listening_socket_sets_tcp_nodelay_for_kept_alive_connections():
         client.close()
     finally:
         sock.close()
+
+
+def test_an_embedding_input_truncated_to_its_end_is_tokenized_from_its_end_alike(
+        tmp_path_factory):
+    """With truncate_prompt_tokens a text past what max_model_len tokens can spell is served
+    (its last tokens are what counts), tokenizing only its end: the same ids, the same
+    vector as the whole text's last tokens."""
+    from serving_helpers import make_embed_checkpoint
+    from transformers import AutoTokenizer
+
+    model = make_embed_checkpoint(tmp_path_factory.mktemp("embed") / "model")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    eng = AsyncLLMEngine.from_engine_args(str(model), task="embed", kv_cache_memory=KV,
+                                          max_model_len=64)
+    client = AppClient(build_app(eng, ["e"]))
+    try:
+        text = "the quick brown fox jumps over the lazy dog, said she. " * 400  # 22,000 chars
+        ids = tokenizer.encode(text)[-8:]
+        got = client.request("POST", "/v1/embeddings", json={
+            "input": text, "truncate_prompt_tokens": 8})
+        assert got.status_code == 200, got.text
+        assert got.json()["usage"]["prompt_tokens"] == 8
+        want = client.request("POST", "/v1/embeddings", json={"input": ids})
+        assert got.json()["data"][0]["embedding"] == want.json()["data"][0]["embedding"]
+        error = assert_error(client.request("POST", "/v1/embeddings", json={"input": text}),
+                             400, "input")
+        assert "max_model_len=64" in error["message"]
+    finally:
+        client.close()
+        eng.shutdown()
