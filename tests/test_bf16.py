@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from kernel_cases import decode_inputs
 
 from fleetllm import LLM, SamplingParams
-from fleetllm.attention import cpu_kernels
+from fleetllm.attention import cpu_kernels, kernel_build
 from fleetllm.errors import ConfigurationError
 from fleetllm.model import pair_packed
 
@@ -247,8 +247,11 @@ def test_the_lm_head_gives_a_sequence_the_same_logits_in_batches_up_to_its_gemv_
         assert torch.equal(head.logits(hidden[:m]), alone[:m]), m
 
 
-# PyTorch's CPU kernels dispatch on this (its flash attention's lane width follows it).
+# PyTorch's CPU kernels dispatch on this (its flash attention's lane width follows it), the
+# kernels on their variant (FLEETLLM_CPU_ISA may pick avx2 where PyTorch runs AVX-512).
 _AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+_KERNELS_AVX512 = cpu_kernels.available() and kernel_build.chosen_variant() == "avx512"
+_SAME_LANES = _AVX512 == _KERNELS_AVX512  # both sum in 16-float lanes, or both in 8
 
 
 @needs_kernels
@@ -280,9 +283,11 @@ def test_paged_decode_in_either_dtype(q_dtype, cache_dtype):
                     sdpa = F.scaled_dot_product_attention(q[b][None, :, None], k_, v_,
                                                           scale=d ** -0.5)
                     # PyTorch's flash attention sums in 16-float lanes with AVX-512 (what
-                    # the kernel repeats), in 8 without: there, one element of 1,024 came
-                    # 1.1e-3 off (a near-cancelling sum); the reference's bound holds.
-                    _close_in_bf16(out[b], sdpa[0, :, 0], 1e-3 if _AVX512 else 2e-3)
+                    # the kernel repeats), in 8 without: there (or the kernels' avx2 build
+                    # beside it), one element of 1,024 came 1.1e-3 off (a near-cancelling
+                    # sum); the reference's bound holds.
+                    _close_in_bf16(out[b], sdpa[0, :, 0],
+                                   1e-3 if _AVX512 and _KERNELS_AVX512 else 2e-3)
             else:
                 want = torch.einsum("ht,thd->hd", s.softmax(-1), values)
                 torch.testing.assert_close(out[b], want, atol=2e-5, rtol=1e-4)
@@ -298,7 +303,9 @@ def test_bf16_decode_attention_is_pytorch_flash_attention_bit_for_bit(length):
     ~95%), and greedy tokens follow transformers' (test below). On the Zen 4 and Zen 5 every
     case here is >= 99.9%; on both Intel Xeons, with AMX (2026-11-29) and without (2026-12-02),
     PyTorch's sums of a long context go in an order of their own: 99.85% at 600 keys (4,090 of
-    4,096 there: five elements of one head and one of another, 1-7 bf16 ulps apart)."""
+    4,096 there: five elements of one head and one of another, 1-7 bf16 ulps apart). Where
+    the kernels' lanes are not PyTorch's (FLEETLLM_CPU_ISA=avx2 on an AVX-512 CPU: 8 floats
+    against 16) the sums' order differs and only the bound holds: 99.3% at 40 keys."""
     g = torch.Generator().manual_seed(length)
     heads, kvh, d, bs = 8, 2, 64, 16
     same = total = 0
@@ -315,7 +322,7 @@ def test_bf16_decode_attention_is_pytorch_flash_attention_bit_for_bit(length):
                                  torch.tensor([length], dtype=torch.int32), None, d ** -0.5, out)
         same += int((out[0] == want[0, :, 0]).sum())
         total += out.numel()
-    assert same >= 0.998 * total, same / total
+    assert same >= (0.998 if _SAME_LANES else 0.98) * total, same / total
 
 
 @needs_kernels
