@@ -50,9 +50,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                            "engine-core process of its own, so HTTP never holds the GIL a "
                            "step needs)")
     http.add_argument("--max-prompts-per-request", type=int, default=4096,
-                      help="the most prompts x n one completion (or inputs one embedding) "
-                           "request may carry; more is a 400 before any is tokenized "
-                           "(default 4096)")
+                      help="the most prompts x n one completion or chat request (or "
+                           "inputs one embedding request) may carry; more is a 400 before "
+                           "any is tokenized (default 4096)")
     http.add_argument("--enable-auto-tool-choice", action="store_true",
                       help='chat requests with tools may let the model choose (tool_choice '
                            '"auto", the default with tools); needs --tool-call-parser')
