@@ -7,24 +7,29 @@ deltas back into cumulative RequestOutputs (core_wire.RequestState), or a poolin
 PoolingRequestOutput (core_wire.PoolingState), and hands them to their streams, one wake-up
 per event loop per step, as the in-process engine does.
 
-Failures: the core recovers its own workers. If the core process dies (or reports a fatal
-error), the reader sees it at once (EOF on the data socket): every open stream and every
-waiting add or sleep/wake_up raises EngineDeadError, check_health raises it (/health: 503), and
-later calls fail fast with it. shutdown() asks the core to stop, then terminates and kills it.
+Failures: the core recovers its own workers. If the core process dies (SIGKILL, OOM: EOF on
+the data socket) the reader starts a new one (core_restart.CoreRestarts: within
+max_worker_restarts per worker_restart_window_s, as workers are) and re-adds every request in
+flight as a resumption from the tokens its stream already has (recovery.resume_samples):
+streams go on with no gap and no duplicate; waiting adds and calls are sent again, loaded
+LoRA adapters and sleep are restored. Past the limit, or when the core reports a fatal error
+itself, every open stream and waiting add or call raises EngineDeadError, check_health raises
+it, later calls fail fast, and `on_dead` is called (the server exits non-zero).
+shutdown() asks the core to stop, then terminates and kills it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
-import multiprocessing
 import queue
-import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fleetllm.config import EngineConfig
@@ -38,8 +43,9 @@ from fleetllm.engine.async_engine import (
     _settle,
 )
 from fleetllm.engine.async_stream import RequestStream, deliver_threadsafe
-from fleetllm.engine.core_proc import run_engine_core
+from fleetllm.engine.core_restart import CoreRestartMixin, Restore, probe, start_core
 from fleetllm.engine.llm_engine import PromptType
+from fleetllm.engine.recovery import RestartBudget
 from fleetllm.engine.stats import (
     EngineLoad,
     IterationStats,
@@ -49,25 +55,35 @@ from fleetllm.engine.stats import (
 )
 from fleetllm.engine.tokenizer import load_tokenizer
 from fleetllm.errors import EngineShutdownError, InvalidRequestError
-from fleetllm.executor.multiproc import _main_not_reimported
 from fleetllm.lora.request import LoRARequest
 from fleetllm.pooling_params import PoolingParams
 from fleetllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _STOP = object()
-START_TIMEOUT_S = 600.0  # loading a big checkpoint is slow; a dead core is seen at once
+_WORKER_RESTARTS = [f.name for f in dataclasses.fields(EngineLoad)].index("worker_restarts")
 
 
-class EngineCoreClient:
+class EngineCoreClient(CoreRestartMixin):
     def __init__(self, model: str, *, step_timeout_s: float = 60.0,
                  health_probe_interval_s: float = 5.0,
-                 stat_loggers: list[StatLogger] | None = None, **engine_kwargs: Any):
+                 stat_loggers: list[StatLogger] | None = None,
+                 max_core_restarts: float | None = None, **engine_kwargs: Any):
+        """max_core_restarts: new cores started after the core process died, within the
+        engine's worker_restart_window_s (default: its max_worker_restarts)."""
         self.config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
         self.model_config = self.config.model_config
         self.step_timeout_s = step_timeout_s
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.load = EngineLoad()
+        pc = self.config.parallel_config
+        self.core_restarts = RestartBudget(
+            pc.max_worker_restarts if max_core_restarts is None else max_core_restarts,
+            pc.worker_restart_window_s)
+        # Called (on the reader thread) once the engine is dead for good: `fleetllm serve`
+        # exits non-zero then, for a supervisor to restart it.
+        self.on_dead: Callable[[BaseException], None] | None = None
+        self._start_args = (model, engine_kwargs, step_timeout_s, health_probe_interval_s)
         self.tokenizer = load_tokenizer(self.model_config.tokenizer)
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="fleetllm-tokenizer")
@@ -75,46 +91,32 @@ class EngineCoreClient:
         self._fatal: BaseException | None = None
         self._stopped = False
         self._sleeping = False
+        self._restarting = False
         self._streams: dict[str, tuple[RequestStream,
                                        wire.RequestState | wire.PoolingState]] = {}
         # request id -> [accepted, stream, state, arrival time, the error its stream ends with
         # when it was aborted before it was accepted (else None)]
         self._adds: dict[str, list[Any]] = {}
-        self._calls: dict[int, concurrent.futures.Future] = {}
+        # call id -> (its future, its message: sent again to a new core)
+        self._calls: dict[int, tuple[concurrent.futures.Future, bytes]] = {}
         self._call_ids = itertools.count()
+        self._restore = Restore()
         self._tracker = RequestStatsTracker()
+        # (generation, kind, body): a message queued for a core that has died since is
+        # dropped (the restart sends what the new core needs).
         self._outbox: queue.Queue[Any] = queue.Queue()
+        self._gen = 0
+        self._send_lock = threading.Lock()  # the generation and the sockets, for the writer
         self._control_lock = threading.Lock()
         self._probe_ids = itertools.count()
         self._writer_done = False
-
-        data, core_data = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._control, core_control = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        # One byte per abort: the core's interrupt thread ends a multi-step call under way
-        # (the abort itself is read between steps, from the data socket).
-        self._interrupts, core_interrupts = socket.socketpair(socket.AF_UNIX,
-                                                              socket.SOCK_STREAM)
-        ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(
-            target=run_engine_core, name="fleetllm-engine-core",
-            args=(model, engine_kwargs, core_data, core_control, core_interrupts,
-                  step_timeout_s, health_probe_interval_s,
-                  logging.getLogger().getEffectiveLevel()))
-        with _main_not_reimported():
-            self._proc.start()
-        core_data.close()
-        core_control.close()
-        core_interrupts.close()
-        self._data = data
-        self._control_frames = wire.FrameBuffer()
-        first = self._await_ready(data)
-        if first is not None:  # the engine could not be built
-            self._proc.join(10)
+        self._worker_restarts_before = 0  # the dead cores' worker restarts (metrics)
+        try:
+            self._core = start_core(*self._start_args)
+        except BaseException:
             self._tokenizer_pool.shutdown(wait=False)
-            data.close()
-            self._control.close()
-            self._interrupts.close()
-            raise first
+            raise
+        self._control_frames = wire.FrameBuffer()
         self._reader = threading.Thread(target=self._read, name="fleetllm-core-reader",
                                         daemon=True)
         self._writer = threading.Thread(target=self._write, name="fleetllm-core-writer",
@@ -122,23 +124,9 @@ class EngineCoreClient:
         self._reader.start()
         self._writer.start()
 
-    def _await_ready(self, data: socket.socket) -> BaseException | None:
-        data.settimeout(START_TIMEOUT_S)
-        try:
-            msg = wire.recv(data)
-        except TimeoutError:
-            self._proc.kill()
-            return EngineDeadError(f"the engine core did not start within "
-                                   f"{START_TIMEOUT_S:g} s")
-        finally:
-            data.settimeout(None)
-        if msg is None:
-            self._proc.join(5)
-            return EngineDeadError(f"the engine core process exited while starting (exit "
-                                   f"code {self._proc.exitcode}; its error is on stderr)")
-        if msg[0] == "dead":
-            return wire.load_error(msg[1])
-        return None
+    @property
+    def _proc(self) -> Any:
+        return self._core.proc
 
     # ---------------------------------------------------------------- caller side
 
@@ -169,10 +157,11 @@ class EngineCoreClient:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             # Encoded here: a value the wire cannot carry is this request's 400, and
             # nothing is queued.
-            body = wire.encode(["add", request_id, text, token_ids, wire.params_msg(params),
-                                arrival_time, wire.lora_msg(lora_request)])
+            state.add = [request_id, text, token_ids, wire.params_msg(params), arrival_time,
+                         wire.lora_msg(lora_request)]
+            body = wire.encode(["add", *state.add])
             self._adds[request_id] = [accepted, stream, state, arrival_time, None]
-            self._outbox.put(("add", body))
+            self._put("add", body)
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -186,31 +175,52 @@ class EngineCoreClient:
 
     async def sleep(self, level: int = 1) -> None:
         await self._call("sleep", level)
+        self._restore.sleep_level = level  # a new core is put to sleep too
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await self._call("wake_up", tags)
+        if not self._sleeping:  # all of it awake (tags may wake a part only)
+            self._restore.sleep_level = None
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
-        return await self._call("add_lora", wire.lora_msg(lora_request))
+        msg = wire.lora_msg(lora_request)
+        added = await self._call("add_lora", msg)
+        self._restore.loras[lora_request.lora_int_id] = msg  # a new core loads it again
+        return added
 
     async def remove_lora(self, lora_id: int) -> bool:
-        return await self._call("remove_lora", lora_id)
+        removed = await self._call("remove_lora", lora_id)
+        self._restore.loras.pop(lora_id, None)
+        self._restore.pinned.discard(lora_id)
+        return removed
 
     async def pin_lora(self, lora_id: int) -> bool:
-        return await self._call("pin_lora", lora_id)
+        pinned = await self._call("pin_lora", lora_id)
+        if pinned:
+            self._restore.pinned.add(lora_id)
+        return pinned
 
     async def list_loras(self) -> set[int]:
         return set(await self._call("list_loras", None))
 
     async def _call(self, name: str, arg: Any) -> Any:
-        done: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._raise_if_unusable()
-            call_id = next(self._call_ids)
-            body = wire.encode(["call", call_id, name, arg])
-            self._calls[call_id] = done
-            self._outbox.put(("call", body))
+            done = self._queue_call(name, arg)
         return await asyncio.wrap_future(done)
+
+    def _queue_call(self, name: str, arg: Any) -> concurrent.futures.Future:
+        """Under the lock."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        call_id = next(self._call_ids)
+        body = wire.encode(["call", call_id, name, arg])
+        self._calls[call_id] = (done, body)
+        self._put("call", body)
+        return done
+
+    def _put(self, kind: str, body: bytes) -> None:
+        """Under the lock: for the current core."""
+        self._outbox.put((self._gen, kind, body))
 
     def abort(self, request_id: str, error: BaseException | None = None) -> None:
         self._abort(request_id, error)
@@ -229,7 +239,7 @@ class EngineCoreClient:
                         f"request {rid} was aborted")
             ended = [(self._streams.pop(r)[0], r) for r in ids if r in self._streams]
             try:
-                self._outbox.put(("abort", wire.encode(["abort", request_id])))
+                self._put("abort", wire.encode(["abort", request_id]))
             except InvalidRequestError:  # an id the wire cannot carry was never sent either
                 pass
             stats = IterationStats()
@@ -241,9 +251,9 @@ class EngineCoreClient:
 
     def check_health(self) -> None:
         self._raise_if_unusable()
-        if not self._proc.is_alive():
-            raise EngineDeadError(f"the engine core process died (exit code "
-                                  f"{self._proc.exitcode})")
+        if self._restarting or not self._proc.is_alive():
+            raise EngineUnhealthyError("the engine core process died; a new one is starting "
+                                       "(requests in flight resume when it is up)")
         if self._writer_done and not self._stopped:
             raise EngineUnhealthyError("the thread that sends requests to the engine core "
                                        "has stopped (its error is in the log)")
@@ -252,44 +262,25 @@ class EngineCoreClient:
         """Ask the core's control thread (never queued behind a step): wedged, or a worker
         that does not answer its ping, raises EngineUnhealthyError."""
         with self._control_lock:
+            gen = self._gen
             probe_id = next(self._probe_ids)
-            reply = self._probe(probe_id, timeout, timeout + 5.0)
+            reply = probe(self._core.control, self._control_frames, probe_id, timeout,
+                          timeout + 5.0)
         if reply is None:
+            self._raise_if_unusable()
+            if self._restarting or gen != self._gen or not self._stopped:
+                raise EngineUnhealthyError("the engine core process died; a new one is "
+                                           "starting")
             raise EngineDeadError("the engine core process is gone")
         if reply[1] is not None:
             raise EngineUnhealthyError(reply[1][1])
-
-    def _probe(self, probe_id: int, timeout: float, wait: float) -> list[Any] | None:
-        """Send a health probe and wait up to `wait` s for the reply that carries its id
-        (a late reply to an earlier probe that timed out is read and discarded). None when
-        the core closed the socket; a timeout is EngineUnhealthyError, not death."""
-        try:
-            wire.send(self._control, ["health", probe_id, timeout])
-        except OSError:
-            return None
-        deadline = time.monotonic() + wait
-        while True:
-            for reply in self._control_frames.take():
-                if reply[0] == probe_id:
-                    return reply
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self._control], [], [], left)[0]:
-                raise EngineUnhealthyError(f"the engine core did not answer a health probe "
-                                           f"within {wait:g} s")
-            try:
-                chunk = self._control.recv(1 << 16)
-            except OSError:
-                return None
-            if not chunk:
-                return None
-            self._control_frames.feed(chunk)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
-            self._outbox.put(("stop", wire.encode(["stop"])))
+            self._put("stop", wire.encode(["stop"]))
             self._outbox.put(_STOP)
         self._proc.join(timeout)
         if self._proc.is_alive():
@@ -302,9 +293,7 @@ class EngineCoreClient:
                 self._proc.join(5)
         self._end_all(lambda: EngineShutdownError("the engine was shut down"))
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
-        self._data.close()
-        self._control.close()
-        self._interrupts.close()
+        self._core.close()
 
     # ---------------------------------------------------------------- threads
 
@@ -316,16 +305,20 @@ class EngineCoreClient:
                 msg = self._outbox.get()
                 if msg is _STOP:
                     return
-                kind, body = msg
+                gen, kind, body = msg
+                with self._send_lock:
+                    if gen != self._gen:
+                        continue  # for a core that died: the restart sent what is needed
+                    core = self._core
                 try:
-                    wire.send_encoded(self._data, body)
+                    wire.send_encoded(core.data, body)
                     if kind == "abort" and \
                             self.config.scheduler_config.num_scheduler_steps > 1:
-                        self._interrupts.send(b"!", socket.MSG_DONTWAIT)
+                        core.interrupts.send(b"!", socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     pass  # interrupts already waiting to be read: one more adds nothing
                 except OSError:
-                    return  # the core is gone: the reader reports it
+                    pass  # the core is gone: the reader restarts it (or reports it)
                 except Exception:  # noqa: BLE001 - one message, never the thread
                     logger.exception("could not send a %r message to the engine core", kind)
         finally:
@@ -333,7 +326,9 @@ class EngineCoreClient:
 
     def _read(self) -> None:
         while True:
-            msg = wire.recv(self._data)
+            msg = wire.recv(self._core.data)
+            if msg is None and not self._stopped and self._restart():
+                continue  # a new core runs every request in flight
             if msg is None or msg[0] == "dead":
                 self._die(msg)
                 return
@@ -344,7 +339,7 @@ class EngineCoreClient:
                 self._added(msg[1], msg[2])
             elif kind == "called":
                 with self._lock:
-                    done = self._calls.pop(msg[1], None)
+                    done, _ = self._calls.pop(msg[1], (None, None))
                 self._sleeping = msg[3]
                 if done is not None:
                     _settle(done, error=None if msg[2] is None else wire.load_error(msg[2]),
@@ -352,10 +347,22 @@ class EngineCoreClient:
 
     def _added(self, request_id: str, error: list[str] | None) -> None:
         with self._lock:
-            accepted, stream, state, arrival, aborted = self._adds.pop(request_id)
-            if error is None and aborted is None:
+            entry = self._adds.pop(request_id, None)
+            if entry is None:  # a resumed request: a new core refused to take it on
+                ended = self._streams.pop(request_id, None) if error is not None else None
+                stats = IterationStats()
+                if ended is not None:
+                    self._tracker.abort(request_id, stats)
+            else:
+                accepted, stream, state, arrival, aborted = entry
+            if entry is not None and error is None and aborted is None:
                 self._streams[request_id] = (stream, state)
                 self._tracker.add(request_id, arrival)
+        if entry is None:
+            if ended is not None:
+                ended[0].put(wire.load_error(error))
+                record_stats(self.stat_loggers, stats)
+            return
         _settle(accepted, error=None if error is None else wire.load_error(error))
         if error is None and aborted is not None:
             # Accepted, then aborted by the abort queued behind it (the core dropped it):
@@ -376,7 +383,9 @@ class EngineCoreClient:
                 if out.finished:
                     del self._streams[delta[0]]
                 deliveries.append((entry[0], out))
-        self.load = EngineLoad(*load)
+        self.load = dataclasses.replace(
+            EngineLoad(*load), engine_core_restarts=self.core_restarts.total,
+            worker_restarts=load[_WORKER_RESTARTS] + self._worker_restarts_before)
         record_stats(self.stat_loggers, stats)
         deliver_threadsafe(deliveries)
 
@@ -386,7 +395,8 @@ class EngineCoreClient:
                 return
             self._proc.join(1.0)
             cause: BaseException = EngineDeadError(
-                f"the engine core process died unexpectedly (exit code {self._proc.exitcode})")
+                f"the engine core process died unexpectedly (exit code {self._proc.exitcode})"
+                f" and could not be restarted (max_worker_restarts)")
         else:
             cause = wire.load_error(msg[1])
         logger.error("engine core died: %s", cause)
@@ -396,9 +406,11 @@ class EngineCoreClient:
             calls, self._calls = list(self._calls.values()), {}
         for accepted, *_ in adds:
             _settle(accepted, error=_dead(cause))
-        for done in calls:
+        for done, _ in calls:
             _settle(done, error=_dead(cause))
         self._end_all(lambda: _dead(cause))
+        if self.on_dead is not None:
+            self.on_dead(cause)
 
     def _end_all(self, make_error: Any) -> None:
         with self._lock:

@@ -3,26 +3,34 @@ of their own, stepping in a busy loop, so that the API process's HTTP, JSON, SSE
 tokenization never hold the GIL the engine needs between its kernels.
 
 How it works: core_client.EngineCoreClient starts this process (multiprocessing spawn) with
-three AF_UNIX socket pairs (see core_wire for the messages). The main thread loops: apply every
-message waiting on the data socket (adds, aborts, sleep/wake_up), step while there is work,
-send the step's deltas; idle, it waits up to health_probe_interval_s for a message and then
-probes the workers (LLMEngine.check_health replaces dead ones, as a failed step would). A
-control thread answers health checks from the control socket at any time: the workers' timed
-ping, and whether an engine call has run longer than step_timeout_s (wedged). An interrupt
-thread reads a byte per abort from a third socket and ends a multi-step call under way
-(LLMEngine.interrupt_step), so an abort lands within one pass.
+three AF_UNIX socket pairs (see core_wire for the messages). The main thread loops: apply the
+messages waiting on the data socket in order (adds, resumes, aborts, calls; at most APPLY_BURST
+of them or about APPLY_BURST_S, then a step, so a burst of adds does not stall the running
+requests), step while there is work, send the step's deltas; idle, it waits up to
+health_probe_interval_s for a message and then probes the workers (LLMEngine.check_health
+replaces dead ones, as a failed step would). A control thread answers health checks from the
+control socket at any time: the workers' timed ping, and whether an engine call has run longer
+than step_timeout_s (wedged). An interrupt thread reads a byte per abort from a third socket
+and ends a multi-step call under way (LLMEngine.interrupt_step), so an abort lands within one
+pass.
 
 Failures: worker crashes and hangs are the LLMEngine's to recover (restart, requests resume).
 An exception that escapes the loop is fatal: the core sends ["dead", error] and exits 1. When
-the API process goes away (EOF on the data socket) the core shuts its workers down and exits.
-The core ignores SIGINT and SIGTERM: the API process owns the lifecycle (a Ctrl-C or a
-drain reaches it there, and it stops the core in order).
+the API process goes away (EOF on the data socket; while the engine is still being built,
+ParentWatch) the core shuts its workers down and exits; every way out of run_engine_core
+shuts the engine down. A "resume" (the API process's copy of a request of a core that died)
+goes on from its tokens (recovery.resume_samples). The core ignores SIGINT and SIGTERM: the
+API process owns the lifecycle (a Ctrl-C or a drain reaches it there, and it stops the core
+in order).
 """
 
 from __future__ import annotations
 
+import _thread
 import collections
+import contextlib
 import logging
+import os
 import select
 import signal
 import socket
@@ -33,6 +41,7 @@ from typing import Any
 from fleetllm.engine import core_wire as wire
 from fleetllm.engine.async_engine import EngineUnhealthyError, raise_if_wedged
 from fleetllm.engine.llm_engine import LLMEngine
+from fleetllm.engine.recovery import resume_samples
 from fleetllm.engine.stats import EngineLoad
 from fleetllm.errors import EngineSleepingError
 
@@ -41,30 +50,80 @@ logger = logging.getLogger(__name__)
 # of adds is spread over steps instead of stalling the requests already running.
 APPLY_BURST = 256
 APPLY_BURST_S = 0.02
+PARENT_POLL_S = 0.25
+ORPHAN_EXIT_S = 20.0
 
 
 def run_engine_core(model: str, engine_kwargs: dict[str, Any], data: socket.socket,
                     control: socket.socket, interrupts: socket.socket, step_timeout_s: float,
                     health_probe_interval_s: float, log_level: int) -> None:
-    """The process's target."""
+    """The process's target. Every way out shuts the engine's workers down (finally), and
+    an API process that goes away while the engine is still being built stops the build
+    (ParentWatch): nothing is left running under pid 1."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
+    watch = ParentWatch()
+    engine: LLMEngine | None = None
+    code = 1
     try:
-        engine = LLMEngine.from_engine_args(model, **engine_kwargs)
-    except BaseException as e:  # noqa: BLE001 - reported to the API process, which raises it
-        wire.send(data, ["dead", wire.error_msg(e)])
-        raise SystemExit(1) from None
-    core = EngineCore(engine, data, step_timeout_s, health_probe_interval_s)
-    threading.Thread(target=core.serve_control, args=(control,), name="fleetllm-core-control",
-                     daemon=True).start()
-    threading.Thread(target=core.serve_interrupts, args=(interrupts,),
-                     name="fleetllm-core-interrupts", daemon=True).start()
-    wire.send(data, ["ready"])
-    code = core.run()
-    engine.shutdown()
-    raise SystemExit(code)
+        try:
+            engine = LLMEngine.from_engine_args(model, **engine_kwargs)
+        except BaseException as e:  # noqa: BLE001 - reported to the API process, which raises it
+            if not watch.orphaned:
+                with contextlib.suppress(OSError):
+                    wire.send(data, ["dead", wire.error_msg(e)])
+            return
+        if watch.stop():
+            return
+        core = EngineCore(engine, data, step_timeout_s, health_probe_interval_s)
+        threading.Thread(target=core.serve_control, args=(control,),
+                         name="fleetllm-core-control", daemon=True).start()
+        threading.Thread(target=core.serve_interrupts, args=(interrupts,),
+                         name="fleetllm-core-interrupts", daemon=True).start()
+        try:
+            wire.send(data, ["ready"])
+        except OSError:  # the API process is gone
+            return
+        code = core.run()
+    finally:
+        watch.stop()
+        if engine is not None:
+            engine.shutdown()
+        logging.shutdown()
+        raise SystemExit(code)
+
+
+class ParentWatch:
+    """While the engine is being built (minutes, for a big checkpoint), nobody reads the data
+    socket: a thread checks every PARENT_POLL_S that the API process still exists, and if it
+    went away (SIGKILL, or SIGTERM before it could stop the core) interrupts the build in the
+    main thread (KeyboardInterrupt: LLMEngine shuts down what it started), then exits the
+    process if the build does not unwind within ORPHAN_EXIT_S (stuck in a C call)."""
+
+    def __init__(self) -> None:
+        self.parent = os.getppid()
+        self.orphaned = False
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, name="fleetllm-core-parent-watch",
+                         daemon=True).start()
+
+    def stop(self) -> bool:
+        """Stop watching (the engine is built); True if the parent is already gone."""
+        self._done.set()
+        return self.orphaned or os.getppid() != self.parent
+
+    def _watch(self) -> None:
+        while not self._done.wait(PARENT_POLL_S):
+            if os.getppid() != self.parent:
+                self.orphaned = True
+                logger.warning("the API process went away while the engine was starting: "
+                               "stopping")
+                _thread.interrupt_main()
+                if not self._done.wait(ORPHAN_EXIT_S):
+                    os._exit(1)
+                return
 
 
 class EngineCore:
@@ -150,8 +209,8 @@ class EngineCore:
 
     def _apply(self, msg: list[Any]) -> None:
         kind = msg[0]
-        if kind == "add":
-            _, request_id, text, token_ids, params, arrival, lora = msg
+        if kind in ("add", "resume"):
+            _, request_id, text, token_ids, params, arrival, lora = msg[:7]
             error = None
             try:
                 if self.engine.model_executor.is_sleeping:
@@ -161,6 +220,8 @@ class EngineCore:
                           if v is not None}
                 self._busy(self.engine.add_request, request_id, prompt,
                            wire.load_params(params), arrival, wire.load_lora(lora))
+                if kind == "resume":  # a dead core's request: it goes on from its tokens
+                    self._resume(request_id, msg[7])
                 self.live.add(request_id)
             except Exception as e:  # a rejected request: it queued nothing
                 error = wire.error_msg(e)
@@ -181,6 +242,16 @@ class EngineCore:
                 error = wire.error_msg(e)
             wire.send(self.data, ["called", call_id, error,
                                   self.engine.model_executor.is_sleeping, result])
+
+    def _resume(self, request_id: str, samples: list[list[Any]]) -> None:
+        try:
+            resume_samples(self.engine, request_id, samples)
+        except BaseException:
+            self.engine.abort_request(request_id)
+            raise
+        # The API process has these: only what follows them is sent.
+        self.deltas.resumed(request_id, {index: (len(text), len(tokens))
+                                         for index, tokens, text, *_ in samples})
 
     def _call(self, name: str, arg: Any) -> Any:
         """A call's result, as plain data for the wire."""

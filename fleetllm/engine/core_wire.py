@@ -9,6 +9,10 @@ Data socket, API -> core:
         params: SamplingParams' fields in order (a list) to generate, or
         {"dimensions": int | None, "normalize": bool | None} (a map: PoolingParams) to pool
         lora: None (the base model), or a LoRARequest as [lora_name, lora_int_id, lora_path]
+    ["resume", <an add's fields>, samples]   a dead core's request, re-added by the API
+        process after starting a new core: samples are what it streamed of each sequence,
+        [index, token ids, text, cumulative logprob, finish reason | None, stop reason]; it
+        goes on from there (recovery.resume_samples) and replies "added" like an add
     ["abort", request_id | None (every request)]
     ["call", call_id, name, argument]   name: "sleep" | "wake_up" | "add_lora" (argument: a
         lora as above) | "remove_lora" | "pin_lora" (argument: the lora_int_id) |
@@ -225,6 +229,11 @@ class DeltaEncoder:
                 None if prompt_lp is None else [None if e is None else _logprobs_msg([e])[0]
                                                 for e in prompt_lp], seqs]
 
+    def resumed(self, request_id: str, sent: dict[int, tuple[int, int]]) -> None:
+        """A resumed request: the API process already has `sent` (index -> (characters,
+        tokens)) of each sequence, and its prompt logprobs."""
+        self._sent[request_id] = dict(sent)
+
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
 
@@ -244,6 +253,16 @@ class RequestState:
         self.prompt_token_ids = prompt_token_ids
         self.prompt_logprobs: list | None = None
         self.seqs: dict[int, CompletionOutput] = {}
+        self.add: list[Any] = []  # its add message's fields after "add" (a new core's)
+
+    def resume_msg(self) -> list[Any]:
+        """For a new core: the add again, and once tokens were streamed, a "resume" that
+        goes on from them."""
+        if not any(s.token_ids for s in self.seqs.values()):
+            return ["add", *self.add]
+        return ["resume", *self.add,
+                [[s.index, s.token_ids, s.text, s.cumulative_logprob or 0.0, s.finish_reason,
+                  s.stop_reason] for _, s in sorted(self.seqs.items())]]
 
     def apply(self, delta: list[Any]) -> RequestOutput:
         _, finished, error, metrics, prompt_lp, seqs = delta
@@ -279,6 +298,10 @@ class PoolingState:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
+        self.add: list[Any] = []
+
+    def resume_msg(self) -> list[Any]:
+        return ["add", *self.add]
 
     def apply(self, delta: list[Any]) -> PoolingRequestOutput:
         _, finished, error, metrics, vector = delta

@@ -8,6 +8,9 @@ its tokens and the budget stays halved for OOM_FORGET_STEPS good steps. The engi
 watches the executor's kv_cache_epoch: whenever the workers' KV content is gone (sleep or a
 restart, whoever called it) cached prefixes are forgotten and running requests recomputed.
 
+resume_samples gives a re-added request the tokens a dead engine core had made for it, in
+the same recompute state (core_client restarts the core).
+
 A mixin of LLMEngine (it reads the engine's scheduler, executor and request tables): kept
 apart so that the engine's request path reads on its own.
 """
@@ -19,9 +22,11 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from fleetllm.engine.detokenizer import held_back_length
 from fleetllm.errors import CommunicationTimeoutError, WorkerCrashedError
+from fleetllm.sequence import SequenceStatus
 
 if TYPE_CHECKING:
     from fleetllm.core.scheduler import SchedulerOutputs
@@ -194,6 +199,36 @@ class RecoveryMixin:
             if not self._restart_workers(error):
                 raise
             call()
+
+
+def resume_samples(engine: Any, request_id: str, samples: list[list[Any]]) -> None:
+    """Give a just-added request (LLMEngine.add_request, not yet scheduled) the sequences
+    another engine had made for it: a dead engine core's, as its API process saw them
+    (core_client). `samples`: [index, output token ids, output text, cumulative logprob,
+    finish reason | None, stop reason] per sequence, in index order. They wait to be
+    recomputed from their tokens, exactly as after a worker restart (recompute_all): the
+    next token is drawn at the same position with the same sample index, so greedy and
+    seeded requests continue with the tokens the dead core would have given; min/max_tokens,
+    penalties and a grammar see the tokens already made."""
+    group = engine.seq_groups[request_id]
+    params = group.sampling_params
+    first = group.seqs[0]  # no output yet: each sample starts from a copy of it
+    seqs = [first if index == 0 else first.fork(next(engine._seq_ids), sample_index=index)
+            for index, *_ in samples]
+    for seq, (index, tokens, text, cumulative, finish, stop_reason) in zip(seqs, samples,
+                                                                           strict=True):
+        seq.data.sample_index = index
+        for token in tokens:
+            seq.append_token(token, {})  # no logprobs: those sent already are not sent again
+            if finish is None:  # the detokenizer's state (and held-back text) as it was
+                engine.detokenizer.decode_new_token(seq, params)
+        seq.cumulative_logprob = cumulative
+        if finish is None:
+            seq.held_back = held_back_length(seq.output_text, params.stop)
+        else:  # finished: its text is final, and it is not run again
+            seq.output_text, seq.held_back, seq.stop_reason = text, 0, stop_reason
+            seq.status = SequenceStatus(finish)
+    group.seqs[:] = seqs
 
 
 def out_of_memory_cause(error: BaseException) -> BaseException | None:

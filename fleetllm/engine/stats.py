@@ -65,6 +65,9 @@ class EngineLoad:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_emitted_tokens: int = 0
     taken_at: float = 0.0  # time.time() of the snapshot
+    # Times the API process started a new engine core after the core process died
+    # (core_client; 0 in the core itself and without one).
+    engine_core_restarts: int = 0
 
     @classmethod
     def of(cls, engine: Any) -> EngineLoad:

@@ -5,7 +5,11 @@ requests in flight up to --shutdown-timeout seconds to finish, ends the rest (a 
 terminal error event, a plain request a 503), closes the listener, stops the engine and its
 workers, and exits 0. A second signal skips the wait. uvicorn's own signal handling is
 replaced: it would stop at once and then re-raise the signal, so the exit status would be the
-signal's, not 0.
+signal's, not 0. A signal while the engine is still starting stops the start (the engine core
+and its workers are killed) and exits 128 + the signal's number.
+An engine core that died and could not be restarted (core_client: max_worker_restarts) stops
+the server with exit status 1, for a supervisor to start it again, instead of a server that
+answers 503 for ever.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class DrainingServer(uvicorn.Server):
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
         self._drain_task: asyncio.Task | None = None
+        self.exit_code = 0
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -84,6 +89,14 @@ class DrainingServer(uvicorn.Server):
                 await asyncio.wait_for(self.state.wait_idle(), 5.0)
         self.should_exit = True
 
+    def engine_died(self, error: BaseException) -> None:
+        """The engine is dead for good (its streams have ended with the error): exit 1."""
+        logger.error("the engine is dead and cannot be restarted: stopping the server (exit "
+                     "status 1): %s", error)
+        self.exit_code = 1
+        self.state.draining = True
+        self.should_exit = True
+
     def _end_requests(self) -> None:
         self.engine.abort_all(EngineShutdownError("the server is shutting down"))
 
@@ -105,7 +118,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # The engine in a process of its own (core_proc), unless asked to keep it in this one.
     start = AsyncLLMEngine.from_engine_args if args.disable_frontend_multiprocessing \
         else EngineCoreClient
-    engine = start(model, step_timeout_s=args.step_timeout, **engine_kwargs)
+    with _signals_stop_the_start():
+        engine = start(model, step_timeout_s=args.step_timeout, **engine_kwargs)
     try:
         state = ServerState()
         http = HTTPOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers,
@@ -128,10 +142,41 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     logger.info("stopped")
-    return 0
+    return server.exit_code
+
+
+@contextlib.contextmanager
+def _signals_stop_the_start() -> Iterator[None]:
+    """SIGTERM/SIGINT while the engine starts: SystemExit(128 + signal) in the main thread,
+    which the engine's start unwinds (core_restart.start_core kills the core; its workers
+    follow it), rather than dying at once and leaving them running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(sig: int, frame: object) -> None:
+        logger.warning("%s while the engine was starting: stopping", signal.Signals(sig).name)
+        raise SystemExit(128 + sig)
+
+    previous = {sig: signal.signal(sig, stop) for sig in _SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 async def _serve(server: DrainingServer, app: FastAPI, sock: socket.socket) -> None:
+    if hasattr(server.engine, "on_dead"):  # the engine core in its own process
+        loop = asyncio.get_running_loop()
+
+        def on_dead(error: BaseException) -> None:  # on the engine's reader thread
+            with contextlib.suppress(RuntimeError):  # the loop is closed: stopping anyway
+                loop.call_soon_threadsafe(server.engine_died, error)
+
+        server.engine.on_dead = on_dead
+        if server.engine.errored:
+            server.engine_died(server.engine._fatal)
     # The --lora-modules adapters load before the server answers (on its event loop): a bad
     # one stops the start.
     await app.state.models.init_static_loras()

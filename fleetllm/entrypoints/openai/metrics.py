@@ -60,6 +60,9 @@ class PrometheusMetrics:
                              _REQUEST_BUCKETS)
         self.worker_restarts = counter("worker_restarts", "Times the engine replaced "
                                        "crashed or hung workers (every request resumed).")
+        self.core_restarts = counter("engine_core_restarts", "Times a new engine core "
+                                     "process was started after it died (every request "
+                                     "resumed).")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in "
                                       "the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix "
@@ -73,8 +76,8 @@ class PrometheusMetrics:
         self.spec_emitted = counter("spec_decode_num_emitted_tokens", "Tokens emitted by "
                                     "sequences that had drafts (accepted + one each).")
         # The engine's counts are running totals; the Prometheus counters move by the change.
-        self._seen = {"restarts": 0, "queries": 0, "hits": 0, "accepted": 0, "draft": 0,
-                      "emitted": 0}
+        self._seen = {"restarts": 0, "core_restarts": 0, "queries": 0, "hits": 0,
+                      "accepted": 0, "draft": 0, "emitted": 0}
         self._render_lock = threading.Lock()  # two scrapes at once must not count twice
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first "
                                     "scheduled.", _REQUEST_BUCKETS)
@@ -123,6 +126,8 @@ class PrometheusMetrics:
 
     def _move_counters(self, load: EngineLoad) -> None:
         for key, metric, total in (("restarts", self.worker_restarts, load.worker_restarts),
+                                   ("core_restarts", self.core_restarts,
+                                    load.engine_core_restarts),
                                    ("queries", self.prefix_queries, load.prefix_cache_queries),
                                    ("hits", self.prefix_hits, load.prefix_cache_hits),
                                    ("accepted", self.spec_accepted,
