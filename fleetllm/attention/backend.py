@@ -35,12 +35,12 @@ skip the keys no query of theirs can see. Blocks that fell out of the window sta
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from fleetllm import envs
 from fleetllm.attention import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class TorchAttentionBackend:
 # 64 x 4096 tokens, sdpa 0.54 ms, math32 2.4 ms, varlen 0.21 ms; fp32 64 x 4096, sdpa 7.8 ms,
 # math32 1.6 ms. Repeating K/V per head for the memory-efficient kernel, and math in bf16,
 # were slower or less exact and are gone.
-_DECODE_VARIANT = os.environ.get("FLEETLLM_CUDA_DECODE", "auto").strip().lower()
+_DECODE_VARIANT = envs.get("FLEETLLM_CUDA_DECODE")
 _VARIANTS = ("auto", "sdpa", "math32", "varlen")
 if _DECODE_VARIANT not in _VARIANTS:
     raise ValueError(f"FLEETLLM_CUDA_DECODE={_DECODE_VARIANT!r}: not one of {_VARIANTS}")

@@ -42,12 +42,12 @@ instead of falling back.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from types import SimpleNamespace
 
 import torch
 
+from fleetllm import envs
 from fleetllm.attention import kernel_build
 
 logger = logging.getLogger(__name__)
@@ -67,10 +67,10 @@ def _load() -> SimpleNamespace | None:
         if _tried:
             return _ops
         _tried = True
-        mode = os.environ.get("FLEETLLM_CPU_KERNELS", "1")
+        mode = envs.get("FLEETLLM_CPU_KERNELS")
         if mode == "0":
             return None
-        strict = mode == "require" or os.environ.get("FLEETLLM_KERNEL_SANITIZE", "0") != "0"
+        strict = mode == "require" or envs.get("FLEETLLM_KERNEL_SANITIZE")
         try:
             if not hasattr(torch.ops.fleetllm, "gemv"):  # not loaded by this process already
                 kernel_build.load()

@@ -56,6 +56,8 @@ from pathlib import Path
 
 import torch
 
+from fleetllm import envs
+
 logger = logging.getLogger(__name__)
 
 PACKAGE = Path(__file__).resolve().parents[1]
@@ -120,7 +122,7 @@ def best_variant(machine: str | None = None, capability: str | None = None) -> s
 def chosen_variant() -> str:
     """best_variant(), or FLEETLLM_CPU_ISA if that names one this CPU can run."""
     best = best_variant()
-    asked = os.environ.get("FLEETLLM_CPU_ISA", "").strip().lower()
+    asked = envs.get("FLEETLLM_CPU_ISA")
     if not asked:
         return best
     if asked not in variants():
@@ -135,19 +137,15 @@ def flags(variant: str, sanitize: bool = False, werror: bool = False) -> list[st
             *(("-Werror",) if werror else ())]
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0") not in ("", "0")
-
-
 def build_directory(variant: str, cflags: list[str], src: Path) -> Path:
     key = hashlib.sha256()
-    for part in (*cflags, os.environ.get("CXX", "c++"), torch.__version__, sys.version):
+    for part in (*cflags, envs.get("CXX"), torch.__version__, sys.version):
         key.update(part.encode() + b"\0")
     for name in sorted(p.name for p in src.iterdir() if p.suffix in (".cpp", ".h")):
         key.update(name.encode() + b"\0" + (src / name).read_bytes() + b"\0")
     from torch.utils import cpp_extension  # imports setuptools: only when building
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    root = envs.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     suffix = "-asan" if "-fsanitize=address,undefined" in cflags else ""
     return Path(root) / "fleetllm" / f"{variant}{suffix}-{key.hexdigest()[:16]}"
 
@@ -178,9 +176,9 @@ def load(variant: str | None = None) -> Path:
     from torch.utils import cpp_extension
 
     variant = variant or chosen_variant()
-    sanitize = _env_flag("FLEETLLM_KERNEL_SANITIZE")
+    sanitize = envs.get("FLEETLLM_KERNEL_SANITIZE")
     # The sanitizer build is CI's full compile and link of this CPU's variant: warnings fail it.
-    cflags = flags(variant, sanitize, sanitize or _env_flag("FLEETLLM_KERNEL_WERROR"))
+    cflags = flags(variant, sanitize, sanitize or envs.get("FLEETLLM_KERNEL_WERROR"))
     src = source_dir()
     out = build_directory(variant, cflags, src)
     name = "fleetllm_" + out.name.replace("-", "_")

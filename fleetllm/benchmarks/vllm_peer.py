@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from fleetllm import envs
 from fleetllm.benchmarks.workload import Request, TimedRun
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
@@ -44,8 +45,8 @@ class VLLMPeerError(RuntimeError):
 def vllm_python() -> Path:
     """The vLLM venv's interpreter: $FLEETLLM_VLLM_PYTHON, else .venv-vllm in the checkout
     (beside the fleetllm package) or in the working directory."""
-    if os.environ.get("FLEETLLM_VLLM_PYTHON"):
-        candidates = [Path(os.environ["FLEETLLM_VLLM_PYTHON"])]
+    if asked := envs.get("FLEETLLM_VLLM_PYTHON"):
+        candidates = [Path(asked)]
     else:
         roots = [Path(__file__).resolve().parents[2], Path.cwd()]
         candidates = [r / VENV_NAME / "bin" / "python" for r in roots]

@@ -13,6 +13,7 @@ import time
 from types import ModuleType
 from typing import Any
 
+from fleetllm import envs
 from fleetllm.config import EngineConfig
 from fleetllm.errors import CommunicationTimeoutError, ConfigurationError
 
@@ -55,7 +56,7 @@ class RayConnection:
                                    "connected to Ray (ray.init() was called)", address)
                 return False
             if cls._users == 0:
-                _init(ray, address or os.environ.get("RAY_ADDRESS") or None, local_cpus)
+                _init(ray, address or envs.get("RAY_ADDRESS"), local_cpus)
             cls._users += 1
             return True
 

@@ -27,10 +27,11 @@ the all-reduce (the sum over ranks of x_r A_r B is x A B).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from fleetllm import envs
 
 # Padding the groups to the longest costs its waste in products; past this share the
 # per-group GEMMs (a loop over the step's adapters, not its requests) are faster.
@@ -92,7 +93,7 @@ _STEP: LoRAStep | None = None
 # region whose barrier waits for a second thread that, on a shared or busy machine, may not
 # be running; one thread measured faster end to end (bench throughput --lora 8 on 2 shared
 # cores: 0.81x base-only instead of 0.64x). FLEETLLM_LORA_ONE_THREAD=0 keeps torch's threads.
-_ONE_THREAD = os.environ.get("FLEETLLM_LORA_ONE_THREAD", "1") != "0"
+_ONE_THREAD = envs.get("FLEETLLM_LORA_ONE_THREAD")
 
 
 def set_step(step: LoRAStep | None) -> None:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from fleetllm import envs
 
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # each tensor's start in a shared mapping: a cache line, as torch's allocator
@@ -42,7 +43,7 @@ def thp_mode() -> str:
 
 def enabled() -> bool:
     """Huge-page placement applies here: not turned off, and the kernel has THP on."""
-    if os.environ.get("FLEETLLM_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not envs.get("FLEETLLM_HUGE_PAGES") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     return thp_mode() in ("always", "madvise")
 

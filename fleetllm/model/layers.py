@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fleetllm import envs
 from fleetllm.attention import cpu_kernels
 from fleetllm.distributed.parallel_state import get_tp_group
 from fleetllm.lora.layers import lora_delta
@@ -384,7 +385,7 @@ def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
-    if os.environ.get("FLEETLLM_LINEAR", "auto") == "dense":
+    if envs.get("FLEETLLM_LINEAR") == "dense":
         return False
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return False
@@ -474,7 +475,7 @@ def _packing_plan(model: nn.Module) -> tuple[list[nn.Module], set[int], bool, bo
     # What keeping the dense weights costs: a tied LM head's is the embedding's, kept anyway.
     dense_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears
                       if m.weight is not None and id(m.weight) not in shared)
-    dense_ok = os.environ.get("FLEETLLM_LINEAR", "auto") == "auto" and cpu_kernels.available() \
+    dense_ok = envs.get("FLEETLLM_LINEAR") == "auto" and cpu_kernels.available() \
         and dense_bytes <= _dense_budget()
     # Weights packed by pairs read only that copy at any number of rows: no dense copy then.
     # Where oneDNN packs no bf16 (AVX2), its float32 copy (prompts) and the dense weight for the
@@ -492,14 +493,15 @@ def _packing_plan(model: nn.Module) -> tuple[list[nn.Module], set[int], bool, bo
 
 def _dense_budget() -> int:
     """The most bytes of projections that get a second copy for small batches."""
-    return int(float(os.environ.get("FLEETLLM_GEMV_MAX_BYTES", 2 << 30)))
+    budget = envs.get("FLEETLLM_GEMV_MAX_BYTES")
+    return 2 << 30 if budget is None else budget
 
 
 def _pairs_budget() -> int:
     """The same for the copies by pairs beside oneDNN's on AMX: FLEETLLM_GEMV_MAX_BYTES if
     set, else a quarter of the machine's memory (at least 2 GiB). Without them a 1B model's
     batch-1 decode read 6.9 tokens/s instead of 10.1 (docs/perf.md, item 29)."""
-    if os.environ.get("FLEETLLM_GEMV_MAX_BYTES"):
+    if envs.get("FLEETLLM_GEMV_MAX_BYTES") is not None:
         return _dense_budget()
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -43,12 +43,12 @@ takes this one's place.
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from fleetllm import envs
 from fleetllm.attention import cpu_kernels
 
 PANEL = 48  # outputs a panel: the kernel's 3 vectors of 16 (csrc/kernels.h, PAIR_PANEL)
@@ -86,7 +86,7 @@ def batch_invariant() -> bool:
     in any batch (as vLLM's VLLM_BATCH_INVARIANT). By default AVX2-only CPUs switch from the
     GEMV to oneDNN's float32 copy past 16 rows and AMX CPUs to oneDNN past the small batches'
     copy, whose sums round differently (docs/spec_decode.md, "bf16")."""
-    return os.environ.get("FLEETLLM_BATCH_INVARIANT", "0").strip().lower() in ("1", "true")
+    return envs.get("FLEETLLM_BATCH_INVARIANT")
 
 
 @functools.cache

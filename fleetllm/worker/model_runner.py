@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from fleetllm import envs
 from fleetllm.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from fleetllm.config import EngineConfig
 from fleetllm.distributed.parallel_state import get_pp_group
@@ -357,9 +358,10 @@ def _set_intra_op_threads(ranks: int) -> None:
     itself), else the available physical cores shared by this machine's ranks. torch's own
     default counts every core of the host, also those a container's quota does not give it,
     and oversubscribed threads stall each other at every barrier."""
-    if os.environ.get("FLEETLLM_NUM_THREADS"):
-        torch.set_num_threads(max(1, int(os.environ["FLEETLLM_NUM_THREADS"])))
-    elif not os.environ.get("OMP_NUM_THREADS"):
+    threads = envs.get("FLEETLLM_NUM_THREADS")
+    if threads is not None:
+        torch.set_num_threads(max(1, threads))
+    elif not envs.get("OMP_NUM_THREADS"):
         torch.set_num_threads(max(1, available_cores() // max(1, ranks)))
 
 
@@ -370,7 +372,7 @@ def _keep_freed_memory() -> None:
     trim thresholds keeps freed memory in the heap for the next step (the process keeps its
     peak footprint, as an inference worker does anyway). FLEETLLM_MALLOC_TUNING=0 skips it;
     not glibc: nothing to do."""
-    if os.environ.get("FLEETLLM_MALLOC_TUNING", "1") == "0":
+    if not envs.get("FLEETLLM_MALLOC_TUNING"):
         return
     try:
         mallopt = ctypes.CDLL(None).mallopt
@@ -385,7 +387,7 @@ def _return_freed_memory() -> None:
     """Give the heap's free memory back to the system once (glibc's malloc_trim): with the
     trim threshold _keep_freed_memory raises, the dense weights that packing freed would stay
     in the process for good (a Llama-1B-shaped bf16 model: 8.7 -> 7.4 GB resident)."""
-    if os.environ.get("FLEETLLM_MALLOC_TUNING", "1") == "0":
+    if not envs.get("FLEETLLM_MALLOC_TUNING"):
         return
     try:
         ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(0))

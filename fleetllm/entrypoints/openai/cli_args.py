@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from dataclasses import dataclass
 
+from fleetllm import envs
 from fleetllm.engine.arg_utils import add_engine_args
 
 
@@ -19,7 +19,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     http.add_argument("--host", default="127.0.0.1",
                       help="address to bind (default 127.0.0.1: this machine only)")
     http.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    http.add_argument("--api-key", default=os.environ.get("FLEETLLM_API_KEY"),
+    http.add_argument("--api-key", default=envs.get("FLEETLLM_API_KEY"),
                       help="require 'Authorization: Bearer KEY' (default: $FLEETLLM_API_KEY); "
                            "/health and /metrics stay open")
     http.add_argument("--served-model-name", nargs="+", default=None,

@@ -7,7 +7,6 @@ the server's "listening on" line, waits for /health to answer 200, and stop() se
 
 from __future__ import annotations
 
-import os
 import select
 import shutil
 import signal
@@ -20,6 +19,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
+
+from fleetllm import envs
 
 _READY_PREFIX = "fleetllm serve: listening on "
 
@@ -131,7 +132,7 @@ class LocalServer:
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self._log.close()
-        if os.environ.get("FLEETLLM_KEEP_SERVER_LOGS") is None:
+        if not envs.get("FLEETLLM_KEEP_SERVER_LOGS"):
             shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> LocalServer:
