@@ -17,13 +17,14 @@ from typing import Any
 
 import torch
 
+from fleetllm.config_lora import LoRAConfig
+from fleetllm.config_pooler import PoolerConfig, checkpoint_pooler, is_sentence_transformers
+from fleetllm.config_speculative import SpeculativeConfig
 from fleetllm.errors import ConfigurationError, InvalidRequestError, ModelLoadError
-from fleetllm.lora.config import LoRAConfig
-from fleetllm.model.pooler import PoolerConfig, checkpoint_pooler, is_sentence_transformers
-from fleetllm.spec_decode.config import SpeculativeConfig
-from fleetllm.structured_outputs.backends import BACKENDS
 from fleetllm.utils import check_field_types
 
+# The grammar backends (fleetllm/structured_outputs/backends.py) a DecodingConfig may name.
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 _FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
 # XForCausalLM generates; the bare XModel (an embedding checkpoint: e5-mistral, gte-Qwen2,
 # Qwen3-Embedding) has no LM head and pools (task "embed").
@@ -428,8 +429,9 @@ class DecodingConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        _check(self.structured_outputs_backend in BACKENDS, "structured_outputs_backend",
-               f"must be one of {', '.join(BACKENDS)}; got "
+        _check(self.structured_outputs_backend in STRUCTURED_OUTPUTS_BACKENDS,
+               "structured_outputs_backend",
+               f"must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}; got "
                f"{self.structured_outputs_backend!r}")
 
 

@@ -6,7 +6,9 @@ happens to import:
 - the package has no import circle: the graph of module imports, top-level and function-level
   ones both, is acyclic but for the few lazy edges listed in ALLOWED_LAZY, each with its reason;
 - fleetllm.cli is the console-script entry point on top of everything: no fleetllm module
-  imports it (the flags it shares live in fleetllm.engine.arg_utils).
+  imports it (the flags it shares live in fleetllm.engine.arg_utils);
+- fleetllm.config is at the bottom: it and its parts (config_*.py) import nothing of fleetllm
+  but errors, utils and envs, so every layer can read the configuration.
 """
 
 from __future__ import annotations
@@ -155,3 +157,23 @@ def test_workers_do_not_import_executors():
         bad = {t for t in GRAPH[module]
                if t == "fleetllm.executor" or t.startswith("fleetllm.executor.")}
         assert not bad, f"{module} imports {sorted(bad)}"
+
+
+CONFIG_LAYER = {"fleetllm.errors", "fleetllm.utils", "fleetllm.envs"} | {
+    m for m in MODULES if m == "fleetllm.config" or m.startswith("fleetllm.config_")}
+
+
+def test_config_imports_nothing_above_it():
+    """Everything importing fleetllm.config runs (parent packages included, lazy imports too)
+    stays within the configuration and the errors/utils/envs it builds on."""
+    assert {"fleetllm.config_lora", "fleetllm.config_pooler",
+            "fleetllm.config_speculative"} <= CONFIG_LAYER
+    seen, todo = set(), ["fleetllm.config"]
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        parents = [module.rsplit(".", i)[0] for i in range(1, module.count("."))]
+        todo += [*GRAPH[module], *(p for p in parents if p in MODULES)]
+    assert seen <= CONFIG_LAYER, f"fleetllm.config reaches {sorted(seen - CONFIG_LAYER)}"

@@ -2,7 +2,7 @@
 seeded sampling with penalties and n > 1, stop strings, structured outputs), on uni, mp
 (TP=2, PP=2) and ray; drafts really accepted (metrics); the lookahead slots freed with the
 sequence; vLLM's speculative_config checked. The randomized differential test with
-speculation on is in test_random_workloads.py, rejection sampling's statistics in
+speculation on is in test_random_workloads.py, the n-gram proposer alone in
 test_spec_decode_units.py."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from helpers import load_tool
 
 from fleetllm import LLM, SamplingParams
 from fleetllm.config import EngineConfig
+from fleetllm.config_speculative import SpeculativeConfig
 from fleetllm.engine.arg_utils import DEMO_MODEL
 from fleetllm.errors import ConfigurationError
-from fleetllm.spec_decode.config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}

@@ -39,8 +39,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from fleetllm.config import CacheConfig, SchedulerConfig
+from fleetllm.config_lora import LoRAConfig
 from fleetllm.core.block_manager import BlockManager
-from fleetllm.lora.config import LoRAConfig
 from fleetllm.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
 
 

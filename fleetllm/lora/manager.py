@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fleetllm.lora.config import LoRAConfig
+from fleetllm.config_lora import LoRAConfig
 from fleetllm.lora.layers import LoRASlots
 from fleetllm.lora.peft import load_adapter
 from fleetllm.lora.request import LoRARequest

@@ -1,4 +1,3 @@
-"""Speculative decoding (vLLM's speculative_config): SpeculativeConfig (config.py), the n-gram
-proposer, SpecDecodeWorker (the worker the configuration picks: proposes, has the scorer
-score and accept), its metrics, and a general rejection sampler (rejection_sampler.py, for
-proposers with a draft distribution)."""
+"""Speculative decoding (vLLM's speculative_config): the n-gram and draft-model proposers,
+SpecDecodeWorker (the worker the configuration picks: proposes, has the scorer score and
+accept) and its metrics. SpeculativeConfig lives in fleetllm/config_speculative.py."""

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
+from fleetllm.config import STRUCTURED_OUTPUTS_BACKENDS as BACKENDS
 from fleetllm.errors import ConfigurationError, InvalidRequestError
 from fleetllm.sampling_params import StructuredOutputsParams
 
-BACKENDS = ("auto", "xgrammar", "guidance")
 # Optional JSON whitespace is capped at this many characters per gap (any indentation a
 # pretty-printer writes fits): uncapped, a small model can emit newlines until max_tokens and
 # never close its object (vLLM's known failure; disable_any_whitespace removes it altogether).
