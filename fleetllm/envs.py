@@ -153,7 +153,8 @@ def markdown_table() -> str:
     """The table docs/envs.md carries."""
     rows = ["| variable | type | default | read by | what |", "| --- | --- | --- | --- | --- |"]
     for v in VARIABLES:
-        rows.append(f"| `{v.name}` | {v.type} | {v.default} | {v.read_by} | {v.doc} |")
+        kind = v.type.replace("|", "\\|")  # a bare | would split the cell
+        rows.append(f"| `{v.name}` | {kind} | {v.default} | {v.read_by} | {v.doc} |")
     return "\n".join(rows) + "\n"
 
 
