@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,ray,docs]'
 	@# The C++ CPU kernels compile at first use; do it now, once (a failure only warns).
-	$(PY) -c 'from fleetllm.attention.kernel_build import main; main()'
+	$(PY) -c 'from fleetllm.kernels.build import main; main()'
 	touch $(STAMP)
 
 # The benchmarks' vLLM peer (`fleetllm bench throughput|latency --compare vllm`): the real

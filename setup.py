@@ -1,6 +1,6 @@
 """Packaging hook: a wheel carries the C++ kernel sources (csrc/ at the repository root) as
 fleetllm/_csrc, since the kernels are compiled at first use on the machine that runs them
-(fleetllm/attention/kernel_build.py says why). Everything else is in pyproject.toml. An editable
+(fleetllm/kernels/build.py says why). Everything else is in pyproject.toml. An editable
 install reads csrc/ where it is."""
 
 from pathlib import Path

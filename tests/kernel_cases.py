@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from fleetllm.attention import cpu_kernels
+from fleetllm.kernels import cpu_kernels
 
 
 def decode_inputs(g: torch.Generator, batch: int, heads: int, kv_heads: int, d: int, bs: int):

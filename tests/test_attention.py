@@ -16,8 +16,8 @@ from fleetllm.attention import (
     DecodeBatch,
     PrefillSpan,
     TorchAttentionBackend,
-    cpu_kernels,
 )
+from fleetllm.kernels import cpu_kernels
 
 
 def reference(q, k_all, v_all, ctx_len, q_len, scale, window):

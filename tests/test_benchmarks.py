@@ -175,7 +175,7 @@ def test_host_ab_tool_swaps_functions_step_by_step_and_times_both(tiny_models, c
     if shutil.which("git") is None or subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True).returncode != 0:
         pytest.skip("not a git checkout")
-    from fleetllm.attention import cpu_kernels
+    from fleetllm.kernels import cpu_kernels
     from fleetllm.worker import sampler
 
     tool = load_tool("host_ab")

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from kernel_cases import decode_inputs
 
 from fleetllm import LLM, SamplingParams
-from fleetllm.attention import cpu_kernels, kernel_build
 from fleetllm.errors import ConfigurationError
+from fleetllm.kernels import build as kernel_build
+from fleetllm.kernels import cpu_kernels
 from fleetllm.model import pair_packed
 
 DEMO = Path(__file__).resolve().parents[1] / "fleetllm" / "demo_model"

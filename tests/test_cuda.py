@@ -205,7 +205,7 @@ def test_bfloat16_greedy_mostly_matches_transformers_on_cuda(name, tiny_models):
 def test_cuda_path_never_builds_or_calls_the_cpu_kernels(tiny_models, monkeypatch):
     """Loading (weight packing asks whether the kernels exist) and running on CUDA never loads
     the C++ CPU kernels: building them needs a host compiler and ~10 s, for nothing."""
-    from fleetllm.attention import cpu_kernels
+    from fleetllm.kernels import cpu_kernels
 
     def refuse():
         raise AssertionError("the CUDA path tried to load the C++ CPU kernels")

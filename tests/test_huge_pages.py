@@ -9,7 +9,7 @@ import torch
 from helpers import load_tool
 
 from fleetllm import LLM, SamplingParams
-from fleetllm.attention import cpu_kernels
+from fleetllm.kernels import cpu_kernels
 from fleetllm.model import huge_pages
 
 PROMPTS = [{"prompt_token_ids": [5 + i, 17, 99, 300 + 7 * i, 42, 8 + i]} for i in range(3)]

@@ -16,7 +16,8 @@ import pytest
 import torch
 from kernel_cases import decoder_layer_args, flat, op_outputs
 
-from fleetllm.attention import cpu_kernels, kernel_build
+from fleetllm.kernels import build as kernel_build
+from fleetllm.kernels import cpu_kernels
 
 REPO = Path(__file__).resolve().parents[1]
 SANITIZE = os.environ.get("FLEETLLM_KERNEL_SANITIZE", "0") != "0"
@@ -338,7 +339,7 @@ def test_out_of_memory_is_an_error_not_a_crash():
     allocator error is what errors.as_out_of_memory classifies as OutOfMemoryError."""
     proc = python("""
         import resource, torch
-        from fleetllm.attention import cpu_kernels
+        from fleetllm.kernels import cpu_kernels
         from fleetllm.errors import OutOfMemoryError, as_out_of_memory
         assert cpu_kernels.available()
         torch.set_num_threads(2)
@@ -379,7 +380,7 @@ def test_a_forked_child_can_use_the_kernels():
     pool must not wait in the child for the parent's locks or workers (pthread_atfork)."""
     proc = python("""
         import os, random, threading, time, torch
-        from fleetllm.attention import cpu_kernels as ck
+        from fleetllm.kernels import cpu_kernels as ck
         assert ck.available()
         torch.set_num_threads(2)
         x, w = torch.randn(4, 512), torch.randn(2048, 512)   # large enough for the pool
@@ -442,7 +443,7 @@ def test_torch_threads_give_identical_results(tmp_path):
 
 _BF16_CASES = """
 import random, sys, torch
-from fleetllm.attention import cpu_kernels
+from fleetllm.kernels import cpu_kernels
 assert cpu_kernels.available(), "the kernels did not load"
 rng, outs = random.Random(7), []
 for case in range(40):  # odd lengths, blocks of 1-32, windows, 1-8 query heads per KV head
@@ -616,7 +617,7 @@ def test_a_dead_builders_lock_does_not_block_the_next_process():
     built = kernel_build.build_directory(variant, kernel_build.flags(variant),
                                          kernel_build.source_dir())
     (built / "lock").touch()
-    python("from fleetllm.attention import cpu_kernels; assert cpu_kernels.available()",
+    python("from fleetllm.kernels import cpu_kernels; assert cpu_kernels.available()",
            timeout=120)
     assert not (built / "lock").exists()
 
@@ -642,7 +643,7 @@ def test_without_a_compiler_the_pytorch_path_gives_the_same_tokens(how, tiny_mod
         import json, logging
         logging.basicConfig(level=logging.WARNING)
         from fleetllm import LLM, SamplingParams
-        from fleetllm.attention import cpu_kernels
+        from fleetllm.kernels import cpu_kernels
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
         prompts = [{{"prompt_token_ids": list(range(5 + i, 30 + 7 * i))}} for i in range(3)]
         with LLM({str(tiny_models["qwen2_bias"])!r}, kv_cache_memory=16 << 20) as llm:
@@ -742,7 +743,7 @@ def test_an_ab_tool_builds_two_trees_and_times_them_in_turn(ab_tools, tool, sour
         root = ab_tools["dir"] / tool
         root.mkdir()
         old, exe = root / "old.o", root / "ab"
-        cxx = os.environ.get("CXX", "c++")  # as kernel_build.py compiles
+        cxx = os.environ.get("CXX", "c++")  # as fleetllm/kernels/build.py compiles
         for cmd in ([cxx, *flags, f"-I{csrc}", "-Dfleetllm=fold", "-c", str(csrc / source),
                      "-o", str(old)],
                     [cxx, *flags, "-Werror=comment", f"-I{csrc}",  # flags has -Wall -Wextra
@@ -814,7 +815,7 @@ def test_gemm_on_weights_packed_by_pairs_sums_each_output_in_one_order():
 
 _PAIRS_CASES = """
 import random, sys, torch
-from fleetllm.attention import cpu_kernels
+from fleetllm.kernels import cpu_kernels
 from fleetllm.model import pair_packed
 assert cpu_kernels.available()
 rng, g = random.Random(6), torch.Generator().manual_seed(6)

@@ -21,11 +21,11 @@ import torch
 from serving_helpers import KV
 
 from fleetllm import LLM, SamplingParams
-from fleetllm.attention import cpu_kernels
 from fleetllm.engine.arg_utils import DEMO_MODEL
 from fleetllm.engine.async_engine import AsyncLLMEngine
 from fleetllm.engine.core_client import EngineCoreClient
 from fleetllm.errors import ConfigurationError
+from fleetllm.kernels import cpu_kernels
 from fleetllm.model import fused
 from fleetllm.sampling_params import StructuredOutputsParams
 from fleetllm.worker import greedy_passes

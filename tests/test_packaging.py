@@ -99,10 +99,10 @@ def test_wheel_runs_the_benchmarks(installed, tmp_path):
 def test_wheel_ships_the_kernel_sources_and_loads_them(installed, tmp_path):
     """The wheel carries csrc/ as fleetllm/_csrc; the installed package compiles (or, with the
     same sources, reuses the build of) this machine's variant and loads its ops."""
-    from fleetllm.attention import cpu_kernels
+    from fleetllm.kernels import cpu_kernels
 
     proc = check([str(installed / "python"), "-c",
-                  "from fleetllm.attention import cpu_kernels, kernel_build; "
+                  "from fleetllm.kernels import build as kernel_build, cpu_kernels; "
                   "print(kernel_build.source_dir()); print(cpu_kernels.available())"],
                  cwd=tmp_path, timeout=300)
     where, loaded = proc.stdout.split()

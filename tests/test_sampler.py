@@ -202,7 +202,7 @@ def test_greedy_bf16_rows_take_the_kernels_argmax_without_a_float32_copy(monkeyp
     """Greedy rows without penalties or logprobs: one argmax over the model's own logits (the
     C kernel on the CPU), the same tokens as a float32 argmax; rows that need float32 math
     still get it."""
-    from fleetllm.attention import cpu_kernels
+    from fleetllm.kernels import cpu_kernels
 
     if not cpu_kernels.available():
         import pytest

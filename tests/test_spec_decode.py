@@ -257,7 +257,7 @@ def test_bf16_greedy_same_tokens_with_batch_invariant_kernels(monkeypatch):
     every row is the same bits in any batch (layers packed by pairs alone): the same tokens
     from 8 sequences drafted together (up to 40 rows a step, past every kernel's row limit) as
     from each sequence alone without drafts (one row a step)."""
-    from fleetllm.attention import cpu_kernels
+    from fleetllm.kernels import cpu_kernels
 
     if not cpu_kernels.gemm_pairs_available():
         pytest.skip("no AVX2 or AVX-512: no batch-invariant bf16 GEMM here")
@@ -279,7 +279,7 @@ def test_bf16_random_checkpoints_same_tokens_with_batch_invariant_kernels(
     """The same on checkpoints whose every size suits the AMX tiles (all of the layers in the
     one-call decode step, on AMX copies alone where the CPU has AMX) and with q/k/v biases:
     10 sequences drafted together against each alone."""
-    from fleetllm.attention import cpu_kernels
+    from fleetllm.kernels import cpu_kernels
 
     if not cpu_kernels.gemm_pairs_available():
         pytest.skip("no AVX2 or AVX-512: no batch-invariant bf16 GEMM here")

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from fleetllm.attention import cpu_kernels
+from fleetllm.kernels import cpu_kernels
 from fleetllm.model import huge_pages
 
 SHAPES = ((1, 256), (16, 530), (32, 200), (64, 500))

@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from fleetllm.attention import cpu_kernels
+from fleetllm.kernels import cpu_kernels
 from fleetllm.model import huge_pages, layers, pair_packed
 
 ROWS = (1, 2, 4, 8)

@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from fleetllm.attention import AttentionMetadata, PrefillSpan, backend, cpu_kernels
+from fleetllm.attention import AttentionMetadata, PrefillSpan, backend
+from fleetllm.kernels import cpu_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 4, 64, 16
 STEPS = {"1 x 64": [64], "1 x 256": [256], "1 x 700": [700],

@@ -32,8 +32,8 @@ from fleetllm.attention import (
     DecodeBatch,
     TorchAttentionBackend,
     backend,
-    cpu_kernels,
 )
+from fleetllm.kernels import cpu_kernels
 
 VARIANTS = ["sdpa", "math32", "varlen"]
 

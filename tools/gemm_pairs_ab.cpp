@@ -10,7 +10,7 @@
 //
 //     git worktree add /tmp/old <commit>
 //     F="-O3 -fopenmp-simd -fno-math-errno -fno-trapping-math -pthread -mtune=native"
-//     F="$F -mavx512f -mavx512vl -mavx512bw -mavx512dq -mavx2 -mfma"  # kernel_build.py's flags
+//     F="$F -mavx512f -mavx512vl -mavx512bw -mavx512dq -mavx2 -mfma"  # fleetllm/kernels/build.py's flags
 //     # (on a CPU without AVX-512: F="$F -mavx2 -mfma", the avx2 variant's)
 //     c++ $F -I/tmp/old/csrc -Dfleetllm=fold -c /tmp/old/csrc/gemm.cpp -o /tmp/old.o
 //     c++ $F -Icsrc tools/gemm_pairs_ab.cpp csrc/gemm.cpp csrc/pool.cpp /tmp/old.o -o /tmp/ab

@@ -8,7 +8,7 @@
 //
 //     git worktree add /tmp/old <commit>
 //     F="-O3 -fopenmp-simd -fno-math-errno -fno-trapping-math -pthread -mtune=native"
-//     F="$F -mavx512f -mavx512vl -mavx512bw -mavx512dq -mavx2 -mfma"  # kernel_build.py's flags
+//     F="$F -mavx512f -mavx512vl -mavx512bw -mavx512dq -mavx2 -mfma"  # fleetllm/kernels/build.py's flags
 //     c++ $F -I/tmp/old/csrc -Dfleetllm=fold -c /tmp/old/csrc/gemv.cpp -o /tmp/old.o
 //     c++ $F -Icsrc tools/gemv_ab.cpp csrc/gemv.cpp csrc/pool.cpp /tmp/old.o -o /tmp/gemv_ab
 //     /tmp/gemv_ab 1 100      # rows of x, rounds

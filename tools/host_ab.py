@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from fleetllm import LLM, SamplingParams
-    from fleetllm.attention import cpu_kernels
     from fleetllm.benchmarks.checkpoint import write_dummy_checkpoint, write_word_tokenizer
     from fleetllm.benchmarks.presets import preset_dir
+    from fleetllm.kernels import cpu_kernels
 
     table = swaps(args.functions, args.base)
     tmp = tempfile.mkdtemp(prefix="host_ab_")

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from fleetllm import envs
-from fleetllm.attention import cpu_kernels
+from fleetllm.kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
 

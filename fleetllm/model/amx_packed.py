@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from fleetllm.attention import cpu_kernels
+from fleetllm.kernels import cpu_kernels
 
 MAX_ROWS = 64  # batches up to this many rows take this copy; larger ones oneDNN's
 

@@ -24,8 +24,9 @@ from typing import NamedTuple
 
 import torch
 
-from fleetllm.attention import AttentionMetadata, cpu_kernels
+from fleetllm.attention import AttentionMetadata
 from fleetllm.distributed.parallel_state import get_tp_group
+from fleetllm.kernels import cpu_kernels
 from fleetllm.model import pair_packed
 from fleetllm.model.amx_packed import AmxPacked
 from fleetllm.model.layers import decode_gemv_rows, small_batch_rows, small_batch_weight

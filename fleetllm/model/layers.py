@@ -59,8 +59,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleetllm import envs
-from fleetllm.attention import cpu_kernels
 from fleetllm.distributed.parallel_state import get_tp_group
+from fleetllm.kernels import cpu_kernels
 from fleetllm.lora.layers import lora_delta
 from fleetllm.model import amx_packed, huge_pages, mkl_packed, pair_packed
 from fleetllm.model.amx_packed import AmxPacked

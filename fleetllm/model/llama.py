@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fleetllm.attention import AttentionMetadata, TorchAttentionBackend, cpu_kernels
+from fleetllm.attention import AttentionMetadata, TorchAttentionBackend
 from fleetllm.config import ArchConfig
 from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
+from fleetllm.kernels import cpu_kernels
 from fleetllm.lora import layers as lora_layers
 from fleetllm.model import fused
 from fleetllm.model.layers import (

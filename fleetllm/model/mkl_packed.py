@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from fleetllm.attention import cpu_kernels
+from fleetllm.kernels import cpu_kernels
 
 
 class MklPacked(NamedTuple):

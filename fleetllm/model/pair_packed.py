@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from fleetllm import envs
-from fleetllm.attention import cpu_kernels
+from fleetllm.kernels import cpu_kernels
 
 PANEL = 48  # outputs a panel: the kernel's 3 vectors of 16 (csrc/kernels.h, PAIR_PANEL)
 SMALL_ROWS = 4  # beside oneDNN on AMX: batches up to this many rows take this copy

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fleetllm.attention import cpu_kernels
+from fleetllm.kernels import cpu_kernels
 from fleetllm.sampling_params import SamplingParams
 from fleetllm.sequence import Logprob
 

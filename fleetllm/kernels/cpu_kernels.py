@@ -23,7 +23,7 @@ C++, for more (or, packed by pairs, the bf16 GEMM for any number).
 Each row's argmax for the sampler, read in place in float32 or bfloat16 (torch's CPU argmax
 runs ~1 ns an element, ten times its max).
 
-How: `kernel_build.load()` compiles the variant for this CPU's instruction set at first use
+How: `build.load()` compiles the variant for this CPU's instruction set at first use
 (torch.utils.cpp_extension; see that module for why JIT and how the build is shared) and loads
 it. Each op has a schema (torch.ops.fleetllm.gemv.default._schema) and checks dtype, device,
 layout, shapes and index ranges in C++: a bad call raises RuntimeError, it cannot read or write
@@ -48,7 +48,7 @@ from types import SimpleNamespace
 import torch
 
 from fleetllm import envs
-from fleetllm.attention import kernel_build
+from fleetllm.kernels import build
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ def _load() -> SimpleNamespace | None:
         strict = mode == "require" or envs.get("FLEETLLM_KERNEL_SANITIZE")
         try:
             if not hasattr(torch.ops.fleetllm, "gemv"):  # not loaded by this process already
-                kernel_build.load()
-        except kernel_build.BuildError as e:
+                build.load()
+        except build.BuildError as e:
             if strict:
                 raise
             logger.warning("fleetllm's CPU kernels are unavailable (%s); using the PyTorch "

@@ -3,7 +3,7 @@
 What: `load()` compiles csrc/*.cpp with `torch.utils.cpp_extension.load` (ninja, torch's
 include paths and link flags) into a shared library and loads it with
 `torch.ops.load_library`; its TORCH_LIBRARY block registers the `torch.ops.fleetllm.*` ops with
-their schemas. `fleetllm.attention.cpu_kernels` calls them.
+their schemas. `fleetllm.kernels.cpu_kernels` calls them.
 
 Why at first use (JIT) and not ahead of time as a CppExtension in the package build:
 - the wheel stays pure Python and independent of the torch build: a library built ahead of
