@@ -102,3 +102,28 @@ def test_lora_request_without_enable_lora_is_refused(setup):
             asyncio.run(tokens(engine, l0, "off"))
     finally:
         engine.shutdown()
+
+
+def test_a_new_engine_core_has_the_adapters_loaded_and_pinned(setup):
+    """The core process dies (SIGKILL): the new one loads what add_lora loaded and pins what
+    was pinned, before any request (core_client's restart)."""
+    import os
+    import signal
+    import time
+
+    model, (l0, _), expected = setup
+    engine = EngineCoreClient(str(model), **LORA)
+    try:
+        asyncio.run(engine.add_lora(l0))
+        assert asyncio.run(engine.pin_lora(1)) is True
+        pid = engine._core.proc.pid
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while engine._core.proc.pid == pid or engine._restarting:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert asyncio.run(engine.list_loras()) == {1}
+        assert asyncio.run(tokens(engine, l0, "restarted")) == expected[l0]
+        assert engine.core_restarts.total == 1
+    finally:
+        engine.shutdown()

@@ -105,16 +105,16 @@ def test_a_killed_core_is_replaced_and_every_stream_goes_on_with_the_same_tokens
         """kills: 0, or 2: the idle core (the requests then arrive while a new one starts),
         a core mid-stream, and a core mid-stream again with its successor while it starts."""
         outs: dict[str, list] = {}
-        if kills:
-            os.kill(engine._core.proc.pid, signal.SIGKILL)
-            await asyncio.sleep(0.05)
 
         async def one(i, prompt, params):
             outs[f"r{i}"] = [o async for o in engine.generate(prompt, params, f"r{i}")]
 
+        pid = engine._core.proc.pid if kills else None
+        if kills:  # idle: the requests are added while a new core starts
+            os.kill(pid, signal.SIGKILL)
+            await asyncio.sleep(0.05)
         task = asyncio.gather(*(one(i, p, s) for i, (p, s) in enumerate(requests)))
         task = asyncio.ensure_future(task)
-        pid = None
         for k in range(kills):
             while engine._restarting or engine._core.proc.pid == pid:  # the last restart
                 await asyncio.sleep(0.01)
@@ -187,7 +187,8 @@ def test_a_server_s_killed_core_is_replaced_streams_complete_and_metrics_count_i
         want, texts, health, metrics = asyncio.run(run())
         assert texts == want  # greedy: the same text, no gap, no duplicate
         assert health.status_code == 200
-        assert metric(metric_values(metrics), "fleetllm:engine_core_restarts_total") == 1
+        assert metric(metric_values(metrics), "fleetllm:engine_core_restarts_total") == 1, \
+            srv.log()
         assert srv.proc.poll() is None
     finally:
         srv.stop()

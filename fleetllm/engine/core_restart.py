@@ -31,6 +31,7 @@ from fleetllm.engine import core_wire as wire
 from fleetllm.engine.async_engine import EngineDeadError, EngineUnhealthyError, _settle
 from fleetllm.engine.async_stream import RequestStream
 from fleetllm.engine.core_proc import run_engine_core
+from fleetllm.errors import InvalidRequestError
 from fleetllm.executor.multiproc import _main_not_reimported
 
 logger = logging.getLogger(__name__)
@@ -187,7 +188,8 @@ class CoreRestartMixin:
         finally:
             self._restarting = False
         for accepted, stream, error in ended:
-            _settle(accepted)
+            if accepted is not None:
+                _settle(accepted)
             stream.put(error)
         return True
 
@@ -215,13 +217,18 @@ class CoreRestartMixin:
         """Under both locks, for the new core: what it must load, then every request in
         flight (resumed), the waiting adds, the waiting calls. Returns the adds that were
         aborted before being accepted (their streams end with the abort's error)."""
-        for lora in self._restore.loras.values():
+        # copies: the event loop's add_lora/pin_lora update them without these locks
+        for lora in list(self._restore.loras.values()):
             self._restore_call("add_lora", lora)
-        for lora_id in self._restore.pinned:
+        for lora_id in list(self._restore.pinned):
             self._restore_call("pin_lora", lora_id)
-        for _, state in self._streams.values():
-            self._put("add", wire.encode(state.resume_msg()))
         ended = []
+        for request_id, (stream, state) in list(self._streams.items()):
+            try:
+                self._put("add", wire.encode(state.resume_msg()))
+            except InvalidRequestError as e:  # not expected: what it streamed was encodable
+                del self._streams[request_id]
+                ended.append((None, stream, e))
         for request_id, (accepted, stream, state, _, aborted) in list(self._adds.items()):
             if aborted is not None:
                 del self._adds[request_id]
