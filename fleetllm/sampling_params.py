@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from fleetllm.errors import ConfigurationError
@@ -92,6 +93,32 @@ class StructuredOutputsParams:
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
+
+
+# What a field's value may rule out of the fast paths (fleetllm/fast_paths.py): NOTHING (they
+# honour it: after the step, in the prompt step, or only when sampling, which temperature
+# decides), ARGMAX (the greedy passes: the token needs the sampler) or EVERY (the engine picks
+# the allowed tokens between tokens). tests/test_params.py fails on a field not listed here.
+NOTHING, ARGMAX, EVERY = "nothing", "argmax", "every"
+FAST_PATH_FIELDS: dict[str, str] = {
+    "n": NOTHING, "temperature": ARGMAX,
+    "top_p": NOTHING, "top_k": NOTHING, "min_p": NOTHING, "seed": NOTHING,  # sampling only
+    "presence_penalty": ARGMAX, "frequency_penalty": ARGMAX, "repetition_penalty": ARGMAX,
+    "max_tokens": NOTHING,
+    "min_tokens": ARGMAX,  # until that many tokens exist (the sampler holds stop tokens back)
+    "stop": NOTHING, "stop_token_ids": NOTHING, "ignore_eos": NOTHING, "eos_token_ids": NOTHING,
+    "logprobs": ARGMAX, "prompt_logprobs": NOTHING,
+    "include_stop_str_in_output": NOTHING, "skip_special_tokens": NOTHING,
+    "structured_outputs": EVERY, "guided_decoding": EVERY,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FastPaths:
+    """A request's part of which fast paths may take it (SamplingParams.fast_paths)."""
+
+    runs_ahead: bool  # its tokens may be chosen ahead of the engine: multi-step calls, drafts
+    argmax_from: int | None  # from this many output tokens on, each is the plain argmax
 
 
 @dataclass
@@ -189,6 +216,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @cached_property
+    def fast_paths(self) -> FastPaths:
+        """What this request allows the fast paths (fleetllm/fast_paths.py), from the fields
+        FAST_PATH_FIELDS says rule anything out; decided once: SamplingParams are not changed
+        after they are built (the engine takes a copy)."""
+        runs_ahead = self.structured_outputs is None  # guided_decoding is folded into it
+        plain = runs_ahead and self.greedy and not self.has_penalties and self.logprobs is None
+        return FastPaths(runs_ahead, self.min_tokens if plain else None)
 
     @property
     def has_penalties(self) -> bool:

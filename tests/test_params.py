@@ -90,3 +90,78 @@ def test_extreme_but_valid_values_run(tiny_models):
     with LLM(tiny_models["llama_gqa"], kv_cache_memory=1 << 25) as llm:
         [out] = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 3
+
+
+# One value per SamplingParams field that differs from a plain greedy request's (the fast
+# paths' classification is checked against what each does to SamplingParams.fast_paths).
+FIELD_EXAMPLES = {
+    "n": 2, "temperature": 0.7, "top_p": 0.5, "top_k": 5, "min_p": 0.1, "seed": 7,
+    "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
+    "max_tokens": 3, "min_tokens": 2, "stop": ["x"], "stop_token_ids": [5],
+    "ignore_eos": True, "eos_token_ids": [2], "logprobs": 1, "prompt_logprobs": 1,
+    "include_stop_str_in_output": True, "skip_special_tokens": False,
+    "structured_outputs": {"regex": "[ab]+"}, "guided_decoding": {"choice": ["a", "b"]},
+}
+
+
+def test_every_sampling_params_field_is_classified_for_the_fast_paths():
+    """A new SamplingParams field fails here until FAST_PATH_FIELDS says what it rules out of
+    multi-step calls, drafts and the greedy passes (fleetllm/fast_paths.py), and it has an
+    example value below, against which the classification is checked."""
+    from dataclasses import fields
+
+    from fleetllm.sampling_params import ARGMAX, EVERY, FAST_PATH_FIELDS, NOTHING
+
+    names = {f.name for f in fields(SamplingParams)}
+    assert set(FAST_PATH_FIELDS) == names, "classify the new field in FAST_PATH_FIELDS"
+    assert set(FAST_PATH_FIELDS.values()) <= {NOTHING, ARGMAX, EVERY}
+    assert set(FIELD_EXAMPLES) == names
+
+
+@pytest.mark.parametrize("name", sorted(FIELD_EXAMPLES))
+def test_the_fast_path_classification_is_what_the_fast_paths_read(name):
+    """Each field changes a greedy request's SamplingParams.fast_paths as FAST_PATH_FIELDS
+    says: not at all, only the greedy passes' plain argmax, or every fast path."""
+    from fleetllm.sampling_params import ARGMAX, EVERY, FAST_PATH_FIELDS, FastPaths
+
+    plain = SamplingParams(temperature=0).fast_paths
+    assert plain == FastPaths(runs_ahead=True, argmax_from=0)
+    got = SamplingParams(**{"temperature": 0, name: FIELD_EXAMPLES[name]}).fast_paths
+    kind = FAST_PATH_FIELDS[name]
+    if kind == EVERY:
+        assert got == FastPaths(runs_ahead=False, argmax_from=None)
+    elif kind == ARGMAX:
+        assert got.runs_ahead and got.argmax_from != 0, got
+    else:
+        assert got == plain
+
+
+def test_the_fast_path_predicates_add_the_steps_state():
+    """fast_paths: which requests multi-step calls, drafts and the greedy passes take (the
+    engine's _num_steps, SpecDecodeWorker and MultiStepWorker all ask it)."""
+    from fleetllm import fast_paths
+    from fleetllm.lora.request import LoRARequest
+    from fleetllm.sequence import SequenceData, SequenceGroupMetadata
+
+    def group(outputs=0, is_prompt=False, do_sample=True, lora=None, **params):
+        data = SequenceData([1, 2, 3], list(range(10, 10 + outputs)))
+        return SequenceGroupMetadata("r", is_prompt, {0: data},
+                                     SamplingParams(**{"temperature": 0, **params}), {0: [0]},
+                                     do_sample=do_sample, lora_request=lora)
+
+    def paths(g):
+        return (fast_paths.multi_step([g]), fast_paths.may_draft(g), fast_paths.plain_argmax([g]))
+
+    assert paths(group()) == (True, True, True)
+    assert paths(group(is_prompt=True)) == (False, False, False)
+    assert paths(group(do_sample=False))[1:] == (False, False)
+    assert paths(group(structured_outputs={"regex": "a+"})) == (False, False, False)
+    for knob in ({"presence_penalty": 0.5}, {"logprobs": 0}, {"temperature": 0.5, "seed": 1}):
+        assert paths(group(**knob)) == (True, True, False), knob
+    assert paths(group(lora=LoRARequest("a", 1, "/nowhere"))) == (True, True, False)
+    # min_tokens holds a stop token back until that many outputs exist: the sampler's work.
+    assert paths(group(outputs=1, min_tokens=2)) == (True, True, False)
+    assert paths(group(outputs=2, min_tokens=2)) == (True, True, True)
+    # One group off the plain argmax takes its batch off the greedy passes.
+    assert not fast_paths.plain_argmax([group(), group(logprobs=1)])
+    assert not fast_paths.multi_step([group(), group(is_prompt=True)])

@@ -18,6 +18,7 @@ from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
+from fleetllm import fast_paths
 from fleetllm.config import EngineConfig, read_json
 from fleetllm.core.scheduler import Scheduler, SchedulerOutputs
 from fleetllm.engine.detokenizer import Detokenizer
@@ -230,7 +231,7 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin, OutputsMixin):
                 blocks_to_copy=sched.blocks_to_copy, running_queue_size=sched.running_queue_size,
                 finished_requests_ids=finished_ids,
                 num_lookahead_slots=self.config.scheduler_config.num_lookahead_slots,
-                num_steps=self._num_steps(metadata, sched))
+                num_steps=self._num_steps(metadata))
             try:
                 results = self._execute(request)
             except BaseException as error:
@@ -248,15 +249,13 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin, OutputsMixin):
         self.model_executor.record_outputs(outputs)  # requests completed / failed (metrics)
         return outputs
 
-    def _num_steps(self, metadata: list[SequenceGroupMetadata], sched: SchedulerOutputs
-                   ) -> int:
+    def _num_steps(self, metadata: list[SequenceGroupMetadata]) -> int:
         """Multi-step decoding (num_scheduler_steps): the workers run several passes only for
-        a batch of decodes with nothing waiting or swapped (new requests are admitted at the
-        next step, not k passes later) and no grammar (its allowed tokens come from here)."""
+        a batch that may (fast_paths.multi_step: decodes, no grammar) with nothing waiting or
+        swapped (new requests are admitted at the next step, not k passes later)."""
         k = self.config.scheduler_config.num_scheduler_steps
         if k == 1 or self.scheduler.waiting or self.scheduler.swapped or \
-                any(m.is_prompt for m in metadata) or \
-                any(s.seq_group.grammar is not None for s in sched.scheduled_seq_groups):
+                not fast_paths.multi_step(metadata):
             return 1
         return k
 

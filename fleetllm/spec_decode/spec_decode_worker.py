@@ -12,7 +12,7 @@ sampling for a one-hot draft, so outputs are distributed exactly as without spec
 greedy and seeded requests emit the very same tokens). The step returns one SamplerOutput per
 emitted position; the engine appends them in order. The first carries SpecDecodeWorkerMetrics.
 
-Not drafted: prompt steps, requests with a structured-output grammar (their allowed tokens
+Not drafted (fast_paths.may_draft): prompt steps, requests with a grammar (their allowed tokens
 depend on the drafts), a sequence's last allowed token (max_tokens, max_model_len), a
 sequence past a draft model's shorter max_model_len (as in vLLM). A failure
 is the scorer's failure (or the draft model's, the same way): a step fails as a whole and the
@@ -26,9 +26,10 @@ from typing import Protocol
 
 import torch
 
+from fleetllm import fast_paths
 from fleetllm.config import EngineConfig
 from fleetllm.distributed import parallel_state
-from fleetllm.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
+from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
 from fleetllm.spec_decode.metrics import SpecDecodeWorkerMetrics
 from fleetllm.spec_decode.ngram_proposer import NgramIndex, NgramProposer
 from fleetllm.worker.worker_base import DelegatingWorker, WorkerBase
@@ -174,7 +175,7 @@ class SpecDecodeWorker(DelegatingWorker):
         most = min(self.num_spec_tokens, req.num_lookahead_slots)
         budgets = {}
         for group in req.seq_group_metadata_list:
-            if not drafted(group):
+            if not fast_paths.may_draft(group):
                 continue
             max_tokens = group.sampling_params.max_tokens
             for seq_id, data in group.seq_data.items():
@@ -239,11 +240,6 @@ def _advance_groups_together(outputs: list[SamplerOutput]) -> None:
         keep = min(per_seq.values())
         for out in outputs[keep:]:
             out.outputs[index].samples.clear()
-
-
-def drafted(group: SequenceGroupMetadata) -> bool:
-    """Whether a group's sequences may get drafts this step: decoding, sampling, no grammar."""
-    return not group.is_prompt and group.do_sample and group.grammar_bitmask is None
 
 
 class FromOutputRank:

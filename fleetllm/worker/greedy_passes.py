@@ -1,15 +1,15 @@
 """Greedy decode passes run back to back: multi-step decoding's lean path (MultiStepWorker).
 
 What: a multi-step call's passes, for a batch that needs nothing but each row's argmax
-(every sequence greedy, no penalties, logprobs, min_tokens still holding back a stop token,
-grammar or adapter) on a single rank, through the stock Worker. Such a pass needs no
-sampler, no SamplerOutput and no token ids back in Python.
+(fast_paths.plain_argmax: every sequence greedy, no penalties, logprobs, min_tokens still
+holding back a stop token, grammar or adapter) on a single rank, through the stock Worker.
+Such a pass needs no sampler, no SamplerOutput and no token ids back in Python.
 
 How: the inputs of all the passes (positions, KV slots and context lengths of each, the
 block tables up to the last pass) are built once, in two tensors. On the CPU, where the
 fused layers apply, all the passes then run in one C call (fused.run_passes:
 cpu_kernels.greedy_passes), each pass's argmax the next one's input; elsewhere (CUDA, a
-model the fused layers do not take) a Python loop runs ModelRunner._forward and the
+model the fused layers do not take) a Python loop runs ModelRunner.forward_tokens and the
 sampler's argmax per pass. The tokens come back in one list at the end. Why: at batch 1 a
 step's host work runs from cold caches after the weights have streamed through them: one
 pass a call spent ~0.23 ms a token besides the forward, the generic multi-step loop
@@ -33,24 +33,11 @@ from fleetllm.attention.backend import AttentionMetadata, DecodeBatch
 from fleetllm.model import fused
 from fleetllm.sequence import SequenceGroupMetadata
 from fleetllm.worker import sampler
-from fleetllm.worker.model_runner import _Batch
+from fleetllm.worker.model_runner import ModelRunner
 from fleetllm.worker.worker_base import StepInterrupts
 
 
-def applies(groups: list[SequenceGroupMetadata]) -> bool:
-    """Every row of these decode groups takes its plain argmax in every pass from here on."""
-    for group in groups:
-        params = group.sampling_params
-        if (group.is_prompt or not group.do_sample or group.lora_request is not None
-                or group.grammar_bitmask is not None or params is None or not params.greedy
-                or params.has_penalties or params.logprobs is not None
-                or any(len(d.output_token_ids) < params.min_tokens
-                       for d in group.seq_data.values())):
-            return False
-    return True
-
-
-def run(runner, kv_caches: list[torch.Tensor], groups: list[SequenceGroupMetadata],
+def run(runner: ModelRunner, kv_caches: list[torch.Tensor], groups: list[SequenceGroupMetadata],
         passes: int, interrupts: StepInterrupts, interrupts_before: int,
         finished_ids: list[str] = ()) -> list[list[int]]:
     """Up to `passes` greedy passes over the groups' sequences (in their order; each group's
@@ -59,7 +46,7 @@ def run(runner, kv_caches: list[torch.Tensor], groups: list[SequenceGroupMetadat
     and (the C call) after the pass in which the last row still going drew a stop token.
     finished_ids: the requests whose state the runner drops first, as its execute_model
     would."""
-    runner.penalties.drop(finished_ids)
+    runner.drop_requests(finished_ids)
     bs, dev = runner.block_size, runner.device
     # Two tensors a call (built from cold caches, each torch path costs tens of us): int64
     # ids, then each pass's positions and slots; int32 each pass's context lengths, then the
@@ -104,8 +91,7 @@ def run(runner, kv_caches: list[torch.Tensor], groups: list[SequenceGroupMetadat
         x, out, logits_rows = longs[0], [], list(range(rows))
         for i in range(passes):
             meta = AttentionMetadata(slots_t[i], [], DecodeBatch(tables_t, start_t, ctx_t[i]))
-            x = sampler.argmax(runner._forward(_Batch(x, pos_t[i], meta, logits_rows),
-                                               kv_caches))
+            x = sampler.argmax(runner.forward_tokens(x, pos_t[i], meta, kv_caches, logits_rows))
             out.append(x)
             if interrupts.count != interrupts_before:
                 break

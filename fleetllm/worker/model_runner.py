@@ -75,7 +75,7 @@ class ModelRunner:
         """One step; None on a rank that does not sample. drafts (speculative decoding):
         seq id -> draft tokens to score after a decoding sequence's last token; the result
         then has one SamplerOutput per emitted position (see _accept_drafts)."""
-        self.penalties.drop(request.finished_requests_ids)
+        self.drop_requests(request.finished_requests_ids)
         if not request.seq_group_metadata_list:
             return [SamplerOutput([])] if self.is_output_rank else None
         # Inference mode by its C++ guard: torch.inference_mode()'s Python wrapper ran from
@@ -86,6 +86,18 @@ class ModelRunner:
             if logits is None or not self.is_output_rank:
                 return None
             return self._sample(request, batch, logits)
+
+    def drop_requests(self, request_ids: list[str]) -> None:
+        """Forget what the runner keeps across steps (penalty counts) of ended requests."""
+        self.penalties.drop(request_ids)
+
+    def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata, kv_caches: list[torch.Tensor] | None,
+                       logits_rows: list[int]) -> torch.Tensor | None:
+        """The forward of a token batch the caller built (the greedy passes build all their
+        passes' inputs at once; call it in inference mode): the logits of the flat-batch rows
+        logits_rows; None on a stage that is not the last."""
+        return self._forward(_Batch(input_ids, positions, meta, logits_rows), kv_caches)
 
     def _forward(self, batch: _Batch, kv_caches: list[torch.Tensor] | None
                  ) -> torch.Tensor | None:

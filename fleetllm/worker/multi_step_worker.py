@@ -17,7 +17,7 @@ after each pass the output rank checks whether the count moved since the call be
 broadcasts that with the tokens, so every rank stops after the same pass. The engine applies
 the passes done and the aborted request's blocks are freed k - 1 passes earlier.
 
-Passes that every active group takes as a plain argmax (greedy_passes.applies), on one rank
+Passes that every active group takes as a plain argmax (fast_paths.plain_argmax), on one rank
 through the stock Worker, run by greedy_passes: all in one C call on the CPU, with none of
 the per-pass sampling and output work (the first pass too, unless the call moves blocks).
 
@@ -32,6 +32,7 @@ import dataclasses
 
 import torch
 
+from fleetllm import fast_paths
 from fleetllm.config import EngineConfig
 from fleetllm.distributed.parallel_state import broadcast_from_output_rank
 from fleetllm.sequence import (
@@ -115,7 +116,7 @@ class MultiStepWorker(DelegatingWorker):
         return (self.single_rank
                 and getattr(self.worker.execute_model, "__func__", None) is Worker.execute_model
                 and self.worker.cache_engine is not None
-                and greedy_passes.applies([groups[i] for i in active]))
+                and fast_paths.plain_argmax([groups[i] for i in active]))
 
     def _greedy_passes(self, groups: list[SequenceGroupMetadata], active: list[int],
                        most: int, interrupts_before: int, results: list[SamplerOutput],
