@@ -234,8 +234,8 @@ class ModelConfig:
     def torch_dtype(self, device: str) -> torch.dtype:
         """"auto": the checkpoint's dtype, except on the CPU for float16 checkpoints (and
         ones that name none), which run in float32: fleetllm's CPU kernels and oneDNN's fast
-        matmuls are float32 and bfloat16 ones (float32 holds every float16 value exactly;
-        docs/perf.md says what float16 costs)."""
+        matmuls are float32 and bfloat16 ones (float32 holds every float16 value
+        exactly)."""
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
         if self.dtype != "auto":

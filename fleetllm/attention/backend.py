@@ -1,35 +1,14 @@
 """Paged attention: C kernels on the CPU (decode, prompts), PyTorch SDPA elsewhere (CUDA, or
 a CPU without a compiler).
 
-KV cache layout, one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim].
-Slot s = block * block_size + offset. Slot-major rows make writing a step's K/V one index op
-on a flat [num_slots, kv_heads, head_dim] view (the layout FlashAttention's paged KV uses).
-Swaps and copies index dim 1 (whole blocks).
-
-The batch is a flat list of tokens, no padding between sequences; the model runner puts the
-decode sequences (one new token each) first. Per step, not per layer, the metadata holds
-everything derived from the batch's shape (index tensors, masks, groups); each layer only
-writes its K/V and attends:
-
-- decode: on CPU in float32 or bfloat16, `cpu_kernels.paged_decode` reads each sequence's
-  context in place from its blocks, every K/V byte once, no padding. Elsewhere, sequences are
-  grouped by context length (padding bounded to ~1/3 of a group's longest) and each group's
-  context is gathered once per layer with the step's index tensor, then SDPA.
-- prefill on CPU in float32 or bfloat16: `cpu_kernels.prefill_attention` attends every
-  span's queries over its context read in place from the cache (after a cached prefix or
-  not), the step's spans in one call; a bf16 model's outputs are PyTorch flash attention's
-  (transformers' prompt forward) bit for bit but for float32 summation ties. Elsewhere:
-- prefill without a cached prefix: spans of similar length are right-padded into one batch
-  and attended with one causal SDPA call (right padding needs no mask: a padded key is later
-  than every real query of its row). One span is attended in place.
-- prefill after a cached prefix (chunked prefill, prefix-cache hits): all such spans in one
-  SDPA call over their contexts gathered from the cache, with the step's explicit mask.
-
-Sliding-window attention (Mistral), as transformers defines it: the query at position p sees
-the keys at positions (p - window, p]. Context positions are cache positions (a sequence's
-context always starts at position 0), so the window is a mask on them; prefill and decode also
-skip the keys no query of theirs can see. Blocks that fell out of the window stay allocated
-(the block manager does not know about windows).
+KV cache, one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]; slot
+s = block * block_size + offset, so a step's K/V write is one index op on a flat slot view.
+The batch is a flat token list, decode sequences first; the per-step metadata holds everything
+derived from its shape, and each layer only writes its K/V and attends. On CPU (float32,
+bfloat16) `cpu_kernels.paged_decode` and `prefill_attention` read contexts in place from the
+blocks; elsewhere decode groups sequences by context length and gathers each group's context,
+and prefill pads similar spans into one causal SDPA call (a gathered context and an explicit
+mask after a cached prefix). Sliding windows (Mistral) mask keys outside (p - window, p].
 """
 
 from __future__ import annotations

@@ -1,44 +1,17 @@
 """Building and loading fleetllm's C++ CPU kernels (the sources in `csrc/`).
 
-What: `load()` compiles csrc/*.cpp with `torch.utils.cpp_extension.load` (ninja, torch's
-include paths and link flags) into a shared library and loads it with
-`torch.ops.load_library`; its TORCH_LIBRARY block registers the `torch.ops.fleetllm.*` ops with
-their schemas. `fleetllm.kernels.cpu_kernels` calls them.
-
-Why at first use (JIT) and not ahead of time as a CppExtension in the package build:
-- the wheel stays pure Python and independent of the torch build: a library built ahead of
-  time is bound to the exact torch (C++ ABI) it was compiled against, fleetllm accepts any
-  torch >= 2.5, and its wheel runs on x86 and aarch64 alike;
-- only the variant this CPU runs is compiled (one build, 6-9 s here, instead of three);
-- building the package needs no torch, so an isolated pip build cannot pull a multi-GB torch,
-  and a missing or failing compiler is a warning and the pure-PyTorch path at run time, not a
-  failed install;
-- editing csrc/ rebuilds on the next run, in every checkout.
-The cost: the first use on a machine compiles (`make setup` does it ahead), and the fast path
-needs a C++ compiler and ninja (a dependency of fleetllm).
-
-Instruction sets (the variants): on x86-64, "avx512" (-mavx512f/vl/bw/dq -mavx2 -mfma),
-"avx2" (-mavx2 -mfma) and "portable" (the compiler's baseline), the same split and the same
-flags as PyTorch's own per-capability kernels; the best one torch reports for this CPU
-(`torch.backends.cpu.get_cpu_capability()`, which honours ATEN_CPU_CAPABILITY) is built. Other
-machines (aarch64, ...) build "portable". Nothing is built for "the CPU of the build machine"
-(no -march=native): a library is correct on every CPU its variant is chosen for, so a build
-directory shared between machines (a home directory on NFS, a container image) holds no
-library that is wrong for some of them. FLEETLLM_CPU_ISA=portable|avx2 picks a lower variant.
-
-Build directory: <torch's extensions root>/fleetllm/<variant>-<hash of the sources, flags,
-compiler, torch and Python versions>. The sources are copied into it, so that every checkout
-and installed wheel with the same sources shares one build (torch's ninja file names the
-source paths: different paths would rebuild in turn), and a library another process has
-loaded is never rebuilt in place (different sources get another directory). torch's own lock
-(FileBaton) is a plain file, left behind by a process killed during a build, after which every
-later process would wait for it forever: an flock, which the kernel releases when its holder
-dies, is held around the build, and a baton found while holding it is stale and removed.
-
-What fails, and how: no compiler, no ninja, a compile error or a library that does not load
-raise from `load()` (cpu_kernels then warns and uses the PyTorch path). FLEETLLM_KERNEL_WERROR=1
-adds -Werror (a test compiles every variant with it); FLEETLLM_KERNEL_SANITIZE=1 builds with
-AddressSanitizer, UBSan and -Werror (`make sanitize`; the process must preload libasan).
+What: `load()` compiles csrc/*.cpp with `torch.utils.cpp_extension.load` for this CPU's
+variant ("avx512", "avx2" or "portable", PyTorch's own split and flags; never -march=native,
+so a shared build directory holds no library wrong for another CPU; FLEETLLM_CPU_ISA picks a
+lower one) and loads the `torch.ops.fleetllm.*` ops that `cpu_kernels` calls. Built at first
+use, not in the wheel: the wheel stays pure Python for any torch >= 2.5, and a missing compiler
+is a warning, not a failed install (`make setup` builds ahead).
+How: the sources are copied into <torch extensions root>/fleetllm/<variant>-<hash of sources,
+flags, compiler, torch, Python>, shared by every checkout with the same sources, under an flock
+(torch's own lock file outlives a killed build and would block later ones forever).
+What fails: no compiler or ninja, a compile error or a library that does not load raise
+BuildError. FLEETLLM_KERNEL_WERROR=1 adds -Werror; FLEETLLM_KERNEL_SANITIZE=1 builds with
+ASan/UBSan (`make sanitize`).
 """
 
 from __future__ import annotations
@@ -72,8 +45,8 @@ SOURCES = ("ops.cpp", "paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cp
 # no errno or trap semantics for float math, which otherwise keep sqrt and the exp loops
 # scalar. -mtune=native only schedules instructions for the CPU that builds (the one that
 # runs them: builds happen at first use); it chooses none, so a library stays correct on any
-# CPU its variant is picked for. Without it, batch-1 decode measured 2-4% slower than the
-# old -march=native build (docs/perf.md, item 12).
+# CPU its variant is picked for; without it, batch-1 decode was slower than a -march=native
+# build.
 # -Wno-maybe-uninitialized: GCC 12's AVX-512 intrinsics start from an "undefined" vector
 # (`__m512 __Y = __Y;`), which it reports as uninitialized wherever one is inlined at -O2 or
 # more (GCC bug 105593, fixed in 13): thousands of lines of false positives per build.

@@ -1,42 +1,16 @@
-"""fleetllm's own CPU kernels, as `torch.ops.fleetllm.*` ops (C++ sources in `csrc/`), in
-float32 and bfloat16 (float32 math; in bfloat16 they round where transformers' modules round,
-csrc/kernels.h).
-
-Paged decode attention: one query per sequence over its context, read in place from the KV
-blocks (no gathered copy, no padding to the longest context), each K/V byte read once per
-step and layer. PyTorch has no such operation: the pure-PyTorch path gathers the context into
-a padded tensor first, which measured 5-10x slower on the 125M preset at batch 64.
-
-A small-M matrix-vector product (GEMV) streaming a dense [out, in] weight at the memory's
-bandwidth, for decode batches of a few sequences (oneDNN and MKL stream it at half that). On
-CPUs with AVX-512, a bf16 GEMM on weights packed by pairs (gemm_pairs, csrc/gemm.cpp;
-model/pair_packed.py) for every number of rows instead: faster than the GEMV and oneDNN alike
-(by AVX-512 BF16's vdpbf16ps, or by FMAs where the CPU lacks it or runs it slowly).
-
-Fused elementwise ops (residual add + RMSNorm, SiLU * up, RoPE of q and k + the K/V cache
-write): one pass and at most one parallel region each instead of 2-6 torch kernels, and no
-parallel region at all for a few rows, where waking a sleeping OpenMP thread costs more than
-the work. And one whole decoder layer of a decode step as one call (model/fused.py): its
-projections through the GEMV for a few sequences, through oneDNN's packed matmul, called from
-C++, for more (or, packed by pairs, the bf16 GEMM for any number).
-
-Each row's argmax for the sampler, read in place in float32 or bfloat16 (torch's CPU argmax
-runs ~1 ns an element, ten times its max).
-
-How: `build.load()` compiles the variant for this CPU's instruction set at first use
-(torch.utils.cpp_extension; see that module for why JIT and how the build is shared) and loads
-it. Each op has a schema (torch.ops.fleetllm.gemv.default._schema) and checks dtype, device,
-layout, shapes and index ranges in C++: a bad call raises RuntimeError, it cannot read or write
-outside its tensors. Outputs and scratch are torch tensors, so an allocation failure raises
-torch.OutOfMemoryError (errors.as_out_of_memory: OutOfMemoryError), not a crash. The kernels
-run on their own small thread pool (csrc/pool.cpp: workers spin briefly between calls, then
-sleep; fork-safe), or on torch's threads with FLEETLLM_KERNEL_THREADS=torch; as many threads
-as torch's intra-op count.
-
-What fails: without a compiler or ninja, if the build fails, or with FLEETLLM_CPU_KERNELS=0,
-`available()` is False (one warning says why) and every caller runs its pure-PyTorch path;
-results agree to fp32 rounding. FLEETLLM_CPU_KERNELS=require (and the sanitizer run) raises
-instead of falling back.
+"""fleetllm's own CPU kernels as `torch.ops.fleetllm.*` ops (csrc/), float32 and bfloat16
+(float32 math; bf16 rounds where transformers' modules round, csrc/kernels.h): paged decode
+and prompt attention read in place from the KV blocks; the GEMV for small batches, the bf16
+GEMM on weights packed by pairs or for AMX tiles, MKL's packed sgemm; fused elementwise ops
+(add + RMSNorm, SiLU * up, RoPE + cache write); whole decoder layers of a decode step
+(model/fused.py) and greedy passes in one call; each row's argmax for the sampler.
+How: `build.load()` compiles this CPU's variant at first use and loads it. Every op checks
+dtypes, devices, shapes and index ranges in C++ (a bad call raises RuntimeError) and allocates
+through torch (OutOfMemoryError, not a crash); the ops run on the kernels' own thread pool
+(csrc/pool.cpp) or torch's with FLEETLLM_KERNEL_THREADS=torch.
+What fails: no compiler, a failed build or FLEETLLM_CPU_KERNELS=0 make `available()` False
+(one warning says why) and every caller takes its PyTorch path; FLEETLLM_CPU_KERNELS=require
+raises instead.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """A bf16 projection weight packed for AMX tiles, for the kernels' GEMM (csrc/gemm_amx.cpp).
 
 What: [N, K] becomes [N/32, K/32, 2, 16, 32]: per panel of 32 outputs and block of 32 k, two
-B tiles of 16 pairs of k by 16 outputs, a pair's two weights side by side (the VNNI layout
-TDPBF16PS reads); a panel's blocks in k order, so a thread reads its panels as one stream.
-
-Why: where oneDNN's bf16 matmul runs on AMX tiles, it streams a projection's weight at 8-14
-GB/s on decode batches (1-64 rows); this kernel, a panel at a time with the stream prefetched,
-runs them 1.1-1.5x faster, and its sums are oneDNN's: k in order, pair by pair, on the same
-tiles (equal bits up to 32 rows; docs/perf.md, item 30). From ~128 rows oneDNN's blocking for
-the caches wins, so larger batches and prompts keep its copy.
-
-Where it applies: AMX-BF16 (the kernels' amx_available), bf16 weights with N and K multiples of
-32 (every projection of the Llama and Qwen2 shapes): the copy beside oneDNN's for small
-batches (layers.pack_linear_weights), in place of the copy by pairs (pair_packed.py) that
-other weights and CPUs without AMX keep.
+B tiles in the VNNI layout TDPBF16PS reads, a panel's blocks in k order (one stream a thread).
+Why: on decode batches (1-64 rows) this runs faster than oneDNN's AMX matmul with the same
+sums (equal bits up to 32 rows); from ~128 rows oneDNN's cache blocking wins and keeps its copy.
+Where: AMX-BF16 CPUs (cpu_kernels.amx_available), bf16 weights with N and K multiples of 32:
+the small-batch copy beside oneDNN's (layers.pack_linear_weights), in place of pair_packed.py.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
-"""A decode step runs all its decoder layers in one C call (cpu_kernels.decoder_layers:
-decoder_layer for each in turn), with the same kernels as the module-by-module path (fused
-norm, RoPE + cache write, paged attention, SiLU * up; the projections through the GEMV kernel
-or oneDNN's packed matmul), minus ~10 Python calls, tensors and their glue per layer, and one
-crossing of Python and the dispatcher a step instead of one a layer (~8 us each). The same
-call looks the tokens up in the embedding (first pipeline stage) and applies the final norm
-(last stage): two module calls less a step, which ran cold after the weights had streamed
-through the caches (~70 us each at batch 1; docs/perf.md, item 27). Used when
-it computes exactly what the modules would: CPU float32 or bfloat16 (the KV cache in either),
-no tensor parallelism, no q/k norm, the dense weights kept (FLEETLLM_LINEAR=auto) or all
-projections packed (by pairs or by oneDNN, their dense weights freed: empty tensors stand in),
-a step of decode tokens only and nothing else; otherwise the modules run. Up to the layers'
-GEMV row limit (8; 16 for bf16 weights on a CPU without bf16 packing; 0 without dense weights:
-layers.decode_gemv_rows) the projections take the GEMV kernel; above it the packed weights, as
-the modules would: oneDNN's matmul (MKL's packed sgemm for float32 on Intel CPUs:
-model/mkl_packed.py), or the bf16 GEMM on weights packed by pairs
-(model/pair_packed.py), which the C layer calls itself; where oneDNN runs on AMX, the small
-batches' copies (layers.small_batch_weight: on AMX tiles, or by pairs) up to their row limit
-and oneDNN's above."""
+"""A decode step runs all its decoder layers in one C call (cpu_kernels.decoder_layers), with
+the kernels the modules use (fused norm, RoPE + cache write, paged attention, SiLU * up, each
+projection's GEMV or packed copy as layers.linear picks it), plus the embedding lookup (first
+pipeline stage) and the final norm (last stage): Python and the dispatcher are crossed once a
+step, not once a layer. Used only where it computes exactly what the modules would: CPU
+float32 or bfloat16, no tensor parallelism, no q/k norm, the dense weights kept or all
+projections packed, a step of decode tokens only; otherwise the modules run."""
 
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """CPU memory for the weights and the KV cache in transparent huge pages (2 MiB, Linux THP).
 
-Why: a decode step streams every weight once and reads KV blocks scattered over the cache.
-With 4 KiB pages that is a TLB miss every 4 KiB of weights and nearly one per KV block, and in
-a virtual machine each miss walks two page tables. glibc's malloc (torch's CPU allocator)
-gives ordinary pages unless THP is "always", and most machines ship "madvise". Measured on a
-2-core Zen 4 VM (THP "madvise"), the same process taking turns between the two placements:
-batch-1 bf16 decode on the 125M preset 124.8 -> 134.3 tokens/s (the weights' GEMV ~7%
-faster), the decode attention kernel 6-12% faster at 16-64 sequences (docs/perf.md).
-
-How: one anonymous mapping per tensor group (Python's mmap), advised MADV_HUGEPAGE before
-anything touches it, so the kernel backs it with huge pages as it is first written (where it
-has free ones: else ordinary pages, same behaviour as before); torch.frombuffer makes it a
-tensor, and the tensors placed in it are views that keep the mapping alive: it is unmapped
-when the last of them goes (sleep level 2 emptying the parameters, a dropped KV cache).
-
+Why: a decode step streams every weight and reads scattered KV blocks; with 4 KiB pages that
+is a TLB miss every page (two page-table walks in a VM), and glibc's malloc gives huge pages
+only where THP is "always", while most machines ship "madvise".
+How: one anonymous mapping per tensor group (mmap), advised MADV_HUGEPAGE before it is touched,
+made a tensor with torch.frombuffer; the tensors placed in it are views that keep the mapping
+alive until the last goes. Without free huge pages the kernel gives ordinary ones.
 Off with FLEETLLM_HUGE_PAGES=0; nothing changes where THP is "never" or absent (not Linux).
 """
 

@@ -1,49 +1,15 @@
-"""Building blocks that can be split across tensor-parallel ranks.
+"""Building blocks split across tensor-parallel ranks, and how each projection is computed.
 
-Each layer holds only this rank's shard and has a `weight_loader(param, loaded, part=None)`
-that copies its slice out of the full checkpoint tensor. `loaded` may be a torch.Tensor or a
-safetensors slice (read lazily), so each rank reads only its own bytes from disk.
-
-After loading, `pack_linear_weights` hands each projection's weight to oneDNN in its own blocked
-layout (CPU, float32 or bfloat16; in bfloat16 oneDNN uses the CPU's AVX-512 BF16 dot-product
-instructions where it has them, ~2x the float32 rate here): its matmul then streams the weight once
-per call instead of packing it again in every call, as MKL's sgemm does for a plain [out, in]
-weight. On the 125M preset this measured 1.5-3x faster for 8-64 rows (decode batches) and about
-equal for long prefills; see docs/perf.md. For 1-4 rows (a decode step of a few sequences,
-memory-bound) fleetllm's own GEMV kernel streams the dense weight at the memory's bandwidth, ~1.5-2x
-oneDNN's rate there, so the dense copy is kept too while the projections weigh at most
-FLEETLLM_GEMV_MAX_BYTES (default 2 GiB): twice the weight memory for a faster small batch.
-FLEETLLM_LINEAR=packed keeps only the packed weights, =dense only plain F.linear.
-
-On Intel CPUs a float32 projection whose dense weight stays gets MKL's packed sgemm copy in
-place of oneDNN's (mkl_packed.py): 1.05-1.18x oneDNN's rate on the 125M shapes on an Ice Lake
-Xeon, and F.linear's bits for most shapes. MKL's layout cannot be unpacked, so where the dense
-weights go oneDNN's copy serves as before; AMD CPUs keep oneDNN (MKL is 2-4x slower there).
-
-oneDNN packs bfloat16 only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere (AVX2)
-PyTorch's bfloat16 matmul has no fast kernel at all (measured 16 GFLOP/s against 122 for packed
-float32 on a 2-core AVX2 EPYC, 7x slower prefill). There a bfloat16 projection gets a float32
-packed copy instead: rows convert to float32, multiply exactly as the float32 model does (fp32
-sums, as bf16 kernels use too) and round back to bfloat16 once per output, as HF's bf16 linear
-does. It costs 4 bytes per parameter beside the 2 of the dense bf16 weight; the 1-4 row GEMV
-still reads the bf16 weight (half the bytes). Where the dense weights would not be kept
-(FLEETLLM_GEMV_MAX_BYTES), the projections are packed by pairs instead (2 bytes a parameter,
-half the float32 copy's bytes read at every decode step; _packing_plan).
-
-On CPUs with AVX-512 a bf16 weight is packed by pairs for fleetllm's own GEMM instead of
-oneDNN's layout (pair_packed.py): faster than oneDNN's bf16 matmul on decode batches and equal
-on prompts where the CPU has AVX-512 BF16, 3.4x it on prompts where it has not (Ice Lake, whose
-oneDNN bf16 matmul converts in software), and faster than the GEMV even at one row, so it
-takes every projection at every number of rows (decode_gemv_rows 0), and the dense weights
-are freed (unless the embedding shares one): a bf16 model's projections take their own size
-in memory, not twice it. Where oneDNN runs on AMX tiles it is 2-8x faster than that GEMM from
-12 rows up: there a projection keeps oneDNN's packed copy and, while the projections weigh at
-most FLEETLLM_GEMV_MAX_BYTES (default: a quarter of the machine's memory), a copy beside it
-(`pairs_weight`) for small batches: packed for the kernels' GEMM on AMX tiles (amx_packed.py,
-up to its MAX_ROWS rows) where the CPU has AMX and the sizes are multiples of 32, else by pairs
-(up to pair_packed.SMALL_ROWS rows). FLEETLLM_BATCH_INVARIANT=1 keeps the kernels' copy alone
-(AMX tiles where they apply, else by pairs) at every size on every CPU with the pairs' GEMM: a
-row's bits then do not depend on its batch (docs/spec_decode.md).
+Each layer holds its rank's shard; `weight_loader(param, loaded, part=None)` copies that slice
+from the checkpoint tensor or a lazy safetensors slice, so a rank reads only its own bytes.
+After loading, `pack_linear_weights` (`_packing_plan`) picks each projection's copies on CPU:
+oneDNN's packed layout (MKL's packed sgemm for float32 on Intel: mkl_packed.py); the dense
+weight for fleetllm's GEMV on small batches (decode_gemv_rows) while the projections weigh at
+most FLEETLLM_GEMV_MAX_BYTES; bf16 packed by pairs (pair_packed.py) or for AMX tiles
+(amx_packed.py) where the CPU has the instructions; a float32 copy for bf16 where oneDNN packs
+no bf16 (AVX2). `linear` then runs the copy for the call's row count. FLEETLLM_LINEAR=packed
+or =dense forces one kind; FLEETLLM_BATCH_INVARIANT=1 keeps the kernels' copy alone, so a row's
+bits do not depend on its batch. Measured reasons: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -208,8 +174,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         # The rows are the sequences sampled in a step (a prompt's tokens with prompt logprobs)
         local = linear(self, hidden, gemv_rows=decode_gemv_rows(self))
         full = get_tp_group().all_gather(local, dim=-1)
-        # Slice off the shards' padding only where there is some: from a cold cache, after the
-        # weight stream, the slice cost a batch-1 step 22 us (docs/perf.md item 40).
+        # Slice off the shards' padding only where there is some: the slice costs a batch-1
+        # step measurably (it runs from a cold cache after the weight stream).
         return full if full.shape[-1] == self.vocab_size else full[..., : self.vocab_size]
 
 
@@ -403,7 +369,7 @@ def pack_linear_weights(model: nn.Module) -> int:
     if not packable:
         return 0  # CUDA weights (or FLEETLLM_LINEAR=dense): don't build the CPU kernels below
     # The copies packed by pairs are what decode steps stream: one huge-page arena for all of
-    # them (model/huge_pages.py: 7% at batch 1 for the GEMV's weights, docs/perf.md item 18).
+    # them (model/huge_pages.py: fewer TLB misses on the stream).
     pairs = [m.weight for m in linears if m.weight is not None and _can_pack(m.weight)
              and pair_packed.applies(m.weight)] if by_pairs else []
     # With AMX, oneDNN's copy serves all but small batches; the pairs' copy beside it costs
@@ -481,8 +447,7 @@ def _packing_plan(model: nn.Module) -> tuple[list[nn.Module], set[int], bool, bo
     # Where oneDNN packs no bf16 (AVX2), its float32 copy (prompts) and the dense weight for the
     # GEMV (decode steps of up to 16 rows) were the faster pair, so the pairs' copy takes over
     # only where the dense weights would not be kept: there the float32 copy alone read twice
-    # the bytes in every decode step (a Llama-1B-shaped model: 4.0 against 8.0 tokens/s at
-    # batch 1 by pairs, docs/perf.md item 38), in twice the memory.
+    # the bytes in every decode step, in twice the memory.
     # FLEETLLM_BATCH_INVARIANT: the pairs' copy alone at every size, whatever is faster.
     by_pairs = any(m.weight is not None and pair_packed.applies(m.weight) for m in linears) \
         and (not dense_ok or pair_packed.onednn_packs_bf16() or pair_packed.batch_invariant())
@@ -499,8 +464,8 @@ def _dense_budget() -> int:
 
 def _pairs_budget() -> int:
     """The same for the copies by pairs beside oneDNN's on AMX: FLEETLLM_GEMV_MAX_BYTES if
-    set, else a quarter of the machine's memory (at least 2 GiB). Without them a 1B model's
-    batch-1 decode read 6.9 tokens/s instead of 10.1 (docs/perf.md, item 29)."""
+    set, else a quarter of the machine's memory (at least 2 GiB): without them small batches
+    run oneDNN's AMX matmul, slower at a few rows."""
     if envs.get("FLEETLLM_GEMV_MAX_BYTES") is not None:
         return _dense_budget()
     try:

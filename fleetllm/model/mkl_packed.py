@@ -1,19 +1,12 @@
 """A float32 projection weight packed for MKL's sgemm (csrc/mkl_sgemm.cpp).
 
-What: MKL's own layout of the weight (`cblas_sgemm_pack`, opaque bytes), multiplied by
-`cblas_sgemm_compute` at any number of rows: MKL is the one torch links on x86 (libtorch_cpu).
-
-Why: on Intel CPUs MKL's packed sgemm runs the float32 projections 1.05-1.18x as fast as
-oneDNN's packed matmul at 16-2,048 rows on a 2-core Ice Lake Xeon (1.07-1.23x at 64-2,048
-rows on the AMX Xeon; `tools/fp32_gemm_ab.py`, docs/perf.md item 36), and its products are
-F.linear's bits for most shapes (what transformers runs) where oneDNN's differ in the last
-bits. On AMD CPUs MKL is 2-4x slower than oneDNN (a Zen 5, item 32): it applies to Intel
-CPUs only (cpu_kernels.mkl_available). MKL has no way back to the dense weight, so a
-projection gets this copy only where its dense weight stays anyway (the GEMV's, for small
-decode batches: layers.pack_linear_weights); elsewhere oneDNN's packing (which can be
-unpacked, for sharded_state) serves as before. MKL asks 1.6-4.9x the weight's bytes for the
-buffer but writes 1.00-1.05x the weight's bytes of it (resident memory measured after
-packing): the rest is never touched, so never in memory.
+What: MKL's opaque layout (`cblas_sgemm_pack`), multiplied by `cblas_sgemm_compute` at any
+number of rows, with the MKL that torch links on x86. Why: on Intel CPUs it is faster than
+oneDNN's packed matmul for float32 and gives F.linear's bits for most shapes; on AMD it is
+slower, so it applies on Intel only (cpu_kernels.mkl_available). MKL cannot unpack, so a
+projection gets it only where its dense weight stays anyway (the GEMV's); elsewhere oneDNN's
+packing serves (sharded_state can unpack that). MKL reserves more than the weight's bytes but
+touches only about the weight's size.
 """
 
 from __future__ import annotations
