@@ -4,22 +4,12 @@ benchmark with a pooling model.
     fleetllm bench throughput --preset llama-125m --task embed --compare hf --hf-sort
     fleetllm bench throughput --model DIR --task embed [--num-prompts N] [--input-len L:H]
 
-The same flags, requests, engines taking turns and best-of-rounds timing as the generate
-benchmark (throughput.py, which hands a run whose model resolves to task "embed" here: also a
-bare LlamaModel or sentence-transformers checkpoint with --task auto). The workload is
---num-prompts inputs (default 256) of --input-len random tokens (default 16:256), pooled
-once each through `LLM(path, task="embed").embed(...)`. The peer (--compare hf, the default)
-is transformers `AutoModel` on the same weights, dtype and threads: static batches of
---hf-batch-size (default 32) in the inputs' order, right-padded with the attention mask, the
-last hidden state pooled as the engine pools (its pooler_config: LAST picked with the mask,
-MEAN, CLS) and normalized if it normalizes; --hf-sort adds it on length-sorted batches
-(sentence-transformers' order). Printed per engine: sequences/s and tokens/s (the inputs'
-real tokens, not padding), fleetllm's ratio to each, and how its vectors agree with the
-peer's over every input: cosine (lowest, mean) and the largest |a - b| / |a| (the cosine
-ignores length, which matters without normalizing).
-
-Refused with a ConfigurationError: the generation-only options (--output-len,
---shared-prefix, --compare hf-cb or vllm). No roofline is measured.
+The throughput benchmark's flags and timing, on --num-prompts random inputs pooled through
+`LLM(path, task="embed").embed(...)`, against transformers `AutoModel` on the same weights,
+pooled and normalized as the engine's pooler_config says (--hf-sort: length-sorted batches).
+Printed: sequences/s and tokens/s (real tokens, not padding), fleetllm's ratios, and how its
+vectors agree with the peer's (cosine, largest relative difference). Generation-only options
+(--output-len, --shared-prefix, --compare hf-cb or vllm) are a ConfigurationError.
 """
 
 from __future__ import annotations

@@ -5,22 +5,13 @@ where a decode step's time goes.
 
     fleetllm bench latency --preset llama-125m --batch-size 1 [--input-len 128]
         [--output-len 128] [--repeat 3] [--compare hf,vllm|none] [--json F] [engine flags]
-    fleetllm bench latency --workload copy --compare none \\
-        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
-    python -m fleetllm.benchmarks.latency ...   (the same)
+    fleetllm bench latency --workload copy --compare none --speculative-config '{...}'
 
-With --speculative-config, the same engine without it runs too (taking turns), and the
-speed-up and draft acceptance are printed. fleetllm runs through LLMEngine.step()
-(streaming outputs, as a server does), all requests
-arriving together; vLLM steps its own engine the same way (vllm_peer.py; each configuration
-printed, fleetllm's ratio to the best). The bound: a decode step reads every weight once, in
-the engine's dtype (the embedding table only at the batch's rows, so a tied LM head counts
-once) plus the batch's KV cache in its dtype; divided by the memory read bandwidth measured in
-this run (after every round, best kept), that gives the most decode tokens/s the memory
-allows. The decode step split:
-the model's forward (embedding to logits, timed inside the worker) against everything else in
-LLMEngine.step (scheduling, input preparation, sampling, detokenization, outputs, IPC), per
-forward pass (with --num-scheduler-steps k, a step runs up to k of them).
+fleetllm runs through LLMEngine.step() (streaming, as a server does); engines take turns.
+The bound: every weight and the batch's KV read once a step, divided by the read bandwidth
+measured in this run. The split: the model's forward against the rest of a step (scheduling,
+inputs, sampling, detokenization, IPC), per forward pass. --speculative-config also runs the
+engine without it and prints the speed-up and acceptance.
 """
 
 from __future__ import annotations

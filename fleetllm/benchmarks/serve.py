@@ -2,32 +2,16 @@
 server at a Poisson request rate, then throughput and TTFT / ITL / E2E latency.
 
     fleetllm bench serve --base-url http://127.0.0.1:8000 [--num-prompts 200]
-        [--input-len 128 --output-len 64 | --dataset prompts.jsonl]
-        [--request-rate 8 | inf] [--max-concurrency N] [--json result.json]
-        [--endpoint /v1/completions | /v1/chat/completions] [--structured-fraction 0.5]
-    fleetllm bench serve [--num-prompts ...] [--offline-replay] [serve flags: --model DIR, ...]
+        [--input-len 128 --output-len 64 | --dataset prompts.jsonl] [--request-rate 8 | inf]
+        [--max-concurrency N] [--endpoint /v1/chat/completions] [--structured-fraction 0.5]
+    fleetllm bench serve [--offline-replay] [--repeat N] [serve flags: --model DIR, ...]
 
-Without --base-url it starts `fleetllm serve` itself (every flag this benchmark does not know
-goes to the server) and stops it at the end. Random prompts are token ids cut from random
-English-like text tokenized by the server's /tokenize, so they are exactly --input-len tokens;
-every request asks for exactly its output length (ignore_eos). A --dataset JSONL line is
-{"prompt": "..."} or {"prompt_token_ids": [...]}, optionally with "output_len". With
---endpoint /v1/chat/completions each prompt is one user message (token ids are turned into
-text by the server's /detokenize first; its chat template then adds its own tokens).
-
-TTFT is the time to the first streamed token, ITL the gaps between streamed chunks (the
-server may merge tokens into one chunk when the client reads slower than it generates), E2E
-the whole request. A request counts as completed only if its stream carried text.
---structured-fraction F makes that share of the requests (chosen by --data-seed) grammar
-requests: their output is constrained to STRUCTURED_SCHEMA (vLLM's `structured_outputs`
-field); TPOT is then also reported per class (`plain_*`, `structured_*`), which shows whether
-requests without a grammar keep their speed beside grammar ones. A grammar request may end
-before its output length, when the model closes the JSON.
---offline-replay (with a server it starts) then runs the same requests, arriving at the same
-moments, through an LLMEngine in this process (serve_replay.py) and prints the serving
-overhead: how much longer each token took through the server (TPOT and TTFT, server / replay).
---repeat N runs everything N times in turn and prints the medians (serve_replay.medians).
-main() returns the figures as a dict (also written by --json).
+Without --base-url it starts and stops `fleetllm serve` itself (unknown flags go to it).
+Prompts are exactly --input-len tokens (via the server's /tokenize) and every request asks for
+exactly its output length; a request counts only if its stream carried text.
+--structured-fraction makes that share grammar requests and reports TPOT per class;
+--offline-replay replays the same arrivals through an in-process LLMEngine (serve_replay.py)
+to show the serving overhead. main() returns the figures (also written by --json).
 """
 
 from __future__ import annotations

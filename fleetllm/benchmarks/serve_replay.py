@@ -2,24 +2,12 @@
 at the same moments, run through an `LLMEngine` in this process, with no HTTP, no JSON, no
 engine-core process in between, timed the way the client times the server.
 
-How: after the server run, the engine is built from the same serve flags (`fleetllm serve`'s
-parser, so every engine flag means the same), and a loop admits each request at the offset at
-which the client sent it (and, with --max-concurrency, only when a slot is free, as the
-client's gate does), steps the engine while anything is unfinished and sleeps until the next
-arrival otherwise. A request's clock starts when the client would have sent it (usually in the
-middle of a step: it joins the engine when that step ends, as it would join the server's); its
-first token is the step that returned it, its inter-token gaps the steps that returned more.
-Same figures as the client's (TTFT, TPOT, ITL, E2E), so `server / replay - 1` is what serving
-adds: HTTP, SSE, JSON, the hop between processes, and on a small machine the CPU that the
-client and the API process take from the engine; not the model, which both runs share.
-
-What it cannot replay: chat prompts (the server's chat template) and grammar requests; it
-refuses them before the benchmark starts.
-
-The machine's speed drifts between runs (here a batch-1 step is bound by memory bandwidth,
-which moves by 10-15% from minute to minute), so one pair of runs can show any overhead within
-that noise: --repeat N runs N rounds, server then replay taking turns, and medians() reports
-each round's figures and the median of the overheads (and of the --compare ratios).
+How: the engine is built from the same serve flags; a loop admits each request at the offset
+the client sent it (within --max-concurrency), steps while anything is unfinished and sleeps
+until the next arrival otherwise. TTFT, TPOT, ITL and E2E are the client's figures, so
+`server / replay - 1` is what serving adds. Chat prompts and grammar requests are refused
+before the run. The machine's speed drifts between runs, so --repeat N alternates server and
+replay rounds and medians() reports the median overheads.
 """
 
 from __future__ import annotations

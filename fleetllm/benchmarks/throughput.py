@@ -1,38 +1,16 @@
 """Offline throughput: the same requests through fleetllm (LLM.generate) and its peers in one
-process, next to the roofline of this machine.
+process, next to this machine's roofline.
 
     fleetllm bench throughput --preset llama-125m --compare hf,hf-cb [--repeat 2] [--json F]
     fleetllm bench throughput --preset llama-1b --compare vllm [--vllm-configs all]
-    fleetllm bench throughput --preset llama-125m --shared-prefix 1024 --input-len 32 \\
-        --output-len 32 --compare none
-    fleetllm bench throughput --preset llama-125m --lora 8 [--lora-rank 16]
-        [--lora-targets q_proj,k_proj,v_proj,o_proj]   (lora.py: ratio to base-only)
     fleetllm bench throughput [--model DIR] [--num-prompts N] [--input-len N|LOW:HIGH]
-        [--output-len N|LOW:HIGH] [--dataset F.jsonl] [--compare-backend uni] [engine flags]
-    python -m fleetllm.benchmarks.throughput ...   (the same)
+        [--output-len N|LOW:HIGH] [--shared-prefix N] [--lora N] [--task embed] [engine flags]
 
-Every engine is loaded and warmed once, then they take turns for --repeat rounds; each counts
-its best round. Printed per engine: requests/s, input, output and total tokens/s, and
-fleetllm's ratio to each. Peers (--compare): `hf` (transformers generate, static batches of
---hf-batch-size, left-padded) and `hf-cb` (transformers' continuous batching), with the same
-weights (--preset's dummy weights are handed to them), dtype and thread count; greedy, each
-request exactly its output length (--hf-sort adds HF generate on length-sorted batches).
-`vllm` is the real vLLM CPU build in its own processes (`make peers` installs it; see
-vllm_peer.py): each of its configurations (eager or compiled, threads bound by vLLM or to
-fleetllm's cores) is printed, and fleetllm's ratio to the best of them.
-The roofline: the workload's FLOPs at this run's matmul rate on the model's own shapes in the
-engine's dtype (every layer's weights streamed, at prefill-sized and at decode-batch-sized
-rows; measured after every round, best kept, so it sees the machine as the engines did), for
-plain torch matmul and for the best matmul measured (oneDNN's packed weights, or in bf16 with
-AVX-512 BF16 fleetllm's GEMM on weights packed by pairs); the fraction of
-each that fleetllm reaches is printed.
-
---task embed (or an embedding checkpoint) runs a pooling model instead: embed.py.
-
---shared-prefix N starts every prompt with one common N-token prefix and also runs fleetllm
-without prefix caching: mean time to first token with and without, and whether the outputs
-are identical. --lora N also runs fleetllm with N random LoRA adapters (lora.py; no peers
-unless --compare names them). Without --model or --preset: the bundled demo model.
+Every engine is loaded and warmed once, then they take turns for --repeat rounds; each keeps
+its best. Printed: requests/s and tokens/s per engine, fleetllm's ratio to each peer (`hf`,
+`hf-cb`, the real vLLM CPU build: vllm_peer.py), and the share of the roofline (the workload's
+FLOPs at the best matmul rate measured on the model's shapes) fleetllm reaches.
+--shared-prefix, --lora (lora.py) and --task embed (embed.py) add their own comparisons.
 """
 
 from __future__ import annotations

@@ -1,34 +1,14 @@
 """Continuous-batching scheduler with chunked prefill and preemption.
 
-Each step picks which requests run and how many tokens each computes, within a token budget
-(max_num_batched_tokens) and a sequence budget (max_num_seqs):
-
-1. running groups, oldest first: one token per sequence for decodes, a chunk of the remaining
-   prompt for prefills. Tokens for the decodes are reserved first, so a long prefill never
-   stalls the running decodes. If the device pool is full, the newest running groups are
-   preempted (recompute or swap) until the current one fits.
-2. if nothing was preempted: swapped groups come back in, oldest first, while they fit.
-3. if nothing was preempted and none is left swapped: waiting groups, FCFS, each with a chunk of
-   its prompt; admission stops at the first that does not fit. A group whose structured-output
-   grammar is still compiling is passed over (it keeps its place) until it is ready.
-
-Speculative and multi-step decoding: a decoding sequence's blocks also cover
-num_lookahead_slots positions past its next token (the step's draft tokens, or the tokens of
-a multi-step call's later passes); tokens the engine appends beyond the first of a step
-advance num_computed_tokens (`advance_computed`).
-
-Who updates what: the scheduler moves groups between queues, sets sequence statuses, owns the
-block tables and each group's stage (`in_prefill`). `schedule()` only plans: once the workers
-have run the step, the engine calls `complete_step()` (the chunks are now cached; a sampled
-group leaves the prefill stage), then appends the sampled tokens. If the step failed instead,
-`requeue_after_failed_step()` leaves every group as it was before the step (nothing advanced;
-the chunk is computed again by the next step, into the blocks already allocated for it),
-except groups whose blocks the step copied or moved (copy-on-write, swap in or out): that copy
-may not have happened, so they drop their KV and are recomputed. No token is lost.
-
-Preemption: a single sequence is recomputed or swapped (`preemption_mode`); a group of n > 1
-samples is swapped when the CPU pool has room (its samples keep sharing their prompt blocks),
-else recomputed, every sample from its prompt and its own tokens.
+Each step, within max_num_batched_tokens and max_num_seqs: running groups first, oldest first
+(decode tokens reserved before prefill chunks; when blocks run out the newest are preempted:
+recomputed, or swapped where the CPU pool has room); then, if nothing was preempted, swapped
+groups back in; then waiting groups FCFS until one does not fit (one still compiling its
+grammar is passed over, keeping its place). Decoding sequences also get num_lookahead_slots
+for drafts or multi-step passes (`advance_computed`).
+`schedule()` only plans; the engine calls `complete_step()` after the workers ran, or
+`requeue_after_failed_step()` after a failure, which leaves every group as before the step
+except those whose blocks it copied or swapped (they are recomputed): no token is lost.
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
 """AsyncLLMEngine: one background thread steps an LLMEngine; many asyncio callers stream.
 
-Threading: LLMEngine is not thread-safe, so exactly one thread (the engine loop) touches it.
-Callers, on any event loop, only enqueue commands (add, abort, stop), which the loop applies
-between steps, and read their outputs from a RequestStream that the loop feeds through
-`loop.call_soon_threadsafe`. Text prompts are tokenized before they are queued, on a tokenizer
-thread of this object (the engine's tokenizer stays on the loop thread), so a huge prompt never
-stalls a step; detokenization stays in the engine, which does it incrementally.
-
-Pooling models (task "embed"): encode() is generate()'s twin for PoolingParams: it yields one
-PoolingRequestOutput, finished, whose `outputs.data` is the request's vector (no deltas: a
-pooling request has one output). Everything else (acceptance, abort, cancel, engine death) is
-the same path as generate's.
-
-What generate() yields: RequestOutput objects whose `outputs` are StreamingCompletionOutput:
-`text`, `token_ids` and `logprobs` are cumulative (everything released so far), and
-`delta_text`, `delta_token_ids` and `delta_logprobs` hold what is new since the previous
-output yielded for that request. Outputs a slow consumer has not picked up yet are merged (they
-are cumulative), so a consumer is never more than one output behind. While a request has stop
-strings, the last len(longest stop) - 1 characters are held back until the request finishes, so
-streamed text never needs retracting, whatever the engine does with a stop string.
-
-Failure: workers that crash or hang, found by a step or by the idle health probe (every
-health_probe_interval_s, asleep too), are replaced by the engine (LLMEngine._restart_workers)
-and the requests resume. An exception that escapes that (max_worker_restarts reached, a bug)
-is fatal: every open stream, and every queued sleep/wake_up, raises EngineDeadError (the cause
-chained) and later calls fail at once with it.
-Closing a stream before it finishes (the consumer was cancelled, a client went away) aborts
-the request in the engine, all of its n sequences, which frees its KV blocks before the next
-step.
+How: only the engine loop thread touches the (not thread-safe) LLMEngine; callers enqueue
+add/abort/stop commands applied between steps and read a RequestStream fed through
+`call_soon_threadsafe`. Prompts are tokenized on a separate thread, so a huge one never stalls
+a step. generate() yields cumulative RequestOutputs with `delta_*` fields (a slow consumer's
+outputs merge); text within len(longest stop) - 1 of a stop string is held back until the
+request finishes. encode() is its twin for pooling requests (one finished output).
+What fails: crashed or hung workers are replaced by the engine and requests resume; anything
+that escapes that is fatal: every open stream and queued call raises EngineDeadError (cause
+chained), later calls at once. Closing a stream aborts its request and frees its KV blocks.
 """
 
 from __future__ import annotations

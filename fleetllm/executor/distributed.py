@@ -1,24 +1,16 @@
 """DistributedExecutor: the one failure state machine of the backends whose workers are other
-processes ("mp", "ray"). A backend supplies transport only: how calls are sent (`_send`), how
-replies arrive (`_replies`), how workers are stopped (`_stop_workers`); the rules of
-failures.py are applied here, once.
+processes ("mp", "ray"); a backend supplies transport only (`_send`, `_replies`,
+`_stop_workers`), and failures.py's rules apply here once.
 
-A call goes to every rank and collects their replies:
-- collective_rpc: results in rank order. A rank's error raises (after ERROR_GRACE_S for the
-  others' replies) with its rank and remote traceback, or is returned in place with
-  return_exceptions; no reply within `timeout` raises CommunicationTimeoutError and leaves the
-  executor usable.
-- execute_model: the output rank returns the SamplerOutput, the others a bare ACK. A rank's
-  error fails the executor (every worker stopped, WorkerCrashedError naming the first rank,
-  the remote error as __cause__) unless every rank raised the same error before entering any
-  collective: then the call raises that error and the executor stays usable. A rank that
-  cannot decode a delta-encoded step says RESYNC (nothing ran) and the step is sent again in
-  full. No reply within execute_model_timeout raises CommunicationTimeoutError with the step
-  outstanding: wait_for_timed_out_step() waits once more; after that, or if the caller makes
-  any other call instead, the workers are declared hung and the executor fails.
-- A dead worker (the backend's detection) fails the executor: WorkerCrashedError naming it,
-  on this call and every later one, until restart_failed_workers(). After shutdown():
-  EngineShutdownError.
+- collective_rpc: results in rank order; a rank's error raises with its rank and traceback
+  (or is returned with return_exceptions); no reply in `timeout` is a
+  CommunicationTimeoutError and the executor stays usable.
+- execute_model: the output rank returns the SamplerOutput. A rank's error fails the executor
+  (WorkerCrashedError, cause chained) unless every rank raised it before any collective; a
+  RESYNC reply resends the step in full; a timeout leaves the step outstanding for
+  wait_for_timed_out_step(), after which the workers count as hung.
+- A dead worker fails this and every later call until restart_failed_workers(); after
+  shutdown(): EngineShutdownError.
 """
 
 from __future__ import annotations

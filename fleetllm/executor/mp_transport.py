@@ -1,27 +1,14 @@
 """Wire format and channels of the "mp" backend (driver <-> worker processes).
 
-Security note: messages are pickled (callables with cloudpickle), and unpickling executes code.
-That is acceptable only because every channel is private to this user and machine: AF_UNIX
-stream sockets whose path lies in a temp directory created with mode 0700 (the driver also
-checks each peer's pid with SO_PEERCRED). Never put these messages on a TCP socket or anything
-another user can reach.
-
-Why not zmq: on the 2-core target machine a zmq ipc:// round trip to two workers measured
-~350 us median, because each message hops through zmq's I/O threads in both processes; a plain
-AF_UNIX socket (the same kernel object zmq's ipc:// uses) measured ~50 us. The sockets are
-used directly instead, with length-prefixed frames.
-
-Frames: 8-byte little-endian length, then the payload.
-Driver -> worker payload: HEADER (call_id, kind, unique_reply_rank) + pickled (method, args,
-  kwargs); the same bytes for every rank. kind: CALL (run `method` on the worker), EXEC
-  (execute_model; args[0] is a worker.delta.EncodedRequest) or EXIT. unique_reply_rank -1: every
-  rank replies with its result; >= 0: only that rank sends its result, the others send a tiny
-  ACK on success (errors are always sent, so a failure on any rank surfaces in the same call).
-Worker -> driver payload: pickled (call_id, status, value); status OK, ACK, ERR or RESYNC, and
-  at startup HELLO (value: (rank, pid)), READY or START_ERR with call_id -1. An ERR's value is
-  (error_payload(exc), entered_collective): whether the rank entered any collective operation
-  during the call (parallel_state.collective_count moved), which tells the driver whether the
-  other ranks' collectives can still be in step. START_ERR's value is error_payload(exc).
+Security: messages are pickled (unpickling runs code), so they travel only on AF_UNIX sockets
+in a 0700 temp directory, peers checked with SO_PEERCRED; never on TCP. Plain sockets, not
+zmq, whose I/O threads made a round trip several times slower.
+Frames: 8-byte little-endian length, then the payload. Driver -> worker: HEADER (call_id,
+kind CALL | EXEC | EXIT, unique_reply_rank) + pickled (method, args, kwargs), the same bytes
+for every rank; with unique_reply_rank >= 0 only that rank returns its result, the others an
+ACK (errors always). Worker -> driver: pickled (call_id, status, value), status OK, ACK, ERR,
+RESYNC, or at startup HELLO (rank, pid), READY, START_ERR. An ERR carries whether the rank
+entered a collective, which says whether the other ranks can still be in step.
 """
 
 from __future__ import annotations

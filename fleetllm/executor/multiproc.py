@@ -1,27 +1,14 @@
 """MultiprocExecutor ("mp"): one worker process per rank on this machine.
 
-Transport: one AF_UNIX stream socket per worker; the driver listens on `<tmp>/rpc` where <tmp>
-is a private directory made with mode 0700, and checks each connecting peer's pid. Messages
-are pickled (callables with cloudpickle): acceptable only because the channel is private to
-this user and machine; never a TCP socket. torch.distributed rendezvous uses a `file://` store
-in the same directory and gloo binds loopback only (GLOO_SOCKET_IFNAME=lo). See mp_transport
-for the frame format (and why not zmq) and fleetllm.worker.delta for the delta encoding of
-execute_model. One more file there, `<tmp>/interrupts` (8 bytes, mapped by the driver and
-every worker), carries interrupt_step to a worker busy in a multi-step call.
-
-Failures: a monitor thread waits on every worker's process sentinel. When one dies it records
-a WorkerCrashedError, wakes any call in progress through a pipe the call also polls, kills the
-remaining workers and removes the temp dir. Everything else (errors, timeouts, ranks out of
-step, RESYNC, the timed-out step) follows distributed.py, shared with ray: this module is
-transport only (_send, _replies, _stop_workers).
-
-Shutdown: shutdown(), garbage collection and interpreter exit (weakref.finalize) ask the
-workers to exit, then terminate and kill them. SIGTERM of the driver (when it had the default
-handler) cleans up, then dies by SIGTERM as before. Workers ignore SIGINT (the driver's
-KeyboardInterrupt unwinds into the finalizer) and exit by themselves within ~1 s when their
-parent disappears (SIGKILL of the driver), removing the temp dir; a driver killed before its
-workers watch it leaves the dir to the next group started on the machine, which removes the
-dirs whose `owner` lock no process holds (mp_group._private_tmpdir).
+Transport: one AF_UNIX socket per worker in a private 0700 directory, peers checked by pid;
+messages are pickled, acceptable only because the channel is private to this user and machine
+(mp_transport has the frames). torch.distributed meets at a `file://` store there and gloo
+binds loopback; `<tmp>/interrupts` carries interrupt_step to a worker in a multi-step call.
+Failures: a monitor thread waits on the workers' sentinels; a death records a
+WorkerCrashedError, wakes the call in progress, kills the other workers and removes the
+directory. Errors, timeouts and ranks out of step follow distributed.py.
+Shutdown: shutdown(), GC, exit and SIGTERM stop, then kill, the workers; workers exit within
+~1 s when the driver vanishes, and a group started later removes directories nobody holds.
 """
 
 from __future__ import annotations

@@ -1,45 +1,16 @@
-"""RayDistributedExecutor ("ray"): the same model across machines, one Ray actor per rank.
+"""RayDistributedExecutor ("ray", the `fleetllm[ray]` extra): the model across machines, one
+Ray actor (RayWorkerWrapper) per rank; docs/distributed.md covers real clusters.
 
-When one host is not enough, fleetllm runs on Ray rather than on a home-made cluster manager.
-Select it with distributed_executor_backend="ray" (CLI: --distributed-executor-backend ray);
-Ray is an extra: `pip install 'fleetllm[ray]'`. docs/distributed.md covers running on real
-machines.
-
-Cluster (ray_utils.RayConnection): a Ray connection this process already has is used as it is;
-otherwise the executor joins ParallelConfig.ray_address or $RAY_ADDRESS, or else starts a
-private local instance (no dashboard, loopback only). It shuts down only what it started, when
-the last executor using it does.
-
-Placement (ray_utils.placement_group_for): one bundle per worker ({CPU: ray_cpus_per_worker},
-or {GPU: 1} on CUDA) in a placement group of placement_strategy (PACK, SPREAD, STRICT_PACK,
-STRICT_SPREAD), or the first bundles of a group the user passes in (placement_group, to sit
-beside other Ray work). Waiting for resources ends at startup_timeout with a message naming
-what is missing. One RayWorkerWrapper actor (ray_worker.py: a WorkerWrapperBase, as mp's
-processes use) per bundle. Ranks are assigned once the actors report their nodes, so that each
-tensor-parallel group stays on one node where possible (ray_utils.assign_ranks).
-torch.distributed meets at tcp://<rank 0's node address>:<a port free there> (torch's
-TCPStore listens on all of that node's interfaces); gloo/NCCL use the interface each node's
-GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME names (a local instance started here pins them to
-loopback).
-
-Steps: the driver submits every step to every rank through Ray (as vLLM's SPMD Ray workers do).
-Requests are delta encoded (fleetllm.worker.delta; the actors decode in WorkerWrapperBase), so a
-decode step sends O(batch) bytes; only the output rank (parallel_state.output_rank) returns its
-SamplerOutput, the others a tiny status. There is no worker "execution loop" in which ranks wait
-for the next step inside a torch.distributed broadcast, as in vLLM's non-SPMD mode: requests
-(pickles) would then cross gloo, which authenticates nothing, besides Ray; idle workers would
-sit in a collective that times out; and a rank's error would not reach the driver by itself.
-So _driver_execute_model runs one step on every rank, and stop_remote_worker_execution_loop
-only waits for tasks that _run_workers(async_run_tensor_parallel_workers_only=True) started.
-
-Failures follow distributed.py, shared with mp: this module is transport only (_send,
-_replies, _stop_workers). A dead actor (killed, OOM, node lost) surfaces as Ray's RayActorError
-on its pending call: WorkerCrashedError naming the rank and its node. A rank failing inside a
-collective is often the symptom of a peer that died: while ranks are still out, the driver
-waits up to DEATH_WAIT_S for Ray to report a death, and then names the dead rank instead.
-shutdown(), garbage collection and interpreter exit kill the actors and remove the placement
-group (ray_group.RayWorkerGroup); if the driver process dies, Ray itself ends the job's actors
-and placement groups.
+How: it uses the process's Ray connection, else ray_address / $RAY_ADDRESS, else a private
+loopback instance it shuts down when its last executor does (ray_utils.RayConnection). One
+placement-group bundle per worker, in placement_strategy or a group the user passes; ranks
+are assigned once actors report their nodes, keeping a TP group on one node where possible.
+Every step goes to every rank through Ray (SPMD, delta encoded), never through a gloo
+broadcast, which authenticates nothing; only the output rank returns its SamplerOutput.
+What fails: waiting for resources ends at startup_timeout naming what is missing; a dead
+actor is a WorkerCrashedError naming rank and node (after DEATH_WAIT_S, one a collective
+error hid); the rest follows distributed.py. shutdown, GC and exit kill the actors and the
+placement group; if the driver dies, Ray ends them.
 """
 
 from __future__ import annotations

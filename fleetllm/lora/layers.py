@@ -1,28 +1,14 @@
 """The LoRA delta of a projection, for a whole batch mixing adapters and the base model.
 
-Each adapted projection (the merged q/k/v and gate/up column-parallel ones, o and down
-row-parallel) carries a `LoRASlots`: stacked weights for `max_loras` device slots,
-A [slots, in, parts * R] and per merged part B [slots, R, out_part] (R = max_lora_rank,
-zero-padded; B holds the adapter's scaling; an empty slot or an untargeted part is zeros).
-A step whose batch has adapter rows sets `LoRAStep`: its adapter tokens grouped by slot
-into m groups padded to the longest, L (computed once per step). After
-the base projection, computed once for the whole batch, each layer runs
-
-    xs = x[gather] * pad            [m, L, in]: each group's rows (pads zeroed)
-    xa = bmm(xs, A[slots])          [m, L, parts * R]: every part's A in one product
-    y.index_add_(gather, cat(bmm(xa[part], B_part[slots]) for each part))
-
-a grouped (SGMV-shaped) product with a fixed handful of tensor calls whatever the mix of
-requests: no Python loop over requests, and base-model rows are not computed at all. When
-the groups are uneven (prefill chunks: padding would waste more than MAX_PADDING of the
-products) each group's rows run through their own A and B instead (a few GEMMs per adapter
-in the step, written in place; their Python cost is small beside such a step's products).
-docs/lora.md has the measured alternatives (a one-hot mask over every slot, a loop over
-adapter groups, a per-token gather of the weights).
-
-Tensor parallel: a column-parallel projection keeps all of A and its output columns of B; a
-row-parallel one its input rows of A and all of B, and its delta joins the partial sum before
-the all-reduce (the sum over ranks of x_r A_r B is x A B).
+Each adapted projection carries `LoRASlots`: A [slots, in, parts * R] and per merged part
+B [slots, R, out_part] for `max_loras` device slots (zero-padded to R = max_lora_rank; B holds
+the scaling). A step with adapter rows sets `LoRAStep` (its adapter tokens grouped by slot, m
+groups padded to L). After the base projection each layer adds
+    y.index_add_(gather, bmm(bmm(x[gather] * pad, A[slots]), B[slots]))   per part
+a fixed handful of calls whatever the mix, base rows untouched; groups too uneven
+(MAX_PADDING) run per group instead. docs/lora.md compares the alternatives.
+Tensor parallel: column-parallel keeps all of A and its columns of B; row-parallel its rows of
+A and all of B, the delta joining the partial sum before the all-reduce.
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
 """The OpenAI-compatible app: build_app(engine, ...) -> a FastAPI app with these routes.
 
-    GET  /v1/models              POST /v1/completions      POST /v1/chat/completions
-    POST /v1/embeddings          POST /tokenize            POST /detokenize
-    GET  /version
-    GET  /health   (200, or 503 when the engine is dead, wedged or the server is draining)
-    GET  /metrics  (Prometheus text)
-    POST /sleep?level=1|2   POST /wake_up[?tags=weights&tags=kv_cache]   GET /is_sleeping
-                   (only with enable_sleep_mode: they free and restore the model's memory)
-    POST /v1/load_lora_adapter   POST /v1/unload_lora_adapter
-                   (only with allow_runtime_lora_updating: loading reads a path on this
-                   machine, so a client must not be able to unless the operator says so)
+    GET /v1/models   POST /v1/completions   POST /v1/chat/completions   POST /v1/embeddings
+    POST /tokenize   POST /detokenize   GET /version   GET /health   GET /metrics
+    POST /sleep, /wake_up, GET /is_sleeping                 (with enable_sleep_mode)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter     (with allow_runtime_lora_updating)
 
-A request's `model` is a served name (the base model) or a LoRA adapter's name (serving_models:
---lora-modules, or loaded at run time); the app's ServingModels is app.state.models, and its
---lora-modules adapters load with `await app.state.models.init_static_loras()` (the launcher
-does it before it listens).
-
-Bodies are parsed by hand (serving_engine.parse_body) rather than by FastAPI, so that a
-missing content type, malformed JSON or a non-object body is a 400 in OpenAI's error shape
-like every other error. In front of the routes, outermost first: CORS (a browser's preflight
-is answered before the API key is asked for), X-Request-Id headers (when enabled), then the
-gate (API key, drain). A server runs one task, the model's: completions and chat need a
-generating model, embeddings a pooling one (--task embed); the other task's endpoints answer
-a 400 that names the server's task. The app runs in-process too (tests drive it through httpx's ASGI
-transport); launcher.py serves it with uvicorn and drains it on SIGTERM.
+A request's `model` is a served name or a LoRA adapter's (app.state.models). Bodies are parsed
+by hand (serving_engine.parse_body), so a bad body is a 400 in OpenAI's error shape like any
+error. Middleware, outermost first: CORS, X-Request-Id, the gate (API key, drain). A server
+runs its model's task; the other task's endpoints answer a 400 naming it. /health is 503 when
+the engine is dead or wedged or the server drains. launcher.py serves the app with uvicorn.
 """
 
 from __future__ import annotations
