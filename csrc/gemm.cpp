@@ -10,21 +10,17 @@
 // run of panels as one sequential stream (see pair_packed.py for what that is worth). The
 // hardware prefetcher alone keeps too few lines in flight for it: the microkernel prefetches
 // the stream 8 KiB ahead into L1 (past a panel's end that is the next panel, a thread's next
-// item). 2 KiB ahead made the 125M decode step's GEMMs 25% faster at 1 row and 4-38% at 2-256
-// on the AMX Xeon (tools/gemm_pairs_ab.cpp; docs/perf.md, item 28); on the Zen 5, 8 KiB
-// ahead took 0.89-0.97x the time of 2 KiB at 16-64 rows and 0.85-1.01x at 1-8 (item 32).
-// Prefetching the whole next panel into L2 instead, as the layout before item 26 did, made
-// 16-64 rows 2-10% slower.
+// item); measured with tools/gemm_pairs_ab.cpp, it beats 2 KiB ahead, no prefetch, and
+// prefetching the whole next panel into L2.
 // Each output is one lane summed over k's pairs in order (blocks of k go through a float32
 // scratch, the same sums), then the bias, then one rounding: its bits do not depend on how many
 // rows share the call or which group a row falls in.
 // Where the CPU's vdpbf16ps multiplies at under two thirds of its FMAs' rate (measured once a
-// process, pairs_by_fma below: an Intel Xeon with AVX-512 BF16 and no AMX ran it at half, 82
-// against 164 GFLOP/s a core, docs/perf.md item 34), micro_fma makes the same sums with FMAs:
-// a prompt's GEMM 1.4-1.5x as fast there, the same bits (prompt attention then takes its
-// float32 loops: prefill_attention.cpp). CPUs without AVX-512 BF16 (Ice Lake, Cascade Lake) run
-// micro_fma always: there oneDNN's bf16 matmul, with no bf16 instruction either, ran a prompt's
-// projections at 60 GFLOP/s against micro_fma's 203 on a 2-core Ice Lake Xeon (item 35).
+// process, pairs_by_fma below: an Intel Xeon with AVX-512 BF16 and no AMX ran it at half),
+// micro_fma makes the same sums with FMAs:
+// a prompt's GEMM faster there, the same bits (prompt attention then takes its float32 loops:
+// prefill_attention.cpp). CPUs without AVX-512 BF16 (Ice Lake, Cascade Lake) run micro_fma
+// always: there oneDNN's bf16 matmul, with no bf16 instruction either, is several times slower.
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -263,9 +259,8 @@ inline void group(bool, int rows, const bf16 *x, long K, const bf16 *w, int p0, 
 #if defined(__AVX512F__) || defined(__AVX2__)
 // Work item i: row block i / panels, panel i % panels (a thread's run of items shares the
 // rows' block, which stays in L2 while the panels stream by). BY_FMA is a template argument:
-// tested per group from the context (this driver as item 38 left it), GCC's code took
-// 1.02-1.09x the time of the tree before item 38 at 8-32 rows by vdpbf16ps; as a template
-// argument, 0.97-1.00x (tools/gemm_pairs_ab.cpp on the Zen 4; docs/perf.md item 39).
+// tested per group from the context instead, GCC's code for the vdpbf16ps path was slower
+// at 8-32 rows (tools/gemm_pairs_ab.cpp).
 template <bool BY_FMA>
 void gemm_body(void *arg, long begin, long end, int)
 {
@@ -304,7 +299,7 @@ void gemm_body(void *arg, long begin, long end, int)
 
 // Whether gemm_pairs sums by FMAs: FLEETLLM_CPU_BF16_PAIRS=fma or =dot, else measured (~2 ms,
 // once a process): FMAs where vdpbf16ps takes over 1.5x their time for the same products
-// (2.0x on the Intel Xeon of item 34, 0.5x on Zen 4 and Zen 5). Either gives the same bits, so
+// (an Intel Xeon with AVX-512 BF16 and no AMX; not Zen 4 or Zen 5). Either gives the same bits, so
 // a noisy measurement costs speed only, never reproducibility.
 bool pairs_by_fma()
 {
@@ -342,13 +337,10 @@ bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M,
     const long items = c.panels * c.mblocks;
     // Runs of items per thread: each thread reads one run of panels after another in order.
     // A decode batch's GEMM streams its weights: one run a thread (the weight in as many
-    // contiguous parts as threads) took 0.945-0.98x the time of 4 runs a thread at 1 row when
-    // the memory ran at 44-66 GB/s (1.00x at ~34), 0.92-1.00x at 4 rows, 0.96-0.98x at 8-64
-    // (tools/gemm_pairs_ab.cpp on the Zen 4; the AVX2 build 0.93-0.94x; docs/perf.md item
-    // 40). A prompt's is compute bound, and 4 runs a thread left one thread a whole run more
-    // than the other whenever the runs did not split evenly (a prompt of 1,042 rows: 9 row
-    // blocks; 16 runs a thread took 0.92x the time there, 0.99-1.01x at 1,024-2,048 rows;
-    // item 33).
+    // contiguous parts as threads) beat 4 runs a thread (tools/gemm_pairs_ab.cpp). A prompt's
+    // is compute bound, and 4 runs a thread left one thread a whole run more than the other
+    // whenever the runs did not split evenly (a prompt of 1,042 rows: 9 row blocks), so it
+    // takes 16 runs a thread.
     const long threads = std::max(1, nthreads);
     const long chunk = M <= 64 ? (items + threads - 1) / threads
                                : std::max(1L, items / (16L * threads));

@@ -6,10 +6,9 @@
 // rows are read in place as A tiles (16 rows by 32 k, K apart), 32 rows a pass, so a decode
 // batch of up to 32 rows reads the weight once and computes 4 tiles of sums per block.
 //
-// Why not oneDNN's matmul, which runs on the same tiles: at decode batches it streams the
-// weight at 8-14 GB/s (its 4096 x 768 projection, from memory, 1-64 rows, 2 cores), where this
-// kernel, which does nothing but stream the panel and multiply, runs 1.2-1.5x faster; from
-// ~128 rows oneDNN's blocking for the caches wins (docs/perf.md, item 30).
+// Why not oneDNN's matmul, which runs on the same tiles: at decode batches (1-64 rows) it
+// streams the weight slower than this kernel, which only streams the panel and multiplies;
+// from ~128 rows oneDNN's blocking for the caches wins.
 //
 // Each output's sum runs over k in order (TDPBF16PS adds a pair's two products to the lane,
 // as oneDNN's kernels do), then the bias, then one rounding to bf16 (finish16). The tile

@@ -4,9 +4,9 @@
 // upper halves widen by a mask, the lower by a shift, as micro_fma's do on AVX-512, and each
 // product goes into its output's one float32 lane over k's pairs in order, the upper product
 // first: the bits of every other CPU's gemm_pairs (vdpbf16ps's order; bf16_pairs.h).
-// Without it a bf16 model here ran a float32 copy of every projection through oneDNN (PyTorch's
-// bf16 matmul has no AVX2 kernel: 20 GFLOP/s) beside the dense bf16 weight for the GEMV: 6 bytes
-// a parameter where this takes 2 (docs/perf.md, item 38).
+// Without it a bf16 model here runs a float32 copy of every projection through oneDNN (PyTorch's
+// bf16 matmul has no AVX2 kernel) beside the dense bf16 weight for the GEMV: 6 bytes a
+// parameter where this takes 2.
 // 16 ymm registers hold R x B sums of 8 outputs, B widened weight vectors and a broadcast row:
 // a pair's upper products for every row, then its lower ones (the weights re-read from L1), so
 // that 5 rows x 16 outputs (10 sums) fit with the registers GCC keeps besides (6 rows spilled a
@@ -122,7 +122,7 @@ constexpr int pass_blocks(int R) { return R <= 1 ? 6 : R <= 3 ? 3 : 2; }
 
 // Pass j of a panel's passes over a chunk prefetches its share of the stream's 3 lines a pair
 // (all 3 for one pass): a stream prefetched by the first pass alone stood still while the
-// others ran (2 rows took 1.3-1.4x the time of 1; docs/perf.md, item 38).
+// others ran (2 rows took well over the time of 1).
 template <int R, int B>
 void pass(const float *xf, long xs, const bf16 *w, int b0, int p0, int p1, float *acc,
           bool first, bool last, const bf16 *bias, bf16 *y, long N, int n)

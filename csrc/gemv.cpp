@@ -522,10 +522,8 @@ void gemv(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, floa
           int nthreads)
 {
     const long tiles = (N + 3) / 4;
-    // One chunk a thread (the weight in as many contiguous parts), inline if small: against
-    // ~4 a thread, 0.97x the time at 1-4 rows of float32 when the memory ran at 44-66 GB/s,
-    // 1.00x at ~34 (the 125M decode step's projections and LM head, two builds in one
-    // process on the Zen 4: tools/gemv_ab.cpp; docs/perf.md item 40).
+    // One chunk a thread (the weight in as many contiguous parts), inline if small: a little
+    // faster than ~4 a thread where the memory is fast (tools/gemv_ab.cpp).
     const long threads = nthreads > 0 ? nthreads : 1;
     const long chunk = static_cast<long>(N) * K < 4 * PAR_MIN
                            ? tiles : (tiles + threads - 1) / threads;

@@ -3,12 +3,10 @@
 // libtorch_cpu's own (torch's x86 builds link it and export the CBLAS entry points); this
 // library declares them weak, so a torch without MKL (aarch64) loads it with null entries and
 // mkl_packed_available() says no.
-// Why: on Intel CPUs MKL's packed sgemm multiplies the 125M preset's shapes 1.05-1.18x as fast
-// as oneDNN's packed matmul at 16-2,048 rows (a 2-core Ice Lake Xeon; 1.07-1.23x at 64-2,048
-// on the AMX Xeon; tools/fp32_gemm_ab.py, docs/perf.md item 36) and its products are
-// F.linear's bits for most shapes (the unpacked sgemm's, which transformers runs), where
-// oneDNN's differ in the last bits. On AMD CPUs MKL takes slower paths (2-4x oneDNN's time on
-// a Zen 5, item 32): Intel only. MKL sizes its buffer at 1.6-4.9x the weight's bytes but
+// Why: on Intel CPUs MKL's packed sgemm is faster than oneDNN's packed matmul for float32
+// (tools/fp32_gemm_ab.py) and its products are F.linear's bits for most shapes (the unpacked
+// sgemm's, which transformers runs), where oneDNN's differ in the last bits. On AMD CPUs MKL
+// takes slower paths: Intel only. MKL sizes its buffer at 1.6-4.9x the weight's bytes but
 // writes about the weight's bytes of it (the rest is never touched, so never resident).
 #include <cstddef>
 

@@ -621,7 +621,7 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
 // an embedding lookup, or the step's rows of the RoPE tables; each id checked to lie in
 // [0, V) (`id` and `range` name them in the error). A plain loop, not at::index_select: that
 // one opens an OpenMP region past 32K elements (~40 rows of 768), whose threads then spin
-// beside the kernels' pool (docs/perf.md, "Not done").
+// beside the kernels' pool.
 Tensor table_rows(const Tensor &ids, const Tensor &table, const char *id, const char *range)
 {
     TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
@@ -653,9 +653,9 @@ Tensor table_rows(const Tensor &ids, const Tensor &table, const char *id, const 
 // With `embed` x is the step's token ids (int64 [T]) and the layers' input their rows of it;
 // with `final_norm` the output is the model's final norm of (output + residual), as
 // add_rmsnorm computes it. Both spare a step a Python module call and a dispatcher crossing
-// that ran cold after the weights streamed by (~70 us each at batch 1: docs/perf.md, item 27).
-// cos and sin are the whole RoPE tables ([positions, (1,) d/2]) and the rows of the step's
-// `positions` (int64 [T]) are looked up here: two index_selects fewer a step (item 33).
+// that ran cold after the weights streamed by. cos and sin are the whole RoPE tables
+// ([positions, (1,) d/2]) and the rows of the step's `positions` (int64 [T]) are looked up
+// here: two index_selects fewer a step.
 Tensor decoder_layers(const Tensor &x, const optional<Tensor> &embed, const Tensor &residual,
                       bool first, const c10::List<optional<Tensor>> &weights, double eps,
                       int64_t heads, c10::IntArrayRef windows, double scale, const Tensor &cos,

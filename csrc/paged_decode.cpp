@@ -68,8 +68,7 @@ inline __attribute__((always_inline)) float dot(const float *q, const C *k, cons
 // dot for 16 rows of k (stride elements apart) at once, D a multiple of 32: each row's two
 // vectors of sums as dot's, then one tree over the 16 whose pairings are hsum16's (lane i with
 // i + 8, then + 4, + 2, + 1), so each score has the same bits as dot's; the tree's adds serve
-// 16 rows at a time, where dot reduced each row alone (64 sequences' scoring in cache 7%
-// faster; docs/perf.md, item 30).
+// 16 rows at a time, where dot reduced each row alone.
 template <class C>
 inline __attribute__((always_inline)) v16 dot16(const float *q, const C *k, long stride,
                                                  const int D)
@@ -297,9 +296,8 @@ inline __attribute__((always_inline)) void decode_item(
         const C *kb = k + static_cast<long>(table[blk]) * bs * tok + off;
         // Blocks lie anywhere in the cache, so the hardware prefetcher starts over at each:
         // fetch the next block's keys one block ahead, and this block's values for P . V (a
-        // sequence's values fit in L2), a few lines beside each dot product. With dot16:
-        // 0.57x the time at 64 sequences of 100-260 positions, 0.74-0.78x at 1-16 (AMX Xeon,
-        // bf16 cache; tools/decode_ab.cpp, docs/perf.md item 30).
+        // sequence's values fit in L2), a few lines beside each dot product
+        // (tools/decode_ab.cpp measures it).
         const char *kn = blk + 1 < b1 ? reinterpret_cast<const char *>(
                              k + static_cast<long>(table[blk + 1]) * bs * tok + off) : nullptr;
         const char *vc = reinterpret_cast<const char *>(
@@ -445,10 +443,8 @@ void paged_decode(const T *q, long q_stride, const C *k, const C *v, const Decod
     c.bs = bs;
     c.window = window;
     // Whole sequences per item read whole token rows (better prefetching), so a batch splits
-    // by KV heads only until every thread has an item: at 2-7 sequences with their K/V cold
-    // (as after a step's weights), whole sequences took 0.73-0.78x the time of items of one
-    // KV head each, and one sequence in two items of 2 KV heads 0.91x that of four of one
-    // (2 threads, Zen 5, the 125M preset's heads: tools/decode_ab.cpp; docs/perf.md item 32).
+    // by KV heads only until every thread has an item: with K/V cold (as after a step's
+    // weights), whole sequences beat items of one KV head each (tools/decode_ab.cpp).
     // The split divides KVH: item (b, s) is sequence b's KV heads [s * nkv, (s + 1) * nkv).
     c.split = 1;
     while (B * c.split < nthreads && c.split < KVH) {

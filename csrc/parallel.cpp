@@ -1,6 +1,6 @@
-// Which threads run the kernels. The own pool is the default: it was measured faster for small
-// decode batches (docs/perf.md, item 7: an OpenMP wake-up under OMP_WAIT_POLICY=PASSIVE cost
-// 20-300 us per call here). FLEETLLM_KERNEL_THREADS=torch runs the same work items through
+// Which threads run the kernels. The own pool is the default: it is faster for small decode
+// batches, where an OpenMP wake-up under OMP_WAIT_POLICY=PASSIVE costs more than the work.
+// FLEETLLM_KERNEL_THREADS=torch runs the same work items through
 // at::parallel_for instead, so the two can be compared on a quiet machine; both give bitwise
 // identical results (each item is computed by one thread whatever the split).
 #include "parallel.h"

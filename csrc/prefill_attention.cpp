@@ -78,8 +78,7 @@ void prefill_body(void *arg, long begin, long end, int tid)
     const bool pairs_fit = pair_types && bf16_dot && (D == 64 || D == 128);
     // On AMX tiles (attention_amx.h): the values by pairs of positions into vt2, P in bf16
     // into pb. Not by vdpbf16ps where it runs at under two thirds of the FMAs' rate
-    // (pairs_by_fma, gemm.cpp): the float32 loops give its bits, at 0.65-0.8x its time on
-    // the Intel Xeon of docs/perf.md item 34 (256-700 tokens).
+    // (pairs_by_fma, gemm.cpp): the float32 loops give its bits in less time there.
     by_amx = pairs_fit && amx_available();
     const bool by_pairs = by_amx || (pairs_fit && !pairs_by_fma());
     uint32_t *kt2 = reinterpret_cast<uint32_t *>(kt), *q2 = reinterpret_cast<uint32_t *>(qf);

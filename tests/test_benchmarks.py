@@ -131,7 +131,7 @@ def test_throughput_embed_refuses_generation_options(tiny_models):
 
 
 def test_op_profile_tool_prints_the_workloads_ops(tiny_models, monkeypatch, capsys):
-    """tools/op_profile.py (docs/perf.md's per-op figures): the workload's requests through
+    """tools/op_profile.py (per-op figures): the workload's requests through
     LLM.generate under torch's profiler, one row per op, the projections among them."""
     from helpers import load_tool
 
@@ -146,7 +146,7 @@ def test_op_profile_tool_prints_the_workloads_ops(tiny_models, monkeypatch, caps
 
 
 def test_fp32_gemm_ab_tool_times_both_packings_on_the_same_product(capsys):
-    """tools/fp32_gemm_ab.py (docs/perf.md's float32 finding): oneDNN's and MKL's packed
+    """tools/fp32_gemm_ab.py: oneDNN's and MKL's packed
     float32 GEMMs on the 125M shapes, checked to give the same product, one line per row count
     with both rates per shape and the ratio of the totals."""
     import torch
@@ -164,7 +164,7 @@ def test_fp32_gemm_ab_tool_times_both_packings_on_the_same_product(capsys):
 
 
 def test_host_ab_tool_swaps_functions_step_by_step_and_times_both(tiny_models, capsys):
-    """tools/host_ab.py (docs/perf.md item 40): a function of a git revision against the
+    """tools/host_ab.py: a function of a git revision against the
     working tree's, swapped step by step in one process; both medians printed."""
     import shutil
     import subprocess

@@ -179,9 +179,8 @@ def test_the_decode_tool_cold_gives_every_layer_its_own_cache_in_huge_pages(monk
 @needs_thp
 def test_weights_packed_by_pairs_share_one_huge_page_mapping(monkeypatch):
     """On CPUs with AVX-512 BF16 the bf16 projections' copies packed by pairs are what every
-    decode step streams: all of them in one huge-page mapping (batch 1 on the 125M preset
-    ~140 -> ~175 tokens/s in a fast phase of this machine, docs/perf.md item 24), the same
-    products as without it, and no dense weight kept beside them."""
+    decode step streams: all of them in one huge-page mapping, the same products as without
+    it, and no dense weight kept beside them."""
     from torch import nn
 
     from fleetllm.model import layers, pair_packed

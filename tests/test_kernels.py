@@ -695,9 +695,9 @@ def test_the_peak_tool_builds_and_prints_a_rate_per_instruction(tmp_path):
     reason="no C++ compiler, or a CPU without AVX-512F and CLFLUSHOPT")
 @tool_not_under_sanitizer
 def test_the_stream_pollution_tool_builds_and_times_each_way_of_reading(tmp_path):
-    """tools/stream_pollution.c, the measurement behind perf.md item 25 (no way of reading
-    200 MiB keeps the host's working set cached): built as its header says, run, it prints a
-    warm walk and a rate and a walk after each of its five ways of reading."""
+    """tools/stream_pollution.c (whether any way of reading 200 MiB keeps the host's working
+    set cached): built as its header says, run, it prints a warm walk and a rate and a walk
+    after each of its five ways of reading."""
     exe = tmp_path / "stream_pollution"
     subprocess.run(["cc", "-O2", "-march=native", "-Wall", "-Wextra", "-Werror",
                     str(REPO / "tools" / "stream_pollution.c"), "-o", str(exe)], check=True,
@@ -727,7 +727,7 @@ def ab_tools(tmp_path_factory) -> dict:
 def test_an_ab_tool_builds_two_trees_and_times_them_in_turn(ab_tools, tool, source, args,
                                                              first):
     """tools/gemm_pairs_ab.cpp, tools/decode_ab.cpp and tools/gemv_ab.cpp, the measurements
-    behind perf.md items 26, 30 and 40: built as their headers say (here this tree as both
+    behind the kernels' layouts and splits: built as their headers say (here this tree as both
     builds, one renamed), run for a round, each prints both builds' times (of a 125M decode
     step's GEMMs by pairs or by the GEMV; of its attention) and their ratio; decode_ab also
     with a stream read before each pass, as a step's weights evict a small batch's K/V, on

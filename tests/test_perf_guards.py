@@ -76,7 +76,7 @@ def test_decode_step_work_and_request_size_do_not_grow_with_history(tiny_models)
 
 
 def test_a_decode_steps_host_work_stays_off_torch_paths_it_does_not_need(tiny_models):
-    """docs/perf.md item 40: each of these cost a batch-1 step 20-45 us from a cold cache."""
+    """Each of these costs a batch-1 step tens of microseconds from a cold cache."""
     import torch
 
     def torch_calls(fn) -> tuple[set[str], int]:
@@ -160,7 +160,7 @@ def test_intra_op_threads_default_to_the_available_cores(monkeypatch):
 def test_openmp_threads_spin_briefly_unless_the_user_says_otherwise(given, expected):
     """libgomp reads its wait settings once, when torch loads it: `import fleetllm` must set
     them without importing torch. Sleeping at once (PASSIVE) made every oneDNN call of a decode
-    step pay a thread wake-up (docs/perf.md, item 16)."""
+    step pay a thread wake-up."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     code = ("import os, sys, fleetllm; assert 'torch' not in sys.modules; "
             "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))")

@@ -7,10 +7,8 @@
  *
  *     cc -O2 -march=native tools/fma_peak.c -o /tmp/fma_peak && /tmp/fma_peak [seconds]
  *
- * Prints GFLOP/s per core (2 FLOPs per multiply-add). On the 2-core Zen 4 of docs/perf.md:
- * float32 ~115 GFLOP/s (one 16-lane FMA a cycle at ~3.6 GHz), bf16 ~234. -march=native
- * suits a measurement run on the machine measured; the engine's kernels never use it. On the
- * 2-core Zen 3 EPYC of item 38 (AVX2, two 256-bit FMAs a cycle): float32 91-97 GFLOP/s. */
+ * Prints GFLOP/s per core (2 FLOPs per multiply-add). -march=native suits a measurement run
+ * on the machine measured; the engine's kernels never use it. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>

@@ -9,7 +9,7 @@ against the working tree's, swapped in turn step by step in one process (old, ne
 
 Why: after a step has streamed its ~200 MB of weights, the host's work (scheduling, input
 preparation, sampling, outputs) runs from memory, where each distinct code path costs tens of
-microseconds (docs/perf.md items 25, 40), and this machine's memory bandwidth moves between
+microseconds, and this machine's memory bandwidth moves between
 ~33 and ~65 GB/s from minute to minute: two processes, or the bench's own split of the step,
 cannot resolve 20 us. Here each step streams 200 MB through the kernels' pool in place of the
 model (cpu_kernels.gemv of one [136533, 768] bf16 weight: the same evictions) and its time is

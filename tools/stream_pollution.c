@@ -2,8 +2,7 @@
  * 4 MiB working set (a random pointer chain, the way Python's objects are reached) is walked
  * once warm, then after each of several ways of reading 200 MiB (a bf16 125M model's weights)
  * once with one thread, and each walk is timed. If some way of reading kept the working set in
- * L2/L3, the walk after it would stay near the warm time; on the 2-core Zen 4 of docs/perf.md
- * (item 25) none does.
+ * L2/L3, the walk after it would stay near the warm time.
  *
  *     cc -O2 -march=native tools/stream_pollution.c -o /tmp/stream_pollution && /tmp/stream_pollution
  *
