@@ -1,21 +1,15 @@
 """Micro-benchmark of the LoRA delta (fleetllm/lora/layers.py) on one decoder layer's attention
-projections of the 125M preset (qkv 768 -> 1280 merged, o 768 -> 768), 8 adapters of rank 16
-on q/k/v/o, tokens spread evenly over them: the base projections alone (oneDNN-packed, as the
-model runs them) against the base plus each way to add the deltas:
-
-- grouped: ours. Adapter rows grouped by slot, padded to the longest group, two bmm calls and
-  an index_add: a fixed handful of calls whatever the mix, no products for base rows;
-- masked: one GEMM against every slot in use, the other slots' products zeroed by a one-hot,
-  one GEMM back: no gathers, but m times the products;
-- loop: each adapter group's rows (index_select, two GEMMs, index_add): the SGMV shape as a
-  Python loop over the adapters in the batch;
-- gather: each token's own A and B gathered ([T, in, R] and [T, R, out]) and two bmm calls:
-  the BGMV shape, the weights copied per token.
+projections of the 125M preset, 8 adapters of rank 16 on q/k/v/o, tokens spread evenly over
+them: the base projections alone (oneDNN-packed, as the model runs them) against the base plus
+each way to add the deltas.
 
     python -m fleetllm.benchmarks.lora_layer [--tokens 1 8 64 256 1024] [--adapters 8]
         [--threads 1] [--prefill]
 
-prints milliseconds per layer's q/k/v/o projections and each method's overhead on the base.
+Ways: grouped (ours: rows grouped by slot, two bmm and an index_add), masked (one GEMM over
+every slot, a one-hot zeroing the others), loop (a Python loop over adapter groups: SGMV's
+shape), gather (each token's A and B gathered: BGMV's shape). Prints milliseconds per layer's
+q/k/v/o projections and each way's overhead on the base (the tables in docs/lora.md).
 """
 
 from __future__ import annotations

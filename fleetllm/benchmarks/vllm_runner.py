@@ -1,22 +1,15 @@
 """The vLLM end of the benchmarks' vLLM peer; vllm_peer.py starts and drives it.
 
-Executed by path with the vLLM venv's interpreter (`.venv-vllm/bin/python vllm_runner.py`),
-so it imports the standard library and vllm only, never fleetllm (whose dependencies are not
-in that venv). One JSON object per line each way, on stdin and stdout; everything else the
-process prints (vLLM's logs) goes to stderr, so stdout carries the protocol alone:
+Run by path with the vLLM venv's interpreter, so it imports only the standard library and vllm.
+One JSON object per line each way on stdin/stdout (vLLM's logs go to stderr):
 
-    -> {"op": "load", "model": DIR, "dtype": "bfloat16", "enforce_eager": false,
-        "max_model_len": 512, "seed": 0}
-    <- {"ok": true, "vllm": "0.32.0", "seconds": 41.0}
+    -> {"op": "load", "model": DIR, "dtype": "bfloat16", "enforce_eager": false, ...}
     -> {"op": "run", "requests": [[[prompt token ids], max_tokens], ...], "stream": false}
-    <- {"ok": true, "seconds": 3.1, "outputs": [[token ids], ...], "token_times": null}
     -> {"op": "exit"}
-    any failure: <- {"ok": false, "error": "...", "traceback": "..."}
+    <- {"ok": true, ...} or {"ok": false, "error": "...", "traceback": "..."}
 
-A run is greedy, each request exactly max_tokens long (EOS ignored), the prefix cache emptied
-first (no round reuses the previous one's prompts). "seconds" is measured here, around the
-generation alone. With "stream": true it steps the engine itself and also reports, per request,
-when each token arrived (seconds from the start), for the latency benchmark.
+A run is greedy, each request exactly max_tokens long, the prefix cache emptied first;
+"seconds" times the generation alone, and "stream": true also reports each token's arrival.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Paged KV-cache bookkeeping: which fixed-size blocks hold which sequence's tokens.
 
-Two pools of reference-counted blocks: the device pool (where attention reads K/V) and a CPU
-pool that preempted groups are swapped into. Each sequence has a block table, a list of block
-ids; token position p lives in block `table[p // block_size]`, slot `p % block_size`.
-
-Blocks are shared through `fork` (n > 1 sampling: the children start with the parent's
-prompt blocks) and, with prefix caching, between requests whose prompts start alike (see
-prefix_cache.py: a new request's table starts with the cached blocks of its longest cached
-prefix, and its own full blocks become findable once computed). A shared block is never
-written in place: the first writer gets a private copy (copy-on-write) and the caller tells the
-workers to copy the block's contents. A cached block is full, and full blocks are never
-written again, so caching adds no copies.
-
-Allocation is lazy: a table grows only to cover the tokens computed this step, so a long prompt
-split into chunks holds just the blocks its computed chunks need.
-
-Every device block is exactly one of: free (never cached, or evicted), evictable (cached, no
-owner; counted as free) or owned (ref > 0).
+Two pools of reference-counted blocks: the device pool attention reads, and a CPU pool for
+swapped-out groups. A sequence's block table lists block ids; position p lives in block
+`table[p // block_size]`, slot `p % block_size`. Blocks are shared by `fork` (n > 1 samples)
+and, with prefix caching, between prompts that start alike (prefix_cache.py); a shared block
+is never written in place: the first writer gets a copy (copy-on-write) that the workers make.
+Tables grow lazily, to the tokens computed this step. Every device block is exactly one of
+free, evictable (cached, no owner; counted as free) or owned (ref > 0).
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Process groups for tensor (TP) and pipeline (PP) parallelism.
 
-Global rank = pp_rank * tp_size + tp_rank: a pipeline stage is a contiguous run of ranks.
-The rank whose result a step returns is output_rank(): every backend and the worker itself ask
-it here. With one worker (the default) every collective is a no-op, so the model code is the
-same for every backend. gloo on CPU, NCCL on CUDA.
-
-Rendezvous is the caller's choice of `init_method`: the mp backend uses a private `file://`
-store and pins gloo to loopback (one host); the ray backend a `tcp://` store on rank 0's node
-and whatever interface each node's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME names (or gloo's
-default: the address the host name resolves to).
-
-Every collective a group performs (all_reduce, all_gather, send, recv, broadcast, barrier) is
-counted on entry (collective_count): when a call fails on one rank, the mp executor learns
-whether that rank had entered any collective, i.e. whether its peers' collectives may now be
-paired with stale ones.
+Global rank = pp_rank * tp_size + tp_rank (a stage is a contiguous run of ranks); output_rank()
+is the rank whose result a step returns. With one worker every collective is a no-op, so the
+model code is the same on every backend. gloo on CPU, NCCL on CUDA; the caller's
+`init_method` picks the rendezvous (mp: a private `file://` store, gloo on loopback; ray: a
+`tcp://` store on rank 0's node and each node's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME).
+Every collective is counted on entry (collective_count), so a failed call tells the executor
+whether that rank's peers may now be paired with stale collectives.
 """
 
 from __future__ import annotations

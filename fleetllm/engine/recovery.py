@@ -1,18 +1,10 @@
-"""How LLMEngine recovers when its workers fail, wherever the failure is found (a step, the
-idle health probe, sleep, wake_up): workers that crashed or hung are replaced
-(Executor.restart_failed_workers, within max_worker_restarts per worker_restart_window_s:
-RestartBudget; a restart that fails counts and is tried again) and every request is
-recomputed; a step out of memory, also one that failed
-the workers under TP/PP (the OOM is the WorkerCrashedError's __cause__), is retried with half
-its tokens and the budget stays halved for OOM_FORGET_STEPS good steps. The engine also
-watches the executor's kv_cache_epoch: whenever the workers' KV content is gone (sleep or a
-restart, whoever called it) cached prefixes are forgotten and running requests recomputed.
-
-resume_samples gives a re-added request the tokens a dead engine core had made for it, in
-the same recompute state (core_client restarts the core).
-
-A mixin of LLMEngine (it reads the engine's scheduler, executor and request tables): kept
-apart so that the engine's request path reads on its own.
+"""How LLMEngine recovers when its workers fail, wherever it is found (a step, the idle health
+probe, sleep, wake_up): crashed or hung workers are replaced (within max_worker_restarts per
+worker_restart_window_s: RestartBudget) and every request is recomputed; a step out of memory
+is retried with half its tokens, the budget staying halved for OOM_FORGET_STEPS good steps.
+Whenever the workers' KV content is gone (kv_cache_epoch moved) cached prefixes are forgotten
+and running requests recomputed. resume_samples gives a re-added request the tokens a dead
+engine core had made. A mixin of LLMEngine, kept apart so the request path reads on its own.
 """
 
 from __future__ import annotations

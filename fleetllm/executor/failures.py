@@ -1,19 +1,14 @@
 """The failure rules of execute_model, shared by the backends whose workers are other processes
 (mp, ray), and the portable form in which a worker reports an exception.
 
-A step's ranks run collectives together (TP all_reduce/all_gather, PP send/recv). When one rank
-fails or stalls mid-step, its peers wait in a collective, and their next step's collectives
-would pair with stale ones: the executor must stop every worker and refuse later calls. Only
-when every rank raises the same error (type and message) before entering any collective is
-nobody out of step (nobody ran one): the executor stays usable and the call raises the remote
-error. Each rank reports with its error whether it entered a collective during the call
-(parallel_state.collective_count moved); a rank that does not report within
-EXEC_ERROR_GRACE_S of a first such error is presumed waiting in a collective. A step with no
-reply within ParallelConfig.execute_model_timeout raises CommunicationTimeoutError and leaves
-the step outstanding: `wait_for_timed_out_step()` waits once more, as long again, for the same
-step's replies (the engine does: a slow step still completes); if they still do not come, or
-the caller makes any other call instead, the ranks are declared hung and the executor fails
-likewise (the engine then restarts the workers, LLMEngine._recover).
+A step's ranks run collectives together, so one rank failing or stalling mid-step leaves its
+peers out of step: the executor stops every worker and refuses later calls. Only when every
+rank raises the same error before entering any collective (each reports whether it entered
+one) does the executor stay usable and raise that error; a rank silent for
+EXEC_ERROR_GRACE_S after a first error is presumed inside a collective. No reply within
+execute_model_timeout raises CommunicationTimeoutError with the step outstanding:
+`wait_for_timed_out_step()` waits once more; after that, or any other call instead, the ranks
+count as hung and the executor fails (the engine restarts the workers).
 """
 
 from __future__ import annotations

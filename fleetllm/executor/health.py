@@ -1,18 +1,11 @@
 """WorkerAccess: who may talk to an executor's workers, and what is known about them meanwhile.
 
 One executor-wide re-entrant lock orders every call to the workers (a step, a collective_rpc,
-a restart), so the ranks see calls in one order and a restart never runs beside a call. It
-also spans the timed-out window (executor/failures.py): after execute_model raised
-CommunicationTimeoutError with the step still outstanding, only the thread that ran the step
-may call (wait_for_timed_out_step, or anything else, which gives the step up); other threads
-wait until it decides, so that a /health probe or a /metrics scrape from the server never
-kills a slow step. A window left open longer than the second wait would take is abandoned:
-the next caller goes ahead and gives the step up.
-
-check_health never queues behind a step: while one runs (or is outstanding), a restart is
-under way, or another thread's call holds the workers, it answers from what is known without
-asking them: the backend's own crash detection, and whether the step has outlived
-execute_model_timeout.
+a restart). It also spans the timed-out window (failures.py): only the thread whose step timed
+out may call next, others wait, so a /health probe or /metrics scrape never kills a slow step;
+a window left open longer than the second wait would take is abandoned. check_health never
+queues behind a step: while the workers are busy it answers from what is known (the backend's
+crash detection, whether the step outlived execute_model_timeout).
 """
 
 from __future__ import annotations

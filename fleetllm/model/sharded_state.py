@@ -1,19 +1,12 @@
-"""Sharded state: each rank saves the tensors of its own model shard, and loads them back
+"""Sharded state: each rank saves the tensors of its own model shard and loads them back
 directly, with no slicing of full checkpoint tensors.
 
-Layout of a saved directory:
-- `model-rank-{rank}-part-{part}.safetensors` (the pattern is configurable): rank `rank`'s
-  parameters and persistent buffers under the model's own names, exactly as that rank holds
-  them (merged qkv / gate_up, vocabulary shards padded to equal size). A new part starts
-  once `max_size` bytes are reached.
-- `fleetllm_sharded_state.json`: the parallel layout (tp, pp, world size), dtype, pattern
-  and the files of each rank. Written last, by the driver: a directory without it is not a
-  complete save.
-- the source checkpoint's config.json, generation_config.json and tokenizer files, so
-  `LLM(path, load_format="sharded_state", tensor_parallel_size=..., ...)` works as is.
-
-Tied embeddings: the LM head and the embedding are one parameter, saved once (safetensors
-refuses tensors that share memory); the model ties them again when it is built.
+A saved directory holds `model-rank-{rank}-part-{part}.safetensors` (configurable pattern;
+each rank's tensors under the model's names, as it holds them, split at `max_size` bytes),
+`fleetllm_sharded_state.json` (layout, dtype, pattern, files; written last by the driver, so a
+directory without it is incomplete), and the source's config, generation config and tokenizer,
+so `LLM(path, load_format="sharded_state", ...)` works as is. Tied embeddings are saved once
+(safetensors refuses shared memory) and tied again when the model is built.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """The draft-model proposer: a smaller checkpoint with the target's vocabulary, run greedily
 in the same worker, with its own paged KV cache over the same block ids.
 
-With tensor or pipeline parallelism, the draft runs whole on the output rank (in
-parallel_state.alone(): its layers neither shard nor communicate) and its drafts are
-broadcast to every rank (spec_decode_worker.FromOutputRank). The draft's cache mirrors the
-target's block tables (a block id holds the draft's K/V of the same tokens as the target's),
-so the scheduler's bookkeeping, lookahead slots, swaps and copy-on-write copies apply to
-both; the KV budget is split between the two in proportion to their bytes per block. Per
-step: the draft computes the step's prompt chunks too; then for each drafted sequence it
-catches up on the tokens it has not cached (the previous step's bonus or corrected token, at
-most two, or everything after a restart) and proposes greedily, one pass per draft token.
-Greedy proposals are one-hot drafts: the scorer accepts those the target drew too
-(model_runner._accept_drafts), so outputs are the target's whatever the draft says; a stale
-or missing draft cache only costs acceptance.
+Under TP/PP the draft runs whole on the output rank (parallel_state.alone()) and its drafts are
+broadcast (spec_decode_worker.FromOutputRank). Its cache mirrors the target's block tables, so
+the scheduler's bookkeeping, swaps and copy-on-write apply to both; the KV budget is split by
+bytes per block. Each step it computes the prompt chunks, catches up on the tokens it has not
+cached, then proposes one pass per draft token. Greedy drafts are one-hot: the target accepts
+those it drew too (model_runner._accept_drafts), so a stale draft cache only costs acceptance.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Grammar backends: a StructuredOutputsParams -> a compiled grammar -> per-sequence matchers
 that fill a token bitmask and advance with each accepted token.
 
-Two well-kept libraries do the work (measured in docs/structured_outputs.md):
-- xgrammar (the default, as in vLLM): compiles JSON schema, regex and EBNF to a pushdown
-  automaton with the token masks precomputed per state; mask filling is fast.
-- llguidance ("guidance"): a lazy Earley parser over the token trie; near-zero compile time,
-  slower masks, and some features xgrammar lacks.
-"auto" uses xgrammar and falls back to guidance for a constraint xgrammar refuses.
-
-Both fill the same bitmask: int32 words, bit j of word i allows token 32 * i + j.
-`parse` is cheap and needs no tokenizer: it runs in add_request, so a malformed schema or
-regex is an InvalidRequestError naming the problem before anything is queued. `compile`
-needs the tokenizer's vocabulary and may take long for a big schema: it runs in the grammar
-thread (StructuredOutputManager), never on the step path.
+xgrammar (the default, as in vLLM: a pushdown automaton with precomputed masks) or llguidance
+("guidance": a lazy Earley parser, near-zero compile time, slower masks); "auto" falls back to
+guidance for a constraint xgrammar refuses. Both fill the same int32 bitmask (bit j of word i
+allows token 32 * i + j). `parse` needs no tokenizer and runs in add_request, so a malformed
+schema or regex is an InvalidRequestError before anything is queued; `compile` may be slow and
+runs on the grammar thread (StructuredOutputManager), never on the step path.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
-"""StructuredOutputManager: the engine's side of structured outputs.
+"""StructuredOutputManager: the engine's side of structured outputs (vLLM v1's split: grammar
+state beside the scheduler, masks applied where the sampler runs).
 
-How it works (the same split as vLLM v1: grammar state next to the scheduler, masks applied
-where the sampler runs):
-- add_request: `prepare` parses the constraint (cheap: a malformed schema or regex is an
-  InvalidRequestError before anything is queued) and starts compiling it in the grammar thread,
-  once per distinct constraint (an LRU of compiled grammars). The request waits in the
-  scheduler until its grammar is ready; other requests are not delayed.
-- each step, before the workers run: `fill_bitmasks` gives every sampled sequence with a
-  grammar its allowed-token bitmask (SequenceGroupMetadata.grammar_bitmask); the sampler on
-  the output rank masks those rows only, after the penalties and before the draw.
-- each sampled token: `accept` advances the sequence's matcher; a grammar that reached its
-  end finishes the sequence with "stop".
-
-What fails and how: a sequence's matcher is a function of its output tokens alone (rebuilt by
-replaying them when missing or out of step), so a failed step, a preemption and recompute, a
-worker restart or a fork of n samples leaves nothing to repair. A grammar that compiles in
-parse but not in compile ends its request with finish_reason "error" saying why. A token the
-grammar refuses (only possible if a mask was not applied) ends that sequence "abort", logged.
+How: add_request parses the constraint (a malformed one is an InvalidRequestError before
+anything is queued) and compiles it on the grammar thread, once per distinct constraint (an
+LRU); the request waits in the scheduler until it is ready, delaying no other. Each step
+`fill_bitmasks` gives every sampled sequence with a grammar its allowed-token bitmask, which
+the sampler applies after the penalties; `accept` advances its matcher per token.
+What fails: a matcher is a function of the output tokens alone (rebuilt by replay), so
+failed steps, preemption, restarts and forks need no repair. A grammar that fails to compile
+ends its request with finish_reason "error"; a refused token (a mask not applied) "abort".
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
-"""Delta encoding of ExecuteModelRequest between a driver and its workers, for any backend
-that sends each step to worker processes (mp over its AF_UNIX channel, ray over Ray calls).
+"""Delta encoding of ExecuteModelRequest between a driver and its worker processes (mp, ray).
 
-A decode step must not resend whole token histories. The driver's DeltaEncoder remembers, per
-seq_id, how many prompt/output tokens the workers already hold and sends only the new output
-tokens (num_computed_tokens and block tables always go in full); SamplingParams are sent once
-per request, with the request's LoRARequest. Each worker keeps the same state in a
-DeltaDecoder (WorkerWrapperBase owns one) and rebuilds full SequenceData objects before
-calling Worker.execute_model. Entries are dropped for finished_requests_ids (request_id ->
-seq_ids is tracked from the metadata).
-
-Every worker sees the same message stream in the same order, so all ranks' caches are
-identical: if decoding fails on one rank it fails on all, before anything has run, and they
-all report DeltaDesync; the driver then resends the step in full with a cache reset. The driver
-also falls back to full data whenever its own bookkeeping does not match the request (a new or
-forked sequence, a changed prompt length, an output history that is not an extension of what
-was sent, a different request id for the seq id). It lives on the worker side of the layering
-(fleetllm.worker), because workers decode it and must not import the executor package.
+How: the driver's DeltaEncoder remembers per seq_id how many tokens the workers hold and sends
+only new output tokens (computed counts and block tables in full, SamplingParams and the
+LoRARequest once per request); each worker's DeltaDecoder (in WorkerWrapperBase) rebuilds full
+SequenceData before Worker.execute_model, and drops finished requests' entries.
+What fails: every rank sees the same stream, so a decode failure happens on all ranks before
+anything runs (DeltaDesync) and the driver resends the step in full with a cache reset; the
+driver also sends full data whenever its bookkeeping does not match the request. It lives in
+fleetllm.worker because workers decode it and must not import the executors.
 """
 
 from __future__ import annotations

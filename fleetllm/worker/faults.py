@@ -1,18 +1,13 @@
-"""Fault injection for tests: make one rank crash, hang or raise at its k-th execute_model.
+"""Fault injection for tests: make one rank crash, hang, raise or run out of memory at its
+k-th execute_model (test-only: nothing in fleetllm installs one).
 
     from fleetllm.worker.faults import inject_fault
     inject_fault(llm.llm_engine.model_executor, rank=1, kind="crash", at_call=5)
 
-The fault is installed in the worker itself through `collective_rpc` with a callable, so it
-fires at an exact step on any backend, with no timing luck:
-- "crash": the worker process dies by SIGKILL (not for `uni`: that is the caller's process);
-- "hang": the call sleeps far past any timeout (the process stays alive), or `seconds`;
-- "raise": the call raises RuntimeError("injected fault ...");
-- "oom": the call fails a real allocation on the worker's device (torch's CPU allocator
-  raises RuntimeError, CUDA's torch.OutOfMemoryError): the worker classifies it as
-  OutOfMemoryError before it reaches the driver, as it does a real one.
-Calls are counted from the installation on. New workers (after a restart) have no fault.
-Test-only: nothing in fleetllm installs one.
+Installed in the worker through `collective_rpc`, so it fires at an exact step on any backend:
+"crash" SIGKILLs the worker process (not on `uni`), "hang" sleeps past any timeout (or
+`seconds`), "raise" raises RuntimeError, "oom" fails a real allocation (classified as
+OutOfMemoryError like a real one). Calls count from installation; restarted workers have none.
 """
 
 from __future__ import annotations
