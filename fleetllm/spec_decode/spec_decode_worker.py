@@ -1,23 +1,14 @@
 """SpecDecodeWorker: speculative decoding around a scoring worker, behind the worker API.
 
-The configuration picks the worker (WorkerWrapperBase): with a speculative_config, the
-configured worker (the scorer, which runs the target model) is wrapped by create_spec_worker.
-Per step, for each decoding sequence a proposer drafts up to num_speculative_tokens tokens:
-n-gram prompt lookup (ngram_proposer.py: no second model, the same drafts on every rank) or a
-small draft model run greedily in this worker (draft_model.py). The scorer runs the target
-model once over each sequence's last token and its drafts (one decode row per position; the
-KV slots are the scheduler's lookahead slots), draws a token at every position, and keeps
-the drafts the target drew too, then its own token (model_runner._accept_drafts: rejection
-sampling for a one-hot draft, so outputs are distributed exactly as without speculation;
-greedy and seeded requests emit the very same tokens). The step returns one SamplerOutput per
-emitted position; the engine appends them in order. The first carries SpecDecodeWorkerMetrics.
-
-Not drafted (fast_paths.may_draft): prompt steps, requests with a grammar (their allowed tokens
-depend on the drafts), a sequence's last allowed token (max_tokens, max_model_len), a
-sequence past a draft model's shorter max_model_len (as in vLLM). A failure
-is the scorer's failure (or the draft model's, the same way): a step fails as a whole and the
-engine recovers as from any failed step. The proposers' state (n-gram indexes, how far the
-draft model's cache is computed) only affects which drafts are proposed, never the output.
+With a speculative_config WorkerWrapperBase wraps the configured worker (the scorer) with
+create_spec_worker. Each step a proposer drafts up to num_speculative_tokens per decoding
+sequence (n-gram lookup: ngram_proposer.py, or a greedy draft model: draft_model.py); the
+scorer runs the target once over each sequence's last token and drafts, draws a token at every
+position and keeps the drafts it drew too (model_runner._accept_drafts: rejection sampling for
+one-hot drafts, so greedy and seeded outputs equal those without speculation). It returns one
+SamplerOutput per emitted position, the first carrying SpecDecodeWorkerMetrics. Which
+sequences are drafted: fast_paths.may_draft. What fails: a step fails as a whole, as any
+step; the proposers' state only changes which drafts are proposed, never the output.
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
 """Greedy decode passes run back to back: multi-step decoding's lean path (MultiStepWorker).
 
-What: a multi-step call's passes, for a batch that needs nothing but each row's argmax
-(fast_paths.plain_argmax: every sequence greedy, no penalties, logprobs, min_tokens still
-holding back a stop token, grammar or adapter) on a single rank, through the stock Worker.
-Such a pass needs no sampler, no SamplerOutput and no token ids back in Python.
-
-How: the inputs of all the passes (positions, KV slots and context lengths of each, the
-block tables up to the last pass) are built once, in two tensors. On the CPU, where the
-fused layers apply, all the passes then run in one C call (fused.run_passes:
-cpu_kernels.greedy_passes), each pass's argmax the next one's input; elsewhere (CUDA, a
-model the fused layers do not take) a Python loop runs ModelRunner.forward_tokens and the
-sampler's argmax per pass. The tokens come back in one list at the end. Why: at batch 1 a
-step's host work runs from cold caches after the weights have streamed through them: one
-pass a call spent ~0.23 ms a token besides the forward, the generic multi-step loop
-~0.2, this path ~0.06 (the C call) or ~0.09 (the Python loop), and the forward itself ran
-~0.1 ms faster in the C call (docs/perf.md, item 41).
-
-What fails and how: the tokens are those the generic pass draws (the same kernels on the
-same rows, the same argmax; tests/test_multi_step.py compares them on random workloads). An
-interrupt (an abort) ends the call after the pass under way: the C call reads the
-StepInterrupts count after each pass, without the GIL, so the aborting thread runs
-meanwhile. The C call also ends after the pass by which every row has drawn one of its stop
-tokens (the engine ends those sequences there and would discard later passes). An error in
-any pass fails the whole call, which the engine recomputes, as for any failed step.
+What: a multi-step call's passes for a batch that needs only each row's argmax
+(fast_paths.plain_argmax) on a single rank: no sampler, no SamplerOutput, no token ids back in
+Python per pass. How: all passes' inputs (positions, KV slots, context lengths, block tables)
+are built once; on the CPU, where the fused layers apply, the passes run in one C call
+(fused.run_passes: cpu_kernels.greedy_passes), each argmax feeding the next; elsewhere a
+Python loop of ModelRunner.forward_tokens and argmax. The tokens come back in one list.
+What fails: the tokens equal the generic pass's (tests/test_multi_step.py). An interrupt
+ends the call after the pass under way (the C call reads StepInterrupts without the GIL), as
+does every row having drawn a stop token; an error in any pass fails the whole call, which
+the engine recomputes.
 """
 
 from __future__ import annotations

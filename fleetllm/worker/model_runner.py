@@ -78,8 +78,8 @@ class ModelRunner:
         self.drop_requests(request.finished_requests_ids)
         if not request.seq_group_metadata_list:
             return [SamplerOutput([])] if self.is_output_rank else None
-        # Inference mode by its C++ guard: torch.inference_mode()'s Python wrapper ran from
-        # memory after a step's weight stream (22 us of a batch-1 step; docs/perf.md item 40).
+        # Inference mode by its C++ guard: torch.inference_mode()'s Python wrapper runs from
+        # memory after a step's weight stream, a measurable part of a batch-1 step.
         with torch._C._InferenceMode(True):
             batch = self._prepare(request, drafts)
             logits = self._forward(batch, kv_caches)
@@ -305,7 +305,7 @@ class ModelRunner:
                 chunk += sampler.prompt_logprobs(logits[first: first + len(targets)], targets, n)
             outputs[g_index].prompt_logprobs = chunk
         # sampled_token_ids stays None, as in vLLM without a tensor consumer: nothing reads it,
-        # and building it cost a batch-1 step 39 us from a cold cache (docs/perf.md item 40).
+        # and building it costs a batch-1 step measurably from a cold cache.
         return [SamplerOutput(outs) for outs in (outputs, *later)]
 
     @torch.inference_mode()

@@ -1,29 +1,14 @@
 """MultiStepWorker: multi-step decoding (vLLM's num_scheduler_steps) around a worker.
 
-With num_scheduler_steps=k the engine sends a decode-only batch (no prompt chunk, nothing
-waiting or swapped, no structured-output grammar) as one request with num_steps=k; this
-worker runs the k forward passes itself: after each, the output rank's sampled tokens are
-broadcast to every rank (TP/PP: each rank feeds them back into its own copy of the sequences;
-the engine's copies are not touched), and the next pass decodes them. A sequence stops
-taking passes at its max_tokens or max_model_len (its later outputs are simply absent); one
-that stops on EOS or a stop string keeps decoding here, and the engine discards what it
-produced after its end. The KV slots of the later passes are the scheduler's lookahead
-slots (k - 1 per decoding sequence). Returns one SamplerOutput per pass on the output rank
-(None elsewhere), as a speculative step does; the engine applies them in order.
-
-An abort ends a call early: Executor.interrupt_step (the engine calls it when a request is
-aborted while a step runs) bumps this rank's StepInterrupts from another thread or process;
-after each pass the output rank checks whether the count moved since the call began and
-broadcasts that with the tokens, so every rank stops after the same pass. The engine applies
-the passes done and the aborted request's blocks are freed k - 1 passes earlier.
-
-Passes that every active group takes as a plain argmax (fast_paths.plain_argmax), on one rank
-through the stock Worker, run by greedy_passes: all in one C call on the CPU, with none of
-the per-pass sampling and output work (the first pass too, unless the call moves blocks).
-
-Any other request (num_steps 1) goes to the wrapped worker unchanged. A failure in pass i
-fails the whole call: the engine has applied nothing and recomputes the step, as for any
-failed step.
+With num_scheduler_steps=k the engine sends a decode-only batch as one request with
+num_steps=k; this worker runs the k passes, broadcasting the output rank's tokens to every rank
+after each (each rank feeds them to its own copy of the sequences). A sequence stops taking
+passes at max_tokens or max_model_len; one that hits EOS or a stop string decodes on and the
+engine discards the rest. Later passes use the scheduler's lookahead slots. Returns one
+SamplerOutput per pass on the output rank, as a speculative step does. Plain-argmax batches
+on one rank run greedy_passes.py instead; requests with num_steps 1 go to the wrapped worker.
+What fails: an abort (Executor.interrupt_step bumps StepInterrupts) stops every rank after the
+same pass; a failure in any pass fails the whole call and the engine recomputes the step.
 """
 
 from __future__ import annotations
