@@ -1,26 +1,13 @@
 """Training windows that repeat themselves, so the demo model learns to copy.
 
-Code is full of text written twice: a function copied and edited, a name used again.
-A model that has learned to copy continues such text from its own prompt (the "induction
-heads" of small transformers), which is what n-gram speculative decoding drafts from.
-Plain windows of the stdlib teach that only weakly at the demo model's size, so
-``tools/train_demo_model.py --copy-fraction F`` mixes two kinds of windows into its
-batches:
-
-- **copy-edit windows**: a function from a training file, a comment asking for it again
-  (several phrasings; renamed or not), then the function again, its ``def`` line renamed;
-- **span repeats**: a random span of the corpus (16-200 tokens) and, after a line break,
-  the same span again; in half of them the span is random tokens, which only copying
-  predicts, so that copying wins over what the model would otherwise expect (code unlike
-  the stdlib's).
-
-Both sit at a random place inside a window of plain corpus tokens, and the loss covers the
-whole window. The phrasings and the renaming rules are deliberately not those of
-``fleetllm bench latency --workload copy`` (fleetllm's own functions, "The same function,
-renamed to X_v2"), so a copy benchmark measures copying in general, not one sentence.
-
-Held-out copy-edit windows (from held-out files) measure copying: the loss and argmax
-accuracy over the body of the second copy, which a copying model predicts almost exactly.
+A model that copies continues text repeated from its prompt, which is what n-gram speculative
+decoding drafts from; plain stdlib windows teach that weakly at the demo model's size, so
+``tools/train_demo_model.py --copy-fraction F`` mixes in copy-edit windows (a function, a
+comment asking for it again, then the function renamed) and span repeats (a corpus span or
+random tokens, then the same again), each inside a window of plain corpus tokens with the loss
+over the whole window. The phrasings differ from ``fleetllm bench latency --workload copy``'s,
+so that benchmark measures copying in general. Held-out copy-edit windows measure copying:
+loss and argmax accuracy over the second copy's body.
 """
 
 from __future__ import annotations

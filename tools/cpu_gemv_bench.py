@@ -1,30 +1,16 @@
 """Time the C GEMV kernel (cpu_kernels.gemv: decode steps' projections) in two settings.
 
     .venv/bin/python tools/cpu_gemv_bench.py
-
-"cache": one 4096 x 768 weight (the 125M preset's gate/up projection: 6 MB in bfloat16, 12
-in float32) called over and over, so it stays in the last-level cache and the kernel's own
-arithmetic is what is timed. "model": the preset's 48 layer projections and its LM head
-(100M parameters), one call each per pass, read from memory as a decode step reads them.
-"demo": the demo model's 16 projections and LM head (16 MB in float32: more than L2, within
-L3), one call each per pass, as its decode and speculative steps read them. "qwen2-0.5b" and
-"llama-1b": a third of Qwen2-0.5B's layers and a quarter of Llama-3.2-1B's, with their LM
-heads (0.5 and 1 GB in bfloat16), from memory: the large layers whose decode batches of 4-16
-rows the kernel and oneDNN compete for.
-Per dtype and number of rows of x (the decode batch): the best of 7 passes, as weight bytes
-read per second. `--onednn` also times oneDNN's packed copy of the same weights (what
-layers.linear runs beyond the kernel's rows; float32 for a bf16 weight where oneDNN packs no
-bf16), in milliseconds per pass next to the kernel's: where layers.decode_gemv_rows comes from.
-`--huge-pages` places the weights in one huge-page mapping, as the loader places a model's
-(model/huge_pages.py; the "model" setting then streams as a decode step does).
-
     .venv/bin/python tools/cpu_gemv_bench.py --setting model --rows 8 12 16 24 --onednn
-
-`--pairs` times the bf16 GEMM on weights packed by pairs (what layers.linear runs for bf16 at
-every number of rows on CPUs with AVX-512 BF16) the same way:
-
     .venv/bin/python tools/cpu_gemv_bench.py --setting model qwen2-0.5b --dtype bfloat16 \
         --rows 1 4 8 16 32 64 --onednn --pairs
+
+Settings: "cache" (one 4096 x 768 weight called over and over: the kernel's arithmetic),
+"model" (the 125M preset's projections and LM head from memory, as a decode step reads them),
+"demo" (the demo model's), "qwen2-0.5b" and "llama-1b" (part of those models' layers).
+Prints per dtype and row count the best of 7 passes as weight bytes read per second;
+`--onednn` adds oneDNN's packed copy (where layers.decode_gemv_rows comes from), `--pairs`
+the bf16 GEMM on weights packed by pairs, `--huge-pages` places the weights as the loader does.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """float32 projections: oneDNN's packed weights (what fleetllm runs: `mkldnn::_linear_pointwise`
 on `_reorder_linear_weight(w, None)`) against MKL's packed sgemm (`cblas_sgemm_pack` once,
-`cblas_sgemm_compute` at any row count; libtorch_cpu exports both where torch is built with
-MKL), in one process, taking turns shape by shape.
-
-Why: on the 2-core AMX Xeon (2026-11-29) vLLM's CPU build ran the float32 125M round 1.2x
-faster than fleetllm, whose round is ~78% oneDNN float32 GEMMs; vLLM's own oneDNN matmul
-(`onednn_mm`, float32: errors of 8e-7 against float64, as torch's) measured 233-262 GFLOP/s
-on these shapes where torch's packed oneDNN measured 185-229. torch's own `mkl::_mkl_linear`
-uses its packing only at the exact row count it was packed for (any other count falls back
-to the unpacked sgemm), which a step's varying size never hits; MKL's packed B itself serves
-any row count, mostly with the unpacked sgemm's bits (`F.linear`'s, which transformers
-runs). Two processes a minute apart cannot compare these on this machine (the same code
-moved 200 -> 290 GFLOP/s between runs), so each shape's two calls alternate.
+`cblas_sgemm_compute` at any row count), in one process, taking turns shape by shape.
 
     .venv/bin/python tools/fp32_gemm_ab.py [--rows 16,64,256,512,1024,2048] [--rounds 6]
 
-Prints, per row count, each shape's GFLOP/s both ways and the ratio of the totals' times
-(oneDNN / MKL: above 1, MKL's packed sgemm is faster), and for how many shapes MKL's packed
-product was F.linear's bit for bit (it is always within float32 rounding of it, checked).
-The 125M preset's layer shapes and its LM head.
+Why in one process: the machine's speed drifts between runs more than the difference measured.
+torch's own `mkl::_mkl_linear` uses its packing only at the row count it was packed for, so
+MKL's packed B is called directly. Prints, per row count, each of the 125M preset's shapes'
+GFLOP/s both ways, the ratio of the totals (oneDNN / MKL: above 1, MKL is faster), and for
+how many shapes MKL's product was F.linear's bit for bit (always within float32 rounding).
 """
 
 from __future__ import annotations

@@ -4,20 +4,13 @@ against the working tree's, swapped in turn step by step in one process (old, ne
 
     .venv/bin/python tools/host_ab.py fleetllm.worker.model_runner:ModelRunner._sample
     .venv/bin/python tools/host_ab.py --base HEAD~2 --forward-python \\
-        fleetllm.worker.model_runner:ModelRunner.execute_model,ModelRunner._sample \\
-        fleetllm.model.layers:ParallelLMHead.logits
+        fleetllm.worker.model_runner:ModelRunner.execute_model,ModelRunner._sample
 
-Why: after a step has streamed its ~200 MB of weights, the host's work (scheduling, input
-preparation, sampling, outputs) runs from memory, where each distinct code path costs tens of
-microseconds, and this machine's memory bandwidth moves between
-~33 and ~65 GB/s from minute to minute: two processes, or the bench's own split of the step,
-cannot resolve 20 us. Here each step streams 200 MB through the kernels' pool in place of the
-model (cpu_kernels.gemv of one [136533, 768] bf16 weight: the same evictions) and its time is
-subtracted; what is left is the host's, and the two versions share every phase.
-
-Default: the whole forward is that stream (the runner's _forward returns the first decode's
-logits again). --forward-python: the real forward's Python runs, with its two streaming ops
-(the one-call decoder layers, the LM head's GEMM) stubbed the same way.
+Why: after a step streams its weights, host code runs from memory and costs tens of
+microseconds, below what two processes can resolve on a machine whose bandwidth drifts. Each
+step streams 200 MB through the kernels' pool in place of the model (the same evictions), its
+time subtracted; --forward-python runs the real forward's Python with its two streaming ops
+stubbed the same way.
 """
 
 from __future__ import annotations
