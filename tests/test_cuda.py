@@ -1,21 +1,12 @@
 """The CUDA path (device="cuda"), which CI cannot run: every test here is skipped unless torch
 sees a CUDA device. tools/device_check.sh runs this file on a lent GPU machine.
 
-What is checked, on the GPU:
-- greedy parity with transformers on the same GPU: float32 token for token (a divergence only
-  at an exact tie) with logprobs within 2e-3, bfloat16 mostly identical with every divergence
-  at a bf16 near-tie (the approach of test_bf16.py);
-- memory profiling: the KV blocks follow gpu_memory_utilization (a fraction of the device's
-  total memory the whole device may use, Worker.determine_num_available_blocks) and the
-  device's used memory stays under it;
-- sleep(1) / sleep(2) / wake_up: torch.cuda.memory_allocated drops by the KV cache and the
-  weights, and comes back with the same outputs;
-- the mp backend (one worker process on the one GPU) gives uni's tokens and logprobs;
-- prefix caching + chunked prefill, and swap / recompute preemption, give the same tokens;
-- the CUDA path never builds or calls the C++ CPU kernels.
-
-Figures (agreement counts, block counts, bytes freed) are appended as JSON lines to the file
-named by FLEETLLM_CUDA_REPORT, when set, so that one run on a lent machine reports them.
+On the GPU: greedy parity with transformers (float32 token for token, logprobs within 2e-3;
+bfloat16 diverging only at near-ties); KV blocks sized by gpu_memory_utilization with used
+memory under it; sleep(1) / sleep(2) / wake_up free and restore the KV cache and weights with
+the same outputs; mp gives uni's tokens; prefix caching, chunked prefill and preemption give
+the same tokens; the C++ CPU kernels are never built or called. Figures are appended as JSON
+lines to FLEETLLM_CUDA_REPORT when it is set.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Randomized differential test of pooling requests through LLMEngine.step().
 
-Each workload draws an engine shape (token budget 128-320, max_num_seqs 1-8, max_model_len
-150 or the model's, a pooling type and normalize setting) and requests: prompts of 1-200
-tokens, random PoolingParams (normalize None/on/off, Matryoshka dimensions listed or not),
-some added a few steps late, some aborted at a random step, some invalid (empty, a token
-outside the vocabulary, longer than max_model_len or the token budget, dimensions the model
-does not list). It steps the engine until nothing is left and checks, against each request
-run alone through Hugging Face AutoModel (pooling_helpers.hf_embedding):
-- add_request refuses exactly the invalid requests (InvalidRequestError), and queues nothing;
-- every valid request that is not aborted before it finishes gets exactly one output, a
-  finished PoolingRequestOutput without error, with the reference's vector; an aborted one
-  gets nothing at or after the step it was aborted in;
-- after every step no block is leaked or double-booked, and at the end every block is free,
-  no request is left in the engine or the scheduler;
-- over the series, steps batched several requests and requests waited for room.
-
+Each workload draws an engine shape (token budget, max_num_seqs, max_model_len, pooling type,
+normalize) and requests (prompts of 1-200 tokens, random PoolingParams, some late, some
+aborted, some invalid), steps until nothing is left and checks, against Hugging Face AutoModel
+per request (pooling_helpers.hf_embedding): exactly the invalid requests are refused
+(InvalidRequestError, nothing queued); every other one not aborted gets one finished output
+with the reference's vector, an aborted one nothing after its abort; no block leaks; over the
+series steps batched several requests and requests waited for room.
 FLEETLLM_POOLING_WORKLOADS=N runs more; FLEETLLM_RANDOM_SEED picks another series;
 FLEETLLM_RANDOM_ONLY=i replays workload i.
 """

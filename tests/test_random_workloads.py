@@ -1,36 +1,17 @@
 """Randomized differential test of the scheduler, block manager and engine.
 
-Each workload draws requests (prompts of 1-300 tokens, often sharing a prefix with another
-request or repeating one, n 1-4, greedy, seeded or unseeded sampling, stop strings, prompt
-logprobs, max_tokens 1-24), an engine shape (max_num_batched_tokens 8-256, max_num_seqs 1-16,
-a KV pool from barely enough for the largest request to several times that, recompute or swap
-preemption, with or without a CPU swap pool, block size 4 or 16, prefix caching on or off),
-aborts at random steps and executor faults (a step that raises before or after the workers
-ran: a plain error, a worker crash the engine recovers from by replacing its workers, or
-an out-of-memory step it retries smaller). It runs them together and checks, against each
-request run alone in a large pool with no faults:
-- every request gets exactly one terminal output with n completions (an aborted one gets
-  nothing after the abort), and nothing after it;
-- greedy and seeded requests produce identical tokens and text (streamed outputs before
-  the end are prefixes of the reference). The one tolerated difference: a greedy step whose
-  two best logprobs in the reference are within TIE (float noise of a different batch
-  shape can pick either; the reference's own n greedy samples may split there);
-- streamed text only grows;
-- prompt logprobs cover every prompt position and match the reference;
-- after every step each device block is exactly one of free, cached-and-evictable or owned
-  (its reference count = the tables holding it), and afterwards none is owned: every block
-  counts as free (device and CPU pools) and no request is left;
-- with prefix caching, shared prefixes are found in the cache (over the series);
-- no exception escapes except the injected faults;
-- speculative decoding (n-gram and draft-model proposers) and multi-step decoding (a fifth
-  of the workloads each; the reference runs without them): the same tokens, and a sequence
-  never holds more blocks than its tokens and lookahead slots need; with multi-step, aborts
-  and bare interrupts also land inside a call, between its passes (MidCallAborts), and
-  batches of plain greedy rows run multi-step's lean path (greedy_passes.py) now and then.
-
-FLEETLLM_RANDOM_WORKLOADS=N runs more (the default keeps `make test` near a minute);
-FLEETLLM_RANDOM_SEED picks another series; each workload has its own generator, so a failure
-names the one workload to replay with FLEETLLM_RANDOM_ONLY=index.
+Each workload draws requests (prompts of 1-300 tokens often sharing prefixes, n 1-4, greedy,
+seeded or unseeded, stop strings, prompt logprobs), an engine shape (token and sequence
+budgets, a KV pool from barely enough up, recompute or swap, block size 4 or 16, prefix
+caching, a fifth each with n-gram/draft-model speculation or multi-step), aborts at random
+steps and executor faults (errors, crashes, OOM steps). Against each request run alone it
+checks: one terminal output each and nothing after; greedy and seeded tokens identical (but at
+logprob ties within TIE); text only grows; prompt logprobs match; after every step each block
+is free, evictable or owned exactly as the tables say, and at the end none is owned; shared
+prefixes are found; no exception escapes but the injected ones; with multi-step, aborts and
+interrupts inside a call, and greedy_passes.py's lean path taken now and then.
+FLEETLLM_RANDOM_WORKLOADS=N runs more, FLEETLLM_RANDOM_SEED picks another series,
+FLEETLLM_RANDOM_ONLY=index replays one workload.
 """
 
 from __future__ import annotations
