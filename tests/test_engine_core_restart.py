@@ -259,3 +259,46 @@ def test_a_sleeping_core_that_dies_is_replaced_asleep(tiny_models):
         assert len(asyncio.run(_tokens(client, "after", [5, 6], plain))) == 3
     finally:
         client.shutdown()
+
+
+def test_a_killed_tp2_core_is_replaced_with_its_workers_and_nothing_is_left(tiny_models,
+                                                                            monkeypatch):
+    """TP=2 (mp workers under the core): the dead core's workers go, the new core's take over,
+    the streams give the tokens of an undisturbed run, and nothing is left after shutdown."""
+    monkeypatch.setenv("FLEETLLM_TEST_STEP_DELAY", "0.01")
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=40, ignore_eos=True)]
+    shm_before, procs_before = set(os.listdir("/dev/shm")), set(children_of(os.getpid()))
+    core = EngineCoreClient(str(tiny_models["llama_gqa"]), kv_cache_memory=KV,
+                            tensor_parallel_size=2, distributed_executor_backend="mp",
+                            worker_cls="serving_helpers.SlowWorker")
+
+    async def run(tag: str, kill: bool):
+        async def one(i, p):
+            return [o async for o in core.generate({"prompt_token_ids": [5, 6, 7 + i]}, p,
+                                                   f"{tag}{i}")]
+        task = asyncio.ensure_future(asyncio.gather(*(one(i, p) for i, p in enumerate(params))))
+        if kill:
+            await asyncio.sleep(0.5)
+            old = core._core.proc.pid
+            workers = children_of(old)
+            assert workers
+            os.kill(old, signal.SIGKILL)
+            outs = await asyncio.wait_for(task, 120)
+            return outs, workers
+        return await asyncio.wait_for(task, 120), []
+
+    try:
+        want, _ = asyncio.run(run("ref", False))
+        got, old_workers = asyncio.run(run("got", True))
+        assert core.core_restarts.total == 1
+        deadline = time.monotonic() + 15  # they watch their core: gone within ~1 s
+        while any(alive(p) for p in old_workers):
+            assert time.monotonic() < deadline, old_workers
+            time.sleep(0.1)
+        for g, w in zip(got, want, strict=True):
+            assert _stream_is_consistent(g)
+            _same_tokens(g[-1], w[-1], g[-1].request_id)
+    finally:
+        core.shutdown()
+    _nothing_left(shm_before, procs_before)
