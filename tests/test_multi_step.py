@@ -518,3 +518,25 @@ def test_configuration_is_checked(tiny_models):
     with pytest.raises(ConfigurationError, match="cannot be combined"):
         LLM(model, num_scheduler_steps=4,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_greedy_passes_python_loop_matches_one_pass_a_call(tiny_models, monkeypatch):
+    """Where the C loop does not run (CUDA, a model the fused layers do not take), the greedy
+    passes go pass by pass through ModelRunner.forward_tokens: the same tokens as one pass a
+    call, and the lean path ran."""
+    lean, run = [], greedy_passes.run
+
+    def counted(*args, **kwargs):
+        lean.append(run(*args, **kwargs))
+        return lean[-1]
+
+    monkeypatch.setattr(greedy_passes, "run", counted)
+    monkeypatch.setattr(fused, "run_passes", lambda *args, **kwargs: None)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (9, 20, 14)]
+    model = tiny_models["llama_gqa"]
+    with LLM(model, kv_cache_memory=KV) as ref, \
+            LLM(model, kv_cache_memory=KV, num_scheduler_steps=4) as llm:
+        want = tokens(ref.generate(prompts, params, use_tqdm=False))
+        assert tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert sum(map(len, lean)) >= 15, lean
