@@ -194,15 +194,17 @@ def test_a_server_s_killed_core_is_replaced_streams_complete_and_metrics_count_i
         srv.stop()
 
 
-def test_sigterm_while_the_server_starts_leaves_no_process_behind(tiny_models):
+def test_sigterm_while_the_server_starts_leaves_no_process_behind(tiny_models, tmp_path):
     """SIGTERM to `fleetllm serve` while its engine core (TP=2, mp workers) is starting:
     every process of the tree is gone within a timeout (they used to run on under pid 1)."""
     model = str(tiny_models["llama_gqa"])
     cmd = [sys.executable, "-m", "fleetllm.cli", "serve", model, "--port", "0",
            "--kv-cache-memory", str(KV), "--tensor-parallel-size", "2",
-           "--distributed-executor-backend", "mp"]
-    proc = subprocess.Popen(cmd, env=server_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+           "--distributed-executor-backend", "mp", "--worker-cls",
+           "slow_start_worker.SlowStartWorker"]  # loads for 5 s: SIGTERM lands in start-up
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, env=server_env(PYTHONFAULTHANDLER="1"),
+                            stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     seen: set[int] = set()
     try:
         deadline = time.monotonic() + 120
@@ -218,7 +220,12 @@ def test_sigterm_while_the_server_starts_leaves_no_process_behind(tiny_models):
             raise AssertionError("no workers started")
         seen |= _tree(proc.pid)
         os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(30) != 0
+        try:
+            assert proc.wait(60) != 0
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGABRT)  # faulthandler: where it was stuck
+            proc.wait(10)
+            raise AssertionError((tmp_path / "serve.log").read_text()[-6000:]) from None
         deadline = time.monotonic() + 30
         while left := [p for p in seen if alive(p)]:
             assert time.monotonic() < deadline, left
@@ -230,6 +237,7 @@ def test_sigterm_while_the_server_starts_leaves_no_process_behind(tiny_models):
         for pid in seen:  # nothing of it may outlive the test, whatever it asserted
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        log.close()
 
 
 def _tree(pid: int) -> set[int]:
