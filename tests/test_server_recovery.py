@@ -72,11 +72,14 @@ def test_a_killed_worker_is_replaced_and_every_stream_completes(tiny_models):
         srv.kill()
 
 
-def test_past_the_restart_limit_streams_end_with_an_error_and_the_server_exits_1(tiny_models):
+@pytest.mark.parametrize("frontend", ["core-process", "in-process"])
+def test_past_the_restart_limit_streams_end_with_an_error_and_the_server_exits_1(tiny_models,
+                                                                                 frontend):
     """The engine is dead for good: streams end with an error event, and the server exits
     non-zero for a supervisor to restart it (vLLM exits on EngineDeadError too), rather
-    than answer 503 for ever."""
-    srv = start_tp2(tiny_models["llama_gqa"], "--max-worker-restarts", "0")
+    than answer 503 for ever; with the engine in the API process too."""
+    extra = ["--disable-frontend-multiprocessing"] if frontend == "in-process" else []
+    srv = start_tp2(tiny_models["llama_gqa"], "--max-worker-restarts", "0", *extra)
     try:
         workers = engine_workers(srv.pid)
         outcome = asyncio.run(streams(srv.url, 4, workers[-1]))

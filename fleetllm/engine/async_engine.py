@@ -110,6 +110,9 @@ class AsyncLLMEngine:
         self._commands: queue.Queue[Any] = queue.Queue()
         self._lock = threading.Lock()  # orders the dead/stopped checks against enqueueing
         self._fatal: BaseException | None = None
+        # Called (on the loop thread) once the engine is dead for good: `fleetllm serve`
+        # exits non-zero then, for a supervisor to restart it.
+        self.on_dead: Callable[[BaseException], None] | None = None
         self._stopped = False
         self._busy_since: float | None = None  # monotonic start of the engine call under way
         self._streams: dict[str, RequestStream] = {}  # loop thread only
@@ -409,6 +412,8 @@ class AsyncLLMEngine:
             elif isinstance(command, _Call):  # a sleep or wake_up waiting its turn
                 _settle(command.done, error=_dead(error))
         self._end_all(lambda: _dead(error))
+        if self.on_dead is not None:
+            self.on_dead(error)
 
     def _end_all(self, make_error: Callable[[], BaseException]) -> None:
         for stream in self._streams.values():

@@ -167,16 +167,15 @@ def _signals_stop_the_start() -> Iterator[None]:
 
 
 async def _serve(server: DrainingServer, app: FastAPI, sock: socket.socket) -> None:
-    if hasattr(server.engine, "on_dead"):  # the engine core in its own process
-        loop = asyncio.get_running_loop()
+    loop = asyncio.get_running_loop()
 
-        def on_dead(error: BaseException) -> None:  # on the engine's reader thread
-            with contextlib.suppress(RuntimeError):  # the loop is closed: stopping anyway
-                loop.call_soon_threadsafe(server.engine_died, error)
+    def on_dead(error: BaseException) -> None:  # on the engine's own thread
+        with contextlib.suppress(RuntimeError):  # the loop is closed: stopping anyway
+            loop.call_soon_threadsafe(server.engine_died, error)
 
-        server.engine.on_dead = on_dead
-        if server.engine.errored:
-            server.engine_died(server.engine._fatal)
+    server.engine.on_dead = on_dead
+    if server.engine.errored:
+        server.engine_died(server.engine._fatal)
     # The --lora-modules adapters load before the server answers (on its event loop): a bad
     # one stops the start.
     await app.state.models.init_static_loras()
