@@ -9,6 +9,14 @@ from __future__ import annotations
 
 import torch
 
+# Their old import path (they live beside fleetllm.config now).
+from fleetllm.config_pooler import (  # noqa: F401
+    POOLING_TYPES,
+    PoolerConfig,
+    checkpoint_pooler,
+    is_sentence_transformers,
+)
+
 
 def pool(hidden: torch.Tensor, pooling_type: str) -> torch.Tensor:
     """One prompt's [tokens, hidden] states -> [hidden], in float32."""
