@@ -1,18 +1,20 @@
-"""Recovery time after a worker crash: kill one worker mid-generation, time until the first
-token after the restart, and check every request against an undisturbed run.
+"""Recovery time after a crash: kill a worker (or, with --kill core, the engine-core process
+that `fleetllm serve` runs) mid-generation, time until the first token after the restart, and
+check every request against an undisturbed run.
 
     fleetllm bench recovery [--model DIR] [--tensor-parallel-size 2] [--num-prompts 16]
-        [--kill-after-steps 8] [engine flags ...]
+        [--kill-after-steps 8] [--kill worker|core] [engine flags ...]
 
 The undisturbed run comes first, on the same engine. Then the same requests again; after
---kill-after-steps steps, worker rank tp-1 gets SIGKILL. Printed: kill -> crash noticed,
-kill -> workers restarted, kill -> first token after the restart, the restart's part of it,
-and whether all tokens equal the undisturbed run (greedy and seeded requests).
+--kill-after-steps steps (core: that many outputs of the first stream), worker rank tp-1 (or
+the core) gets SIGKILL. Printed: kill -> crash noticed, the restart, kill -> first token after
+it, and whether all tokens equal the undisturbed run (greedy and seeded requests).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import random
 import signal
@@ -32,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=48, help="tokens per request")
     parser.add_argument("--kill-after-steps", type=int, default=8,
                         help="engine steps of the second run before the kill")
+    parser.add_argument("--kill", choices=("worker", "core"), default="worker",
+                        help="what gets SIGKILL: a worker, or the engine-core process")
     add_engine_args(parser)
 
 
@@ -43,17 +47,26 @@ def main(argv: list[str] | None = None) -> dict:
     return run(parser.parse_args(argv))
 
 
-def run(args: argparse.Namespace) -> dict:
-    from fleetllm import LLM, SamplingParams
+def _workload(args: argparse.Namespace) -> tuple[list[dict], list]:
+    from fleetllm import SamplingParams
 
-    kwargs = engine_kwargs_from(args, args.engine_actions)
-    kwargs.setdefault("tensor_parallel_size", 2)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 1000) for _ in range(args.input_len)]}
                for _ in range(args.num_prompts)]
     params = [SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
               if i % 2 else SamplingParams(temperature=1.0, seed=i, max_tokens=args.output_len,
                                            ignore_eos=True) for i in range(args.num_prompts)]
+    return prompts, params
+
+
+def run(args: argparse.Namespace) -> dict:
+    from fleetllm import LLM
+
+    kwargs = engine_kwargs_from(args, args.engine_actions)
+    kwargs.setdefault("tensor_parallel_size", 2)
+    if args.kill == "core":
+        return asyncio.run(_run_core(args, kwargs))
+    prompts, params = _workload(args)
     with LLM(resolve_model(args.model), **kwargs) as llm:
         undisturbed = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                     use_tqdm=False)]
@@ -94,4 +107,46 @@ def run(args: argparse.Namespace) -> dict:
           f"(new workers, weights, KV cache) {figures['restart_s']:.2f} s; kill -> first token "
           f"after the restart {figures['kill_to_first_token_s']:.2f} s; "
           f"{args.num_prompts} requests, tokens identical to the undisturbed run: {same}")
+    return figures
+
+
+async def _run_core(args: argparse.Namespace, kwargs: dict) -> dict:
+    """The engine core in its own process (EngineCoreClient, as `fleetllm serve` runs it):
+    the same requests undisturbed, then again with the core killed mid-stream."""
+    from fleetllm.engine.core_client import EngineCoreClient
+
+    prompts, params = _workload(args)
+    engine = EngineCoreClient(resolve_model(args.model), **kwargs)
+    marks: dict[str, float] = {}
+    seen = asyncio.Event()
+
+    async def one(tag: str, i: int) -> list[int]:
+        tokens: list[int] = []
+        async for out in engine.generate(prompts[i], params[i], f"{tag}{i}"):
+            tokens = list(out.outputs[0].token_ids)
+            # counted once the death is seen: later outputs come from the new core
+            if engine.core_restarts.total and "first" not in marks:
+                marks["first"] = time.perf_counter()
+            if i == 0 and (len(tokens) >= args.kill_after_steps or out.finished):
+                seen.set()
+        return tokens
+
+    async def kill() -> None:
+        await seen.wait()
+        marks["killed"] = time.perf_counter()
+        os.kill(engine._proc.pid, signal.SIGKILL)
+
+    try:
+        n = range(args.num_prompts)
+        undisturbed = await asyncio.gather(*(one("u", i) for i in n))
+        *disturbed, _ = await asyncio.gather(*(one("d", i) for i in n), kill())
+    finally:
+        engine.shutdown()
+    figures = {"kill_to_first_token_s": marks["first"] - marks["killed"],
+               "restarts": engine.core_restarts.total, "tokens_identical": disturbed ==
+               undisturbed}
+    print(f"engine core killed: kill -> first token from the new core "
+          f"{figures['kill_to_first_token_s']:.2f} s; core restarts {figures['restarts']}; "
+          f"{args.num_prompts} requests, tokens identical to the undisturbed run: "
+          f"{figures['tokens_identical']}")
     return figures
