@@ -1,13 +1,13 @@
 // The bf16 GEMM of decode batches and prompts on CPUs with AVX-512 (and, by the microkernels
 // of gemm_avx2.h, AVX2): y = x . w^T (+ bias) from
-// a weight packed by pairs (pack in fleetllm/model/pair_packed.py):
+// a weight packed by pairs (fleetllm/model/linear_kernels.py, Pairs):
 // [ceil(N/48)][K/2][48][2], so that one 64-byte vector holds 16
 // outputs' weights for one pair of k, and a row of x's pair broadcast to the 16 lanes feeds one
 // vdpbf16ps for 16 outputs. A microkernel of up to 8 rows of x by 48 outputs (a panel) keeps 24
 // sums in registers and reads 3 weight vectors and 8 broadcast pairs per 24 dot products, where
 // a dot-product form (the GEMV's) loads an x vector for every 2 and adds its lanes up at the end.
 // A panel's 3 vectors for a pair lie side by side and its pairs in order, so a thread reads its
-// run of panels as one sequential stream (see pair_packed.py for what that is worth). The
+// run of panels as one sequential stream (docs/performance.md says what that is worth). The
 // hardware prefetcher alone keeps too few lines in flight for it: the microkernel prefetches
 // the stream 8 KiB ahead into L1 (past a panel's end that is the next panel, a thread's next
 // item); measured with tools/gemm_pairs_ab.cpp, it beats 2 KiB ahead, no prefetch, and

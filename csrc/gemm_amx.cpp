@@ -1,5 +1,5 @@
 // The bf16 GEMM on AMX tiles (Intel Sapphire Rapids and later): y = x . w^T (+ bias) from a
-// weight packed for the tiles (model/amx_packed.py): [N/32][K/32][2][16][32], each 32 k by 32
+// weight packed for the tiles (model/linear_kernels.py, Amx): [N/32][K/32][2][16][32], each 32 k by 32
 // outputs one 2 KiB block of two B tiles (16 pairs of k by 16 outputs, a pair's two weights
 // side by side, as TDPBF16PS reads them). A work item is a panel of 32 outputs: its blocks in
 // k order are one sequential stream, which the microkernel prefetches AHEAD bytes ahead; x's

@@ -117,7 +117,7 @@ template <class T>
 void gemv(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, float *xf,
           int nthreads);
 
-// Outputs per panel of a weight packed by pairs (model/pair_packed.py, PANEL).
+// Outputs per panel of a weight packed by pairs (model/linear_kernels.py, Pairs.PANEL).
 constexpr int PAIR_PANEL = 48;
 
 // y = x @ w^T (+ bias) from w packed by pairs ([ceil(N/48)][K/2][48][2], gemm.cpp) on any
@@ -130,7 +130,7 @@ bool gemm_pairs(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M,
 bool pairs_by_fma();
 
 // y = x @ w^T (+ bias) on AMX tiles from w packed for them ([N/32][K/32][2][16][32], see
-// model/amx_packed.py; gemm_amx.cpp), N and K multiples of 32; false (nothing done) where the
+// model/linear_kernels.py, Amx; gemm_amx.cpp), N and K multiples of 32; false (nothing done) where the
 // CPU or the OS gives no AMX.
 bool gemm_amx(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int M, int N, int K,
               int nthreads);

@@ -53,14 +53,14 @@ void check_dense(const Tensor &t, const char *name, at::IntArrayRef sizes, at::S
     TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-// A bf16 weight [out, in] packed by pairs (model/pair_packed.py): [ceil(out/48), in/2, 48, 2].
+// A bf16 weight [out, in] packed by pairs (linear_kernels.Pairs): [ceil(out/48), in/2, 48, 2].
 void check_pair_packed(const Tensor &w, int64_t out, int64_t in)
 {
     constexpr int64_t P = kernels::PAIR_PANEL;
     check_dense(w, "packed", {(out + P - 1) / P, in / 2, P, 2}, at::kBFloat16);
 }
 
-// A weight packed for AMX tiles (model/amx_packed.py): [N/32, K/32, 2, 16, 32] bf16.
+// A weight packed for AMX tiles (linear_kernels.Amx): [N/32, K/32, 2, 16, 32] bf16.
 void check_amx_packed(const Tensor &w, int64_t out, int64_t in)
 {
     TORCH_CHECK(out % 32 == 0 && in % 32 == 0, "AMX-packed weights need in and out features "
@@ -442,6 +442,16 @@ Tensor mkl_linear(const Tensor &x, const Tensor &packed, const optional<Tensor> 
     return y;
 }
 
+// How the one-call paths read a projection (fleetllm/kernels/cpu_kernels.py LinearKind, set by
+// the projection's kernel: model/linear_kernels.py): the dense weight through the GEMV, oneDNN's
+// or MKL's packed copy, or a copy packed for the kernels' own GEMMs (by pairs, AMX tiles).
+enum LinearKind : int64_t { GEMV = 0, ONEDNN = 1, MKL = 2, PAIRS = 3, AMX = 4 };
+
+void check_kind(int64_t kind, const char *name)
+{
+    TORCH_CHECK(kind >= GEMV && kind <= AMX, name, ": ", kind, " is not a LinearKind (0-4)");
+}
+
 // A decoder layer's projections through oneDNN's packed weights or MKL's (1-d bytes: float32
 // on Intel CPUs, mkl_linear) (decoder_layer's `packed`; weights packed for the kernels' own
 // GEMMs the layer multiplies itself), computed as
@@ -455,6 +465,7 @@ struct PackedProjections {
     const optional<Tensor> *bias[4];
     int64_t rows, in[4], out[4];
     at::ScalarType type;
+    int64_t kind;
 };
 
 Tensor linear_pointwise(const Tensor &x, const Tensor &w, const optional<Tensor> &b)
@@ -481,8 +492,8 @@ const void *project_packed(void *ctx, int which, const void *x)
         if (bias.has_value())
             bias = bias->to(at::kFloat);
     }
-    Tensor out = w.dim() == 1 ? mkl_linear(in, w, bias, p.out[which])  // MKL's packing
-                              : linear_pointwise(in, w, bias);
+    Tensor out = p.kind == MKL ? mkl_linear(in, w, bias, p.out[which])
+                               : linear_pointwise(in, w, bias);
     if (widen)
         out = out.to(p.type);
     if (bias_after && p.bias[which]->has_value())
@@ -502,24 +513,23 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
                      const optional<Tensor> &b_down, int64_t heads, int64_t window, double scale,
                      const Tensor &cos, const Tensor &sin, const Tensor &kv_cache,
                      const Tensor &slots, const Tensor &tables, const Tensor &table_start,
-                     const Tensor &ctx_lens, const c10::List<optional<Tensor>> &packed)
+                     const Tensor &ctx_lens, const c10::List<optional<Tensor>> &packed,
+                     int64_t kind)
 {
     const Cache c = check_cache(kv_cache);
     check_float(x, "x", 2);
-    // Packed weights are all the layer reads of its projections: the dense ones may be gone
-    // (layers.pack_linear_weights frees them; empty tensors here) and the intermediate size
-    // comes from down's packed copy, [hid/48, I/2, 48, 2] by pairs, [hid/32, I/32, 2, 16, 32]
-    // for AMX tiles or oneDNN's [hid, I].
-    // (MKL's packing, 1-d bytes, says nothing of it: there the dense weights stay.)
-    optional<Tensor> down_packed = packed.size() == 4 ? packed.get(3) : optional<Tensor>();
-    const bool by_mkl = down_packed.has_value() && down_packed->dim() == 1;
-    if (by_mkl)
-        down_packed.reset();
-    const bool by_pairs = down_packed.has_value() && down_packed->dim() == 4;
-    const Tensor &inter_of = down_packed.has_value() ? *down_packed : w_down;
-    const bool by_tiles = down_packed.has_value() && down_packed->dim() == 5;
-    check_float(inter_of, down_packed.has_value() ? "packed down" : "w_down",
-                by_pairs ? 4 : by_tiles ? 5 : 2);
+    check_kind(kind, "decoder_layer: kind");
+    TORCH_CHECK(kind == GEMV ? packed.empty() : packed.size() == 4, "decoder_layer: kind ",
+                kind, " needs ", kind == GEMV ? "no packed weight" : "4 packed weights",
+                ", got ", packed.size());
+    // Past the GEMV, packed weights are all the layer reads of its projections (the dense ones
+    // may be gone: empty tensors here) and the intermediate size comes from down's packed copy,
+    // [hid/48, I/2, 48, 2] by pairs, [hid/32, I/32, 2, 16, 32] for AMX tiles or oneDNN's
+    // [hid, I]. (MKL's bytes say nothing of it: there the dense weights stay.)
+    const bool by_pairs = kind == PAIRS, by_tiles = kind == AMX;
+    const bool dense_down = kind == GEMV || kind == MKL;
+    const Tensor inter_of = dense_down ? w_down : *packed.get(3);
+    check_float(inter_of, dense_down ? "w_down" : "packed down", by_pairs ? 4 : by_tiles ? 5 : 2);
     const int64_t inter = by_pairs ? 2 * inter_of.size(1)
                                    : by_tiles ? 32 * inter_of.size(1) : inter_of.size(1);
     const at::ScalarType type = x.scalar_type();
@@ -533,12 +543,12 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
     check_dense(residual, "residual", {d.T, d.hid}, type);
     check_dense(w_in, "w_in", {d.hid}, type);
     check_dense(w_post, "w_post", {d.hid}, type);
-    if (packed.empty()) {
+    if (kind == GEMV) {
         check_dense(w_qkv, "w_qkv", {qkv_dim, d.hid}, type);
         check_dense(w_o, "w_o", {d.hid, static_cast<int64_t>(d.H) * d.D}, type);
         check_dense(w_gu, "w_gu", {2L * d.I, d.hid}, type);
     }
-    if (packed.empty() || by_mkl)  // the intermediate size came from the dense w_down
+    if (dense_down)  // the intermediate size came from the dense w_down
         check_dense(w_down, "w_down", {d.hid, d.I}, type);
     const std::tuple<const optional<Tensor> *, const char *, int64_t> biases[] = {
         {&b_qkv, "b_qkv", qkv_dim}, {&b_o, "b_o", d.hid}, {&b_gu, "b_gu", 2L * d.I},
@@ -549,15 +559,13 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
     check_rope(cos, sin, d.T, d.D, type);
     check_slots(slots, d.T, c);
     const kernels::DecodeBatch batch = check_batch(tables, table_start, ctx_lens, d.T, c);
-    // packed: empty (the GEMV kernel) or the packed weights of qkv, o, gate_up, down: all
-    // oneDNN's (project_packed), or all by pairs or all for AMX tiles (the layer calls
-    // gemm_pairs or gemm_amx itself)
+    // packed: empty (GEMV: the kernel on the dense weights) or the packed weights of qkv, o,
+    // gate_up, down, all of `kind`: oneDNN's or MKL's (project_packed), or by pairs or for
+    // AMX tiles (the layer calls gemm_pairs or gemm_amx itself)
     PackedProjections proj{};
     const kernels::bf16 *own[4] = {};
-    int64_t own_dim = 0;
-    TORCH_CHECK(packed.empty() || packed.size() == 4,
-                "decoder_layer: packed must hold no weight or 4, got ", packed.size());
-    if (!packed.empty()) {
+    const bool own_gemm = by_pairs || by_tiles;
+    if (kind != GEMV) {
         const int64_t in[4] = {d.hid, static_cast<int64_t>(d.H) * d.D, d.hid, d.I};
         const int64_t out[4] = {qkv_dim, d.hid, 2L * d.I, d.hid};
         for (int i = 0; i < 4; i++) {
@@ -565,35 +573,32 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
             TORCH_CHECK(w.has_value() && w->device().is_cpu(),
                         "decoder_layer: packed weight ", i, " must be a CPU tensor");
             proj.weight[i] = *w;
-            if (w->dim() == 4 || w->dim() == 5) {  // by pairs, or for AMX tiles
+            if (own_gemm) {
                 TORCH_CHECK(type == at::kBFloat16, "decoder_layer: weights packed for the "
                             "kernels' GEMMs are bf16");
-                if (w->dim() == 4)
+                if (by_pairs)
                     check_pair_packed(*w, out[i], in[i]);
                 else
                     check_amx_packed(*w, out[i], in[i]);
                 own[i] = cptr<kernels::bf16>(*w);
-                own_dim = w->dim();
-            } else if (w->dim() == 1) {  // MKL's packed sgemm (float32, dense weights kept)
+            } else if (kind == MKL) {  // MKL's packed sgemm (float32, dense weights kept)
                 TORCH_CHECK(type == at::kFloat, "decoder_layer: MKL-packed weights are float32");
                 check_mkl_packed(*w, out[i], in[i]);
             } else {  // oneDNN's (an opaque layout: its sizes are the dense weight's)
-                TORCH_CHECK(w->dim() == 2 && w->size(0) == out[i] && w->size(1) == in[i],
-                            "decoder_layer: packed weight ", i, " must have shape [", out[i],
+                TORCH_CHECK(w->is_mkldnn() && w->dim() == 2 && w->size(0) == out[i] &&
+                                w->size(1) == in[i],
+                            "decoder_layer: packed weight ", i, " must be oneDNN's [", out[i],
                             ", ", in[i], "], got ", w->sizes());
             }
             proj.bias[i] = std::get<0>(biases[i]);
             proj.in[i] = in[i];
             proj.out[i] = out[i];
         }
-        for (int i = 0; i < 4; i++)
-            TORCH_CHECK(own[i] != nullptr ? packed.get(i)->dim() == own_dim : own_dim == 0,
-                        "decoder_layer: packed weights must be all by pairs, all for AMX tiles "
-                        "or none of either");
-        TORCH_CHECK(own_dim != 5 || kernels::amx_available(),
+        TORCH_CHECK(!by_tiles || kernels::amx_available(),
                     "gemm_amx: needs AMX (kernels.amx_available())");
         proj.rows = d.T;
         proj.type = type;
+        proj.kind = kind;
     }
     const int nthreads = at::get_num_threads();
     Tensor work = scratch(kernels::decoder_layer_work(d, batch.maxlen, nthreads));
@@ -605,9 +610,9 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
             cptr<T>(w_in), cptr<T>(w_post), cptr<T>(w_qkv), opt_ptr<T>(b_qkv), cptr<T>(w_o),
             opt_ptr<T>(b_o), cptr<T>(w_gu), opt_ptr<T>(b_gu), cptr<T>(w_down),
             opt_ptr<T>(b_down), static_cast<float>(eps),
-            packed.empty() || own[0] ? nullptr : &project_packed, &proj,
-            {own[0], own[1], own[2], own[3]}, own_dim == 5 ? kernels::gemm_amx
-                                                           : kernels::gemm_pairs};
+            kind == GEMV || own_gemm ? nullptr : &project_packed, &proj,
+            {own[0], own[1], own[2], own[3]}, by_tiles ? kernels::gemm_amx
+                                                       : kernels::gemm_pairs};
         C *k_cache = mptr<C>(kv_cache);
         kernels::decoder_layer<T, C>(cptr<T>(x), mptr<T>(residual), first, mptr<T>(out), w, d,
                                      cptr<T>(cos), cptr<T>(sin), k_cache, k_cache + c.half,
@@ -662,7 +667,8 @@ Tensor decoder_layers(const Tensor &x, const optional<Tensor> &embed, const Tens
                       const Tensor &sin, const std::vector<Tensor> &kv_caches,
                       const Tensor &slots, const Tensor &tables, const Tensor &table_start,
                       const Tensor &ctx_lens, const c10::List<optional<Tensor>> &packed,
-                      const optional<Tensor> &final_norm, const Tensor &positions)
+                      int64_t kind, const optional<Tensor> &final_norm,
+                      const Tensor &positions)
 {
     const size_t layers = kv_caches.size();
     TORCH_CHECK(layers > 0 && weights.size() == 10 * layers && windows.size() == layers &&
@@ -689,31 +695,30 @@ Tensor decoder_layers(const Tensor &x, const optional<Tensor> &embed, const Tens
             own.push_back(packed.get(4 * l + i));
         h = decoder_layer(h, residual, first && l == 0, *w[0], *w[1], eps, *w[2], w[3], *w[4],
                           w[5], *w[6], w[7], *w[8], w[9], heads, windows[l], scale, cos_rows,
-                          sin_rows, kv_caches[l], slots, tables, table_start, ctx_lens, own);
+                          sin_rows, kv_caches[l], slots, tables, table_start, ctx_lens, own,
+                          kind);
     }
     return final_norm.has_value() ? add_rmsnorm(h, residual, *final_norm, eps) : h;
 }
 
-// The LM head's logits of h ([T, hid]) as layers.linear computes them: `head` is the tensor it
-// reads at T rows (fused.run_passes picks it): packed by pairs (4 dims) or for AMX tiles (5),
-// MKL's packed bytes (1), oneDNN's packed copy (opaque; a float32 copy of a bf16 weight takes
-// h widened, the result rounded once), or the dense weight: the GEMV kernel, up to gemv_rows
-// rows. n: the head's outputs (the vocabulary: one rank).
-Tensor head_logits(const Tensor &h, const Tensor &head, int64_t n, int64_t gemv_rows)
+// The LM head's logits of h ([T, hid]) as its kernel computes them: `head` is the tensor its
+// kernel reads at T rows, of `kind` (fused.run_passes picks both): the dense weight (GEMV),
+// oneDNN's packed copy (a float32 copy of a bf16 weight takes h widened, the result rounded
+// once), MKL's packed bytes, or packed by pairs or for AMX tiles. n: the head's outputs (the
+// vocabulary: one rank).
+Tensor head_logits(const Tensor &h, const Tensor &head, int64_t kind, int64_t n)
 {
     const optional<Tensor> none;  // an LM head has no bias
-    if (head.is_mkldnn())
+    switch (kind) {
+    case GEMV: return gemv(h, head, none);
+    case ONEDNN:
+        TORCH_CHECK(head.is_mkldnn(), "greedy_passes: a oneDNN head must be oneDNN's copy");
         return head.scalar_type() == h.scalar_type()
                    ? linear_pointwise(h, head, none)
                    : linear_pointwise(h.to(at::kFloat), head, none).to(h.scalar_type());
-    switch (head.dim()) {
-    case 4: return gemm_pairs(h, head, none, n);
-    case 5: return gemm_amx(h, head, none, n);
-    case 1: return mkl_linear(h, head, none, n);
-    default:
-        TORCH_CHECK(h.size(0) <= gemv_rows, "greedy_passes: a dense LM head takes the GEMV "
-                    "kernel, up to ", gemv_rows, " rows; got ", h.size(0));
-        return gemv(h, head, none);
+    case MKL: return mkl_linear(h, head, none, n);
+    case PAIRS: return gemm_pairs(h, head, none, n);
+    default: return gemm_amx(h, head, none, n);
     }
 }
 
@@ -734,10 +739,11 @@ Tensor greedy_passes(const Tensor &ids, const Tensor &embed,
                      const Tensor &sin, const std::vector<Tensor> &kv_caches,
                      const Tensor &slots, const Tensor &tables, const Tensor &table_start,
                      const Tensor &ctx_lens, const c10::List<optional<Tensor>> &packed,
-                     const Tensor &final_norm, const Tensor &positions, const Tensor &head,
-                     int64_t head_n, int64_t gemv_rows, const Tensor &stops,
+                     int64_t kind, const Tensor &final_norm, const Tensor &positions,
+                     const Tensor &head, int64_t head_kind, int64_t head_n, const Tensor &stops,
                      const Tensor &interrupts, int64_t interrupts_before)
 {
+    check_kind(head_kind, "greedy_passes: head_kind");
     const int64_t t = ids.size(0), k = positions.size(0);
     check_index(ids, at::kLong, "ids", t);
     for (const auto &[m, type, name] :
@@ -765,9 +771,9 @@ Tensor greedy_passes(const Tensor &ids, const Tensor &embed,
         const Tensor residual = at::empty({t, embed.size(1)}, embed.options());
         const Tensor h = decoder_layers(x, embed, residual, true, weights, eps, heads, windows,
                                         scale, cos, sin, kv_caches, slots[done], tables,
-                                        table_start, ctx_lens[done], packed, final_norm,
+                                        table_start, ctx_lens[done], packed, kind, final_norm,
                                         positions[done]);
-        const Tensor logits = head_logits(h, head, head_n, gemv_rows);
+        const Tensor logits = head_logits(h, head, head_kind, head_n);
         check_float(logits, "logits", 2);
         TORCH_CHECK(logits.size(0) == t && logits.stride(1) == 1 && logits.size(1) > 0,
                     "greedy_passes: the LM head gave ", logits.sizes());
@@ -853,16 +859,17 @@ TORCH_LIBRARY(fleetllm, m)
           "float eps, Tensor w_qkv, Tensor? b_qkv, Tensor w_o, Tensor? b_o, Tensor w_gu, "
           "Tensor? b_gu, Tensor w_down, Tensor? b_down, int heads, int window, float scale, "
           "Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slots, Tensor tables, "
-          "Tensor table_start, Tensor ctx_lens, Tensor?[] packed) -> Tensor");
+          "Tensor table_start, Tensor ctx_lens, Tensor?[] packed, int kind) -> Tensor");
     m.def("decoder_layers(Tensor x, Tensor? embed, Tensor(a!) residual, bool first, "
           "Tensor?[] weights, float eps, int heads, int[] windows, float scale, Tensor cos, "
           "Tensor sin, Tensor(b!)[] kv_caches, Tensor slots, Tensor tables, Tensor table_start, "
-          "Tensor ctx_lens, Tensor?[] packed, Tensor? final_norm, Tensor positions) -> Tensor");
+          "Tensor ctx_lens, Tensor?[] packed, int kind, Tensor? final_norm, Tensor positions) "
+          "-> Tensor");
     m.def("greedy_passes(Tensor ids, Tensor embed, Tensor?[] weights, float eps, int heads, "
           "int[] windows, float scale, Tensor cos, Tensor sin, Tensor(a!)[] kv_caches, "
           "Tensor slots, Tensor tables, Tensor table_start, Tensor ctx_lens, Tensor?[] packed, "
-          "Tensor final_norm, Tensor positions, Tensor head, int head_n, int gemv_rows, "
-          "Tensor stops, Tensor interrupts, int interrupts_before) -> Tensor");
+          "int kind, Tensor final_norm, Tensor positions, Tensor head, int head_kind, "
+          "int head_n, Tensor stops, Tensor interrupts, int interrupts_before) -> Tensor");
     m.def("argmax(Tensor x) -> Tensor");
     m.def("gemm_pairs(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
     m.def("gemm_pairs_available() -> bool", &fleetllm::gemm_pairs_available);

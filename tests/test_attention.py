@@ -18,6 +18,7 @@ from fleetllm.attention import (
     TorchAttentionBackend,
 )
 from fleetllm.kernels import cpu_kernels
+from fleetllm.kernels.cpu_kernels import LinearKind
 
 
 def reference(q, k_all, v_all, ctx_len, q_len, scale, window):
@@ -274,7 +275,7 @@ def test_fused_small_batch_layers_match_the_modules(tiny_models, monkeypatch):
 def test_fused_layers_past_the_gemv_limit_give_the_modules_bits(tiny_models, monkeypatch, dtype):
     """Decode steps of more sequences than the GEMV kernel takes (8; 16 for bf16 on a CPU
     without bf16 packing) run each layer as one C call too, its projections through oneDNN's
-    packed weights as the modules' linear() runs them: tokens and logprobs exactly equal to
+    packed weights as the modules' kernels run them: tokens and logprobs exactly equal to
     the module-by-module path's (biases, GQA; 20 sequences)."""
     from fleetllm import SamplingParams
 
@@ -284,7 +285,7 @@ def test_fused_layers_past_the_gemv_limit_give_the_modules_bits(tiny_models, mon
     decoder_layers = cpu_kernels.decoder_layers
 
     def counted(*args, **kwargs):
-        if args[15]:  # packed weights given: oneDNN inside the one-call layers
+        if args[16] != LinearKind.GEMV:  # packed copies inside the one-call layers
             state["rows"] = max(state["rows"], args[0].shape[0])
         return decoder_layers(*args, **kwargs)
 
@@ -305,23 +306,23 @@ def test_fused_layers_beside_onednn_on_amx_give_the_modules_bits(tiny_models, mo
     take the small copies up to their row limit (4 here for both) and oneDNN's above, with
     tokens and logprobs exactly the modules' (biases, GQA)."""
     from fleetllm import SamplingParams
-    from fleetllm.model import amx_packed, pair_packed
+    from fleetllm.model import linear_kernels as lk
 
-    if not cpu_kernels.gemm_pairs_available() or not pair_packed.onednn_packs_bf16():
+    if not cpu_kernels.gemm_pairs_available() or not lk.onednn_packs_bf16():
         pytest.skip("no copies by pairs, or oneDNN packs no bf16 here (every CPU with AMX does)")
     if small_kind == "amx" and not cpu_kernels.amx_available():
         pytest.skip("no AMX tiles on this CPU")
     if small_kind == "pairs":
-        monkeypatch.setattr(amx_packed, "applies", lambda w: False)
-    monkeypatch.setattr(amx_packed, "MAX_ROWS", pair_packed.SMALL_ROWS)
-    monkeypatch.setattr(pair_packed, "onednn_amx", lambda: True)
+        monkeypatch.setattr(lk.Amx, "applies", lambda w: False)
+    monkeypatch.setattr(lk.Amx, "MAX_ROWS", lk.Pairs.SMALL_ROWS)
+    monkeypatch.setattr(lk, "onednn_amx", lambda: True)
     prompts = [{"prompt_token_ids": list(range(5 + i, 30 + 3 * i))} for i in range(sequences)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
     seen = set()
     decoder_layers = cpu_kernels.decoder_layers
 
     def counted(*args, **kwargs):
-        seen.add((args[0].shape[0], args[15][0].dim()))  # rows; 5: AMX, 4: pairs, 2: oneDNN
+        seen.add((args[0].shape[0], args[16]))  # rows, the copies' kind
         return decoder_layers(*args, **kwargs)
 
     monkeypatch.setattr(cpu_kernels, "decoder_layers", counted)
@@ -329,8 +330,9 @@ def test_fused_layers_beside_onednn_on_amx_give_the_modules_bits(tiny_models, mo
                                      dtype="bfloat16")
     for name, (fused_out, modules_out) in runs.items():
         assert fused_out == modules_out, name
-    small_dim = 5 if small_kind == "amx" else 4
-    assert seen == {(sequences, small_dim if sequences <= pair_packed.SMALL_ROWS else 2)}, seen
+    small = LinearKind.AMX if small_kind == "amx" else LinearKind.PAIRS
+    assert seen == {(sequences, small if sequences <= lk.Pairs.SMALL_ROWS
+                     else LinearKind.ONEDNN)}, seen
 
 
 @pytest.mark.parametrize("variant", ["sdpa", "math32", "varlen"])

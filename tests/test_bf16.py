@@ -16,11 +16,22 @@ from fleetllm import LLM, SamplingParams
 from fleetllm.errors import ConfigurationError
 from fleetllm.kernels import build as kernel_build
 from fleetllm.kernels import cpu_kernels
-from fleetllm.model import pair_packed
+from fleetllm.model import kernel_choice
+from fleetllm.model import linear_kernels as lk
 
 DEMO = Path(__file__).resolve().parents[1] / "fleetllm" / "demo_model"
 BF16 = torch.bfloat16
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler here")
+
+
+def _beside_onednn(weight: torch.Tensor, packed_dtype: torch.dtype, head: bool = False
+                   ) -> lk.Gemv:
+    """The Gemv kernel a projection gets beside oneDNN's copy in `packed_dtype` (float32 for a
+    bf16 weight: a CPU where oneDNN packs no bf16), with a stand-in for that copy."""
+    rest = lk.OneDnn.__new__(lk.OneDnn)
+    rest.tensor, rest.dtype = torch.zeros(1, dtype=packed_dtype), weight.dtype
+    rest.out_features = weight.shape[0]
+    return lk.Gemv(weight, rest, *lk.gemv_limits(rest, head))
 
 
 def _hf_rmsnorm(x, weight, eps):  # transformers' LlamaRMSNorm
@@ -98,8 +109,9 @@ def test_one_call_layer_row_limit_follows_the_layer_size(hidden, inter, packed_d
     from fleetllm.model import fused
 
     def proj(n, k):
-        return SimpleNamespace(weight=torch.zeros(n, k, dtype=BF16),
-                               packed_weight=torch.zeros(1, dtype=packed_dtype), bias=None)
+        weight = torch.zeros(n, k, dtype=BF16)
+        return SimpleNamespace(weight=weight, kernel=_beside_onednn(weight, packed_dtype),
+                               bias=None)
 
     norm = SimpleNamespace(weight=torch.ones(hidden, dtype=BF16), eps=1e-6)
     layer = SimpleNamespace(
@@ -114,31 +126,26 @@ def test_one_call_layer_row_limit_follows_the_layer_size(hidden, inter, packed_d
 
 @needs_kernels
 def test_projections_take_the_gemv_kernel_up_to_their_row_limit(monkeypatch):
-    """linear() runs the GEMV kernel on the dense weight for up to 4 rows (a prompt's bits must
-    not depend on whether it shares its step) and oneDNN's packed copy beyond; with
-    decode_gemv_rows (the LM head, the fused decode layers) up to 16 rows for a bf16 weight
-    whose packed copy is float32 (twice the bytes), 8 for the others (small ones: large
-    float32 weights stop at 4 with AVX-512, the next test)."""
-    from fleetllm.model import layers
-
+    """A projection's Gemv kernel runs the GEMV on the dense weight for up to 4 rows (a
+    prompt's bits must not depend on whether it shares its step) and oneDNN's packed copy
+    beyond; the LM head's (and the fused decode layers', decode_rows) up to 16 rows for a bf16
+    weight whose packed copy is float32 (twice the bytes), 8 for the others."""
     calls = []
     gemv = cpu_kernels.gemv
     monkeypatch.setattr(cpu_kernels, "gemv", lambda *a: calls.append(a[0].shape[0]) or gemv(*a))
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g)
+    _without_onednn_bf16(monkeypatch)  # the bf16 weight's copy is float32
     for weight, decode_rows in ((w.to(BF16), 16), (w, 8)):
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.float(), None)
-        layer = SimpleNamespace(weight=weight, packed_weight=packed)
-        assert layers.decode_gemv_rows(layer) == decode_rows
-        for rows, limit, kernel in ((4, None, True), (5, None, False),
-                                    (decode_rows, decode_rows, True),
-                                    (decode_rows + 1, decode_rows, False)):
-            x = torch.randn(rows, 64, generator=g).to(weight.dtype)
-            calls.clear()
-            y = layers.linear(layer, x) if limit is None else layers.linear(layer, x,
-                                                                            gemv_rows=limit)
-            assert calls == ([rows] if kernel else []), (weight.dtype, rows, limit)
-            _close_in_bf16(y.to(BF16), (x.float() @ weight.float().T).to(BF16), 1e-2)
+        for head, limit in ((False, 4), (True, decode_rows)):
+            kernel = lk.Gemv(weight, lk.OneDnn(weight), *lk.gemv_limits(lk.OneDnn(weight), head))
+            assert (kernel.gemv_rows, kernel.decode_rows) == (limit, decode_rows)
+            for rows, by_gemv in ((limit, True), (limit + 1, False)):
+                x = torch.randn(rows, 64, generator=g).to(weight.dtype)
+                calls.clear()
+                y = kernel(x)
+                assert calls == ([rows] if by_gemv else []), (weight.dtype, rows, head)
+                _close_in_bf16(y.to(BF16), (x.float() @ weight.float().T).to(BF16), 1e-2)
 
 
 def test_large_float32_weights_keep_the_gemv_kernel_to_8_rows():
@@ -149,19 +156,17 @@ def test_large_float32_weights_keep_the_gemv_kernel_to_8_rows():
     ones do (before: 4 on AVX-512 CPUs). bf16 weights: 16 where the packed copy is float32,
     else 8, a large layer packed in bf16 as well (it stopped at 3 before the bf16 tile read
     two weight rows at once)."""
-    from fleetllm.model import fused, layers
+    from fleetllm.model import fused
 
     def weight(dtype, nbytes):  # as large as nbytes, without the memory
         return torch.zeros(1, dtype=dtype).expand(nbytes // torch.tensor([], dtype=dtype)
                                                   .element_size())
 
     def rows(dtype, packed_dtype, nbytes):
-        return layers.decode_gemv_rows(SimpleNamespace(
-            weight=weight(dtype, nbytes), packed_weight=torch.zeros(1, dtype=packed_dtype)))
+        return _beside_onednn(weight(dtype, nbytes), packed_dtype).decode_rows
 
     def layer_rows(dtype, nbytes_each):
-        proj = [SimpleNamespace(packed_weight=torch.zeros(1, dtype=dtype), bias=None)
-                for _ in range(4)]
+        proj = [SimpleNamespace(bias=None) for _ in range(4)]
         layer = SimpleNamespace(
             self_attn=SimpleNamespace(qkv_proj=proj[0], o_proj=proj[1], q_norm=None,
                                       num_heads=1, sliding_window=None, scale=0.5),
@@ -170,6 +175,7 @@ def test_large_float32_weights_keep_the_gemv_kernel_to_8_rows():
             post_attention_layernorm=SimpleNamespace(weight=torch.ones(4), eps=1e-6))
         for p in proj:  # each below the limit, the four together maybe not
             p.weight = torch.empty(1, nbytes_each // dtype.itemsize, dtype=dtype)
+            p.kernel = _beside_onednn(p.weight, dtype)
         return fused._stack(SimpleNamespace(layers={"0": layer}, is_first_stage=False,
                                           is_last_stage=False)).gemv_rows
 
@@ -236,12 +242,12 @@ def test_the_lm_head_gives_a_sequence_the_same_logits_in_batches_up_to_its_gemv_
     g = torch.Generator().manual_seed(0)
     head = layers.ParallelLMHead(1000, 256)
     head.weight.data = torch.randn(1000, 256, generator=g).to(dtype)
-    layers.pack_linear_weights(nn.ModuleList([head]))  # as a loaded model's (where oneDNN is)
-    limit = layers.decode_gemv_rows(head)
-    pairs = isinstance(head.packed_weight, pair_packed.PairPacked)
-    small = layers.small_batch_weight(head) is not None  # beside oneDNN on AMX: limit 0 too
+    kernel_choice.select_kernels(nn.ModuleList([head]))  # as a loaded model's
+    limit = head.kernel.decode_rows
+    pairs = isinstance(head.kernel, lk.Pairs | lk.Amx)
+    small = isinstance(head.kernel, lk.SmallBatches)  # beside oneDNN on AMX: limit 0 too
     assert limit == 0 if pairs or small else limit in (8, 16)
-    rows = 70 if pairs else pair_packed.SMALL_ROWS if small else limit
+    rows = 70 if pairs else head.kernel.rows if small else limit
     hidden = torch.randn(rows, 256, generator=g).to(dtype)
     alone = torch.cat([head.logits(hidden[i:i + 1]) for i in range(rows)])
     for m in range(2, rows + 1):
@@ -427,8 +433,8 @@ def _projections(worker) -> list[tuple[torch.dtype | None, torch.dtype | None, o
     out = []
     for name, m in model.named_modules():
         if isinstance(m, ColumnParallelLinear | RowParallelLinear):
-            packed = getattr(m, "packed_weight", None)
-            out.append((None if packed is None else packed.dtype,
+            packed = m.kernel.for_rows(1000)  # the copy past the small batches
+            out.append((None if packed.kind is None else packed.tensor.dtype,
                         None if m.weight is None else m.weight.dtype,
                         state[f"{name}.weight"].dtype))
     return out
@@ -445,11 +451,11 @@ def _without_onednn_bf16(monkeypatch) -> None:
         return reorder(weight, *args)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
-    monkeypatch.setattr(pair_packed, "onednn_packs_bf16", lambda: False)
+    monkeypatch.setattr(lk, "onednn_packs_bf16", lambda: False)
 
 
 def _packed_projection(monkeypatch, budget: str | None):
-    """A 96 x 128 bf16 projection packed by layers.pack_linear_weights under the budget
+    """A 96 x 128 bf16 projection packed by kernel_choice.select_kernels under the budget
     FLEETLLM_GEMV_MAX_BYTES (None: the default); (projection, its dense weight, generator)."""
     from torch import nn
 
@@ -461,7 +467,7 @@ def _packed_projection(monkeypatch, budget: str | None):
     proj = layers.RowParallelLinear(128, 96, bias=False)
     proj.weight.data = torch.randn(96, 128, generator=g).to(BF16)
     dense = proj.weight.detach().clone()
-    assert layers.pack_linear_weights(nn.ModuleList([proj])) == 1
+    assert kernel_choice.select_kernels(nn.ModuleList([proj])) == 1
     return proj, dense, g
 
 
@@ -476,8 +482,8 @@ def test_bf16_projections_are_packed_on_every_cpu(onednn_bf16, tiny_models, tmp_
     simulated wherever this runs."""
     if not onednn_bf16:
         _without_onednn_bf16(monkeypatch)
-        # and no pair packing: a CPU with neither AVX2 nor AVX-512 (pair_packed.py)
-        monkeypatch.setattr(pair_packed, "applies", lambda weight: False)
+        # and no pair packing: a CPU with neither AVX2 nor AVX-512 (linear_kernels.Pairs)
+        monkeypatch.setattr(lk.Pairs, "applies", lambda weight: False)
     elif not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         pytest.skip("this CPU has no oneDNN bf16 packing")
     monkeypatch.setenv("FLEETLLM_LINEAR", "packed")  # no dense copy: only the packed one
@@ -503,10 +509,10 @@ def test_bf16_decode_steps_of_up_to_16_take_the_kernel_without_bf16_packing(
     the bytes), and the GEMV kernel on the bf16 weight is faster up to ~24 rows; decode steps
     of up to 16 sequences run the fused layers (and the LM head the kernel), with greedy
     outputs that still follow transformers in bf16."""
-    from fleetllm.model import fused, layers
+    from fleetllm.model import fused
 
     _without_onednn_bf16(monkeypatch)
-    monkeypatch.setattr(pair_packed, "applies", lambda weight: False)  # no AVX2 / AVX-512
+    monkeypatch.setattr(lk.Pairs, "applies", lambda weight: False)  # no AVX2 / AVX-512
     seen = {"layer": 0, "head": 0}
     run_layers, gemv = fused.run_layers, cpu_kernels.gemv
 
@@ -531,8 +537,6 @@ def test_bf16_decode_steps_of_up_to_16_take_the_kernel_without_bf16_packing(
                             SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                             use_tqdm=False)
     assert seen == {"layer": 14, "head": 14}, seen
-    assert layers.decode_gemv_rows(SimpleNamespace(weight=torch.zeros(1, dtype=BF16),
-                                                   packed_weight=torch.zeros(1))) == 16
     same, problems = _agreement([o.outputs[0].token_ids for o in outs],
                                 _hf_reference(path, prompts, 6))
     assert same >= 0.9 * len(prompts) and not problems, (same, problems)
@@ -546,38 +550,35 @@ def test_with_amx_bf16_projections_keep_onednn_and_a_copy_for_small_batches(
     """Where oneDNN runs on AMX (2-8x the pairs' GEMM from 12 rows up; simulated here), a bf16
     projection keeps oneDNN's packed copy for every batch and a second copy for small batches
     while the projections fit FLEETLLM_GEMV_MAX_BYTES: packed for the kernels' AMX GEMM (up to
-    amx_packed.MAX_ROWS rows) where the CPU has AMX, else by pairs (up to SMALL_ROWS); over
-    the budget oneDNN's alone. The dense weight goes either way; each copy gives its own
-    kernel's bits."""
-    from fleetllm.model import amx_packed, layers
-
-    if not cpu_kernels.gemm_pairs_available() or not pair_packed.onednn_packs_bf16():
+    Amx.MAX_ROWS rows) where the CPU has AMX, else by pairs (up to SMALL_ROWS); over the
+    budget oneDNN's alone. The dense weight goes either way; each copy gives its own kernel's
+    bits."""
+    if not cpu_kernels.gemm_pairs_available() or not lk.onednn_packs_bf16():
         pytest.skip("no copies by pairs, or oneDNN packs no bf16 here (every CPU with AMX does)")
     if small_kind == "amx" and not cpu_kernels.amx_available():
         pytest.skip("no AMX tiles on this CPU")
     if small_kind == "pairs":
-        monkeypatch.setattr(amx_packed, "applies", lambda w: False)
-    monkeypatch.setattr(pair_packed, "onednn_amx", lambda: True)
+        monkeypatch.setattr(lk.Amx, "applies", lambda w: False)
+    monkeypatch.setattr(lk, "onednn_amx", lambda: True)
     proj, dense, g = _packed_projection(monkeypatch, budget)
-    assert proj.weight is None and proj.packed_weight.is_mkldnn
-    small = layers.small_batch_weight(proj)
+    kernel = proj.kernel
+    assert proj.weight is None and kernel.decode_rows == 0
+    small = kernel.small if isinstance(kernel, lk.SmallBatches) else None
     assert (small is None) == (budget is not None)
-    kind = amx_packed.AmxPacked if small_kind == "amx" else pair_packed.PairPacked
-    assert small is None or isinstance(small, kind)
-    limit = layers.small_batch_rows(proj)
-    assert limit == (0 if small is None else amx_packed.MAX_ROWS if small_kind == "amx"
-                     else pair_packed.SMALL_ROWS)
-    assert layers.decode_gemv_rows(proj) == 0
-    for rows in (1, pair_packed.SMALL_ROWS, pair_packed.SMALL_ROWS + 1, 40,
-                 amx_packed.MAX_ROWS, amx_packed.MAX_ROWS + 1):
+    large = kernel if small is None else kernel.large
+    assert isinstance(large, lk.OneDnn) and large.tensor.is_mkldnn
+    assert small is None or isinstance(small, lk.Amx if small_kind == "amx" else lk.Pairs)
+    assert small is None or kernel.rows == (lk.Amx.MAX_ROWS if small_kind == "amx"
+                                            else lk.Pairs.SMALL_ROWS)
+    gemm = cpu_kernels.gemm_amx if small_kind == "amx" else cpu_kernels.gemm_pairs
+    for rows in (1, lk.Pairs.SMALL_ROWS, lk.Pairs.SMALL_ROWS + 1, 40, lk.Amx.MAX_ROWS,
+                 lk.Amx.MAX_ROWS + 1):
         x = torch.randn(rows, 128, generator=g).to(BF16)
-        if small is not None and rows <= limit:
-            want = (amx_packed.matmul if small_kind == "amx"
-                                  else pair_packed.matmul)(x, small, None)
+        if small is not None and rows <= kernel.rows:
+            want = gemm(x, small.tensor, None, 96)
         else:
-            want = torch.ops.mkldnn._linear_pointwise(x, proj.packed_weight, None, "none",
-                                                      [None], "")
-        assert torch.equal(layers.linear(proj, x), want), rows
+            want = torch.ops.mkldnn._linear_pointwise(x, large.tensor, None, "none", [None], "")
+        assert torch.equal(kernel(x), want), rows
         _close_in_bf16(want, (x.float() @ dense.float().T).to(BF16), 1e-2)
 
 
@@ -590,24 +591,22 @@ def test_without_onednn_bf16_packing_the_pairs_take_over_where_the_dense_weights
     faster pair there) while the dense weights fit FLEETLLM_GEMV_MAX_BYTES; past it the
     projection is packed by pairs alone (2 bytes a parameter, not the float32 copy's 4),
     whose GEMM takes every batch with its own bits."""
-    from fleetllm.model import layers
-
     if not cpu_kernels.gemm_pairs_available():
         pytest.skip("no AVX2 or AVX-512: no copies by pairs")
     _without_onednn_bf16(monkeypatch)
-    monkeypatch.setattr(pair_packed, "onednn_amx", lambda: False)
+    monkeypatch.setattr(lk, "onednn_amx", lambda: False)
     proj, dense, g = _packed_projection(monkeypatch, budget)
-    assert layers.small_batch_weight(proj) is None
+    kernel = proj.kernel
     if budget is None:
-        assert proj.packed_weight.is_mkldnn and proj.packed_weight.dtype == torch.float32
-        assert proj.weight is not None and layers.decode_gemv_rows(proj) == 16
+        assert isinstance(kernel, lk.Gemv) and isinstance(kernel.rest, lk.OneDnn)
+        assert kernel.rest.tensor.is_mkldnn and kernel.rest.tensor.dtype == torch.float32
+        assert proj.weight is not None and kernel.decode_rows == 16
         return
-    assert isinstance(proj.packed_weight, pair_packed.PairPacked) and proj.weight is None
-    assert layers.decode_gemv_rows(proj) == 0
+    assert isinstance(kernel, lk.Pairs) and proj.weight is None and kernel.decode_rows == 0
     for rows in (1, 5, 300):
         x = torch.randn(rows, 128, generator=g).to(BF16)
-        want = pair_packed.matmul(x, pair_packed.pack(dense), None)
-        assert torch.equal(layers.linear(proj, x), want), rows
+        want = lk.Pairs.pack(dense)(x)
+        assert torch.equal(kernel(x), want), rows
         _close_in_bf16(want, (x.float() @ dense.float().T).to(BF16), 1e-2)
 
 
@@ -620,7 +619,7 @@ def test_packing_frees_the_dense_weights(tiny_models, tmp_path, monkeypatch):
     from fleetllm.model import layers, loader
 
     dense = []
-    pack = layers.pack_linear_weights
+    pack = kernel_choice.select_kernels
 
     def recorded(model):
         linears = [m for m in model.modules() if getattr(m, "weight", None) is not None
@@ -628,7 +627,7 @@ def test_packing_frees_the_dense_weights(tiny_models, tmp_path, monkeypatch):
         dense.extend((m, weakref.ref(m.weight)) for m in linears)
         return pack(model)
 
-    monkeypatch.setattr(loader, "pack_linear_weights", recorded)
+    monkeypatch.setattr(loader, "select_kernels", recorded)
     # no dense copies kept for the GEMV (a CPU without oneDNN bf16 packing keeps them within it)
     monkeypatch.setenv("FLEETLLM_GEMV_MAX_BYTES", "0")
     path = _bf16_checkpoint(tiny_models["llama_gqa"], tmp_path / "llama")
@@ -704,28 +703,28 @@ def test_batch_invariant_bf16_rows_are_the_same_bits_in_any_batch(cpu, monkeypat
     suit no tile (130 x 688) and the GEMV's, the small copies' and oneDNN's row counts."""
     from torch import nn
 
-    from fleetllm.model import amx_packed, layers
+    from fleetllm.model import layers
 
     if not cpu_kernels.gemm_pairs_available():
         pytest.skip("no AVX2 or AVX-512: no copies by pairs")
     if cpu == "amx":
-        monkeypatch.setattr(pair_packed, "onednn_amx", lambda: True)
+        monkeypatch.setattr(lk, "onednn_amx", lambda: True)
     elif cpu == "no-bf16-packing":
         _without_onednn_bf16(monkeypatch)
-        monkeypatch.setattr(pair_packed, "onednn_amx", lambda: False)
+        monkeypatch.setattr(lk, "onednn_amx", lambda: False)
     monkeypatch.setenv("FLEETLLM_BATCH_INVARIANT", "1")
     g = torch.Generator().manual_seed(9)
     for n, k in ((130, 688), (256, 96)):
         proj = layers.RowParallelLinear(k, n, bias=False)
         proj.weight.data = torch.randn(n, k, generator=g).to(BF16)
         dense = proj.weight.detach().clone()
-        assert layers.pack_linear_weights(nn.ModuleList([proj])) == 1
-        kind = amx_packed.AmxPacked if amx_packed.applies(dense) else pair_packed.PairPacked
-        assert isinstance(proj.packed_weight, kind) and proj.weight is None
-        assert layers.small_batch_weight(proj) is None and layers.decode_gemv_rows(proj) == 0
+        assert kernel_choice.select_kernels(nn.ModuleList([proj])) == 1
+        kind = lk.Amx if lk.Amx.applies(dense) else lk.Pairs
+        assert type(proj.kernel) is kind and proj.weight is None
+        assert proj.kernel.decode_rows == 0
         x = torch.randn(300, k, generator=g).to(BF16)
-        alone = torch.cat([layers.linear(proj, x[i:i + 1]) for i in range(6)])
+        alone = torch.cat([proj.kernel(x[i:i + 1]) for i in range(6)])
         for rows in (2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 100, 257, 300):
-            assert torch.equal(layers.linear(proj, x[:rows])[:6], alone[:min(rows, 6)]), \
+            assert torch.equal(proj.kernel(x[:rows])[:6], alone[:min(rows, 6)]), \
                 (n, k, rows)
         _close_in_bf16(alone, (x[:6].float() @ dense.float().T).to(BF16), 1e-2)

@@ -90,7 +90,7 @@ def test_no_mapping_where_packing_frees_the_dense_weights(tiny_models, monkeypat
     monkeypatch.setenv("FLEETLLM_GEMV_MAX_BYTES", "1")
     with LLM(tiny_models["llama_gqa"], kv_cache_memory=KV) as llm:
         model = worker(llm).model_runner.model
-        if not any(getattr(m, "packed_weight", None) is not None for m in model.modules()):
+        if not any(getattr(m, "weight", 0) is None for m in model.modules()):
             pytest.skip("oneDNN packing is unavailable here: the dense weights stay")
         embed = model.embed_tokens.weight
         assert mapping_of(embed.data_ptr())["THPeligible"] == "0"
@@ -183,12 +183,13 @@ def test_weights_packed_by_pairs_share_one_huge_page_mapping(monkeypatch):
     it, and no dense weight kept beside them."""
     from torch import nn
 
-    from fleetllm.model import layers, pair_packed
+    from fleetllm.model import kernel_choice, layers
+    from fleetllm.model import linear_kernels as lk
 
     if not cpu_kernels.gemm_pairs_available():
         pytest.skip("this CPU has neither AVX2 nor AVX-512: no packing by pairs")
     monkeypatch.delenv("FLEETLLM_HUGE_PAGES", raising=False)
-    if not pair_packed.onednn_packs_bf16():  # AVX2: the pairs only past the dense budget
+    if not lk.onednn_packs_bf16():  # AVX2: the pairs only past the dense budget
         monkeypatch.setenv("FLEETLLM_GEMV_MAX_BYTES", "0")
     g = torch.Generator().manual_seed(0)
 
@@ -200,18 +201,19 @@ def test_weights_packed_by_pairs_share_one_huge_page_mapping(monkeypatch):
 
     placed = heads()
     dense = [m.weight.detach().clone() for m in placed]
-    layers.pack_linear_weights(placed)
-    # (where oneDNN runs on AMX, the copies by pairs sit beside oneDNN's: layers.py)
-    pairs = [layers.small_batch_weight(m) or m.packed_weight for m in placed]
-    packed = [p.data for p in pairs]
-    assert all(isinstance(p, pair_packed.PairPacked) for p in pairs)
+    kernel_choice.select_kernels(placed)
+    # (where oneDNN runs on AMX, the copies by pairs sit beside oneDNN's: SmallBatches)
+    pairs = [m.kernel.small if isinstance(m.kernel, lk.SmallBatches) else m.kernel
+             for m in placed]
+    packed = [p.tensor for p in pairs]
+    assert all(isinstance(p, lk.Pairs) for p in pairs)
     assert {mapping_of(p.data_ptr())["range"] for p in packed} == {
         mapping_of(packed[0].data_ptr())["range"]}
     assert mapping_of(packed[0].data_ptr())["THPeligible"] == "1"
     assert packed[0].data_ptr() % huge_pages.HUGE_PAGE == 0
-    x = torch.randn(pair_packed.SMALL_ROWS, 512, generator=g).bfloat16()  # the pairs' rows
+    x = torch.randn(lk.Pairs.SMALL_ROWS, 512, generator=g).bfloat16()  # the pairs' rows
     for m, p, w in zip(placed, pairs, dense, strict=True):
         assert m.weight is None  # the packed copies serve every number of rows: no dense one
         assert torch.equal(p.to_dense(), w)
-        fresh = pair_packed.pack(w)  # torch's memory
-        assert torch.equal(layers.linear(m, x), pair_packed.matmul(x, fresh, None))
+        fresh = lk.Pairs.pack(w)  # torch's memory
+        assert torch.equal(m.kernel(x), fresh(x))

@@ -18,6 +18,7 @@ from kernel_cases import decoder_layer_args, flat, op_outputs
 
 from fleetllm.kernels import build as kernel_build
 from fleetllm.kernels import cpu_kernels
+from fleetllm.kernels.cpu_kernels import LinearKind
 
 REPO = Path(__file__).resolve().parents[1]
 SANITIZE = os.environ.get("FLEETLLM_KERNEL_SANITIZE", "0") != "0"
@@ -114,6 +115,15 @@ def test_other_ops_check_their_arguments():
                   "b_o must have shape"))
     cases.append((lambda: cpu_kernels.decoder_layer(**{**args, "heads": 6}), "w_qkv must have"))
     cases.append((lambda: cpu_kernels.decoder_layer(**{**args, "cos": rope[:2]}), "cos and sin"))
+    # the kind names the packed copies' layout: a copy of another layout, or none, is refused
+    cases.append((lambda: cpu_kernels.decoder_layer(**{**args, "kind": LinearKind.PAIRS}),
+                  "kind 3 needs 4 packed weights"))
+    cases.append((lambda: cpu_kernels.decoder_layer(**{**args, "kind": 9}),
+                  "9 is not a LinearKind"))
+    dense4 = tuple(args["weights"][i] for i in (3, 5, 7, 9))
+    cases.append((lambda: cpu_kernels.decoder_layer(**{**args, "packed": dense4,
+                                                       "kind": LinearKind.ONEDNN}),
+                  "must be oneDNN's"))
     cases += [(lambda: cpu_kernels.argmax(x[0]), "x must have 2 dimensions"),
               (lambda: cpu_kernels.argmax(x[:, :0]), "rows of no elements"),
               (lambda: cpu_kernels.argmax(w.t()), "rows must be contiguous"),
@@ -265,13 +275,13 @@ def test_greedy_passes_are_the_layers_head_and_argmax_in_turn(dtype):
 
     def passes(caches, interrupts=None, **changes):
         args = dict(positions=pos, embed=embed, final_norm=norm, head=head, head_n=11,
-                    gemv_rows=8, stops=torch.empty(3, 0, dtype=torch.long),
+                    head_kind=LinearKind.GEMV, stops=torch.empty(3, 0, dtype=torch.long),
                     interrupts=torch.zeros(1, dtype=torch.long)
                     if interrupts is None else interrupts, interrupts_before=0)
         args.update(changes)
         return cpu_kernels.greedy_passes(ids, listed, 1e-6, base["heads"], [0, 0],
                                          base["scale"], *full, caches, slots, flat_tables,
-                                         starts, ctx, [], **args)
+                                         starts, ctx, [], LinearKind.GEMV, **args)
 
     want_caches, x, want = [cache.clone(), cache.clone()], ids, []
     for i in range(k):
@@ -299,7 +309,7 @@ def test_greedy_passes_are_the_layers_head_and_argmax_in_turn(dtype):
     for changes, message in [
             (dict(positions=pos[:3]), "slots must be a contiguous CPU Long \\[3, 3\\], got "
                                       "\\[4, 3\\]"),
-            (dict(gemv_rows=2), "a dense LM head takes the GEMV kernel, up to 2 rows"),
+            (dict(head_kind=7), "head_kind: 7 is not a LinearKind"),
             (dict(interrupts=torch.zeros(1)), "interrupts must be one aligned CPU int64"),
             (dict(stops=torch.zeros(2, 1, dtype=torch.long)), "stops must be a contiguous CPU "
                                                                "Long \\[3, S\\]")]:
@@ -775,13 +785,13 @@ def _pairs_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
 
 @needs_kernels
 def test_gemm_on_weights_packed_by_pairs_sums_each_output_in_one_order():
-    """The bf16 GEMM of model/pair_packed.py (csrc/gemm.cpp: 8 rows x 48 outputs a pass, k in
+    """The bf16 GEMM of linear_kernels.Pairs (csrc/gemm.cpp: 8 rows x 48 outputs a pass, k in
     blocks of 512 pairs, rows split evenly into groups) gives every output the reference's
     bits: one float32 lane over k's pairs in order, the bias, one rounding. So a row's result
     does not depend on how many rows share the call or on where the groups split. Random
     shapes: 1-300 rows, output counts that leave partial 16- and 48-wide panels, k of 2 to 1,030
     (two k blocks)."""
-    from fleetllm.model import pair_packed
+    from fleetllm.model.linear_kernels import Pairs
 
     if not cpu_kernels.gemm_pairs_available():
         pytest.skip("this CPU has no AVX-512")
@@ -794,16 +804,16 @@ def test_gemm_on_weights_packed_by_pairs_sums_each_output_in_one_order():
         x = torch.randn(m, k, generator=g).bfloat16()
         w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
         bias = torch.randn(n, generator=g).bfloat16() if case % 2 else None
-        packed = pair_packed.pack(w)
+        packed = Pairs.pack(w)
         assert torch.equal(packed.to_dense(), w)
         # one sequential stream: panel i's pair p is outputs 48i..48i+47's k = 2p, 2p + 1,
         # side by side (the panel's 3 vectors), pairs in order, panels in order
-        assert packed.data.shape == (-(-n // 48), k // 2, 48, 2)
-        i, p = rng.randrange(packed.data.shape[0]), rng.randrange(k // 2)
+        assert packed.tensor.shape == (-(-n // 48), k // 2, 48, 2)
+        i, p = rng.randrange(packed.tensor.shape[0]), rng.randrange(k // 2)
         rows = w[48 * i:48 * i + 48, 2 * p:2 * p + 2]
-        assert torch.equal(packed.data[i, p, :len(rows)], rows)
-        assert not packed.data[i, p, len(rows):].any()  # zero past N
-        got = pair_packed.matmul(x, packed, bias)
+        assert torch.equal(packed.tensor[i, p, :len(rows)], rows)
+        assert not packed.tensor[i, p, len(rows):].any()  # zero past N
+        got = packed(x, bias)
         assert torch.equal(got, _pairs_reference(x, w, bias)), (m, n, k)
     with pytest.raises(RuntimeError, match="even"):
         cpu_kernels.gemm_pairs(torch.zeros(2, 3, dtype=torch.bfloat16),
@@ -816,7 +826,7 @@ def test_gemm_on_weights_packed_by_pairs_sums_each_output_in_one_order():
 _PAIRS_CASES = """
 import random, sys, torch
 from fleetllm.kernels import cpu_kernels
-from fleetllm.model import pair_packed
+from fleetllm.model.linear_kernels import Pairs
 assert cpu_kernels.available()
 rng, g = random.Random(6), torch.Generator().manual_seed(6)
 cases = []
@@ -826,7 +836,7 @@ for case in range(16):
     x = torch.randn(m, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16() if case % 2 else None
-    cases.append((x, w, bias, pair_packed.matmul(x, pair_packed.pack(w), bias)))
+    cases.append((x, w, bias, Pairs.pack(w)(x, bias)))
 torch.save({"cases": cases, "build_info": cpu_kernels.build_info()}, sys.argv[1])
 """
 
@@ -862,12 +872,12 @@ def test_gemm_by_pairs_gives_the_same_bits_by_fmas_or_by_vdpbf16ps(mode, tmp_pat
 
 @needs_kernels
 def test_gemm_on_amx_tiles_is_the_product_and_independent_of_the_batch():
-    """The bf16 GEMM on AMX tiles (model/amx_packed.py, csrc/gemm_amx.cpp: 32 outputs by up to
+    """The bf16 GEMM on AMX tiles (linear_kernels.Amx, csrc/gemm_amx.cpp: 32 outputs by up to
     32 rows a pass, row tails of any size) gives float32 sums over k rounded once: each row's
     bits are the same alone or in any batch, the bias is added before the rounding, and the
     result is x @ w.T within bf16 rounding. Random shapes: 1-300 rows, 32-160 outputs, k of
     32-1,024; the packed layout is checked element by element."""
-    from fleetllm.model import amx_packed
+    from fleetllm.model.linear_kernels import Amx
 
     if not cpu_kernels.amx_available():
         pytest.skip("this CPU has no AMX tiles")
@@ -880,18 +890,18 @@ def test_gemm_on_amx_tiles_is_the_product_and_independent_of_the_batch():
         x = torch.randn(m, k, generator=g).bfloat16()
         w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
         bias = torch.randn(n, generator=g).bfloat16() if case % 2 else None
-        packed = amx_packed.pack(w)
+        packed = Amx.pack(w)
         assert torch.equal(packed.to_dense(), w)
         i, j = rng.randrange(n), rng.randrange(k)
-        assert packed.data.shape == (n // 32, k // 32, 2, 16, 32)
-        assert packed.data[i // 32, j // 32, i % 32 // 16, j % 32 // 2, i % 16 * 2 + j % 2] \
+        assert packed.tensor.shape == (n // 32, k // 32, 2, 16, 32)
+        assert packed.tensor[i // 32, j // 32, i % 32 // 16, j % 32 // 2, i % 16 * 2 + j % 2] \
             == w[i, j]
-        got = amx_packed.matmul(x, packed, bias)
+        got = packed(x, bias)
         want = x.float() @ w.float().T + (0 if bias is None else bias.float())
         torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-2)
         for r in {0, m // 2, m - 1}:  # alone, and as the first row of another batch
-            assert torch.equal(amx_packed.matmul(x[r:r + 1], packed, bias), got[r:r + 1])
-            assert torch.equal(amx_packed.matmul(x[r:], packed, bias)[0], got[r])
+            assert torch.equal(packed(x[r:r + 1], bias), got[r:r + 1])
+            assert torch.equal(packed(x[r:], bias)[0], got[r])
     with pytest.raises(RuntimeError, match="multiples of 32"):
         cpu_kernels.gemm_amx(torch.zeros(2, 32, dtype=torch.bfloat16),
                              torch.zeros(1, 1, 2, 16, 32, dtype=torch.bfloat16), None, 48)
@@ -901,30 +911,31 @@ def test_gemm_on_amx_tiles_is_the_product_and_independent_of_the_batch():
 
 
 def test_a_packed_copy_that_disagrees_with_f_linear_is_not_used(monkeypatch, caplog):
-    """pack_linear_weights checks each copy against F.linear; one that differs (a broken
-    kernel, an odd CPU) leaves the model on its dense weights, with a warning saying why."""
+    """select_kernels checks each copy against F.linear; one that differs (a broken kernel,
+    an odd CPU) leaves the model on its dense weights, with a warning saying why."""
     from torch import nn
 
-    from fleetllm.model import layers
+    from fleetllm.model import kernel_choice, layers, linear_kernels
 
-    if not layers._can_pack(torch.zeros(1, 1)):
+    if not kernel_choice._can_pack(torch.zeros(1, 1)):
         pytest.skip("no oneDNN linear here")
     monkeypatch.setenv("FLEETLLM_LINEAR", "packed")
     proj = layers.ColumnParallelLinear(64, [(96, 96, 0)], bias=False)
     # set, not left as allocated: uninitialized memory may hold NaNs, which torch.equal refuses
     proj.weight.data.normal_(generator=torch.Generator().manual_seed(0))
     dense = proj.weight.detach().clone()
-    real = layers.linear
-    monkeypatch.setattr(layers, "linear", lambda layer, x, *a, **k: real(layer, x, *a, **k) + 1)
-    with caplog.at_level("WARNING", logger=layers.__name__):
-        assert layers.pack_linear_weights(nn.ModuleList([proj])) == 0
+    real = linear_kernels.OneDnn.matmul
+    monkeypatch.setattr(linear_kernels.OneDnn, "matmul", lambda *a: real(*a) + 1)
+    with caplog.at_level("WARNING", logger=kernel_choice.__name__):
+        assert kernel_choice.select_kernels(nn.ModuleList([proj])) == 0
     assert "differs from F.linear" in caplog.text
-    assert getattr(proj, "packed_weight", None) is None and torch.equal(proj.weight, dense)
+    assert proj.kernel.kind in (None, LinearKind.GEMV) and torch.equal(proj.weight, dense)
+    assert proj.kernel.for_rows(100).kind is None  # F.linear past the GEMV's rows
 
 
 @needs_kernels
 def test_float32_projections_take_mkls_packed_sgemm_on_intel_cpus(monkeypatch):
-    """On an Intel CPU with torch's MKL (model/mkl_packed.py) a float32 projection whose dense
+    """On an Intel CPU with torch's MKL (linear_kernels.Mkl) a float32 projection whose dense
     weight stays (for the GEMV's small batches) gets MKL's packed copy in place of oneDNN's:
     F.linear's products, the bias added as its addmm adds it, at any number of rows, and
     decoder_layer reads it (tests/test_attention.py checks the one-call layers' bits). Where
@@ -932,26 +943,27 @@ def test_float32_projections_take_mkls_packed_sgemm_on_intel_cpus(monkeypatch):
     import torch.nn.functional as F
     from torch import nn
 
-    from fleetllm.model import layers, mkl_packed
+    from fleetllm.model import kernel_choice, layers
+    from fleetllm.model.linear_kernels import Mkl, OneDnn
 
     if not cpu_kernels.mkl_available():
         pytest.skip("no MKL on an Intel CPU here")
     g = torch.Generator().manual_seed(0)
-    for mode, kind in (("auto", mkl_packed.MklPacked), ("packed", torch.Tensor)):
+    for mode, kind in (("auto", Mkl), ("packed", OneDnn)):
         monkeypatch.setenv("FLEETLLM_LINEAR", mode)
         proj = layers.ColumnParallelLinear(96, [(200, 200, 0)], bias=True)
         proj.weight.data = torch.randn(200, 96, generator=g)
         proj.bias.data = torch.randn(200, generator=g)
         dense, bias = proj.weight.detach().clone(), proj.bias.detach().clone()
-        assert layers.pack_linear_weights(nn.ModuleList([proj])) == 1
-        assert isinstance(proj.packed_weight, kind), mode
+        assert kernel_choice.select_kernels(nn.ModuleList([proj])) == 1
+        assert isinstance(proj.kernel.for_rows(300), kind), mode
         assert (proj.weight is None) == (mode == "packed")
         for rows in (5, 64, 300):
             x = torch.randn(rows, 96, generator=g)
             torch.testing.assert_close(proj(x), F.linear(x, dense, bias), rtol=1e-5, atol=1e-5)
-    packed = mkl_packed.pack(dense)
+    packed = Mkl(dense)
     x = torch.randn(7, 96, generator=g)
     with pytest.raises(RuntimeError, match="too small"):
-        cpu_kernels.mkl_linear(x, packed.data[:100], None, 200)
+        cpu_kernels.mkl_linear(x, packed.tensor[:100], None, 200)
     with pytest.raises(RuntimeError, match="must be Float"):
-        cpu_kernels.mkl_linear(x.bfloat16(), packed.data, None, 200)
+        cpu_kernels.mkl_linear(x.bfloat16(), packed.tensor, None, 200)

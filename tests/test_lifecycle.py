@@ -38,12 +38,10 @@ def rss(executor) -> int:
 
 def kv_and_weight_bytes(executor) -> tuple[int, int]:
     kv = executor.collective_rpc(lambda w: w.cache_engine.nbytes())
-    weights = executor.collective_rpc(lambda w: sum(  # parameters and packed copies (oneDNN's
-        # tensors; MKL's and the kernels' say what they take)
-        t.nbytes for t in [
-            *w.model_runner.model.parameters(),
-            *(m.packed_weight for m in w.model_runner.model.modules()
-              if getattr(m, "packed_weight", None) is not None)]))
+    weights = executor.collective_rpc(lambda w: sum(  # parameters and the kernels' copies
+        t.nbytes for t in w.model_runner.model.parameters()) + sum(
+        m.kernel.nbytes for m in w.model_runner.model.modules()
+        if getattr(m, "kernel", None) is not None))
     return sum(kv), sum(weights)
 
 
@@ -163,7 +161,7 @@ def test_sleep_level_2_frees_the_packed_weights_the_one_call_layers_gathered(tin
         model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
         stack = model.__dict__.get("_fused_stack")
         assert stack is not None and stack.packed, "the one-call layers gathered no weights"
-        alive = [weakref.ref(t) for ws in stack.packed.values() for t in ws]
+        alive = [weakref.ref(t) for got in stack.packed.values() if got for t in got[1]]
         del stack, model
         llm.sleep(2)
         gc.collect()

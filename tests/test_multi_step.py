@@ -26,6 +26,7 @@ from fleetllm.engine.async_engine import AsyncLLMEngine
 from fleetllm.engine.core_client import EngineCoreClient
 from fleetllm.errors import ConfigurationError
 from fleetllm.kernels import cpu_kernels
+from fleetllm.kernels.cpu_kernels import LinearKind
 from fleetllm.model import fused
 from fleetllm.sampling_params import StructuredOutputsParams
 from fleetllm.worker import greedy_passes
@@ -268,14 +269,14 @@ def test_greedy_passes_random_workloads_match_one_pass_a_call(tiny_models, dtype
 
     monkeypatch.setattr(greedy_passes, "run", counted)
     monkeypatch.setattr(fused, "run_passes", c_counted)
-    from fleetllm.model import pair_packed
+    from fleetllm.model import linear_kernels as lk
 
     # The two engines' decode batches differ over time (prompts are admitted between passes
     # at one pass a call, between calls here), and bf16 tokens follow a batch's size where the
     # kernels switch within these batches (up to 12 rows): the copy by pairs for up to 4 rows
     # beside oneDNN on AMX, where the kernels have no AMX GEMM (FLEETLLM_CPU_ISA=avx2 on an
     # AMX CPU). There the kernels' own GEMM takes every size (docs/spec_decode.md).
-    if dtype == "bfloat16" and pair_packed.onednn_amx() and not cpu_kernels.amx_available():
+    if dtype == "bfloat16" and lk.onednn_amx() and not cpu_kernels.amx_available():
         monkeypatch.setenv("FLEETLLM_BATCH_INVARIANT", "1")
     model = tiny_models["llama_gqa"]
     ref_llm = LLM(model, dtype=dtype, kv_cache_memory=KV)
@@ -323,25 +324,25 @@ HEADS = {"float32": ("float32", {}), "bfloat16": ("bfloat16", {}),
 @pytest.mark.parametrize("case", list(HEADS))
 def test_greedy_passes_in_one_c_call_read_every_kind_of_lm_head(tiny_models, monkeypatch,
                                                                  case):
-    """The C loop (cpu_kernels.greedy_passes) computes the LM head as layers.linear does at
-    the batch's rows, from the tensor fused._head picks, which depends on the CPU
+    """The C loop (cpu_kernels.greedy_passes) computes the LM head as its kernel does at the
+    batch's rows, from the tensor and kind fused._head picks, which depend on the CPU
     (_head_kind): the GEMV kernel on the dense weight up to its row limit, then MKL's or
     oneDNN's packed copy (float32); for bf16 the copy by pairs (AVX-512 without AMX), the
     small batches' copy beside oneDNN's (where oneDNN runs on AMX; also simulated, as in
     test_attention.py), or the GEMV up to 16 rows beside oneDNN's float32 copy (AVX2-only
     CPUs, also simulated: oneDNN packs no bf16 there, and the dense bf16 weight with a
-    float32 copy was the faster pair, layers._packing_plan); where nothing is packed
+    float32 copy was the faster pair, kernel_choice._plan); where nothing is packed
     (FLEETLLM_LINEAR=dense), past the GEMV's rows the passes run one forward at a time (the
     fused layers need the packed weights there). 3 and 11 sequences, 4 passes a call: the
     tokens of one pass a call."""
-    from fleetllm.model import amx_packed, pair_packed
+    from fleetllm.model import linear_kernels as lk
 
     dtype, setting = HEADS[case]
     if setting.get("amx"):
-        if not cpu_kernels.gemm_pairs_available() or not pair_packed.onednn_packs_bf16():
+        if not cpu_kernels.gemm_pairs_available() or not lk.onednn_packs_bf16():
             pytest.skip("no copies by pairs, or oneDNN packs no bf16 here")
-        monkeypatch.setattr(amx_packed, "applies", lambda w: False)
-        monkeypatch.setattr(pair_packed, "onednn_amx", lambda: True)
+        monkeypatch.setattr(lk.Amx, "applies", lambda w: False)
+        monkeypatch.setattr(lk, "onednn_amx", lambda: True)
     if setting.get("no_bf16_packing"):  # an AVX2-only CPU's oneDNN: no bf16 packing, no AMX
         reorder = torch.ops.mkldnn._reorder_linear_weight
 
@@ -352,17 +353,17 @@ def test_greedy_passes_in_one_c_call_read_every_kind_of_lm_head(tiny_models, mon
             return reorder(weight, *args)
 
         monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
-        monkeypatch.setattr(pair_packed, "onednn_packs_bf16", lambda: False)
-        monkeypatch.setattr(pair_packed, "onednn_amx", lambda: False)
+        monkeypatch.setattr(lk, "onednn_packs_bf16", lambda: False)
+        monkeypatch.setattr(lk, "onednn_amx", lambda: False)
     for name, value in setting.items():
         if name.isupper():
             monkeypatch.setenv(name, value)
     seen = []
     greedy = cpu_kernels.greedy_passes
 
-    def counted(ids, *args, head, **kwargs):
-        seen.append((ids.shape[0], head.dim(), head.is_mkldnn))
-        return greedy(ids, *args, head=head, **kwargs)
+    def counted(ids, *args, head_kind, **kwargs):
+        seen.append((ids.shape[0], head_kind))
+        return greedy(ids, *args, head_kind=head_kind, **kwargs)
 
     monkeypatch.setattr(cpu_kernels, "greedy_passes", counted)
     params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
@@ -374,9 +375,9 @@ def test_greedy_passes_in_one_c_call_read_every_kind_of_lm_head(tiny_models, mon
         with LLM(model, dtype=dtype, kv_cache_memory=KV, num_scheduler_steps=4) as llm:
             got = llm.generate(prompts, params, use_tqdm=False)
         assert tokens(got) == tokens(want), count
-    kinds = {rows: (dim, mkldnn) for rows, dim, mkldnn in seen}
+    kinds = dict(seen)
     if case == "float32-dense":
-        assert kinds == {3: (2, False)}, seen  # the GEMV; 11 rows one forward at a time
+        assert kinds == {3: LinearKind.GEMV}, seen  # 11 rows: one forward at a time
         return
     assert set(kinds) == {3, 11}, seen  # the C loop ran at both sizes
     config = json.loads((Path(model) / "config.json").read_text())
@@ -384,28 +385,28 @@ def test_greedy_passes_in_one_c_call_read_every_kind_of_lm_head(tiny_models, mon
     assert kinds == {rows: _head_kind(dtype, head, rows) for rows in (3, 11)}, seen
 
 
-def _head_kind(dtype: str, shape: tuple[int, int], rows: int) -> tuple[int, bool]:
-    """(dims, is oneDNN's) of the tensor the LM head of `shape` reads at `rows` rows on this
-    CPU (or the one simulated), by layers' packing rules: 2-D dense for the GEMV, 2-D mkldnn
-    for oneDNN, 1-D for MKL's sgemm, 4-D by pairs, 5-D for the kernels' AMX tiles."""
-    from fleetllm.model import amx_packed, mkl_packed, pair_packed
+def _head_kind(dtype: str, shape: tuple[int, int], rows: int) -> LinearKind:
+    """The kind of copy the LM head of `shape` reads at `rows` rows on this CPU (or the one
+    simulated), by kernel_choice's rules."""
+    from fleetllm.model import linear_kernels as lk
 
     weight = torch.zeros(shape, dtype=getattr(torch, dtype))
     if dtype == "float32":  # the GEMV up to 8 rows, then MKL's packed sgemm (Intel) or oneDNN's
-        return (2, False) if rows <= 8 else (1, False) if mkl_packed.applies(weight) \
-            else (2, True)
-    pairs = pair_packed.applies(weight)
-    if pairs and (pair_packed.batch_invariant() or pair_packed.onednn_packs_bf16()
-                  and not pair_packed.onednn_amx()):
-        return (4, False)  # by pairs at every size (AVX-512, or FLEETLLM_BATCH_INVARIANT)
-    if pairs and pair_packed.onednn_amx():  # the small batches' copy, then oneDNN's
-        tiles = amx_packed.applies(weight)
-        small = amx_packed.MAX_ROWS if tiles else pair_packed.SMALL_ROWS
-        return ((5 if tiles else 4), False) if rows <= small else (2, True)
+        return LinearKind.GEMV if rows <= 8 else LinearKind.MKL if lk.Mkl.applies(weight) \
+            else LinearKind.ONEDNN
+    pairs = lk.Pairs.applies(weight)
+    if pairs and (lk.batch_invariant() or lk.onednn_packs_bf16() and not lk.onednn_amx()):
+        return LinearKind.PAIRS  # at every size (AVX-512, or FLEETLLM_BATCH_INVARIANT)
+    if pairs and lk.onednn_amx():  # the small batches' copy, then oneDNN's
+        tiles = lk.Amx.applies(weight)
+        small = lk.Amx.MAX_ROWS if tiles else lk.Pairs.SMALL_ROWS
+        if rows > small:
+            return LinearKind.ONEDNN
+        return LinearKind.AMX if tiles else LinearKind.PAIRS
     # AVX2-only (the dense bf16 weight for the GEMV up to 16 rows, a float32 copy for oneDNN)
-    # or no pairs' GEMM at all (oneDNN's bf16 copy past 8 rows): layers.decode_gemv_rows
-    limit = 16 if not pair_packed.onednn_packs_bf16() else 8
-    return (2, False) if rows <= limit else (2, True)
+    # or no pairs' GEMM at all (oneDNN's bf16 copy past 8 rows): lk.gemv_limits
+    limit = 16 if not lk.onednn_packs_bf16() else 8
+    return LinearKind.GEMV if rows <= limit else LinearKind.ONEDNN
 
 
 def test_greedy_passes_end_when_every_row_has_drawn_a_stop_token(tiny_models):

@@ -9,7 +9,7 @@ Settings: "cache" (one 4096 x 768 weight called over and over: the kernel's arit
 "model" (the 125M preset's projections and LM head from memory, as a decode step reads them),
 "demo" (the demo model's), "qwen2-0.5b" and "llama-1b" (part of those models' layers).
 Prints per dtype and row count the best of 7 passes as weight bytes read per second;
-`--onednn` adds oneDNN's packed copy (where layers.decode_gemv_rows comes from), `--pairs`
+`--onednn` adds oneDNN's packed copy (where linear_kernels.gemv_limits comes from), `--pairs`
 the bf16 GEMM on weights packed by pairs, `--huge-pages` places the weights as the loader does.
 """
 
@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from fleetllm.kernels import cpu_kernels
-from fleetllm.model import huge_pages, layers, pair_packed
+from fleetllm.model import huge_pages
+from fleetllm.model.linear_kernels import OneDnn, Pairs
 
 ROWS = (1, 2, 4, 8)
 LAYER = [(1280, 768), (768, 768), (4096, 768), (768, 2048)]  # qkv, o, gate/up, down
@@ -56,15 +57,15 @@ def weights(setting: str, dtype: torch.dtype, huge: bool = False) -> list[torch.
 
 
 def pack_pairs(ws: list[torch.Tensor], huge: bool) -> list:
-    """ws packed by pairs; huge: in one huge-page arena, as layers.pack_linear_weights packs a
-    model's."""
+    """ws packed by pairs; huge: in one huge-page arena, as kernel_choice.select_kernels packs
+    a model's."""
     if not huge:
-        return [pair_packed.pack(w) for w in ws]
-    arena = huge_pages.empty(sum(map(pair_packed.nbytes, ws)))
+        return [Pairs.pack(w) for w in ws]
+    arena = huge_pages.empty(sum(map(Pairs.size, ws)))
     out, offset = [], 0
     for w in ws:
-        size = pair_packed.nbytes(w)
-        out.append(pair_packed.pack(w, arena[offset:offset + size]))
+        size = Pairs.size(w)
+        out.append(Pairs.pack(w, arena[offset:offset + size]))
         offset += size
     return out
 
@@ -96,7 +97,7 @@ def main() -> None:
                         help="also time oneDNN's packed copy (ms per pass)")
     parser.add_argument("--pairs", action="store_true",
                         help="also time the bf16 GEMM on weights packed by pairs (ms per pass; "
-                             "CPUs with AVX-512 BF16: model/pair_packed.py)")
+                             "CPUs with AVX-512 BF16: linear_kernels.Pairs)")
     args = parser.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("fleetllm's CPU kernels are not available here")
@@ -112,17 +113,17 @@ def main() -> None:
             figures = "  ".join(f"{m} rows {nbytes / t / 1e9:5.1f}" for m, t in kernel.items())
             print(f"{setting:5s} {name:8s} GB/s: {figures}")
             others = {"oneDNN": args.onednn, "pairs GEMM": args.pairs and dtype == torch.bfloat16
-                      and pair_packed.applies(ws[0])}
+                      and Pairs.applies(ws[0])}
             for label, wanted in others.items():
                 if not wanted:
                     continue
                 if label == "oneDNN":
-                    copies = [layers._pack(w) for w in ws]
+                    copies = [OneDnn(w) for w in ws]
                 else:  # in one huge-page arena with --huge-pages, as the loader packs them
                     copies = pack_pairs(ws, args.huge_pages)
-                packed = [SimpleNamespace(weight=None, packed_weight=p, shape=w.shape)
+                packed = [SimpleNamespace(kernel=p, shape=w.shape)
                           for p, w in zip(copies, ws, strict=True)]
-                other = {m: seconds(packed, dtype, m, calls, lambda x, p: layers.linear(p, x))
+                other = {m: seconds(packed, dtype, m, calls, lambda x, p: p.kernel(x))
                          for m in args.rows}
                 del packed
                 figures = "  ".join(f"{m} rows {kernel[m] * 1e3:.1f} vs {other[m] * 1e3:.1f}"

@@ -16,23 +16,23 @@ from __future__ import annotations
 
 import argparse
 import time
-from types import SimpleNamespace
+from collections.abc import Callable
 
 import torch
 
 from fleetllm.lora import layers as lora_layers
-from fleetllm.model.layers import linear
+from fleetllm.model.linear_kernels import OneDnn
 
 HIDDEN, QKV_PARTS, RANK = 768, [768, 256, 256], 16
 METHODS = ("grouped", "masked", "loop", "gather")
 
 
-def _packed(out: int, inp: int, gen: torch.Generator) -> SimpleNamespace:
+def _packed(out: int, inp: int, gen: torch.Generator) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The projection as fleetllm runs it past a few rows: oneDNN's packed copy (or F.linear)."""
     weight = torch.randn(out, inp, generator=gen) * 0.02
-    layer = SimpleNamespace(weight=weight, packed_weight=None)
     if torch.backends.mkldnn.is_available():
-        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    return layer
+        return OneDnn(weight)
+    return lambda x: torch.nn.functional.linear(x, weight)
 
 
 def _timed(fns: dict, repeat: int, rounds: int = 7) -> dict[str, float]:
@@ -93,12 +93,12 @@ def _case(t: int, gen: torch.Generator, slots: dict, flat: dict, pairs: tuple, a
     onehot = (index[:, None] == torch.arange(m)[None, :]).float()
 
     def base():
-        return [linear(layer, x) for layer, _ in pairs]
+        return [layer(x) for layer, _ in pairs]
 
     def grouped():
         lora_layers.set_step(step)
         try:
-            return [slots[k].apply(x, linear(layer, x)) for layer, k in pairs]
+            return [slots[k].apply(x, layer(x)) for layer, k in pairs]
         finally:
             lora_layers.set_step(None)
 
@@ -109,7 +109,7 @@ def _case(t: int, gen: torch.Generator, slots: dict, flat: dict, pairs: tuple, a
             b = b.view(-1, b.shape[-1])
             width = a.shape[1] // adapters * m
             xa = (x @ a[:, :width]).view(t, m, -1).mul_(onehot[:, :, None])
-            out.append(linear(layer, x).addmm_(xa.view(t, width), b[:width]))
+            out.append(layer(x).addmm_(xa.view(t, width), b[:width]))
         return out
 
     def loop():
@@ -117,7 +117,7 @@ def _case(t: int, gen: torch.Generator, slots: dict, flat: dict, pairs: tuple, a
         counts = torch.bincount(index, minlength=adapters).tolist()
         out = []
         for layer, k in pairs:
-            y, sl, start = linear(layer, x), slots[k], 0
+            y, sl, start = layer(x), slots[k], 0
             for s, n in enumerate(counts):
                 if n:
                     rows_s = order[start:start + n]
@@ -132,7 +132,7 @@ def _case(t: int, gen: torch.Generator, slots: dict, flat: dict, pairs: tuple, a
         for layer, k in pairs:
             sl = slots[k]
             xa = torch.bmm(x.unsqueeze(1), sl.a[index])
-            out.append(linear(layer, x) + torch.bmm(xa, flat[k][1][index]).squeeze(1))
+            out.append(layer(x) + torch.bmm(xa, flat[k][1][index]).squeeze(1))
         return out
 
     ref = grouped()

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from fleetllm.config import ArchConfig
-from fleetllm.model import amx_packed, huge_pages, mkl_packed, pair_packed
+from fleetllm.model import huge_pages
+from fleetllm.model.linear_kernels import Amx, Mkl, OneDnn, Pairs
 
 
 @dataclass
@@ -213,12 +214,11 @@ def matmul_rate(a: ArchConfig, rows: int, dtype: torch.dtype = torch.float32,
     come from memory, not a cache holding one matrix), then the LM head. Two implementations:
     plain F.linear (`x @ W.T`: MKL in float32, torch's own bf16 GEMM in bfloat16), oneDNN
     with pre-packed weights (what fleetllm runs for more than 4 rows), and for bf16 on CPUs with
-    AVX-512 BF16 fleetllm's GEMM on weights packed by pairs (model/pair_packed.py, which
-    replaces oneDNN there), for float32 on Intel CPUs MKL's packed sgemm
-    (model/mkl_packed.py) and, with AMX, its GEMM on AMX tiles (model/amx_packed.py, beside
-    oneDNN there for decode batches); "best" is the fastest, the machine's rate for the
-    roofline. With more than 2 GiB of projection weights, only enough layers for 2 GiB are
-    built."""
+    AVX-512 BF16 fleetllm's GEMM on weights packed by pairs (linear_kernels.Pairs, which
+    replaces oneDNN there), for float32 on Intel CPUs MKL's packed sgemm (Mkl) and, with AMX,
+    its GEMM on AMX tiles (Amx, beside oneDNN there for decode batches); "best" is the
+    fastest, the machine's rate for the roofline. With more than 2 GiB of projection weights,
+    only enough layers for 2 GiB are built."""
     d, hid = a.head_dim, a.hidden_size
     shapes = [((a.num_heads + 2 * a.num_kv_heads) * d, hid), (hid, a.num_heads * d),
               (2 * a.intermediate_size, hid), (hid, a.intermediate_size)]
@@ -240,28 +240,26 @@ def matmul_rate(a: ArchConfig, rows: int, dtype: torch.dtype = torch.float32,
             lambda: [F.linear(inputs[w.shape[1]], w) for w in dense], repeat) / 1e9
         if torch.backends.mkldnn.is_available():
             try:
-                packed = [(torch.ops.mkldnn._reorder_linear_weight(w, None), w.shape[1])
-                          for w in dense]
+                packed = [(OneDnn(w), w.shape[1]) for w in dense]
                 rates["packed"] = flops / _best_time(lambda: [
-                    torch.ops.mkldnn._linear_pointwise(inputs[k], w, None, "none", [None], "")
-                    for w, k in packed], repeat) / 1e9
+                    w(inputs[k]) for w, k in packed], repeat) / 1e9
             except RuntimeError:
                 pass
             packed = []  # freed before the next copy
-        if mkl_packed.applies(dense[0]):
-            mkl = [(mkl_packed.pack(w), w.shape[1]) for w in dense]
-            rates["mkl"] = flops / _best_time(lambda: [
-                mkl_packed.matmul(inputs[k], w, None) for w, k in mkl], repeat) / 1e9
+        if Mkl.applies(dense[0]):
+            mkl = [(Mkl(w), w.shape[1]) for w in dense]
+            rates["mkl"] = flops / _best_time(lambda: [w(inputs[k]) for w, k in mkl],
+                                              repeat) / 1e9
             mkl = []
-        if pair_packed.applies(dense[0]):
-            pairs = [(pair_packed.pack(w), w.shape[1]) for w in dense]
-            rates["pairs"] = flops / _best_time(lambda: [
-                pair_packed.matmul(inputs[k], w, None) for w, k in pairs], repeat) / 1e9
+        if Pairs.applies(dense[0]):
+            pairs = [(Pairs.pack(w), w.shape[1]) for w in dense]
+            rates["pairs"] = flops / _best_time(lambda: [w(inputs[k]) for w, k in pairs],
+                                                repeat) / 1e9
             pairs = []
-        if all(amx_packed.applies(w) for w in dense):
-            tiles = [(amx_packed.pack(w), w.shape[1]) for w in dense]
-            rates["amx"] = flops / _best_time(lambda: [
-                amx_packed.matmul(inputs[k], w, None) for w, k in tiles], repeat) / 1e9
+        if all(Amx.applies(w) for w in dense):
+            tiles = [(Amx.pack(w), w.shape[1]) for w in dense]
+            rates["amx"] = flops / _best_time(lambda: [w(inputs[k]) for w, k in tiles],
+                                              repeat) / 1e9
     rates["best"] = max(rates.values())
     return rates
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from enum import IntEnum
 from types import SimpleNamespace
 
 import torch
@@ -64,6 +65,18 @@ def available() -> bool:
 
 
 DTYPES = (torch.float32, torch.bfloat16)
+
+
+class LinearKind(IntEnum):
+    """How the one-call decode paths read a projection (csrc/ops.cpp LinearKind): its dense
+    weight through the GEMV, oneDNN's or MKL's packed copy, or a copy packed for the kernels'
+    GEMMs (by pairs, AMX tiles). Each kernel of model/linear_kernels.py names its own."""
+
+    GEMV = 0
+    ONEDNN = 1
+    MKL = 2
+    PAIRS = 3
+    AMX = 4
 
 
 def usable(*tensors: torch.Tensor) -> bool:
@@ -143,7 +156,7 @@ def gemm_pairs_available() -> bool:
 
 def gemm_pairs(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                out_features: int) -> torch.Tensor:
-    """x @ w.T (+ bias) in bfloat16 from w packed by pairs (layers.PairPacked): contiguous x
+    """x @ w.T (+ bias) in bfloat16 from w packed by pairs (linear_kernels.Pairs): contiguous x
     [M, K]; float32 sums over k in order, the bias, one rounding: a row's bits do not depend on
     the rows beside it."""
     return _ops.gemm_pairs(x, packed, bias, out_features)
@@ -151,7 +164,7 @@ def gemm_pairs(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
 
 def mkl_available() -> bool:
     """Whether float32 projections run MKL's packed sgemm here (torch links MKL, an Intel
-    CPU: model/mkl_packed.py)."""
+    CPU: linear_kernels.Mkl)."""
     return available() and _ops.mkl_available()
 
 
@@ -171,37 +184,39 @@ def decoder_layers(x: torch.Tensor, residual: torch.Tensor, first: bool, weights
                    eps: float, heads: int, windows: list[int], scale: float, cos: torch.Tensor,
                    sin: torch.Tensor, kv_caches: list[torch.Tensor], slots: torch.Tensor,
                    tables: torch.Tensor, table_start: torch.Tensor, ctx_lens: torch.Tensor,
-                   packed: list, *, positions: torch.Tensor, embed: torch.Tensor | None = None,
-                   final_norm: torch.Tensor | None = None) -> torch.Tensor:
+                   packed: list, kind: LinearKind = LinearKind.GEMV, *, positions: torch.Tensor,
+                   embed: torch.Tensor | None = None, final_norm: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """decoder_layer for each of a step's layers in turn, in one call. weights: 10 a layer
-    (decoder_layer's, less eps); windows and kv_caches: one a layer; packed: empty or 4 a
-    layer. residual is updated in place (first: set by the first layer). With embed ([V, H]),
-    x is the step's token ids (int64 [T]) and the input their rows of embed; with final_norm
-    ([H]) the result is add_rmsnorm(output, residual, final_norm, eps). cos and sin are the
-    whole RoPE tables; the call takes the rows of the step's positions (int64 [T])."""
+    (decoder_layer's, less eps); windows and kv_caches: one a layer; packed: empty (kind GEMV)
+    or 4 a layer, all of `kind`. residual is updated in place (first: set by the first
+    layer). With embed ([V, H]), x is the step's token ids (int64 [T]) and the input their
+    rows of embed; with final_norm ([H]) the result is add_rmsnorm(output, residual,
+    final_norm, eps). cos and sin are the whole RoPE tables; the call takes the rows of the
+    step's positions (int64 [T])."""
     return _ops.decoder_layers(x, embed, residual, first, weights, eps, heads, windows, scale,
                                cos, sin, kv_caches, slots, tables, table_start, ctx_lens,
-                               packed, final_norm, positions)
+                               packed, int(kind), final_norm, positions)
 
 
 def greedy_passes(ids: torch.Tensor, weights: list, eps: float, heads: int, windows: list[int],
                   scale: float, cos: torch.Tensor, sin: torch.Tensor,
                   kv_caches: list[torch.Tensor], slots: torch.Tensor, tables: torch.Tensor,
-                  table_start: torch.Tensor, ctx_lens: torch.Tensor, packed: list, *,
-                  positions: torch.Tensor, embed: torch.Tensor, final_norm: torch.Tensor,
-                  head: torch.Tensor, head_n: int, gemv_rows: int, stops: torch.Tensor,
-                  interrupts: torch.Tensor, interrupts_before: int) -> torch.Tensor:
+                  table_start: torch.Tensor, ctx_lens: torch.Tensor, packed: list,
+                  kind: LinearKind, *, positions: torch.Tensor, embed: torch.Tensor,
+                  final_norm: torch.Tensor, head: torch.Tensor, head_kind: LinearKind,
+                  head_n: int, stops: torch.Tensor, interrupts: torch.Tensor,
+                  interrupts_before: int) -> torch.Tensor:
     """Up to k greedy decode passes: each decoder_layers (embed, layers, final norm) at its
-    row of positions, slots and ctx_lens ([k, T]), the LM head (`head`, head_n outputs: what
-    layers.linear reads at T rows; the GEMV kernel up to gemv_rows rows of a dense one) and
-    each row's argmax, the next pass's ids. Ends early after a pass where interrupts (int64
-    [1]) is not interrupts_before, or after which every row has drawn one of its stops (int64
-    [T, S], -1 padding; S may be 0).
+    row of positions, slots and ctx_lens ([k, T]), the LM head (`head` of `head_kind`, head_n
+    outputs: what its kernel reads at T rows) and each row's argmax, the next pass's ids. Ends
+    early after a pass where interrupts (int64 [1]) is not interrupts_before, or after which
+    every row has drawn one of its stops (int64 [T, S], -1 padding; S may be 0).
     Returns the passes' tokens, int64 [passes, T]."""
     return _ops.greedy_passes(ids, embed, weights, eps, heads, windows, scale, cos, sin,
                               kv_caches, slots, tables, table_start, ctx_lens, packed,
-                              final_norm, positions, head, head_n, gemv_rows, stops,
-                              interrupts, interrupts_before)
+                              int(kind), final_norm, positions, head, int(head_kind),
+                              head_n, stops, interrupts, interrupts_before)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -214,15 +229,16 @@ def decoder_layer(x: torch.Tensor, residual: torch.Tensor, first: bool,
                   weights: tuple, heads: int, window: int, scale: float, cos: torch.Tensor,
                   sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                   tables: torch.Tensor, table_start: torch.Tensor, ctx_lens: torch.Tensor,
-                  packed: tuple = ()) -> torch.Tensor:
+                  packed: tuple = (), kind: LinearKind = LinearKind.GEMV) -> torch.Tensor:
     """One decoder layer of a decode batch, no tensor parallelism (model/fused.py).
     weights: (w_in, w_post, eps, w_qkv, b_qkv, w_o, b_o, w_gu, b_gu, w_down, b_down), biases
-    None when absent. packed: empty (the projections run the GEMV kernel) or the four
-    projections' packed weights (qkv, o, gate_up, down), all oneDNN's (they run oneDNN's
-    matmul as layers.linear does) or all PairPacked.data (the bf16 GEMM). residual is updated
-    in place (first: set to x). Returns the layer's output [T, hid]."""
+    None when absent. packed: empty (kind GEMV: the projections run the GEMV kernel on the
+    dense weights) or the four projections' packed copies (qkv, o, gate_up, down), all of
+    `kind`, computed as their kernels compute them (model/linear_kernels.py). residual is
+    updated in place (first: set to x). Returns the layer's output [T, hid]."""
     return _ops.decoder_layer(x, residual, first, *weights, heads, window, scale, cos, sin,
-                              kv_cache, slots, tables, table_start, ctx_lens, list(packed))
+                              kv_cache, slots, tables, table_start, ctx_lens, list(packed),
+                              int(kind))
 
 
 def amx_available() -> bool:
@@ -233,6 +249,6 @@ def amx_available() -> bool:
 def gemm_amx(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
              out_features: int) -> torch.Tensor:
     """x @ w.T (+ bias) in bfloat16 on AMX tiles from w packed for them
-    (model/amx_packed.py): contiguous x [M, K]; float32 sums over k in order, the bias, one
+    (linear_kernels.Amx): contiguous x [M, K]; float32 sums over k in order, the bias, one
     rounding."""
     return _ops.gemm_amx(x, packed, bias, out_features)

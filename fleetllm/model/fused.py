@@ -1,6 +1,6 @@
 """A decode step runs all its decoder layers in one C call (cpu_kernels.decoder_layers), with
 the kernels the modules use (fused norm, RoPE + cache write, paged attention, SiLU * up, each
-projection's GEMV or packed copy as layers.linear picks it), plus the embedding lookup (first
+projection's copy as its kernel reads it: linear_kernels.py), plus the embedding lookup (first
 pipeline stage) and the final norm (last stage): Python and the dispatcher are crossed once a
 step, not once a layer. Used only where it computes exactly what the modules would: CPU
 float32 or bfloat16, no tensor parallelism, no q/k norm, the dense weights kept or all
@@ -15,10 +15,7 @@ import torch
 from fleetllm.attention import AttentionMetadata
 from fleetllm.distributed.parallel_state import get_tp_group
 from fleetllm.kernels import cpu_kernels
-from fleetllm.model import pair_packed
-from fleetllm.model.amx_packed import AmxPacked
-from fleetllm.model.layers import decode_gemv_rows, small_batch_rows, small_batch_weight
-from fleetllm.model.mkl_packed import MklPacked
+from fleetllm.kernels.cpu_kernels import LinearKind
 
 # The most rows a step takes here (its activations: 76 KiB per row on Qwen2-0.5B shapes).
 MAX_ROWS = 256
@@ -33,14 +30,13 @@ class _Stack(NamedTuple):
     windows: list[int]
     scale: float
     gemv_rows: int  # up to this many rows the projections take the GEMV kernel
-    linears: tuple  # qkv, o, gate_up, down of each layer: where `packed` is gathered from
-    small_rows: int  # up to this many rows their pairs_weight copies (oneDNN on AMX), or 0
+    kernels: tuple  # the kernels of qkv, o, gate_up, down of each layer
     embed: torch.Tensor | None  # the first stage's embedding (looked up in the call), or None
     final_norm: torch.Tensor | None  # the last stage's final norm (applied in the call)
-    # The packed weights the call reads past the GEMV's rows, by "small batch" (True: the
-    # small batches' copies): gathered at the first such step, not at every one (48 module
-    # attribute reads cost ~50 us a step at batch 1, run cold after the weights stream).
-    # forget() drops them with the stack: sleep level 2 frees the packed copies.
+    # By rows: (kind, the packed copies the call reads), or None where the kernels' copies are
+    # not all one kind the call reads; gathered at the first step of that many rows, not at
+    # every one (48 attribute reads cost ~50 us a step at batch 1, cold after the weights
+    # stream). forget() drops them with the stack: sleep level 2 frees the packed copies.
     packed: dict
 
 
@@ -67,19 +63,15 @@ def _stack(model) -> _Stack | None:
     if cached is not False:
         return cached
     layers = list(model.layers.values())
-    linears = tuple(m for layer in layers for m in (
+    kernels = tuple(m.kernel for layer in layers for m in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
         layer.mlp.down_proj))
-    # All packed by pairs or none (an odd K keeps oneDNN's packing beside the pairs': not fused)
-    kinds = {isinstance(getattr(m, "packed_weight", None), pair_packed.PairPacked)
-             for m in linears}
-    gemv_rows = min((decode_gemv_rows(m) for m in linears), default=0)
-    small = {small_batch_rows(m) for m in linears}
+    gemv_rows = min((k.decode_rows for k in kernels), default=0)
     weights = [_layer_weights(layer, gemv_rows > 0) for layer in layers]
     attn = [layer.self_attn for layer in layers]
     embed = model.embed_tokens.weight if model.is_first_stage else None
     norm = model.norm if model.is_last_stage else None
-    ok = (layers and get_tp_group().world_size == 1 and len(kinds) == 1 and len(small) == 1
+    ok = (layers and get_tp_group().world_size == 1
           and all(w is not None for w in weights)
           and len({(a.num_heads, a.scale, layer.input_layernorm.eps)
                    for a, layer in zip(attn, layers, strict=True)}) == 1
@@ -89,8 +81,7 @@ def _stack(model) -> _Stack | None:
     if ok:
         model._fused_stack = _Stack(
             [t for w in weights for t in w], layers[0].input_layernorm.eps, attn[0].num_heads,
-            [a.sliding_window or 0 for a in attn], attn[0].scale, gemv_rows, linears,
-            small.pop() if len(small) == 1 else 0, embed,
+            [a.sliding_window or 0 for a in attn], attn[0].scale, gemv_rows, kernels, embed,
             None if norm is None else norm.weight, {})
     return model._fused_stack
 
@@ -101,29 +92,19 @@ def forget(model) -> None:
     model.__dict__.pop("_fused_stack", None)
 
 
-def _packed(st: _Stack, small: bool) -> list | None:
-    """The packed weights of every projection, as the call takes them, or None if one is
-    missing."""
-    packed = [small_batch_weight(m) if small else getattr(m, "packed_weight", None)
-              for m in st.linears]
-    if any(p is None for p in packed):
-        return None
-    # (oneDNN's packed copies are tensors; the kernels' and MKL's copies hold theirs in .data)
-    return [p if isinstance(p, torch.Tensor) else p.data for p in packed]
-
-
-def _packed_for(st: _Stack, rows: int) -> list | None:
-    """The packed weights the call reads at `rows` rows (none up to the GEMV's rows), gathered
-    once per kind; None if one is missing."""
+def _packed_for(st: _Stack, rows: int) -> tuple[LinearKind, list] | None:
+    """(kind, the packed copies) the call reads at `rows` rows: none up to the GEMV's rows;
+    None where the projections' kernels do not all read one kind the call reads (an odd K
+    keeps oneDNN's copy beside the pairs', say)."""
     if rows <= st.gemv_rows:
-        return []
-    small = rows <= st.small_rows
-    packed = st.packed.get(small)
-    if packed is None:
-        packed = _packed(st, small)
-        if packed is not None:
-            st.packed[small] = packed
-    return packed
+        return LinearKind.GEMV, []
+    got = st.packed.get(rows)
+    if got is None:
+        copies = [k.for_rows(rows) for k in st.kernels]
+        kinds = {c.kind for c in copies}
+        got = st.packed[rows] = (kinds.pop(), [c.tensor for c in copies]) \
+            if len(kinds) == 1 and None not in kinds else False
+    return got or None
 
 
 def _fits(x: torch.Tensor, kv_cache: torch.Tensor | None) -> bool:
@@ -156,6 +137,7 @@ def run_layers(model, positions: torch.Tensor, x: torch.Tensor,
     packed = _packed_for(st, x.shape[0])  # past the GEMV kernel's rows, as the modules take them
     if packed is None:
         return None
+    kind, packed = packed
     # The first stage (x its token ids, st.embed its embedding) starts the residual; a later
     # stage's comes with its input.
     first = residual is None
@@ -167,30 +149,21 @@ def run_layers(model, positions: torch.Tensor, x: torch.Tensor,
     cos, sin = model.rotary.tables(residual.dtype)
     out = cpu_kernels.decoder_layers(
         x, residual, first, st.weights, st.eps, st.heads, st.windows, st.scale, cos, sin,
-        kv_caches, meta.slot_mapping, dec.tables, dec.table_start, dec.ctx_lens, packed,
+        kv_caches, meta.slot_mapping, dec.tables, dec.table_start, dec.ctx_lens, packed, kind,
         embed=st.embed, final_norm=st.final_norm, positions=positions)
     return out, residual
 
 
-def _head(head, rows: int) -> tuple[torch.Tensor, int, int] | None:
-    """What layers.linear reads for the LM head's logits of `rows` rows, as greedy_passes takes
-    it: (the tensor, its outputs, the GEMV's row limit); None where it is not one the call
-    reads (a dense weight the kernels cannot, say)."""
-    packed, weight = getattr(head, "packed_weight", None), head.weight
-    gemv_rows = decode_gemv_rows(head)
-    small = small_batch_weight(head)
-    if small is not None and rows <= small_batch_rows(head):
-        packed = small
-    if isinstance(packed, (pair_packed.PairPacked, AmxPacked)):
-        return packed.data, packed.out_features, gemv_rows
-    if weight is not None and rows <= gemv_rows:  # the GEMV kernel's rows
-        return (weight, weight.shape[0], gemv_rows) if weight.is_contiguous() and \
+def _head(head, rows: int) -> tuple[torch.Tensor, LinearKind, int] | None:
+    """What the LM head's kernel reads for the logits of `rows` rows, as greedy_passes takes
+    it: (the tensor, its kind, its outputs); None where the call reads no such tensor."""
+    kernel = head.kernel
+    if rows <= kernel.decode_rows:  # the GEMV kernel's rows, on the dense weight
+        weight = head.weight
+        return (weight, LinearKind.GEMV, weight.shape[0]) if weight.is_contiguous() and \
             cpu_kernels.usable(weight) else None
-    if packed is None:  # F.linear: not in the call (nor are the layers then: nothing packed)
-        return None
-    if isinstance(packed, MklPacked):
-        return packed.data, packed.out_features, gemv_rows
-    return packed, packed.shape[0], gemv_rows  # oneDNN's packed copy
+    copy = kernel.for_rows(rows)
+    return None if copy.kind is None else (copy.tensor, copy.kind, copy.out_features)
 
 
 def run_passes(model, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -216,9 +189,9 @@ def run_passes(model, ids: torch.Tensor, positions: torch.Tensor, slots: torch.T
     if len(kv_caches) != len(st.windows):
         kv_caches = kv_caches[:len(st.windows)]
     cos, sin = model.rotary.tables(st.embed.dtype)
-    weight, n, gemv_rows = head
+    (kind, packed), (weight, head_kind, n) = packed, head
     return cpu_kernels.greedy_passes(
         ids, st.weights, st.eps, st.heads, st.windows, st.scale, cos, sin, kv_caches, slots,
-        tables, table_start, ctx_lens, packed, positions=positions, embed=st.embed,
-        final_norm=st.final_norm, head=weight, head_n=n, gemv_rows=gemv_rows, stops=stops,
+        tables, table_start, ctx_lens, packed, kind, positions=positions, embed=st.embed,
+        final_norm=st.final_norm, head=weight, head_kind=head_kind, head_n=n, stops=stops,
         interrupts=interrupts, interrupts_before=interrupts_before)

@@ -16,7 +16,7 @@ from fleetllm.config import ArchConfig, EngineConfig, read_json
 from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
 from fleetllm.errors import ModelLoadError
 from fleetllm.model import huge_pages
-from fleetllm.model.layers import dense_weights_kept, pack_linear_weights
+from fleetllm.model.kernel_choice import dense_weights_kept, select_kernels
 from fleetllm.model.llama import LlamaForCausalLM
 from fleetllm.progress import ProgressBar
 
@@ -68,7 +68,7 @@ def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
     # load_weight's name -> Parameter index would keep every dense weight alive after packing
     # frees it (a Llama-1B-shaped bf16 model: 2 GB of the process, measured).
     model.__dict__.pop("_param_index", None)
-    pack_linear_weights(model)  # after loading: the packed copies replace the dense weights
+    select_kernels(model)  # after loading: each projection's kernel, chosen once
     return model
 
 

@@ -67,13 +67,12 @@ def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if id(tensor) not in seen:
             seen.add(id(tensor))
             out[name] = tensor
-    # A projection whose weight lives only in oneDNN's packed form (layers.pack_linear_weights)
-    # is saved dense, as loading expects it (and packs it again).
+    # A projection whose weight lives only in its kernel's packed copy (kernel_choice.py) is
+    # saved dense, as loading expects it (and packs it again).
     for prefix, module in model.named_modules():
-        packed = getattr(module, "packed_weight", None)
-        if packed is not None and getattr(module, "weight", None) is None:
-            dense = packed.to_dense()  # a bf16 weight may be packed as float32 (layers.py)
-            out[f"{prefix}.weight"] = dense.to(getattr(module, "dense_dtype", dense.dtype))
+        kernel = getattr(module, "kernel", None)
+        if kernel is not None and getattr(module, "weight", None) is None:
+            out[f"{prefix}.weight"] = kernel.to_dense()
     return out
 
 

@@ -193,12 +193,11 @@ class Worker(WorkerBase):
                 # one object, emptied once.
                 for param in model.parameters():
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-                for module in model.modules():  # the packed copies (layers.py) go too
-                    for name in ("packed_weight", "pairs_weight"):
-                        packed = getattr(module, name, None)
-                        if packed is not None:
-                            freed += packed.nbytes
-                            setattr(module, name, None)
+                for module in model.modules():  # the kernels' packed copies go too
+                    kernel = getattr(module, "kernel", None)
+                    if kernel is not None:
+                        freed += kernel.nbytes
+                        module.kernel = None
                 fused.forget(model)  # it holds the packed copies for the one-call layers
                 state["weights"] = model
         _release_memory(self.device)
