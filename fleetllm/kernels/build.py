@@ -1,19 +1,15 @@
 """Building and loading fleetllm's C++ CPU kernels (the sources in `csrc/`).
 
 What: `load()` compiles csrc/*.cpp with `torch.utils.cpp_extension.load` for this CPU's
-variant ("avx512", "avx2" or "portable", PyTorch's own split and flags; never -march=native,
-so a shared build directory holds no library wrong for another CPU; FLEETLLM_CPU_ISA picks a
-lower one) and loads the `torch.ops.fleetllm.*` ops that `cpu_kernels` calls. Built at first
-use, not in the wheel: the wheel stays pure Python for any torch >= 2.5, and a missing compiler
-is a warning, not a failed install (`make setup` builds ahead).
-How: the sources are copied into <torch extensions root>/fleetllm/<variant>-<hash of sources,
-flags, compiler, torch, Python>, shared by every checkout with the same sources, under an flock
-(torch's own lock file outlives a killed build and would block later ones forever).
-What fails: no compiler or ninja, a compile error or a library that does not load raise
-BuildError. FLEETLLM_KERNEL_WERROR=1 adds -Werror; FLEETLLM_KERNEL_SANITIZE=1 builds with
-ASan/UBSan (`make sanitize`).
+variant ("avx512", "avx2" or "portable": PyTorch's split and flags, never -march=native;
+FLEETLLM_CPU_ISA picks a lower one) and loads the ops `cpu_kernels` calls. Built at first use
+(`make setup` builds ahead), so a missing compiler is a warning, not a failed install.
+How: into <torch extensions root>/fleetllm/<variant>-<hash of sources, flags, compiler, torch,
+Python>, shared by checkouts with the same sources, under an flock (torch's own lock outlives a
+killed build). What fails: no compiler or ninja, a compile error or a library that does not
+load raise BuildError. FLEETLLM_KERNEL_WERROR=1 adds -Werror; FLEETLLM_KERNEL_SANITIZE=1
+builds with ASan/UBSan (`make sanitize`).
 """
-
 from __future__ import annotations
 
 import contextlib

@@ -1,18 +1,14 @@
 """fleetllm's own CPU kernels as `torch.ops.fleetllm.*` ops (csrc/), float32 and bfloat16
-(float32 math; bf16 rounds where transformers' modules round, csrc/kernels.h): paged decode
-and prompt attention read in place from the KV blocks; the GEMV for small batches, the bf16
-GEMM on weights packed by pairs or for AMX tiles, MKL's packed sgemm; fused elementwise ops
-(add + RMSNorm, SiLU * up, RoPE + cache write); whole decoder layers of a decode step
-(model/fused.py) and greedy passes in one call; each row's argmax for the sampler.
-How: `build.load()` compiles this CPU's variant at first use and loads it. Every op checks
-dtypes, devices, shapes and index ranges in C++ (a bad call raises RuntimeError) and allocates
-through torch (OutOfMemoryError, not a crash); the ops run on the kernels' own thread pool
-(csrc/pool.cpp) or torch's with FLEETLLM_KERNEL_THREADS=torch.
+(float32 math; bf16 rounds where transformers rounds): paged decode and prompt attention read
+in place from the KV blocks; the GEMV, the bf16 GEMMs (by pairs, AMX tiles), MKL's packed
+sgemm; fused norm, SiLU * up, RoPE + cache write; a decode step's layers and greedy passes in
+one call; the sampler's argmax.
+How: `build.load()` compiles this CPU's variant at first use. Every op checks its arguments in
+C++ (RuntimeError) and allocates through torch (OutOfMemoryError, not a crash); the ops run on
+the kernels' thread pool (csrc/pool.cpp), or torch's with FLEETLLM_KERNEL_THREADS=torch.
 What fails: no compiler, a failed build or FLEETLLM_CPU_KERNELS=0 make `available()` False
-(one warning says why) and every caller takes its PyTorch path; FLEETLLM_CPU_KERNELS=require
-raises instead.
+(one warning) and callers take their PyTorch path; FLEETLLM_CPU_KERNELS=require raises.
 """
-
 from __future__ import annotations
 
 import logging
