@@ -1,21 +1,14 @@
 """EngineCoreClient: AsyncLLMEngine's API with the engine in its own process (core_proc).
 
-The API process keeps what talks to clients: streams (RequestStream), tokenization, request
-statistics for the metrics, the load snapshot for /metrics. Commands go to the core through a
-writer thread (an event loop never blocks on a socket); a reader thread turns each step's
-deltas back into cumulative RequestOutputs (core_wire.RequestState), or a pooling request's
-PoolingRequestOutput (core_wire.PoolingState), and hands them to their streams, one wake-up
-per event loop per step, as the in-process engine does.
-
-Failures: the core recovers its own workers. If the core process dies (SIGKILL, OOM: EOF on
-the data socket) the reader starts a new one (core_restart.CoreRestarts: within
-max_worker_restarts per worker_restart_window_s, as workers are) and re-adds every request in
-flight as a resumption from the tokens its stream already has (recovery.resume_samples):
-streams go on with no gap and no duplicate; waiting adds and calls are sent again, loaded
-LoRA adapters and sleep are restored. Past the limit, or when the core reports a fatal error
-itself, every open stream and waiting add or call raises EngineDeadError, check_health raises
-it, later calls fail fast, and `on_dead` is called (the server exits non-zero).
-shutdown() asks the core to stop, then terminates and kills it.
+The API process keeps streams, tokenization, request statistics and the load snapshot. A
+writer thread sends the callers' encoded commands (an event loop never blocks on a socket);
+a reader thread turns each step's deltas into outputs (core_wire.RequestState, PoolingState)
+and hands them to their streams, one wake-up per event loop per step.
+Failures: if the core process dies (EOF on the data socket) the reader starts a new one
+(core_restart: within max_worker_restarts per worker_restart_window_s) and every request in
+flight resumes from the tokens its stream has: no gap, no duplicate. Past the limit, or on
+the core's own fatal error, every stream, add and call raises EngineDeadError, later calls
+fail fast and `on_dead` is called (the server exits 1). shutdown() stops, then kills the core.
 """
 
 from __future__ import annotations
