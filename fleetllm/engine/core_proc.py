@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from fleetllm.engine import core_wire as wire
-from fleetllm.engine.async_engine import EngineUnhealthyError, raise_if_wedged
+from fleetllm.engine.async_front import EngineUnhealthyError, raise_if_wedged
 from fleetllm.engine.llm_engine import LLMEngine
 from fleetllm.engine.recovery import resume_samples
 from fleetllm.engine.stats import EngineLoad

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetllm.engine import core_wire as wire
-from fleetllm.engine.async_engine import EngineDeadError, EngineUnhealthyError, _settle
+from fleetllm.engine.async_front import EngineDeadError, EngineUnhealthyError, settle
 from fleetllm.engine.async_stream import RequestStream
 from fleetllm.engine.core_proc import run_engine_core
 from fleetllm.errors import InvalidRequestError
@@ -185,7 +185,7 @@ class CoreRestartMixin:
             self._restarting = False
         for accepted, stream, error in ended:
             if accepted is not None:
-                _settle(accepted)
+                settle(accepted)
             stream.put(error)
         return True
 

@@ -119,6 +119,17 @@ def load_error(msg: list[str]) -> BaseException:
 # ------------------------------------------------------------------ requests
 
 
+def prompt_parts(prompt: Any) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of a prompt for an add, either None when absent; anything else is sent
+    as no prompt at all, for the core's engine to reject with its message."""
+    if isinstance(prompt, dict):
+        ids = prompt.get("prompt_token_ids")
+        return prompt.get("prompt"), None if ids is None else list(ids)
+    if isinstance(prompt, list):
+        return None, list(prompt)
+    return (prompt if isinstance(prompt, str) else None), None
+
+
 def params_msg(params: SamplingParams | PoolingParams) -> list[Any] | dict[str, Any]:
     if isinstance(params, PoolingParams):
         return {name: getattr(params, name) for name in _POOLING_FIELDS}
