@@ -19,7 +19,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fleetllm.engine.async_stream import RequestStream
 from fleetllm.engine.llm_engine import PromptType
 from fleetllm.engine.outputs import PoolingRequestOutput, RequestOutput
 from fleetllm.errors import EngineShutdownError, InvalidRequestError
@@ -41,17 +40,12 @@ class RequestAbortedError(RuntimeError):
 
 
 class AsyncEngineFront:
+    # Set by a subclass, which also defines add_request() (generate and encode use it).
     tokenizer: Any
     model_config: Any
     _tokenizer_pool: concurrent.futures.ThreadPoolExecutor
     _fatal: BaseException | None
     _stopped: bool
-
-    async def add_request(self, request_id: str, prompt: PromptType,
-                          params: SamplingParams | PoolingParams | None = None,
-                          arrival_time: float | None = None,
-                          lora_request: LoRARequest | None = None) -> RequestStream:
-        raise NotImplementedError
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
                        request_id: str, lora_request: LoRARequest | None = None,
