@@ -3,247 +3,45 @@
 `EngineConfig.from_kwargs(model=..., **kwargs)` takes the flat keyword names vLLM users know
 (tensor_parallel_size, block_size, max_num_seqs, dtype, ...). Every value is validated here, so
 a bad setting fails before any process starts, with a ConfigurationError naming the field.
+The sections live here and beside it: config_model.py (the checkpoint: ModelConfig,
+ArchConfig), config_lora.py, config_speculative.py, config_pooler.py, and config_vllm.py (vLLM
+arguments without a field), whose names it still exports. They import nothing of
+fleetllm but errors and utils (tests/test_layering.py), so every layer can read them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from fleetllm.config_lora import LoRAConfig
-from fleetllm.config_pooler import PoolerConfig, checkpoint_pooler, is_sentence_transformers
+from fleetllm.config_model import (  # noqa: F401 - re-exported: their old import path
+    DTYPES,
+    RUNNERS,
+    SUPPORTED_ARCHITECTURES,
+    TASKS,
+    ArchConfig,
+    ModelConfig,
+    read_json,
+)
+from fleetllm.config_pooler import (  # noqa: F401 - re-exported
+    PoolerConfig,
+    checkpoint_pooler,
+    is_sentence_transformers,
+)
 from fleetllm.config_speculative import SpeculativeConfig
-from fleetllm.errors import ConfigurationError, InvalidRequestError, ModelLoadError
+from fleetllm.config_vllm import SPEC_FLAT_ARGS, VLLM_ARGS, VllmArg  # noqa: F401 - re-exported
+from fleetllm.errors import ConfigurationError, ModelLoadError
 from fleetllm.utils import check_field_types
+from fleetllm.utils import check_setting as _check
 
 # The grammar backends (fleetllm/structured_outputs/backends.py) a DecodingConfig may name.
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
-_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
-# XForCausalLM generates; the bare XModel (an embedding checkpoint: e5-mistral, gte-Qwen2,
-# Qwen3-Embedding) has no LM head and pools (task "embed").
-SUPPORTED_ARCHITECTURES = tuple(f"{f}{kind}" for kind in ("ForCausalLM", "Model")
-                                for f in _FAMILIES)
-TASKS = ("auto", "generate", "embed", "embedding")  # "embedding": vLLM's older name
-RUNNERS = ("auto", "generate", "pooling")  # vLLM v1's name for the same choice
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
-           "half": torch.float16, "bfloat16": torch.bfloat16}
 GiB = 1 << 30
-logger = logging.getLogger(__name__)
-
-
-def _check(ok: bool, field_name: str, message: str) -> None:
-    if not ok:
-        raise ConfigurationError(f"{field_name}: {message}")
-
-
-@dataclass
-class ArchConfig:
-    """The parts of a checkpoint's config.json the model needs, normalized across HF versions."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2, or Llama's attention_bias
-    o_bias: bool  # Llama's attention_bias also covers o_proj
-    mlp_bias: bool
-    qk_norm: bool  # Qwen3
-    sliding_window: int | None
-    eos_token_ids: list[int]
-    bos_token_id: int | None
-    torch_dtype: str | None
-    # Matryoshka embeddings: the truncations the model was trained for (PoolingParams.dimensions)
-    matryoshka_dimensions: list[int] | None = None
-    is_matryoshka: bool = False
-
-    @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(f"architecture {arch!r} is not supported; fleetllm runs "
-                                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        family = arch.removesuffix("ForCausalLM").removesuffix("Model")
-        # transformers 5 moved rope_theta/rope_scaling into rope_parameters.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
-        rope_type = rope.get("rope_type") or rope.get("type") or "default"
-        heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        bias = bool(cfg.get("attention_bias") or False)
-        window = cfg.get("sliding_window")
-        if family.startswith("Qwen") and not cfg.get("use_sliding_window", False):
-            window = None
-        return cls(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family == "Qwen2" or bias,
-            o_bias=bias and family != "Qwen2",
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=family == "Qwen3",
-            sliding_window=window,
-            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-            bos_token_id=cfg.get("bos_token_id"),
-            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-            matryoshka_dimensions=cfg.get("matryoshka_dimensions"),
-            is_matryoshka=bool(cfg.get("is_matryoshka", False)),
-        )
-
-    @property
-    def has_lm_head(self) -> bool:
-        return self.architecture.endswith("ForCausalLM")
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError as e:
-        raise ModelLoadError(f"{path} not found: is this a Hugging Face checkpoint directory?"
-                             ) from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path} is not valid JSON ({e}); the checkpoint is corrupt") from e
-
-
-@dataclass
-class ModelConfig:
-    model: str
-    tokenizer: str | None = None
-    dtype: str | torch.dtype = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    # "generate", or "embed" (a pooling model: one vector per prompt, model/pooler.py);
-    # "auto": embed for a bare XModel or sentence-transformers checkpoint, else generate.
-    task: str = "auto"
-    runner: str = "auto"  # vLLM v1's name: "pooling" is task "embed"
-    # {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} (or its JSON) over the
-    # checkpoint's pooler settings.
-    override_pooler_config: dict | str | PoolerConfig | None = None
-    arch: ArchConfig = field(init=False, repr=False)
-    pooler_config: PoolerConfig | None = field(init=False, default=None)  # task "embed" only
-
-    def __post_init__(self) -> None:
-        if isinstance(self.model, os.PathLike):
-            self.model = os.fspath(self.model)
-        if isinstance(self.tokenizer, os.PathLike):
-            self.tokenizer = os.fspath(self.tokenizer)
-        check_field_types(self)
-        path = Path(self.model)
-        if not path.is_dir():
-            raise ModelLoadError(f"model path {self.model!r} is not a directory; pass a local "
-                                 "Hugging Face checkpoint directory (fleetllm never downloads)")
-        cfg = read_json(path / "config.json")
-        try:
-            self.arch = ArchConfig.from_dict(cfg)
-        except KeyError as e:
-            raise ModelLoadError(f"{path / 'config.json'} lacks the field {e}") from e
-        self.tokenizer = self.tokenizer or self.model
-        limit = self._resolve_task(path)
-        if self.arch.sliding_window and self.arch.architecture.startswith("Qwen"):
-            # Qwen windows only some layers (max_window_layers), which the model does not
-            # follow: stay inside the window, where windowed and full attention agree.
-            # (Mistral windows every layer; the attention backend applies it.)
-            limit = min(limit, self.arch.sliding_window)
-        if self.max_model_len is None:
-            self.max_model_len = limit if self.embed_limit is None else \
-                min(limit, self.embed_limit)
-        _check(isinstance(self.max_model_len, int) and 0 < self.max_model_len <= limit,
-               "max_model_len", f"must be in [1, {limit}] for this model, "
-               f"got {self.max_model_len!r}")
-        _check(isinstance(self.seed, int), "seed", f"must be an int, got {self.seed!r}")
-        if isinstance(self.dtype, str) and self.dtype != "auto":
-            _check(self.dtype in _DTYPES, "dtype",
-                   f"must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-
-    def _resolve_task(self, path: Path) -> int:
-        """Settle task ("generate" | "embed") and the pooler; returns the model's length
-        limit. Sets embed_limit: the longest input the checkpoint's embedding library takes
-        (sentence-transformers' max_seq_length), the default max_model_len when lower."""
-        _check(self.task in TASKS, "task", f"must be one of {', '.join(TASKS)}; got "
-               f"{self.task!r}")
-        _check(self.runner in RUNNERS, "runner", f"must be one of {', '.join(RUNNERS)}; "
-               f"got {self.runner!r}")
-        task = {"embedding": "embed"}.get(self.task, self.task)
-        if self.runner != "auto":
-            implied = "embed" if self.runner == "pooling" else "generate"
-            _check(task in ("auto", implied), "runner", f"runner={self.runner!r} contradicts "
-                   f"task={self.task!r}")
-            task = implied
-        if task == "auto":
-            bare = not self.arch.has_lm_head or is_sentence_transformers(path)
-            task = "embed" if bare else "generate"
-        if task == "generate" and not self.arch.has_lm_head:
-            raise ConfigurationError(f"task: {self.arch.architecture} has no LM head, so it "
-                                     "cannot generate; run it with task='embed'")
-        _check(task == "embed" or self.override_pooler_config is None,
-               "override_pooler_config", "applies to task='embed' only")
-        self.task = task
-        self.embed_limit = None
-        if task == "embed":
-            base, self.embed_limit = checkpoint_pooler(path)
-            self.pooler_config = base if self.override_pooler_config is None else \
-                PoolerConfig.from_override(self.override_pooler_config, base)
-        return self.arch.max_position_embeddings
-
-    @property
-    def is_pooling(self) -> bool:
-        return self.task == "embed"
-
-    def check_dimensions(self, dims: int | None) -> None:
-        """A request's Matryoshka truncation (PoolingParams.dimensions): only to a size the
-        model was trained for (config.json matryoshka_dimensions, or any with is_matryoshka).
-        The engine and the server (which points its 400 at the field) both ask here."""
-        arch = self.arch
-        if dims is None:
-            return
-        allowed = arch.matryoshka_dimensions
-        if allowed is None and not arch.is_matryoshka:
-            raise InvalidRequestError(f"dimensions={dims}: {self.model} does not support "
-                                      "Matryoshka truncation (its config.json has no "
-                                      "matryoshka_dimensions / is_matryoshka)")
-        if (allowed is not None and dims not in allowed) or dims > arch.hidden_size:
-            raise InvalidRequestError(f"dimensions={dims}: this model allows "
-                                      f"{allowed or f'at most {arch.hidden_size}'}")
-
-    def torch_dtype(self, device: str) -> torch.dtype:
-        """"auto": the checkpoint's dtype, except on the CPU for float16 checkpoints (and
-        ones that name none), which run in float32: fleetllm's CPU kernels and oneDNN's fast
-        matmuls are float32 and bfloat16 ones (float32 holds every float16 value
-        exactly)."""
-        if isinstance(self.dtype, torch.dtype):
-            return self.dtype
-        if self.dtype != "auto":
-            return _DTYPES[self.dtype]
-        stored = _DTYPES.get(self.arch.torch_dtype or "")
-        if device == "cpu":
-            return torch.bfloat16 if stored == torch.bfloat16 else torch.float32
-        return stored or torch.bfloat16
 
 
 @dataclass
@@ -281,7 +79,7 @@ class CacheConfig:
             _check(self.num_gpu_blocks_override > 0, "num_gpu_blocks_override", "must be > 0")
 
     def torch_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        return model_dtype if self.kv_cache_dtype == "auto" else _DTYPES[self.kv_cache_dtype]
+        return model_dtype if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]
 
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
@@ -553,23 +351,6 @@ class EngineConfig:
         )
 
 
-@dataclass(frozen=True)
-class VllmArg:
-    """A vLLM engine argument fleetllm has no field for, accepted so that vLLM scripts and
-    command lines run unchanged, or refused with the reason."""
-
-    default: Any  # vLLM's default ("off"); its type is also the CLI flag's
-    note: str  # why it is ignored, or why it is not supported
-    refuse: bool = False  # True: any value but `default` would change results: an error
-
-    def accept(self, name: str, value: Any) -> None:
-        if not self.refuse:
-            logger.warning("%s=%r is accepted for vLLM compatibility and ignored: %s", name,
-                           value, self.note)
-        elif value != self.default:
-            raise ConfigurationError(f"{name}: {value!r} is not supported: {self.note}")
-
-
 def _resolve_draft_len(spec: SpeculativeConfig, target: ModelConfig) -> SpeculativeConfig:
     """The draft model's max_model_len, as vLLM sets it: the draft's own limit, capped at the
     target's (and at speculative_config's max_model_len, which may not exceed either). A
@@ -585,49 +366,6 @@ def _resolve_draft_len(spec: SpeculativeConfig, target: ModelConfig) -> Speculat
            f"max_model_len={asked} exceeds the draft model's ({own}) or the target's "
            f"max_model_len ({target.max_model_len})")
     return dataclasses.replace(spec, max_model_len=cap if asked is None else asked)
-
-
-# vLLM's older flat speculative arguments -> speculative_config keys.
-SPEC_FLAT_ARGS = {"speculative_model": "model",
-                  "num_speculative_tokens": "num_speculative_tokens",
-                  "ngram_prompt_lookup_max": "prompt_lookup_max",
-                  "ngram_prompt_lookup_min": "prompt_lookup_min"}
-
-VLLM_ARGS: dict[str, VllmArg] = {
-    # Tuning of machinery fleetllm does not have: the results are the same without it.
-    "enforce_eager": VllmArg(False, "fleetllm has no CUDA graphs, it always runs eagerly"),
-    "max_seq_len_to_capture": VllmArg(8192, "fleetllm has no CUDA graphs"),
-    "max_context_len_to_capture": VllmArg(None, "fleetllm has no CUDA graphs"),
-    "disable_custom_all_reduce": VllmArg(False, "fleetllm has no custom all-reduce"),
-    "trust_remote_code": VllmArg(False, "fleetllm runs its own model code, never a "
-                                        "checkpoint's"),
-    "tokenizer_mode": VllmArg("auto", "the checkpoint's tokenizer is loaded with "
-                                      "transformers' AutoTokenizer"),
-    "disable_log_stats": VllmArg(False, "fleetllm has no stats logger"),
-    "disable_log_requests": VllmArg(False, "fleetllm does not log requests"),
-    "enable_chunked_prefill": VllmArg(None, "fleetllm always prefills in chunks of "
-                                            "max_num_batched_tokens"),
-    "use_v2_block_manager": VllmArg(True, "fleetllm has one block manager"),
-    "disable_async_output_proc": VllmArg(False, "fleetllm processes outputs in step"),
-    "download_dir": VllmArg(None, "fleetllm loads local directories and never downloads"),
-    "disable_sliding_window": VllmArg(False, "max_model_len is capped at the sliding "
-                                             "window either way"),
-    # Features that change the results, which fleetllm does not implement: refused unless
-    # they hold vLLM's default, which means what fleetllm does anyway.
-    "quantization": VllmArg(None, "fleetllm runs unquantized checkpoints only", True),
-    "observability_config": VllmArg(None, "fleetllm exports no traces (OpenTelemetry)",
-                                    True),
-    "fully_sharded_loras": VllmArg(False, "adapters are sharded as their base layers are"),
-    "enable_prompt_adapter": VllmArg(False, "no prompt adapters in fleetllm", True),
-    "rope_scaling": VllmArg(None, "rope scaling comes from the checkpoint's config.json",
-                            True),
-    "rope_theta": VllmArg(None, "rope_theta comes from the checkpoint's config.json", True),
-    "hf_overrides": VllmArg(None, "the checkpoint's config.json is used as it is", True),
-    "revision": VllmArg(None, "fleetllm loads a local directory as it is", True),
-    "tokenizer_revision": VllmArg(None, "fleetllm loads a local directory as it is", True),
-    "skip_tokenizer_init": VllmArg(False, "outputs always carry text when there is a "
-                                          "tokenizer", True),
-}
 
 
 _SECTIONS = (ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, DeviceConfig, LoadConfig,

@@ -2,17 +2,13 @@
 
     LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                    "prompt_lookup_max": 4, "prompt_lookup_min": 2})
-    fleetllm serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
-
     LLM(model, speculative_config={"method": "draft_model", "model": "/path/to/small",
                                    "num_speculative_tokens": 4})
 
 Proposers: "ngram" (prompt lookup) and "draft_model" (a smaller checkpoint with the target's
-vocabulary, run greedily beside the target, whole on the output rank of a TP/PP target). A
-draft with a shorter context than the target is capped at its own length, as in vLLM
-(`max_model_len`, resolved by EngineConfig): a sequence whose drafts would pass it decodes
-without them. Other methods (EAGLE, Medusa, MTP) are refused with a ConfigurationError, never
-accepted and ignored.
+vocabulary, run greedily beside the target on its output rank; capped at its own context
+length, as in vLLM: a sequence past it decodes without drafts). Other methods (EAGLE, Medusa,
+MTP) are refused with a ConfigurationError, never accepted and ignored.
 """
 
 from __future__ import annotations

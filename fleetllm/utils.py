@@ -24,6 +24,12 @@ def resolve_qualname(name: str) -> Any:
         raise ConfigurationError(f"cannot import {name!r}: {e}") from e
 
 
+def check_setting(ok: bool, field_name: str, message: str) -> None:
+    """A config section's check: not ok is a ConfigurationError naming the field."""
+    if not ok:
+        raise ConfigurationError(f"{field_name}: {message}")
+
+
 def check_field_types(section: Any) -> None:
     """Check each init field of a dataclass (a config section) against its annotation.
 

@@ -1,14 +1,13 @@
-"""Paged attention: C kernels on the CPU (decode, prompts), PyTorch SDPA elsewhere (CUDA, or
-a CPU without a compiler).
+"""Paged attention: C kernels on the CPU, PyTorch SDPA elsewhere (CUDA, or no C++ compiler).
 
 KV cache, one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]; slot
 s = block * block_size + offset, so a step's K/V write is one index op on a flat slot view.
-The batch is a flat token list, decode sequences first; the per-step metadata holds everything
-derived from its shape, and each layer only writes its K/V and attends. On CPU (float32,
-bfloat16) `cpu_kernels.paged_decode` and `prefill_attention` read contexts in place from the
-blocks; elsewhere decode groups sequences by context length and gathers each group's context,
-and prefill pads similar spans into one causal SDPA call (a gathered context and an explicit
-mask after a cached prefix). Sliding windows (Mistral) mask keys outside (p - window, p].
+The batch is a flat token list, decode sequences first; the step's metadata holds what its
+shape derives, and each layer only writes its K/V and attends. On CPU (float32, bfloat16)
+`cpu_kernels.paged_decode` and `prefill_attention` read contexts in place from the blocks;
+elsewhere decode groups sequences by context length and gathers each group's context, and
+prefill pads similar spans into one causal SDPA call (a gathered context and an explicit mask
+after a cached prefix). Sliding windows (Mistral) mask keys outside (p - window, p].
 """
 
 from __future__ import annotations
@@ -94,22 +93,15 @@ class TorchAttentionBackend:
 
 # ---------------------------------------------------------------------------------- decode
 
-# How decode attends where the C kernel does not apply (CUDA; CPU without the kernels).
-# FLEETLLM_CUDA_DECODE picks one (tools/cuda_decode_bench.py compares them):
-#   sdpa    groups of similar lengths, SDPA with a bool padding mask and enable_gqa. A mask
-#           rules out FlashAttention and enable_gqa the memory-efficient kernel, so on CUDA this
-#           is the math backend.
-#   math32  the same groups, q_len = 1 written out in float32: q as [kvh, b, g, d] against
-#           K/V gathered head-major [kvh, b, t, d] (no repetition per query head), two bmm.
-#   varlen  every decode sequence in one FlashAttention varlen call over its visible context
-#           packed without padding (no groups, no mask, GQA native, fp32 accumulation);
-#           float16 / bfloat16 on CUDA only (elsewhere a per-sequence SDPA loop, for tests).
-#   auto    (default) CPU: sdpa; CUDA float16/bfloat16: varlen if it runs here, else math32;
-#           CUDA float32: math32.
-# Measured on an H200 (tools/cuda_decode_bench.py, one layer, H=32, KVH=8, d=64): bf16 batch
-# 64 x 4096 tokens, sdpa 0.54 ms, math32 2.4 ms, varlen 0.21 ms; fp32 64 x 4096, sdpa 7.8 ms,
-# math32 1.6 ms. Repeating K/V per head for the memory-efficient kernel, and math in bf16,
-# were slower or less exact and are gone.
+# Decode where the C kernel does not apply (CUDA; a CPU without it): FLEETLLM_CUDA_DECODE picks
+# (tools/cuda_decode_bench.py compares them; figures: docs/performance.md, "On a GPU"):
+#   sdpa    groups of similar lengths, SDPA with a bool padding mask and enable_gqa (on CUDA the
+#           math backend: a mask rules out FlashAttention, enable_gqa the memory-efficient one).
+#   math32  the same groups in float32, GQA without repeating K/V, two bmm (_decode_math32).
+#   varlen  one FlashAttention varlen call over every sequence's visible context packed without
+#           padding (no mask, GQA native, fp32 sums); CUDA float16 / bfloat16 only (elsewhere a
+#           per-sequence SDPA loop, for tests).
+#   auto    (default) CPU: sdpa; CUDA: varlen for float16 / bfloat16 where it runs, else math32.
 _DECODE_VARIANT = envs.get("FLEETLLM_CUDA_DECODE")
 _VARIANTS = ("auto", "sdpa", "math32", "varlen")
 if _DECODE_VARIANT not in _VARIANTS:
@@ -234,8 +226,7 @@ def _slots_of(dec: DecodeBatch, block_size: int, seq: torch.Tensor, pos: torch.T
 
 def _decode_packed(dec: DecodeBatch, block_size: int, window: int | None,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Every sequence's visible positions back to back: (cache slots [sum], cumulative
-    lengths [b + 1] int32, longest)."""
+    """Visible positions back to back: (cache slots, cumulative lengths [b + 1] int32, max)."""
     lens, first = _visible(dec, window)
     vis = [n - f for n, f in zip(lens, first, strict=True)]
     total = sum(vis)
@@ -251,9 +242,8 @@ def _decode_packed(dec: DecodeBatch, block_size: int, window: int | None,
 
 def _decode_groups(dec: DecodeBatch, block_size: int, window: int | None,
                    device: torch.device) -> list[tuple[torch.Tensor, ...]]:
-    """Per group of similar context lengths: (decode rows, cache slots [b, t] of the visible
-    positions, padded with a real slot, mask [b, 1, 1, t]). A few vectorized ops per group
-    (once per step): a loop over sequences cost ~6 kernel launches per sequence on CUDA."""
+    """Per group of similar context lengths, in a few vectorized ops (no loop over sequences):
+    (decode rows, cache slots [b, t] of the visible positions padded with a real one, mask)."""
     lens, first = _visible(dec, window)
     order = sorted(range(len(lens)), key=lambda i: lens[i] - first[i], reverse=True)
     groups = []

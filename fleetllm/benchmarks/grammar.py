@@ -2,16 +2,12 @@
 
     fleetllm bench grammar [--model DIR] [--vocab-size 32000] [--backends xgrammar,guidance]
 
-For JSON schemas of three sizes (3, 15 and 60 properties, nested) and a regex, per backend:
-- first mask: parse + compile + a matcher's first bitmask, from a cold compiler cache: how
-  long a request with a new schema waits in the scheduler (the grammar thread does this);
-- mask: the mean time to fill one sequence's bitmask afterwards (what each sampled token of
-  a grammar request costs the engine's step, per sequence), over --tokens tokens walked
-  through the grammar (each step picks an allowed token at random, seeded; a completed
-  grammar starts over).
-The tokenizer is --model's (default: the demo model, 4K vocabulary), or with --vocab-size a
-byte-level BPE of that size trained on fleetllm's own sources (mask time grows with the
-vocabulary: real checkpoints have 32K-150K).
+Per backend, for JSON schemas of 3, 15 and 60 properties (nested) and a regex: first mask
+(parse + compile + a matcher's first bitmask from a cold cache: what a request with a new
+schema waits in the scheduler) and mask (the mean time to fill one sequence's bitmask, what
+each sampled token costs a step, over --tokens seeded random tokens the grammar allows). The
+tokenizer is --model's (default: the demo model, 4K vocabulary), or with --vocab-size a
+byte-level BPE of that size trained on fleetllm's sources (mask time grows with the vocabulary).
 """
 
 from __future__ import annotations
@@ -77,6 +73,9 @@ def trained_tokenizer(vocab_size: int) -> Any:
 
 def measure(backend: Any, so: StructuredOutputsParams, vocab: int, eos: int, tokens: int,
             rng: random.Random) -> tuple[float, float]:
+    """(first mask, mean mask) in seconds: parse, compile and the first bitmask from a cold
+    cache (the grammar thread's work), then the mean bitmask fill over `tokens` tokens drawn
+    from those allowed (seeded; a completed grammar starts over)."""
     bitmask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
     start = time.perf_counter()
     compiled = backend.compile(backend.parse(so))

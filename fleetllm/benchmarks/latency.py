@@ -3,15 +3,12 @@ end-to-end latency, decode tokens/s, for fleetllm and HF `generate` on the same 
 same process (and vLLM in its own, --compare vllm), next to the memory-bandwidth bound; and
 where a decode step's time goes.
 
-    fleetllm bench latency --preset llama-125m --batch-size 1 [--input-len 128]
-        [--output-len 128] [--repeat 3] [--compare hf,vllm|none] [--json F] [engine flags]
-    fleetllm bench latency --workload copy --compare none --speculative-config '{...}'
+    fleetllm bench latency --preset llama-125m --batch-size 1 [--input-len 128] [--output-len
+        128] [--repeat 3] [--compare hf,vllm|none] [--json F] [--speculative-config ...]
 
-fleetllm runs through LLMEngine.step() (streaming, as a server does); engines take turns.
-The bound: every weight and the batch's KV read once a step, divided by the read bandwidth
-measured in this run. The split: the model's forward against the rest of a step (scheduling,
-inputs, sampling, detokenization, IPC), per forward pass. --speculative-config also runs the
-engine without it and prints the speed-up and acceptance.
+Engines take turns; fleetllm steps LLMEngine.step() (streaming, as a server does). The bound:
+every weight and the batch's KV read once a step at the read bandwidth measured in this run.
+The split: the model's forward against the rest of a step, per forward pass.
 """
 
 from __future__ import annotations

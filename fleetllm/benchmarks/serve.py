@@ -1,17 +1,14 @@
 """Online serving benchmark, like vLLM's: N streaming requests against an OpenAI-compatible
 server at a Poisson request rate, then throughput and TTFT / ITL / E2E latency.
 
-    fleetllm bench serve --base-url http://127.0.0.1:8000 [--num-prompts 200]
-        [--input-len 128 --output-len 64 | --dataset prompts.jsonl] [--request-rate 8 | inf]
-        [--max-concurrency N] [--endpoint /v1/chat/completions] [--structured-fraction 0.5]
+    fleetllm bench serve --base-url http://127.0.0.1:8000 [--num-prompts 200] [--input-len 128
+        --output-len 64 | --dataset prompts.jsonl] [--request-rate 8 | inf] [--endpoint ...]
     fleetllm bench serve [--offline-replay] [--repeat N] [serve flags: --model DIR, ...]
 
-Without --base-url it starts and stops `fleetllm serve` itself (unknown flags go to it).
-Prompts are exactly --input-len tokens (via the server's /tokenize) and every request asks for
-exactly its output length; a request counts only if its stream carried text.
---structured-fraction makes that share grammar requests and reports TPOT per class;
---offline-replay replays the same arrivals through an in-process LLMEngine (serve_replay.py)
-to show the serving overhead. main() returns the figures (also written by --json).
+Without --base-url it starts and stops `fleetllm serve` itself (unknown flags go to it). Prompts
+are exactly --input-len tokens (the server's /tokenize), outputs exactly their length; a request
+counts only if its stream carried text. --structured-fraction: that share are grammar requests
+(TPOT per class); --offline-replay: the same arrivals through an in-process LLMEngine.
 """
 
 from __future__ import annotations
@@ -95,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int | dict:
+    """The figures (also written by --json); --offline-replay (serve_replay.py) adds the same
+    arrivals through an in-process LLMEngine, to show the serving overhead."""
     parser = build_parser()
     args, server_args = parser.parse_known_args(argv)
     if not 0 <= args.structured_fraction <= 1:

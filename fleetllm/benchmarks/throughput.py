@@ -6,11 +6,10 @@ process, next to this machine's roofline.
     fleetllm bench throughput [--model DIR] [--num-prompts N] [--input-len N|LOW:HIGH]
         [--output-len N|LOW:HIGH] [--shared-prefix N] [--lora N] [--task embed] [engine flags]
 
-Every engine is loaded and warmed once, then they take turns for --repeat rounds; each keeps
-its best. Printed: requests/s and tokens/s per engine, fleetllm's ratio to each peer (`hf`,
-`hf-cb`, the real vLLM CPU build: vllm_peer.py), and the share of the roofline (the workload's
-FLOPs at the best matmul rate measured on the model's shapes) fleetllm reaches.
---shared-prefix, --lora (lora.py) and --task embed (embed.py) add their own comparisons.
+Engines are loaded and warmed once, then take turns for --repeat rounds, each keeping its best:
+requests/s and tokens/s, fleetllm's ratio to each peer (`hf`, `hf-cb`, vLLM: vllm_peer.py), its
+share of the roofline (the workload's FLOPs at the best matmul rate measured on the model's
+shapes); --shared-prefix, --lora (lora.py) and --task embed (embed.py) add their own figures.
 """
 
 from __future__ import annotations

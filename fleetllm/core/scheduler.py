@@ -21,35 +21,8 @@ from dataclasses import dataclass, field
 from fleetllm.config import CacheConfig, SchedulerConfig
 from fleetllm.config_lora import LoRAConfig
 from fleetllm.core.block_manager import BlockManager
+from fleetllm.core.scheduler_output import ScheduledSequenceGroup, SchedulerOutputs
 from fleetllm.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
-
-
-@dataclass
-class ScheduledSequenceGroup:
-    seq_group: SequenceGroup
-    token_chunk_size: int  # new tokens computed this step, per sequence
-    do_sample: bool  # the chunk reaches the end of the sequence: sample the next token
-
-
-@dataclass
-class SchedulerOutputs:
-    scheduled_seq_groups: list[ScheduledSequenceGroup] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)  # {cpu: device}
-    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)  # {device: cpu}
-    blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)  # {src: [dst, ...]}
-    # Requests that can never be scheduled; their seqs are FINISHED_IGNORED.
-    ignored_seq_groups: list[SequenceGroup] = field(default_factory=list)
-    # Groups whose blocks this step copies or moves (copy-on-write, swap in, swap out).
-    kv_moved: list[SequenceGroup] = field(default_factory=list)
-    preempted: int = 0  # groups preempted this step
-    running_queue_size: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        """Nothing for the workers to do (ignored groups still need reporting)."""
-        return not (self.scheduled_seq_groups or self.blocks_to_swap_in
-                    or self.blocks_to_swap_out or self.blocks_to_copy)
 
 
 @dataclass
@@ -126,9 +99,8 @@ class Scheduler:
         self.block_manager.free(seq)
 
     def free_finished_seq_groups(self) -> list[str]:
-        """Drop finished groups from running, free their blocks, and return the ids of the
-        groups that finished running since the last call. Aborted and ignored requests are not
-        included: the caller knows those already."""
+        """Drop finished groups from running, free their blocks, and return the ids of those
+        that finished running since the last call (not aborted or ignored ones)."""
         self._reap_finished()
         ids, self._finished_ids = self._finished_ids, []
         return ids
@@ -308,9 +280,8 @@ class Scheduler:
                              f"blocks and {width} of max_num_seqs={self.config.max_num_seqs}; "
                              f"the pool has {bm.num_gpu_blocks} blocks")
                 continue
-            # Prefix caching: the cached blocks of its longest cached prefix count as computed.
-            # Not for prompt logprobs, nor pooling: every prompt position's logits (hidden
-            # states) are needed.
+            # Its longest cached prefix counts as computed; not for prompt logprobs or pooling,
+            # which need every prompt position's logits (hidden states).
             hits = [] if group.sampling_params.prompt_logprobs is not None or \
                 group.pooling_params is not None else bm.prefix_hits(group)
             uncomputed = self._uncomputed(group) - len(hits) * bm.block_size
@@ -337,18 +308,16 @@ class Scheduler:
         return max(s.data.num_uncomputed_tokens() for s in group.unfinished_seqs())
 
     def _lookahead(self, group: SequenceGroup) -> int:
-        """Slots a decoding group's sequences hold past their next token (num_lookahead_slots:
-        the draft tokens of speculative decoding, the later passes of multi-step decoding; a
-        prefill has none). Slots of rejected drafts, or of passes after a sequence's end, stay
-        in its table and are written again by the next step; they are freed with it. They
-        are never worth a preemption of the group itself: when only its next token fits, it
-        runs without them, and the workers draft (or pass) only as far as its table reaches."""
+        """Slots a decoding group's sequences hold past their next token (drafts, multi-step
+        passes; a prefill has none). Unused ones stay in its table, rewritten by the next step
+        and freed with it. Never worth preempting the group itself: when only its next token
+        fits, it runs without them, and the workers draft (or pass) only as far as it reaches."""
         return 0 if group.is_prefill() else self.config.num_lookahead_slots
 
     def _whole(self, group: SequenceGroup, chunk: int) -> int:
         """A pooling prompt is never chunked (its vector needs every token's hidden state in
-        one forward; no KV cache keeps them): all of it, or 0 (it waits for a step with room;
-        the engine refuses prompts longer than the token budget)."""
+        one forward): all of it, or 0 (it waits for a step with room; the engine refuses
+        prompts longer than the token budget)."""
         if group.pooling_params is not None and chunk < self._uncomputed(group):
             return 0
         return chunk

@@ -2,8 +2,8 @@
 
 How: only the engine loop thread touches the (not thread-safe) LLMEngine; callers enqueue
 add/abort/stop commands applied between steps and read a RequestStream fed through
-`call_soon_threadsafe`. Prompts are tokenized on a separate thread, so a huge one never stalls
-a step. generate() yields cumulative RequestOutputs with `delta_*` fields (a slow consumer's
+`call_soon_threadsafe` (async_front.AsyncEngineFront has the caller side both fronts share).
+generate() yields cumulative RequestOutputs with `delta_*` fields (a slow consumer's
 outputs merge); text within len(longest stop) - 1 of a stop string is held back until the
 request finishes. encode() is its twin for pooling requests (one finished output).
 What fails: crashed or hung workers are replaced by the engine and requests resume; anything
@@ -15,22 +15,29 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fleetllm.engine.async_front import (
+    AsyncEngineFront,
+    EngineDeadError,
+    EngineUnhealthyError,
+    RequestAbortedError,
+    dead_error,
+    raise_if_wedged,
+    settle,
+)
 from fleetllm.engine.async_stream import (
     RequestStream,
     StreamingCompletionOutput,
     deliver_threadsafe,
 )
 from fleetllm.engine.llm_engine import LLMEngine, PromptType
-from fleetllm.engine.outputs import PoolingRequestOutput, RequestOutput
 from fleetllm.engine.stats import (
     EngineLoad,
     IterationStats,
@@ -39,27 +46,16 @@ from fleetllm.engine.stats import (
     record_stats,
 )
 from fleetllm.engine.tokenizer import load_tokenizer
-from fleetllm.errors import EngineShutdownError, EngineSleepingError, InvalidRequestError
+from fleetllm.errors import EngineShutdownError, EngineSleepingError
 from fleetllm.lora.request import LoRARequest
 from fleetllm.pooling_params import PoolingParams
 from fleetllm.sampling_params import SamplingParams
 
+# The errors and raise_if_wedged live in async_front.py; this is their old import path too.
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineUnhealthyError", "RequestAbortedError",
-           "RequestStream", "StreamingCompletionOutput"]
+           "RequestStream", "StreamingCompletionOutput", "raise_if_wedged"]
 
 logger = logging.getLogger(__name__)
-
-
-class EngineUnhealthyError(RuntimeError):
-    """The engine cannot serve requests now (dead, or no step has completed in time)."""
-
-
-class EngineDeadError(EngineUnhealthyError):
-    """The engine loop stopped on an error (its __cause__); every request fails with this."""
-
-
-class RequestAbortedError(RuntimeError):
-    """The request was aborted by someone other than its consumer."""
 
 
 @dataclass
@@ -90,7 +86,7 @@ class _Call:
 _STOP = object()
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(AsyncEngineFront):
     def __init__(self, engine: LLMEngine, *, step_timeout_s: float = 60.0,
                  health_probe_interval_s: float = 5.0,
                  stat_loggers: list[StatLogger] | None = None):
@@ -134,34 +130,6 @@ class AsyncLLMEngine:
                    health_probe_interval_s=health_probe_interval_s, stat_loggers=stat_loggers)
 
     # ---------------------------------------------------------------- caller side
-
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
-                       request_id: str, lora_request: LoRARequest | None = None,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs (see the module docstring), through the LoRA adapter
-        `lora_request` when given (vLLM's argument order). Raises InvalidRequestError for a
-        request the engine rejects, EngineDeadError when the engine dies."""
-        stream = await self.add_request(request_id, prompt, sampling_params, arrival_time,
-                                        lora_request)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.close()
-
-    async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None,
-                     request_id: str, lora_request: LoRARequest | None = None,
-                     arrival_time: float | None = None) -> AsyncIterator[PoolingRequestOutput]:
-        """A pooling model's vector for the prompt: yields one finished PoolingRequestOutput
-        (vLLM's AsyncLLMEngine.encode). Raises as generate() does; InvalidRequestError
-        (naming the task) on a generating model."""
-        stream = await self.add_request(request_id, prompt, pooling_params or PoolingParams(),
-                                        arrival_time, lora_request)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.close()
 
     async def add_request(self, request_id: str, prompt: PromptType,
                           params: SamplingParams | PoolingParams | None = None,
@@ -243,10 +211,6 @@ class AsyncLLMEngine:
         if not self.is_sleeping:
             self.engine.model_executor.check_health(timeout)
 
-    @property
-    def errored(self) -> bool:
-        return self._fatal is not None
-
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the loop (open streams raise EngineShutdownError), then the executor."""
         with self._lock:
@@ -260,35 +224,6 @@ class AsyncLLMEngine:
                            "executor under it", timeout)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()
-
-    # ---------------------------------------------------------------- tokenizer
-
-    async def run_in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any,
-                                      **kwargs: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_pool,
-                                          functools.partial(fn, *args, **kwargs))
-
-    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self.tokenizer is None:
-            raise InvalidRequestError(f"{self.model_config.model} has no tokenizer: pass "
-                                      "token ids instead of text")
-        return await self.run_in_tokenizer_thread(self.tokenizer.encode, text,
-                                                  add_special_tokens=add_special_tokens)
-
-    async def _tokenized(self, prompt: PromptType) -> PromptType:
-        text = prompt if isinstance(prompt, str) else None
-        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
-            text = prompt.get("prompt")
-        if isinstance(text, str) and self.tokenizer is not None:
-            return {"prompt": text, "prompt_token_ids": await self.tokenize(text)}
-        return prompt  # token ids, or something the engine will reject with its message
-
-    def _raise_if_unusable(self) -> None:
-        if self._fatal is not None:
-            raise EngineDeadError(f"the engine died: {self._fatal}") from self._fatal
-        if self._stopped:
-            raise EngineShutdownError("the engine is shut down")
 
     def _enqueue(self, command: Any, quiet: bool = False) -> None:
         with self._lock:
@@ -329,9 +264,9 @@ class AsyncLLMEngine:
                 self._busy(self._add, command)
             elif isinstance(command, _Call):
                 try:
-                    _settle(command.done, result=self._busy(command.fn))
+                    settle(command.done, result=self._busy(command.fn))
                 except Exception as e:  # refused (e.g. sleep with requests in flight)
-                    _settle(command.done, error=e)
+                    settle(command.done, error=e)
             elif command.request_id is None:
                 for request_id in list(self._streams):
                     self._busy(self._abort, request_id, command.error, stats)
@@ -355,18 +290,18 @@ class AsyncLLMEngine:
         if cmd.accepted.cancelled():  # the caller went away before it was queued
             return
         if self.is_sleeping:
-            _settle(cmd.accepted, error=EngineSleepingError(
+            settle(cmd.accepted, error=EngineSleepingError(
                 "the engine is asleep: wake it up (POST /wake_up) first"))
             return
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time,
                                     cmd.lora_request)
         except Exception as e:  # a rejected request: it queued nothing, others are unharmed
-            _settle(cmd.accepted, error=e)
+            settle(cmd.accepted, error=e)
             return
         self._streams[cmd.request_id] = cmd.stream
         self._tracker.add(cmd.request_id, cmd.arrival_time)
-        _settle(cmd.accepted)
+        settle(cmd.accepted)
 
     def _abort(self, request_id: str, error: BaseException | None,
                stats: IterationStats) -> None:
@@ -408,10 +343,10 @@ class AsyncLLMEngine:
             except queue.Empty:
                 break
             if isinstance(command, _Add):
-                _settle(command.accepted, error=_dead(error))
+                settle(command.accepted, error=dead_error(error))
             elif isinstance(command, _Call):  # a sleep or wake_up waiting its turn
-                _settle(command.done, error=_dead(error))
-        self._end_all(lambda: _dead(error))
+                settle(command.done, error=dead_error(error))
+        self._end_all(lambda: dead_error(error))
         if self.on_dead is not None:
             self.on_dead(error)
 
@@ -419,31 +354,3 @@ class AsyncLLMEngine:
         for stream in self._streams.values():
             stream.put(make_error())
         self._streams.clear()
-
-
-def raise_if_wedged(busy_since: float | None, step_timeout_s: float) -> None:
-    """EngineUnhealthyError when the engine call that started at busy_since (monotonic; None:
-    none under way) has run past step_timeout_s."""
-    if busy_since is not None and time.monotonic() - busy_since > step_timeout_s:
-        raise EngineUnhealthyError(
-            f"no engine step has completed for {time.monotonic() - busy_since:.1f} s "
-            f"(limit {step_timeout_s:g} s)")
-
-
-def _dead(cause: BaseException) -> EngineDeadError:
-    if isinstance(cause, EngineDeadError):  # the core client's own report of a dead core
-        return cause
-    err = EngineDeadError(f"the engine died: {cause}")
-    err.__cause__ = cause
-    return err
-
-
-def _settle(future: concurrent.futures.Future, error: BaseException | None = None,
-            result: Any = None) -> None:
-    try:
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-    except concurrent.futures.InvalidStateError:  # cancelled by its caller meanwhile
-        pass

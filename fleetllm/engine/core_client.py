@@ -1,21 +1,14 @@
 """EngineCoreClient: AsyncLLMEngine's API with the engine in its own process (core_proc).
 
-The API process keeps what talks to clients: streams (RequestStream), tokenization, request
-statistics for the metrics, the load snapshot for /metrics. Commands go to the core through a
-writer thread (an event loop never blocks on a socket); a reader thread turns each step's
-deltas back into cumulative RequestOutputs (core_wire.RequestState), or a pooling request's
-PoolingRequestOutput (core_wire.PoolingState), and hands them to their streams, one wake-up
-per event loop per step, as the in-process engine does.
-
-Failures: the core recovers its own workers. If the core process dies (SIGKILL, OOM: EOF on
-the data socket) the reader starts a new one (core_restart.CoreRestarts: within
-max_worker_restarts per worker_restart_window_s, as workers are) and re-adds every request in
-flight as a resumption from the tokens its stream already has (recovery.resume_samples):
-streams go on with no gap and no duplicate; waiting adds and calls are sent again, loaded
-LoRA adapters and sleep are restored. Past the limit, or when the core reports a fatal error
-itself, every open stream and waiting add or call raises EngineDeadError, check_health raises
-it, later calls fail fast, and `on_dead` is called (the server exits non-zero).
-shutdown() asks the core to stop, then terminates and kills it.
+The API process keeps streams, tokenization, request statistics and the load snapshot. A
+writer thread sends the callers' encoded commands (an event loop never blocks on a socket);
+a reader thread turns each step's deltas into outputs (core_wire.RequestState, PoolingState)
+and hands them to their streams, one wake-up per event loop per step.
+Failures: if the core process dies (EOF on the data socket) the reader starts a new one
+(core_restart: within max_worker_restarts per worker_restart_window_s) and every request in
+flight resumes from the tokens its stream has: no gap, no duplicate. Past the limit, or on
+the core's own fatal error, every stream, add and call raises EngineDeadError, later calls
+fail fast and `on_dead` is called (the server exits 1). shutdown() stops, then kills the core.
 """
 
 from __future__ import annotations
@@ -34,13 +27,13 @@ from typing import Any
 
 from fleetllm.config import EngineConfig
 from fleetllm.engine import core_wire as wire
-from fleetllm.engine.async_engine import AsyncLLMEngine as _Front
-from fleetllm.engine.async_engine import (
+from fleetllm.engine.async_front import (
+    AsyncEngineFront,
     EngineDeadError,
     EngineUnhealthyError,
     RequestAbortedError,
-    _dead,
-    _settle,
+    dead_error,
+    settle,
 )
 from fleetllm.engine.async_stream import RequestStream, deliver_threadsafe
 from fleetllm.engine.core_restart import CoreRestartMixin, Restore, probe, start_core
@@ -64,7 +57,7 @@ _STOP = object()
 _WORKER_RESTARTS = [f.name for f in dataclasses.fields(EngineLoad)].index("worker_restarts")
 
 
-class EngineCoreClient(CoreRestartMixin):
+class EngineCoreClient(CoreRestartMixin, AsyncEngineFront):
     def __init__(self, model: str, *, step_timeout_s: float = 60.0,
                  health_probe_interval_s: float = 5.0,
                  stat_loggers: list[StatLogger] | None = None,
@@ -130,14 +123,6 @@ class EngineCoreClient(CoreRestartMixin):
 
     # ---------------------------------------------------------------- caller side
 
-    generate = _Front.generate
-    encode = _Front.encode
-    run_in_tokenizer_thread = _Front.run_in_tokenizer_thread
-    tokenize = _Front.tokenize
-    _tokenized = _Front._tokenized
-    _raise_if_unusable = _Front._raise_if_unusable
-    errored = _Front.errored
-
     async def add_request(self, request_id: str, prompt: PromptType,
                           params: SamplingParams | PoolingParams | None = None,
                           arrival_time: float | None = None,
@@ -146,7 +131,7 @@ class EngineCoreClient(CoreRestartMixin):
         params = params if params is not None else SamplingParams()
         self._raise_if_unusable()
         prompt = await self._tokenized(prompt)
-        text, token_ids = _prompt_parts(prompt)
+        text, token_ids = wire.prompt_parts(prompt)
         stream = RequestStream(request_id, self)
         kind = wire.PoolingState if isinstance(params, PoolingParams) else wire.RequestState
         state = kind(request_id, text, token_ids or [])
@@ -342,7 +327,7 @@ class EngineCoreClient(CoreRestartMixin):
                     done, _ = self._calls.pop(msg[1], (None, None))
                 self._sleeping = msg[3]
                 if done is not None:
-                    _settle(done, error=None if msg[2] is None else wire.load_error(msg[2]),
+                    settle(done, error=None if msg[2] is None else wire.load_error(msg[2]),
                             result=msg[4])
 
     def _added(self, request_id: str, error: list[str] | None) -> None:
@@ -363,7 +348,7 @@ class EngineCoreClient(CoreRestartMixin):
                 ended[0].put(wire.load_error(error))
                 record_stats(self.stat_loggers, stats)
             return
-        _settle(accepted, error=None if error is None else wire.load_error(error))
+        settle(accepted, error=None if error is None else wire.load_error(error))
         if error is None and aborted is not None:
             # Accepted, then aborted by the abort queued behind it (the core dropped it):
             # the stream ends with the abort's error, as the in-process engine's does.
@@ -405,10 +390,10 @@ class EngineCoreClient(CoreRestartMixin):
             adds, self._adds = list(self._adds.values()), {}
             calls, self._calls = list(self._calls.values()), {}
         for accepted, *_ in adds:
-            _settle(accepted, error=_dead(cause))
+            settle(accepted, error=dead_error(cause))
         for done, _ in calls:
-            _settle(done, error=_dead(cause))
-        self._end_all(lambda: _dead(cause))
+            settle(done, error=dead_error(cause))
+        self._end_all(lambda: dead_error(cause))
         if self.on_dead is not None:
             self.on_dead(cause)
 
@@ -418,13 +403,3 @@ class EngineCoreClient(CoreRestartMixin):
         for stream, _ in streams:
             stream.put(make_error())
 
-
-def _prompt_parts(prompt: PromptType) -> tuple[str | None, list[int] | None]:
-    """(text, token ids) of a prompt, either None when absent; anything else is sent as no
-    prompt at all, for the core's engine to reject with its message."""
-    if isinstance(prompt, dict):
-        ids = prompt.get("prompt_token_ids")
-        return prompt.get("prompt"), None if ids is None else list(ids)
-    if isinstance(prompt, list):
-        return None, list(prompt)
-    return (prompt if isinstance(prompt, str) else None), None

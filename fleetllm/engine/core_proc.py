@@ -1,27 +1,14 @@
-"""The engine-core process: the scheduler, executor and KV manager (an LLMEngine) in a process
-of their own, stepping in a busy loop, so that the API process's HTTP, JSON, SSE and
-tokenization never hold the GIL the engine needs between its kernels.
+"""The engine-core process: an LLMEngine stepping in a busy loop in a process of its own, so
+the API process's HTTP, JSON and tokenization never hold the GIL the engine needs.
 
-How it works: core_client.EngineCoreClient starts this process (multiprocessing spawn) with
-three AF_UNIX socket pairs (see core_wire for the messages). The main thread loops: apply the
-messages waiting on the data socket in order (adds, resumes, aborts, calls; at most APPLY_BURST
-of them or about APPLY_BURST_S, then a step, so a burst of adds does not stall the running
-requests), step while there is work, send the step's deltas; idle, it waits up to
-health_probe_interval_s for a message and then probes the workers (LLMEngine.check_health
-replaces dead ones, as a failed step would). A control thread answers health checks from the
-control socket at any time: the workers' timed ping, and whether an engine call has run longer
-than step_timeout_s (wedged). An interrupt thread reads a byte per abort from a third socket
-and ends a multi-step call under way (LLMEngine.interrupt_step), so an abort lands within one
-pass.
-
-Failures: worker crashes and hangs are the LLMEngine's to recover (restart, requests resume).
-An exception that escapes the loop is fatal: the core sends ["dead", error] and exits 1. When
-the API process goes away (EOF on the data socket; while the engine is still being built,
-ParentWatch) the core shuts its workers down and exits; every way out of run_engine_core
-shuts the engine down. A "resume" (the API process's copy of a request of a core that died)
-goes on from its tokens (recovery.resume_samples). The core ignores SIGINT and SIGTERM: the
-API process owns the lifecycle (a Ctrl-C or a drain reaches it there, and it stops the core
-in order).
+How: core_client starts it (spawn) with three AF_UNIX socket pairs (core_wire). The main
+thread applies the waiting messages in order, at most APPLY_BURST (about APPLY_BURST_S) before
+each step, steps and sends the deltas; idle, it probes the workers. A control thread answers
+health probes beside a step; an interrupt thread ends a multi-step call on an abort.
+Failures: workers are the LLMEngine's to replace. An exception escaping the loop sends
+["dead", error] and exits 1. EOF from the API process (ParentWatch while the engine is built)
+shuts the workers down and exits; every way out shuts the engine down. SIGINT and SIGTERM are
+ignored: the API process owns the lifecycle and stops the core in order.
 """
 
 from __future__ import annotations
@@ -39,7 +26,7 @@ import time
 from typing import Any
 
 from fleetllm.engine import core_wire as wire
-from fleetllm.engine.async_engine import EngineUnhealthyError, raise_if_wedged
+from fleetllm.engine.async_front import EngineUnhealthyError, raise_if_wedged
 from fleetllm.engine.llm_engine import LLMEngine
 from fleetllm.engine.recovery import resume_samples
 from fleetllm.engine.stats import EngineLoad

@@ -1,18 +1,14 @@
 """Starting and restarting engine-core processes (core_proc) for core_client.
 
-start_core() spawns a core with its three socket pairs and waits for its "ready"; it raises
-the engine's own error (["dead", error] from the core), EngineDeadError when the process exits
-or does not answer within START_TIMEOUT_S, and whatever interrupts the wait (a signal's
-SystemExit): in every case the process is killed and reaped and the sockets closed first, so
-a failed start leaves nothing running (its workers watch the core and exit with it).
-
-CoreRestartMixin (EngineCoreClient's): when the core process died, start a new one within
-max_worker_restarts per worker_restart_window_s (RestartBudget, the workers' policy; a start
-that fails counts and is tried again after a short pause) and send it, before anything queued
-later, the LoRA adapters to load again (Restore), every request in flight as a "resume" from
-the tokens its stream has, the adds and calls still waiting for an answer, and sleep. Messages
-queued for the dead core are dropped by generation (the writer compares). probe(): a health
-probe on the control socket that reads past stale replies.
+start_core() spawns a core with its three socket pairs and waits for its "ready". It raises
+the core's own error, EngineDeadError when the process exits or is silent for START_TIMEOUT_S,
+or whatever interrupts the wait (a signal's SystemExit); in every case the process is killed
+and reaped and the sockets closed first, so a failed start leaves nothing running.
+CoreRestartMixin: when the core died, start a new one within core_restarts (a failed start
+counts, and is tried again after a short pause) and send it, before anything queued later,
+the LoRA adapters (Restore), every request in flight as a "resume", the waiting adds and
+calls, and sleep; messages queued for the dead core are dropped by generation (the writer
+compares). probe(): a health probe on the control socket that reads past stale replies.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetllm.engine import core_wire as wire
-from fleetllm.engine.async_engine import EngineDeadError, EngineUnhealthyError, _settle
+from fleetllm.engine.async_front import EngineDeadError, EngineUnhealthyError, settle
 from fleetllm.engine.async_stream import RequestStream
 from fleetllm.engine.core_proc import run_engine_core
 from fleetllm.errors import InvalidRequestError
@@ -189,7 +185,7 @@ class CoreRestartMixin:
             self._restarting = False
         for accepted, stream, error in ended:
             if accepted is not None:
-                _settle(accepted)
+                settle(accepted)
             stream.put(error)
         return True
 

@@ -1,40 +1,13 @@
 """What the API process and the engine-core process say to each other (core_client <->
 core_proc): msgpack messages (msgspec) in mp_transport's length-prefixed frames on AF_UNIX
-socket pairs.
-No pickle: a message is lists, maps, strings and numbers, and an error travels as its class
-name and message, rebuilt from fleetllm's own error classes only.
+socket pairs; docs/architecture.md#the-engine-core-process lists every message.
 
-Data socket, API -> core:
-    ["add", request_id, prompt text | None, prompt token ids, params, arrival_time, lora]
-        params: SamplingParams' fields in order (a list) to generate, or
-        {"dimensions": int | None, "normalize": bool | None} (a map: PoolingParams) to pool
-        lora: None (the base model), or a LoRARequest as [lora_name, lora_int_id, lora_path]
-    ["resume", <an add's fields>, samples]   a dead core's request, re-added by the API
-        process after starting a new core: samples are what it streamed of each sequence,
-        [index, token ids, text, cumulative logprob, finish reason | None, stop reason]; it
-        goes on from there (recovery.resume_samples) and replies "added" like an add
-    ["abort", request_id | None (every request)]
-    ["call", call_id, name, argument]   name: "sleep" | "wake_up" | "add_lora" (argument: a
-        lora as above) | "remove_lora" | "pin_lora" (argument: the lora_int_id) |
-        "list_loras" (argument: None)
-    ["stop"]
-Data socket, core -> API:
-    ["ready"]                           the engine is built (or ["dead", error]: it is not)
-    ["added", request_id, error | None] an add was accepted or rejected
-    ["called", call_id, error | None, sleeping, result]
-        result: the call's return value (add/remove/pin_lora: a bool; list_loras: a list of
-        ids; sleep, wake_up: None)
-    ["out", load, [delta, ...]]         one step: load is EngineLoad's fields in order
-    ["dead", error]                     the core failed for good and is exiting
-A delta is one request's news since the last. Generating: [request_id, finished, error
-text, metrics (5 floats) when finished, prompt_logprobs on its first delta, [[index, text,
-token ids, logprobs, cumulative logprob, finish reason, stop reason], ...]]: new text, new
-token ids and new logprobs only, never the history. Pooling (its one delta, finished):
-[request_id, finished, error text, metrics, vector (list of floats) | None (rejected)]; the
-API side knows which kind each request is (RequestState / PoolingState) from its add.
-Control socket (a thread of the core answers it, never queued behind a step):
-    ["health", probe_id, timeout] -> [probe_id, error | None]   (a reply to an earlier probe
-        that timed out carries that probe's id: the client discards it)
+No pickle: a message is lists, maps, strings and numbers, and an error travels as its class
+name and message, rebuilt from fleetllm's own error classes only (load_error). A step's
+outputs travel as deltas (DeltaEncoder, core side): per request only the text, token ids and
+logprobs new since its last delta; the API side rebuilds cumulative outputs from them
+(RequestState; PoolingState for a pooling request's one delta). A value msgpack cannot carry
+is that request's InvalidRequestError from encode(), never the writer thread's failure.
 """
 
 from __future__ import annotations
@@ -144,6 +117,17 @@ def load_error(msg: list[str]) -> BaseException:
 
 
 # ------------------------------------------------------------------ requests
+
+
+def prompt_parts(prompt: Any) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of a prompt for an add, either None when absent; anything else is sent
+    as no prompt at all, for the core's engine to reject with its message."""
+    if isinstance(prompt, dict):
+        ids = prompt.get("prompt_token_ids")
+        return prompt.get("prompt"), None if ids is None else list(ids)
+    if isinstance(prompt, list):
+        return None, list(prompt)
+    return (prompt if isinstance(prompt, str) else None), None
 
 
 def params_msg(params: SamplingParams | PoolingParams) -> list[Any] | dict[str, Any]:

@@ -3,14 +3,12 @@ processes ("mp", "ray"); a backend supplies transport only (`_send`, `_replies`,
 `_stop_workers`), and failures.py's rules apply here once.
 
 - collective_rpc: results in rank order; a rank's error raises with its rank and traceback
-  (or is returned with return_exceptions); no reply in `timeout` is a
-  CommunicationTimeoutError and the executor stays usable.
-- execute_model: the output rank returns the SamplerOutput. A rank's error fails the executor
-  (WorkerCrashedError, cause chained) unless every rank raised it before any collective; a
-  RESYNC reply resends the step in full; a timeout leaves the step outstanding for
-  wait_for_timed_out_step(), after which the workers count as hung.
-- A dead worker fails this and every later call until restart_failed_workers(); after
-  shutdown(): EngineShutdownError.
+  (or is returned); no reply in `timeout` is a CommunicationTimeoutError, executor usable.
+- execute_model: a rank's error fails the executor (WorkerCrashedError, cause chained) unless
+  every rank raised it before any collective; a RESYNC reply resends the step in full; a
+  timeout leaves the step for wait_for_timed_out_step(), then the workers count as hung.
+- A dead worker fails every call until restart_failed_workers(); after shutdown():
+  EngineShutdownError.
 """
 
 from __future__ import annotations

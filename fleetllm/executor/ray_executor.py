@@ -1,16 +1,14 @@
 """RayDistributedExecutor ("ray", the `fleetllm[ray]` extra): the model across machines, one
 Ray actor (RayWorkerWrapper) per rank; docs/distributed.md covers real clusters.
 
-How: it uses the process's Ray connection, else ray_address / $RAY_ADDRESS, else a private
-loopback instance it shuts down when its last executor does (ray_utils.RayConnection). One
-placement-group bundle per worker, in placement_strategy or a group the user passes; ranks
-are assigned once actors report their nodes, keeping a TP group on one node where possible.
-Every step goes to every rank through Ray (SPMD, delta encoded), never through a gloo
-broadcast, which authenticates nothing; only the output rank returns its SamplerOutput.
+How: the process's Ray connection, else ray_address / $RAY_ADDRESS, else a private loopback
+instance (ray_utils.RayConnection). One placement-group bundle per worker; ranks are assigned
+once actors report their nodes, a TP group on one node where possible. Every step goes to
+every rank through Ray (SPMD, delta encoded), never a gloo broadcast, which authenticates
+nothing; only the output rank returns its SamplerOutput.
 What fails: waiting for resources ends at startup_timeout naming what is missing; a dead
-actor is a WorkerCrashedError naming rank and node (after DEATH_WAIT_S, one a collective
-error hid); the rest follows distributed.py. shutdown, GC and exit kill the actors and the
-placement group; if the driver dies, Ray ends them.
+actor is a WorkerCrashedError naming rank and node; the rest follows distributed.py.
+shutdown, GC and exit kill the actors and the placement group; if the driver dies, Ray does.
 """
 
 from __future__ import annotations

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import ctypes
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from fleetllm import envs
 from fleetllm.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from fleetllm.config import EngineConfig
 from fleetllm.distributed.parallel_state import get_pp_group
@@ -26,7 +22,15 @@ from fleetllm.sequence import (
     SequenceOutput,
 )
 from fleetllm.worker import sampler
+from fleetllm.worker.cpu_setup import (  # noqa: F401 - available_cores: its old import path
+    available_cores,
+    keep_freed_memory,
+    return_freed_memory,
+    set_intra_op_threads,
+)
 from fleetllm.worker.sampler import SampleRow
+
+_set_intra_op_threads = set_intra_op_threads  # its old name (tests/test_perf_guards.py)
 
 
 @dataclass
@@ -57,11 +61,11 @@ class ModelRunner:
 
     def load_model(self) -> None:
         if self.device.type == "cpu":
-            _keep_freed_memory()
-            _set_intra_op_threads(self.config.parallel_config.world_size)
+            keep_freed_memory()
+            set_intra_op_threads(self.config.parallel_config.world_size)
         self.model = build_model(self.config, self.device)
         if self.device.type == "cpu":
-            _return_freed_memory()  # the dense weights the packed copies replaced
+            return_freed_memory()  # the dense weights the packed copies replaced
         self.dtype = next(self.model.parameters()).dtype
         lora = self.config.lora_config
         if lora is not None:  # the loaded adapters survive a reload (sleep level 2)
@@ -111,7 +115,7 @@ class ModelRunner:
             return None
         # Possibly no rows (a step of non-final prompt chunks): empty logits, empty samples.
         # Every row (a decode step): no copy. A copy that large is an OpenMP region, whose
-        # threads then spin for ~ms beside the kernels' pool: it cost the LM head's GEMM 40%.
+        # threads then spin beside the kernels' pool and slow the LM head's GEMM.
         if batch.logits_token_idx == list(range(hidden.shape[0])):
             return self.model.compute_logits(hidden)
         rows = torch.tensor(batch.logits_token_idx, dtype=torch.long, device=self.device)
@@ -328,83 +332,6 @@ class ModelRunner:
         batch = _Batch(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
                        rows)
         self._forward(batch, None)
-
-
-def available_cores() -> int:
-    """Physical cores this process may run on: its CPU affinity, one per core when SMT
-    siblings are both allowed (a GEMM gains nothing from a core's second thread), capped by a
-    cgroup CPU quota (a container limited to 2 CPUs on a 64-CPU host sees 64 in affinity)."""
-    try:
-        allowed = os.sched_getaffinity(0)
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-    cores = set()
-    for cpu in allowed:
-        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-        try:
-            siblings = (topology / "core_cpus_list").read_text().strip()
-        except OSError:
-            try:
-                siblings = (topology / "thread_siblings_list").read_text().strip()
-            except OSError:
-                siblings = str(cpu)
-        cores.add(siblings)
-    count = len(cores) or len(allowed) or 1
-    for path, period_path in (("/sys/fs/cgroup/cpu.max", None),
-                              ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us",
-                               "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
-        try:
-            fields = Path(path).read_text().split()
-            quota = fields[0]
-            period = fields[1] if period_path is None else Path(period_path).read_text()
-            if quota not in ("max", "-1"):
-                count = min(count, max(1, int(int(quota) / int(period))))
-            break
-        except (OSError, ValueError, IndexError):
-            continue
-    return count
-
-
-def _set_intra_op_threads(ranks: int) -> None:
-    """torch's intra-op threads: FLEETLLM_NUM_THREADS, else OMP_NUM_THREADS (torch reads it
-    itself), else the available physical cores shared by this machine's ranks. torch's own
-    default counts every core of the host, also those a container's quota does not give it,
-    and oversubscribed threads stall each other at every barrier."""
-    threads = envs.get("FLEETLLM_NUM_THREADS")
-    if threads is not None:
-        torch.set_num_threads(max(1, threads))
-    elif not envs.get("OMP_NUM_THREADS"):
-        torch.set_num_threads(max(1, available_cores() // max(1, ranks)))
-
-
-def _keep_freed_memory() -> None:
-    """glibc serves allocations of 32 MiB and more (a prefill step's MLP activations) with
-    fresh mmaps and unmaps them when freed, so every step page-faults them in again: measured
-    here, allocating and filling 32 MiB took 9.3 ms instead of 1.2 ms. Raising the mmap and
-    trim thresholds keeps freed memory in the heap for the next step (the process keeps its
-    peak footprint, as an inference worker does anyway). FLEETLLM_MALLOC_TUNING=0 skips it;
-    not glibc: nothing to do."""
-    if not envs.get("FLEETLLM_MALLOC_TUNING"):
-        return
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    mallopt(m_mmap_threshold, ctypes.c_int(1 << 30))
-    mallopt(m_trim_threshold, ctypes.c_int(2**31 - 1))
-
-
-def _return_freed_memory() -> None:
-    """Give the heap's free memory back to the system once (glibc's malloc_trim): with the
-    trim threshold _keep_freed_memory raises, the dense weights that packing freed would stay
-    in the process for good (a Llama-1B-shaped bf16 model: 8.7 -> 7.4 GB resident)."""
-    if not envs.get("FLEETLLM_MALLOC_TUNING"):
-        return
-    try:
-        ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(0))
-    except (OSError, AttributeError):
-        pass
 
 
 def _accept_drafts(draft: list[int], drawn: list[int]) -> list[int]:

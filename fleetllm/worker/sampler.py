@@ -1,16 +1,13 @@
 """The sampler: logits -> next tokens and their logprobs, vectorized over the batch.
 
-Order per row: penalties (repetition, frequency, presence), min_tokens masking, the grammar's
-allowed tokens (structured outputs: only rows that have a bitmask), then greedy argmax, or
-temperature -> top-k -> top-p -> min-p -> a draw. Returned logprobs are those of the raw
-model distribution (before penalties and temperature), as vLLM reports them, and only
-for rows that ask for them (`logprobs` not None): a greedy row without logprobs costs one
-argmax. Top-k/top-p work on a candidate set (torch.topk), not a sorted vocabulary; penalties
-come from per-sequence count tensors updated incrementally (PenaltyState).
-Seeded draws are counter-based: the noise of a draw is a function of (seed, sample index,
-position) alone, not of a generator's history, so a seeded request's tokens do not depend on
-what else is in the batch, on preemption, on a failed step retried, or on which worker
-process runs it.
+Order per row: penalties (repetition, frequency, presence; PenaltyState's incremental
+per-sequence counts), min_tokens masking, the grammar's bitmask (structured outputs), then
+greedy argmax, or temperature -> top-k -> top-p -> min-p -> a draw (top-k/top-p over a
+torch.topk candidate set, not a sorted vocabulary). Logprobs are the raw model distribution's
+(before penalties and temperature), as vLLM reports them, and only for rows that ask.
+Seeded draws are counter-based: a draw's noise is a function of (seed, sample index,
+position) alone, so a seeded request's tokens do not depend on the rest of the batch,
+preemption, a retried step or which worker process runs it.
 """
 
 from __future__ import annotations

@@ -2,16 +2,13 @@
 them), answered in OpenAI's shape.
 
 Inputs: a string, a list of strings, token ids, or a list of token-id lists (at most
-MAX_EMBEDDING_INPUTS). Text is tokenized in one call on the tokenizer thread. Each vector is
-the engine's PoolingRequestOutput data (float32), sent as floats, or with `encoding_format:
-"base64"` as base64 of its little-endian float32 bytes (what OpenAI's client decodes with
-`np.frombuffer(..., dtype="float32")`; it asks for base64 unless told otherwise).
-
-Refused with a 400 before the engine sees anything: a server that does not run an embedding
-model (the message names its task), no input or an empty one, token ids outside the
-vocabulary, an input over max_model_len (unless `truncate_prompt_tokens` cuts it), `dimensions`
-the model was not trained for (ModelConfig.check_dimensions, the engine's own rule; param
-"dimensions"). The engine refuses an input over its token budget (400).
+MAX_EMBEDDING_INPUTS); text is tokenized in one call on the tokenizer thread. Each vector is
+sent as floats, or with `encoding_format: "base64"` as base64 of its little-endian float32
+bytes (what OpenAI's client asks for by default and decodes with np.frombuffer).
+Refused with a 400 before the engine sees anything: a server without an embedding model, no
+input or an empty one, token ids outside the vocabulary, an input over max_model_len (unless
+`truncate_prompt_tokens` cuts it), `dimensions` the model was not trained for
+(ModelConfig.check_dimensions). The engine refuses an input over its token budget (400).
 """
 
 from __future__ import annotations

@@ -1,0 +1,237 @@
+"""The checkpoint's side of the configuration: ArchConfig (what the model needs of its
+config.json, normalized across transformers versions) and ModelConfig (the model, its dtype,
+length and task: generate, or embed with its pooler).
+
+ModelConfig reads the checkpoint directory when built: a missing directory, a config.json
+that is absent, not JSON or lacks a field, or an unsupported architecture is a
+ModelLoadError; a bad setting is a ConfigurationError naming the field. fleetllm.config
+re-exports everything here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fleetllm.config_pooler import PoolerConfig, checkpoint_pooler, is_sentence_transformers
+from fleetllm.errors import ConfigurationError, InvalidRequestError, ModelLoadError
+from fleetllm.utils import check_field_types
+from fleetllm.utils import check_setting as _check
+
+_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
+# XForCausalLM generates; the bare XModel (an embedding checkpoint: e5-mistral, gte-Qwen2,
+# Qwen3-Embedding) has no LM head and pools (task "embed").
+SUPPORTED_ARCHITECTURES = tuple(f"{f}{kind}" for kind in ("ForCausalLM", "Model")
+                                for f in _FAMILIES)
+TASKS = ("auto", "generate", "embed", "embedding")  # "embedding": vLLM's older name
+RUNNERS = ("auto", "generate", "pooling")  # vLLM v1's name for the same choice
+DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+          "half": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ArchConfig:
+    """The parts of a checkpoint's config.json the model needs, normalized across HF versions."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2, or Llama's attention_bias
+    o_bias: bool  # Llama's attention_bias also covers o_proj
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3
+    sliding_window: int | None
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    torch_dtype: str | None
+    # Matryoshka embeddings: the truncations the model was trained for (PoolingParams.dimensions)
+    matryoshka_dimensions: list[int] | None = None
+    is_matryoshka: bool = False
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(f"architecture {arch!r} is not supported; fleetllm runs "
+                                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        family = arch.removesuffix("ForCausalLM").removesuffix("Model")
+        # transformers 5 moved rope_theta/rope_scaling into rope_parameters.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        bias = bool(cfg.get("attention_bias") or False)
+        window = cfg.get("sliding_window")
+        if family.startswith("Qwen") and not cfg.get("use_sliding_window", False):
+            window = None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family == "Qwen2" or bias,
+            o_bias=bias and family != "Qwen2",
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=family == "Qwen3",
+            sliding_window=window,
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            bos_token_id=cfg.get("bos_token_id"),
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            matryoshka_dimensions=cfg.get("matryoshka_dimensions"),
+            is_matryoshka=bool(cfg.get("is_matryoshka", False)),
+        )
+
+    @property
+    def has_lm_head(self) -> bool:
+        return self.architecture.endswith("ForCausalLM")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError as e:
+        raise ModelLoadError(f"{path} not found: is this a Hugging Face checkpoint directory?"
+                             ) from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path} is not valid JSON ({e}); the checkpoint is corrupt") from e
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    # "generate", or "embed" (a pooling model: one vector per prompt, model/pooler.py);
+    # "auto": embed for a bare XModel or sentence-transformers checkpoint, else generate.
+    task: str = "auto"
+    runner: str = "auto"  # vLLM v1's name: "pooling" is task "embed"
+    # {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} (or its JSON) over the
+    # checkpoint's pooler settings.
+    override_pooler_config: dict | str | PoolerConfig | None = None
+    arch: ArchConfig = field(init=False, repr=False)
+    pooler_config: PoolerConfig | None = field(init=False, default=None)  # task "embed" only
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        if isinstance(self.tokenizer, os.PathLike):
+            self.tokenizer = os.fspath(self.tokenizer)
+        check_field_types(self)
+        path = Path(self.model)
+        if not path.is_dir():
+            raise ModelLoadError(f"model path {self.model!r} is not a directory; pass a local "
+                                 "Hugging Face checkpoint directory (fleetllm never downloads)")
+        cfg = read_json(path / "config.json")
+        try:
+            self.arch = ArchConfig.from_dict(cfg)
+        except KeyError as e:
+            raise ModelLoadError(f"{path / 'config.json'} lacks the field {e}") from e
+        self.tokenizer = self.tokenizer or self.model
+        limit = self._resolve_task(path)
+        if self.arch.sliding_window and self.arch.architecture.startswith("Qwen"):
+            # Qwen windows only some layers (max_window_layers), which the model does not
+            # follow: stay inside the window, where windowed and full attention agree.
+            # (Mistral windows every layer; the attention backend applies it.)
+            limit = min(limit, self.arch.sliding_window)
+        if self.max_model_len is None:
+            self.max_model_len = limit if self.embed_limit is None else \
+                min(limit, self.embed_limit)
+        _check(isinstance(self.max_model_len, int) and 0 < self.max_model_len <= limit,
+               "max_model_len", f"must be in [1, {limit}] for this model, "
+               f"got {self.max_model_len!r}")
+        _check(isinstance(self.seed, int), "seed", f"must be an int, got {self.seed!r}")
+        if isinstance(self.dtype, str) and self.dtype != "auto":
+            _check(self.dtype in DTYPES, "dtype",
+                   f"must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+
+    def _resolve_task(self, path: Path) -> int:
+        """Settle task ("generate" | "embed") and the pooler; returns the model's length
+        limit. Sets embed_limit: the longest input the checkpoint's embedding library takes
+        (sentence-transformers' max_seq_length), the default max_model_len when lower."""
+        _check(self.task in TASKS, "task", f"must be one of {', '.join(TASKS)}; got "
+               f"{self.task!r}")
+        _check(self.runner in RUNNERS, "runner", f"must be one of {', '.join(RUNNERS)}; "
+               f"got {self.runner!r}")
+        task = {"embedding": "embed"}.get(self.task, self.task)
+        if self.runner != "auto":
+            implied = "embed" if self.runner == "pooling" else "generate"
+            _check(task in ("auto", implied), "runner", f"runner={self.runner!r} contradicts "
+                   f"task={self.task!r}")
+            task = implied
+        if task == "auto":
+            bare = not self.arch.has_lm_head or is_sentence_transformers(path)
+            task = "embed" if bare else "generate"
+        if task == "generate" and not self.arch.has_lm_head:
+            raise ConfigurationError(f"task: {self.arch.architecture} has no LM head, so it "
+                                     "cannot generate; run it with task='embed'")
+        _check(task == "embed" or self.override_pooler_config is None,
+               "override_pooler_config", "applies to task='embed' only")
+        self.task = task
+        self.embed_limit = None
+        if task == "embed":
+            base, self.embed_limit = checkpoint_pooler(path)
+            self.pooler_config = base if self.override_pooler_config is None else \
+                PoolerConfig.from_override(self.override_pooler_config, base)
+        return self.arch.max_position_embeddings
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.task == "embed"
+
+    def check_dimensions(self, dims: int | None) -> None:
+        """A request's Matryoshka truncation (PoolingParams.dimensions): only to a size the
+        model was trained for (config.json matryoshka_dimensions, or any with is_matryoshka).
+        The engine and the server (which points its 400 at the field) both ask here."""
+        arch = self.arch
+        if dims is None:
+            return
+        allowed = arch.matryoshka_dimensions
+        if allowed is None and not arch.is_matryoshka:
+            raise InvalidRequestError(f"dimensions={dims}: {self.model} does not support "
+                                      "Matryoshka truncation (its config.json has no "
+                                      "matryoshka_dimensions / is_matryoshka)")
+        if (allowed is not None and dims not in allowed) or dims > arch.hidden_size:
+            raise InvalidRequestError(f"dimensions={dims}: this model allows "
+                                      f"{allowed or f'at most {arch.hidden_size}'}")
+
+    def torch_dtype(self, device: str) -> torch.dtype:
+        """"auto": the checkpoint's dtype, except on the CPU for float16 checkpoints (and
+        ones that name none), which run in float32: fleetllm's CPU kernels and oneDNN's fast
+        matmuls are float32 and bfloat16 ones (float32 holds every float16 value
+        exactly)."""
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        stored = DTYPES.get(self.arch.torch_dtype or "")
+        if device == "cpu":
+            return torch.bfloat16 if stored == torch.bfloat16 else torch.float32
+        return stored or torch.bfloat16
