@@ -435,10 +435,15 @@ Tensor mkl_linear(const Tensor &x, const Tensor &packed, const optional<Tensor> 
     check_mkl_packed(packed, n, k);
     if (bias)
         check_dense(*bias, "bias", {n}, at::kFloat);
-    Tensor y = bias ? bias->expand({m, n}).contiguous() : at::empty({m, n}, x.options());
+    // One row with beta 1 gave MKL's GEMV path wrong sums (torch 2.13's MKL): there the bias
+    // is added after the product, the same single rounding (a + b == b + a).
+    const bool accumulate = bias.has_value() && m > 1;
+    Tensor y = accumulate ? bias->expand({m, n}).contiguous() : at::empty({m, n}, x.options());
     if (m > 0)
         kernels::mkl_compute(cptr<float>(x), m, to_int(n, "out_features"), k,
-                             packed.const_data_ptr(), mptr<float>(y), bias.has_value());
+                             packed.const_data_ptr(), mptr<float>(y), accumulate);
+    if (bias && !accumulate)
+        y.add_(*bias);
     return y;
 }
 

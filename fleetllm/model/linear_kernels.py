@@ -45,6 +45,10 @@ class LinearKernel:
         y = self.matmul(x if x.dim() == 2 else x.reshape(-1, shape[-1]), bias)
         return y if len(shape) == 2 else y.view(*shape[:-1], y.shape[-1])
 
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] @ W^T (+ bias): the same as calling the kernel."""
+        return self(x, bias)
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] @ W^T (+ bias)."""
         raise NotImplementedError
