@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from pooling_helpers import assert_same_vector, hf_embedding, make_model_checkpoint
-from test_random_workloads import check_blocks
+from workload_helpers import check_blocks
 
 from fleetllm import LLM
 from fleetllm.engine.outputs import PoolingRequestOutput

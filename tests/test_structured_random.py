@@ -23,7 +23,7 @@ import random
 
 import pytest
 from structured_helpers import check_output, random_constraint
-from test_random_workloads import (
+from workload_helpers import (
     check,
     check_blocks,
     draw_requests,
