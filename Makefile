@@ -93,13 +93,13 @@ test: lint docs
 # not checked (the interpreter keeps its allocations until exit). --capture=sys: a sanitizer
 # report goes to the terminal instead of into the capture of a process that aborts. No
 # compiler or no libasan: skipped, said so.
-KERNEL_TESTS := tests/test_kernels.py tests/test_attention.py tests/test_kernel_pool.py \
-	tests/test_bf16.py::test_elementwise_kernels_round_where_transformers_rounds \
-	tests/test_bf16.py::test_gemv_sums_in_float32_and_rounds_once \
-	tests/test_bf16.py::test_a_gemv_row_does_not_depend_on_the_rows_beside_it \
-	tests/test_bf16.py::test_bf16_decode_steps_of_up_to_16_take_the_kernel_without_bf16_packing \
-	tests/test_bf16.py::test_paged_decode_in_either_dtype \
-	tests/test_bf16.py::test_ops_refuse_mixed_dtypes
+KERNEL_TESTS := tests/kernels \
+	tests/model/test_bf16.py::test_elementwise_kernels_round_where_transformers_rounds \
+	tests/model/test_bf16.py::test_gemv_sums_in_float32_and_rounds_once \
+	tests/model/test_bf16.py::test_a_gemv_row_does_not_depend_on_the_rows_beside_it \
+	tests/model/test_bf16.py::test_bf16_decode_steps_of_up_to_16_take_the_kernel_without_bf16_packing \
+	tests/model/test_bf16.py::test_paged_decode_in_either_dtype \
+	tests/model/test_bf16.py::test_ops_refuse_mixed_dtypes
 sanitize: setup
 	@asan=$$(c++ -print-file-name=libasan.so 2>/dev/null); \
 	cxxrt=$$(c++ -print-file-name=libstdc++.so.6 2>/dev/null); \

@@ -3,7 +3,7 @@
 Python code reads them through get(NAME), at the time it did before (mostly each call; the
 doc line says when one is read at import). The kernels read theirs (read_by "C++") with getenv,
 once per process. `python -m fleetllm.envs` prints the table docs/envs.md carries, and
-`--write docs/envs.md` updates it (tests/test_envs.py checks both stay in step).
+`--write docs/envs.md` updates it (tests/project/test_envs.py checks both stay in step).
 What fails: get() of a name not listed raises KeyError; a malformed number raises ValueError.
 """
 

@@ -98,7 +98,7 @@ GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 # What a field's value may rule out of the fast paths (fleetllm/fast_paths.py): NOTHING (they
 # honour it: after the step, in the prompt step, or only when sampling, which temperature
 # decides), ARGMAX (the greedy passes: the token needs the sampler) or EVERY (the engine picks
-# the allowed tokens between tokens). tests/test_params.py fails on a field not listed here.
+# the allowed tokens between tokens). tests/engine/test_params.py fails on a field not listed here.
 NOTHING, ARGMAX, EVERY = "nothing", "argmax", "every"
 FAST_PATH_FIELDS: dict[str, str] = {
     "n": NOTHING, "temperature": ARGMAX,

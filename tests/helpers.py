@@ -1,10 +1,11 @@
-"""Test helpers: drive an executor with hand-built requests, run HF as the reference, and load
-the repository's tools/ scripts."""
+"""Test helpers: drive an executor with hand-built requests, run HF as the reference, load the
+repository's tools/ scripts, and give Ray workers the path to the tests' modules."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -13,11 +14,22 @@ import torch
 from fleetllm.sampling_params import SamplingParams
 from fleetllm.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMetadata
 
+TESTS = Path(__file__).resolve().parent  # tests/: the helper modules; test files are in folders
+
+
+def ray_pythonpath(test_file: str) -> str:
+    """PYTHONPATH for the Ray workers of a test that starts Ray itself: tests/ (the helper
+    modules) and the test's own folder (its module, and the modules beside it it imports:
+    cloudpickle sends their functions and classes by name), then the caller's PYTHONPATH.
+    (Spawned mp workers get the test process's sys.path, which pytest gave both.)"""
+    return os.pathsep.join([str(TESTS), str(Path(test_file).resolve().parent),
+                            *filter(None, [os.environ.get("PYTHONPATH")])])
+
 
 def load_tool(name: str):
     """tools/<name>.py as a module (the tools are scripts, not a package). Registered in
     sys.modules before it runs, as an import would be: dataclasses look their module up."""
-    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    path = TESTS.parent / "tools" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     tool = importlib.util.module_from_spec(spec)
     sys.modules[name] = tool

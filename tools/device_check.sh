@@ -9,7 +9,8 @@
 # Parts, each under `timeout`, all inside a ~5.5-minute deadline (later parts are skipped
 # when time is short); every log lands in $OUT (8 files at most):
 #   env.log             machine, driver, torch/transformers versions, compilers
-#   test_cuda.log       tests/test_cuda.py: the CUDA path (parity with HF, memory, sleep, mp)
+#   test_cuda.log       tests/worker/test_cuda.py: the CUDA path (parity with HF, memory,
+#                       sleep, mp)
 #   cuda_report.jsonl   the figures test_cuda.py measured (agreement, blocks, bytes freed)
 #   bench.log           fleetllm bench throughput --device cuda (llama-125m fp32, llama-1b bf16)
 #   bench_125m.json     the llama-125m figures as JSON
@@ -77,7 +78,7 @@ EOF
 
 # 1. The CUDA tests (no -x: one run on the machine should report every failure).
 part test_cuda "$OUT/test_cuda.log" 210 \
-    python3 -m pytest -q tests/test_cuda.py -p no:cacheprovider -rfEs --durations=12 \
+    python3 -m pytest -q tests/worker/test_cuda.py -p no:cacheprovider -rfEs --durations=12 \
     ${CUDA_TEST_ARGS:-}
 CUDA_RC=$?
 
@@ -91,7 +92,8 @@ part bench_1b "$OUT/bench.log" 50 \
 
 # 3. Engine tests on the CPU with this image's torch/transformers (CUDA hidden; the C++ CPU
 #    kernels compile at first use if a compiler is here, else the PyTorch path runs).
-ENGINE_TESTS="tests/test_engine.py tests/test_prefix_caching.py tests/test_sampler.py"
+ENGINE_TESTS="tests/engine/test_engine.py tests/core/test_prefix_caching.py
+    tests/worker/test_sampler.py"
 # shellcheck disable=SC2086
 CUDA_VISIBLE_DEVICES="" part cpu_tests "$OUT/cpu_tests.log" 80 \
     python3 -m pytest -q $ENGINE_TESTS -p no:cacheprovider -rfE --durations=5

@@ -6,7 +6,7 @@
 // 7 passes per build per round. With a third argument `1b`, the Llama-1B preset's shapes
 // (16 layers, 128K-row LM head: 2.5 GB); a fourth, L, runs only the first L layers and no LM
 // head (prompt-sized M, where a pass of every layer would take seconds). The weights are not
-// packed for either layout (timing only: tests/test_kernels.py checks the results).
+// packed for either layout (timing only: tests/kernels/test_kernels.py checks the results).
 //
 //     git worktree add /tmp/old <commit>
 //     F="-O3 -fopenmp-simd -fno-math-errno -fno-trapping-math -pthread -mtune=native"

@@ -5,7 +5,7 @@ turn what the user set into LLM(...) keyword arguments. They live here, under th
 (vLLM's place for them is vllm/engine/arg_utils.py), and not in fleetllm.cli, because cli.py
 imports the benchmarks and the server launcher to build its subcommands: were the flags there,
 those modules would import cli.py back, an import circle. Nothing in the package imports
-fleetllm.cli (tests/test_layering.py checks it).
+fleetllm.cli (tests/project/test_layering.py checks it).
 
 Engine flags are derived from the config dataclasses, with vLLM's names
 (--tensor-parallel-size, --max-model-len, --block-size, ...), so they never drift; vLLM's

@@ -6,7 +6,7 @@ Python per pass. How: all passes' inputs (positions, KV slots, context lengths, 
 are built once; on the CPU, where the fused layers apply, the passes run in one C call
 (fused.run_passes: cpu_kernels.greedy_passes), each argmax feeding the next; elsewhere a
 Python loop of ModelRunner.forward_tokens and argmax. The tokens come back in one list.
-What fails: the tokens equal the generic pass's (tests/test_multi_step.py). An interrupt
+What fails: the tokens equal the generic pass's (tests/worker/test_multi_step.py). An interrupt
 ends the call after the pass under way (the C call reads StepInterrupts without the GIL), as
 does every row having drawn a stop token; an error in any pass fails the whole call, which
 the engine recomputes.

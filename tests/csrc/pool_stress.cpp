@@ -1,5 +1,5 @@
 // Stress tests of the kernels' thread pool (csrc/pool.cpp), built alone by
-// tests/test_kernel_pool.py (with -DPOOL_TEST_PREEMPT: random sleeps at the race points).
+// tests/kernels/test_kernel_pool.py (with -DPOOL_TEST_PREEMPT: random sleeps at the race points).
 //
 //   pool_stress late: 200,000 tiny jobs back to back from two different stack frames, as a
 //       fused decoder layer runs them; prints "late N", the accesses of a job after its caller

@@ -12,7 +12,7 @@ import pytest
 
 from fleetllm import envs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "fleetllm"
 NAME = re.compile(r"^FLEETLLM_[A-Z0-9_]+$")
 

@@ -14,10 +14,9 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from helpers import greedy_run
+from helpers import greedy_run, ray_pythonpath
 from test_mp_failures import raise_after_first_all_reduce
 from test_multiproc import MAX_TOKENS, assert_same, make_executor, no_new_shm, prompts, shm_entries
 
@@ -35,7 +34,6 @@ from fleetllm.sequence import ExecuteModelRequest
 
 ray = pytest.importorskip("ray")
 
-TESTS = Path(__file__).resolve().parent
 CPUS = 0.5  # per worker
 RAY = dict(distributed_executor_backend="ray", ray_cpus_per_worker=CPUS)
 
@@ -81,8 +79,7 @@ def cmdline(pid: int) -> str:
 
 def runtime_env() -> dict:
     """Workers import the tests' modules too (faults are injected with functions from them)."""
-    path = os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return {"env_vars": {"PYTHONPATH": path}}
+    return {"env_vars": {"PYTHONPATH": ray_pythonpath(__file__)}}
 
 
 def ray_processes() -> set[int]:

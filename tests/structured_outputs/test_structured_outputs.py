@@ -20,7 +20,7 @@ from fleetllm.errors import ConfigurationError, InvalidRequestError
 from fleetllm.structured_outputs import backends
 from fleetllm.worker.sampler import SampleRow, sample, unpack_bitmask
 
-DEMO = Path(__file__).resolve().parents[1] / "fleetllm" / "demo_model"
+DEMO = Path(__file__).resolve().parents[2] / "fleetllm" / "demo_model"
 pytestmark = pytest.mark.timeout(600)
 
 

@@ -27,7 +27,7 @@ from fleetllm import LLM, SamplingParams
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.timeout(180)]
 
-DEMO = Path(__file__).resolve().parents[1] / "fleetllm" / "demo_model"
+DEMO = Path(__file__).resolve().parents[2] / "fleetllm" / "demo_model"
 MODELS = ["llama_gqa", "qwen2_bias", "llama_tied", "qwen3_qknorm", "llama3_rope", "demo"]
 SMALL = dict(swap_space=16 << 20)  # no 512 MiB pinned swap pool per engine
 MiB = 1 << 20

@@ -151,7 +151,7 @@ def test_the_gemv_tools_demo_setting_holds_the_demo_models_projections():
     from pathlib import Path
 
     tool = load_tool("cpu_gemv_bench")
-    demo = Path(__file__).resolve().parents[1] / "fleetllm" / "demo_model"
+    demo = Path(__file__).resolve().parents[2] / "fleetllm" / "demo_model"
     c = json.loads((demo / "config.json").read_text())
     hid, d = c["hidden_size"], c["head_dim"]
     layer = [((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * d, hid),

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # The sleeps draw from a per-thread rand_r, not rand(): rand() takes glibc's lock, and a child
 # forked while the parent's other thread was inside rand() waited for that lock forever in its
 # first hook (1 run of `pool_stress fork` in 40-50 hung so, the pool's locks all free: gdb).

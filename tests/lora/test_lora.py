@@ -6,12 +6,12 @@ pin / list_loras and the LRU; adapters come back on new workers."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import make_checkpoint
+from helpers import ray_pythonpath
 from lora_helpers import ATTN, MLP, hf_lora_greedy, lora_request, make_adapter
 
 from fleetllm import LLM, LoRARequest, SamplingParams
@@ -112,10 +112,9 @@ def test_mixed_batch_matches_peft_mp_pp2(setups):
 
 def test_mixed_batch_matches_peft_ray_tp2(setups):
     ray = pytest.importorskip("ray")
-    tests = str(Path(__file__).resolve().parent)
-    path = os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])])
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
-             num_cpus=4, runtime_env={"env_vars": {"PYTHONPATH": path}}, log_to_driver=False)
+             num_cpus=4, runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath(__file__)}},
+             log_to_driver=False)
     try:
         base, adapters, refs = setups["llama_gqa"]
         with lora_llm(base, tensor_parallel_size=2, distributed_executor_backend="ray",

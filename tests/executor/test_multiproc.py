@@ -40,7 +40,7 @@ from fleetllm.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMe
 from fleetllm.worker.delta import DeltaDecoder, DeltaDesync, DeltaEncoder
 from fleetllm.worker.worker import Worker
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 8
 
 

@@ -99,7 +99,7 @@ def _run(cmd: list[str], cwd: Path, what: str) -> subprocess.CompletedProcess:
 def run_python(block: Block, code: str, model: Path, cwd: Path) -> None:
     # A file named after the block, so that a traceback points at the doc (its line + 1).
     script = cwd / (re.sub(r"\W", "_", block.id) + ".py")
-    script.write_text(f"path = {str(model)!r}  # bound by tests/test_docs.py\n{code}")
+    script.write_text(f"path = {str(model)!r}  # bound by tests/project/test_docs.py\n{code}")
     _run([sys.executable, str(script)], cwd, block.id)
 
 

@@ -16,7 +16,7 @@ from helpers import load_tool
 
 from fleetllm import LLM, SamplingParams
 
-DEMO = Path(__file__).resolve().parents[1] / "fleetllm" / "demo_model"
+DEMO = Path(__file__).resolve().parents[2] / "fleetllm" / "demo_model"
 
 
 def heldout_ids(tokenizer, limit: int = 256) -> list[int]:

@@ -21,7 +21,7 @@ import torch
 from helpers import load_tool
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "train_demo_model.py"
 SHIPPED = REPO / "fleetllm" / "demo_model"
 CHECKPOINT_FILES = (

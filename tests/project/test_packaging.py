@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # What a wheel build must not see: local state, and stale build output that setuptools
 # would otherwise copy into the wheel. In a git checkout the build sees what a fresh clone
 # has (tracked files and new ones not ignored): the peers' venv and llama.cpp build (`make

@@ -171,7 +171,7 @@ def test_host_ab_tool_swaps_functions_step_by_step_and_times_both(tiny_models, c
 
     from helpers import load_tool
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     if shutil.which("git") is None or subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True).returncode != 0:
         pytest.skip("not a git checkout")

@@ -20,7 +20,7 @@ from fleetllm.kernels import build as kernel_build
 from fleetllm.kernels import cpu_kernels
 from fleetllm.kernels.cpu_kernels import LinearKind
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SANITIZE = os.environ.get("FLEETLLM_KERNEL_SANITIZE", "0") != "0"
 # Runs in other processes that build other libraries: not what the sanitizer run checks.
 not_under_sanitizer = pytest.mark.skipif(SANITIZE, reason="builds other variants")
@@ -938,7 +938,7 @@ def test_float32_projections_take_mkls_packed_sgemm_on_intel_cpus(monkeypatch):
     """On an Intel CPU with torch's MKL (linear_kernels.Mkl) a float32 projection whose dense
     weight stays (for the GEMV's small batches) gets MKL's packed copy in place of oneDNN's:
     F.linear's products, the bias added as its addmm adds it, at any number of rows, and
-    decoder_layer reads it (tests/test_attention.py checks the one-call layers' bits). Where
+    decoder_layer reads it (tests/kernels/test_attention.py checks the one-call layers' bits). Where
     the dense weight goes (FLEETLLM_LINEAR=packed), oneDNN's copy, which can be unpacked."""
     import torch.nn.functional as F
     from torch import nn

@@ -28,8 +28,9 @@ from fleetllm.config import ArchConfig
 from fleetllm.model.loader import dummy_tensor, hf_tensor_shapes
 
 KV = ["--kv-cache-memory", "33554432"]
-FAKE_RUNNER = Path(__file__).with_name("fake_vllm_runner.py")
-REAL_VLLM = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+TESTS = Path(__file__).resolve().parents[1]  # the fakes are helper modules in tests/
+FAKE_RUNNER = TESTS / "fake_vllm_runner.py"
+REAL_VLLM = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 
 
 def run(argv: list[str]) -> dict:
@@ -323,7 +324,7 @@ def test_bench_serve_compares_with_a_vllm_server_on_the_same_requests(tiny_model
 
     fake = tmp_path / "python"
     fake.write_text(f"#!/bin/sh\nshift 2\nexec {sys.executable} "
-                    f"{Path(__file__).with_name('fake_vllm_server.py')} \"$@\"\n")
+                    f"{TESTS / 'fake_vllm_server.py'} \"$@\"\n")
     fake.chmod(0o755)
     argv_file = tmp_path / "argv.json"
     monkeypatch.setenv("FLEETLLM_VLLM_PYTHON", str(fake))

@@ -11,7 +11,7 @@ import pytest
 
 from fleetllm.engine.tokenizer import light_config, load_tokenizer
 
-DEMOS = Path(__file__).resolve().parents[1] / "fleetllm"
+DEMOS = Path(__file__).resolve().parents[2] / "fleetllm"
 TEXTS = ["Hello world, hello engine!", "  def step(self):\n\tpass  ", "ünïcödé 漢字 🙂", ""]
 # Classes a real checkpoint's tokenizer_config.json declares; transformers re-routes some of
 # them by model_type (LlamaTokenizer over a byte-level tokenizer.json, for one).

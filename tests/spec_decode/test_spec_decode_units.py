@@ -1,5 +1,6 @@
 """Speculative decoding's n-gram proposer on its own: what it drafts after the latest match.
-(The engine accepts drafts in model_runner._accept_drafts: tests/test_spec_decode.py.)"""
+(The engine accepts drafts in model_runner._accept_drafts:
+tests/spec_decode/test_spec_decode.py.)"""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from fleetllm.kernels import cpu_kernels
 from fleetllm.model import kernel_choice
 from fleetllm.model import linear_kernels as lk
 
-DEMO = Path(__file__).resolve().parents[1] / "fleetllm" / "demo_model"
+DEMO = Path(__file__).resolve().parents[2] / "fleetllm" / "demo_model"
 BF16 = torch.bfloat16
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler here")
 
