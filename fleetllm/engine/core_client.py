@@ -267,6 +267,12 @@ class EngineCoreClient(CoreRestartMixin, AsyncEngineFront):
             self._stopped = True
             self._put("stop", wire.encode(["stop"]))
             self._outbox.put(_STOP)
+        if self._writer_done:  # no thread left to send the stop: the core would wait `timeout`
+            with self._send_lock:
+                try:
+                    wire.send_encoded(self._core.data, wire.encode(["stop"]))
+                except OSError:
+                    pass  # the core is gone already
         self._proc.join(timeout)
         if self._proc.is_alive():
             logger.warning("the engine core did not stop within %.0f s; terminating it",

@@ -81,6 +81,9 @@ def test_a_dead_writer_thread_makes_the_engine_unhealthy(tiny_models):
         assert not client._writer.is_alive()
         with pytest.raises(EngineUnhealthyError, match="has stopped"):
             client.check_health()
+        start = time.monotonic()
+        client.shutdown()  # sends the stop itself: the core ends now, not after the timeout
+        assert time.monotonic() - start < 15 and not client._proc.is_alive()
     finally:
         client.shutdown()
 
