@@ -1,13 +1,14 @@
 # Two commands: `make run` (set up, then generate with the bundled demo model) and
 # `make test` (set up, then lint, build the docs, run the tests, then the kernel tests again
-# against a sanitizer build). Set-up is idempotent and fast once done.
+# against a sanitizer build). Set-up is idempotent and fast once done. `make soak` (opt-in)
+# runs the randomized series at full size.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= def fibonacci(n):
 
 # docs is also a directory: without .PHONY, make would take the target as built and skip it.
-.PHONY: setup run test lint docs sanitize peers llamacpp clean
+.PHONY: setup run test soak lint docs sanitize peers llamacpp clean
 
 setup: $(STAMP)
 
@@ -77,15 +78,31 @@ docs: setup
 # a test file each at a time (--dist loadfile: a file's module fixtures, e.g. a server, serve
 # all its tests): most tests wait on the processes they start, so on 2 cores the suite took
 # 19 minutes in one process (104% CPU) and 13 in two (160%). TEST_WORKERS=0: one process.
+# The tests are in folders named after the package they test (tests/engine, tests/executor,
+# ...): `make test PYTEST_ARGS=tests/engine` runs one folder.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
-test: lint docs
-	@if unshare -n true 2>/dev/null; then \
-		unshare -n sh -c 'ip link set lo up && exec $(PYTEST) $(PYTEST_ARGS)'; \
+# $(call in_netns,COMMAND): COMMAND in a private network namespace with only loopback up, or
+# plainly where unshare is not permitted.
+in_netns = if unshare -n true 2>/dev/null; then \
+		unshare -n sh -c 'ip link set lo up && exec $(1)'; \
 	else \
-		$(PYTEST) $(PYTEST_ARGS); \
+		$(1); \
 	fi
+test: lint docs
+	@$(call in_netns,$(PYTEST) $(PYTEST_ARGS))
 	@$(MAKE) --no-print-directory sanitize
+
+# The randomized differential series at full size: the tests marked `soak` (random workloads,
+# the pooling, structured-output and LoRA series, the fault soak, both server fuzzers), run
+# with --soak (tests/conftest.py), which makes them run more workloads, rounds and examples.
+# `make test` runs the same tests at a short size with fixed seeds, so nothing they check is
+# left out of it; this is the long run (about 10 minutes on 2 cores), for a change to the
+# scheduler, the engine's recovery or the server, or before a release. PYTEST_ARGS narrows it
+# (a file) or adds to it; FLEETLLM_RANDOM_SEED and the other knobs of docs/testing.md pick
+# other series.
+soak: setup
+	@$(call in_netns,$(PYTEST) --soak -m soak $(PYTEST_ARGS))
 
 # The kernel tests against an AddressSanitizer + UBSan build of csrc/ (at -O1: ~2 minutes on
 # 2 cores, the build included). Python is not instrumented, so the ASan runtime is preloaded,

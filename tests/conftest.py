@@ -33,6 +33,45 @@ def pytest_unconfigure(config):
         shutil.rmtree(_WORKER_TMP, ignore_errors=True)
 
 
+# The randomized series (random workloads, pooling, structured outputs, LoRA, the fault soak,
+# the server fuzzers) are marked `soak`. `make test` runs each at a short size with a fixed
+# seed; `make soak` (`pytest --soak -m soak`) runs them at full size: the same code, more
+# workloads, rounds or examples. --soak is the one switch; a test reads it through the `soak`
+# fixture (series_size) or, for a parametrization, from metafunc.config.
+SOAK_TIMEOUT_S = 4 * 3600  # per test under --soak, instead of the short series' limits
+
+
+def pytest_addoption(parser):
+    parser.addoption("--soak", action="store_true", default=False,
+                     help="run the randomized series (marker `soak`) at full size: make soak")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "soak: a randomized series: short and seeded in make test, full size under "
+        "--soak (make soak)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("soak"):
+        for item in items:
+            if item.get_closest_marker("soak"):  # the item's own marker wins over the module's
+                item.add_marker(pytest.mark.timeout(SOAK_TIMEOUT_S), append=False)
+
+
+@pytest.fixture(scope="session")
+def soak(pytestconfig) -> bool:
+    """Whether this run is `make soak` (--soak): the randomized series at full size."""
+    return pytestconfig.getoption("soak")
+
+
+def series_size(soak: bool, short: int, full: int, env: str | None = None) -> int:
+    """How long a randomized series runs: $env if set (a longer or shorter run by hand), else
+    `full` under --soak, else `short` (make test)."""
+    value = os.environ.get(env) if env else None
+    return int(value) if value else full if soak else short
+
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download; fail fast if tried
 torch.set_num_threads(min(2, os.cpu_count() or 1))

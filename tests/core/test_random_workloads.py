@@ -10,8 +10,8 @@ logprob ties within TIE); text only grows; prompt logprobs match; after every st
 is free, evictable or owned exactly as the tables say, and at the end none is owned; shared
 prefixes are found; no exception escapes but the injected ones; with multi-step, aborts and
 interrupts inside a call, and greedy_passes.py's lean path taken now and then.
-FLEETLLM_RANDOM_WORKLOADS=N runs more, FLEETLLM_RANDOM_SEED picks another series,
-FLEETLLM_RANDOM_ONLY=index replays one workload.
+`make test` runs 60 workloads, `make soak` (--soak) 800; FLEETLLM_RANDOM_WORKLOADS=N runs N,
+FLEETLLM_RANDOM_SEED picks another series, FLEETLLM_RANDOM_ONLY=index replays one workload.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
+from conftest import series_size
 from workload_helpers import (
     check,
     check_blocks,
@@ -28,15 +30,18 @@ from workload_helpers import (
     run_workload,
 )
 
-NUM_WORKLOADS = int(os.environ.get("FLEETLLM_RANDOM_WORKLOADS", "60"))
 ONLY = os.environ.get("FLEETLLM_RANDOM_ONLY")
 SERIES = int(os.environ.get("FLEETLLM_RANDOM_SEED", "20261123"))
 
 
-def test_random_workloads_match_requests_run_alone(engines):  # noqa: F811
+pytestmark = pytest.mark.soak
+
+
+def test_random_workloads_match_requests_run_alone(engines, soak):  # noqa: F811
     totals = {"requests": 0, "preemptions": 0, "faults": 0, "restarts": 0, "aborted": 0,
               "prefix_hit_tokens": 0, "mid_call_aborts": 0, "greedy_passes": 0}
-    indices = [int(ONLY)] if ONLY else range(NUM_WORKLOADS)
+    indices = [int(ONLY)] if ONLY else \
+        range(series_size(soak, 60, 800, "FLEETLLM_RANDOM_WORKLOADS"))
     multi_step_calls = 0
     for index in indices:
         rng = random.Random(f"{SERIES}-{index}")

@@ -6,9 +6,10 @@ whole process. For each round: every request ends exactly once with the tokens a
 run gives (greedy and seeded), and nothing leaks: KV blocks, worker processes, threads, temp
 dirs, /dev/shm entries. A watchdog (asyncio.wait_for per round) fails a hang.
 
-FLEETLLM_SOAK_ROUNDS=N runs a longer series (default: about a minute in `make test`);
-FLEETLLM_SOAK_SEED picks another one; each round has its own generator, so a failure names
-the round to replay with FLEETLLM_SOAK_ONLY=index.
+`make test` runs 8 rounds (each scenario once) and 2 SIGTERMs, `make soak` (--soak) 64 rounds
+(each scenario 8 times) and 8 SIGTERMs; FLEETLLM_SOAK_ROUNDS=N runs N rounds, FLEETLLM_SOAK_SEED
+picks another series; each round has its own generator, so a failure names the round to replay
+with FLEETLLM_SOAK_ONLY=index.
 """
 
 from __future__ import annotations
@@ -28,20 +29,26 @@ import time
 from collections import Counter
 
 import pytest
+from conftest import series_size
 from serving_helpers import REPO, alive, children_of, server_env
 
 from fleetllm import SamplingParams
 from fleetllm.engine.async_engine import AsyncLLMEngine
 from fleetllm.worker.faults import inject_fault
 
-ROUNDS = int(os.environ.get("FLEETLLM_SOAK_ROUNDS", "10"))
 SEED = int(os.environ.get("FLEETLLM_SOAK_SEED", "20261124"))
 ONLY = os.environ.get("FLEETLLM_SOAK_ONLY")
 ROUND_WATCHDOG_S = 90.0
 TIMEOUT_S = 1.5  # execute_model_timeout: a stuck step costs two of these, then a restart
 SCENARIOS = ["none", "step_crash", "step_hang_stuck", "step_hang_slow", "step_oom",
              "idle_crash", "asleep_crash", "crash_during_restart"]
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.soak, pytest.mark.timeout(900)]
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.function is test_sigterm_at_a_random_moment_ends_everything:
+        count = 8 if metafunc.config.getoption("soak") else 2
+        metafunc.parametrize("seed", [SEED % 1000 + i for i in range(count)])
 
 
 def request_pool(rng: random.Random) -> list[tuple[dict, SamplingParams]]:
@@ -200,7 +207,7 @@ def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-def test_fault_soak(tiny_models):
+def test_fault_soak(tiny_models, soak):
     async def main():
         dirs_before = mp_dirs()
         engine = AsyncLLMEngine.from_engine_args(
@@ -216,7 +223,9 @@ def test_fault_soak(tiny_models):
             totals: Counter = Counter()
             threads_before = threading.active_count()
             shm_before = shm_entries()
-            indices = [int(ONLY)] if ONLY else range(ROUNDS)
+            indices = [int(ONLY)] if ONLY else \
+                range(series_size(soak, len(SCENARIOS), 8 * len(SCENARIOS),
+                                  "FLEETLLM_SOAK_ROUNDS"))
             for index in indices:
                 rng = random.Random(f"{SEED}-{index}")
                 await one_round(engine, pool, refs, rng, index, totals, dirs_before)
@@ -262,7 +271,6 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.parametrize("seed", [SEED % 1000 + i for i in range(2)])
 def test_sigterm_at_a_random_moment_ends_everything(tiny_models, seed):
     """SIGTERM of a serving process at a random moment (mid-step, during a fault, during a
     restart): it dies by SIGTERM within seconds, its workers and temp dir with it."""

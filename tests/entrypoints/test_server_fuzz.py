@@ -1,5 +1,6 @@
 """Fuzz the server app with malformed and out-of-range requests (hypothesis, in-process):
-never a 5xx, every error in OpenAI's shape and small, and the server still serves after."""
+never a 5xx, every error in OpenAI's shape and small, and the server still serves after.
+Derandomized: `make test` runs 300 examples, `make soak` (--soak) 6,000."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from collections import Counter
 
 import pytest
+from conftest import series_size
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving_helpers import CHAT_TEMPLATE, KV, AppClient, assert_error
@@ -152,10 +154,12 @@ def check(response) -> str:
     return "ok"
 
 
-def test_fuzzed_requests_never_5xx_and_errors_keep_their_shape(app):
+@pytest.mark.soak
+def test_fuzzed_requests_never_5xx_and_errors_keep_their_shape(app, soak):
     outcomes: Counter[str] = Counter()
+    examples = series_size(soak, 300, 6000)
 
-    @settings(max_examples=650, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(requests())
     def one(request):
@@ -163,7 +167,8 @@ def test_fuzzed_requests_never_5xx_and_errors_keep_their_shape(app):
         outcomes[check(app.request(method, path, content=body or None, headers=headers))] += 1
 
     one()
-    assert outcomes["error"] >= 500, outcomes
+    print(f"{examples} examples: {dict(outcomes)}")
+    assert outcomes["error"] >= 0.75 * examples, outcomes  # mostly malformed, as meant
     assert app.request("GET", "/health").status_code == 200
     r = app.request("POST", "/v1/completions", json={"model": "tiny", "prompt": "hello",
                                                      "max_tokens": 4, "ignore_eos": True})

@@ -5,7 +5,9 @@ lone surrogates, 10,000-deep nesting, wrong types, empty and very long strings) 
 field of every endpoint's body, nested fields included, and into the admin endpoints' query
 parameters: never a 5xx, never a hang (a client timeout), and after each one the server still
 completes a plain request through the engine core. One server for the file; the cases are
-seeded and the whole pass is bounded in time. test_server_fuzz.py fuzzes the app in-process
+seeded and the whole pass is bounded in time. Besides the values always sent into every field,
+`make test` sends 6 more per field (a seeded sample), `make soak` (--soak) every other value.
+test_server_fuzz.py fuzzes the app in-process
 with hypothesis; test_server_request_bounds.py checks what each 400 says. An embedding
 model's server (its own, small) gets the same into /v1/embeddings."""
 
@@ -18,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import series_size
 from serving_helpers import CHAT_TEMPLATE, KV, make_embed_checkpoint, server_env
 
 from fleetllm.entrypoints.openai.local_server import LocalServer
@@ -32,7 +35,8 @@ from fleetllm.entrypoints.openai.protocol import (
 )
 
 SEED = 70
-BUDGET_S = 75.0  # the whole pass; it takes about a third of this on a quiet 2-core machine
+BUDGET_S = 75.0  # per 1,000 cases (a pass has 1,000-3,000); about a third of it on a quiet
+# 2-core machine
 TIMEOUT_S = 15.0  # a reply slower than this is a hang
 
 
@@ -56,10 +60,10 @@ VALUES: dict[str, Any] = {
     "nested 2**64": {"a": [2 ** 64]}, "empty string": "", "long string": "ab" * 150_000,
     "NUL and RTL": "\x00\u202e", "list of ints": [5, 2 ** 64], "float": 0.5,
 }
-# Always sent into every field (what killed the core's writer thread, or could); the rest is
-# a seeded sample per field.
+# Always sent into every field (what killed the core's writer thread, or could); of the rest,
+# a seeded sample per field (make test) or all of them (make soak).
 ALWAYS = ["2**64", "-2**63-1", "surrogate", "deep list", "NaN", "nested 2**64"]
-SAMPLED_PER_FIELD = 6
+OTHERS = [name for name in VALUES if name not in ALWAYS]
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
@@ -157,16 +161,16 @@ def body_text(base: dict[str, Any], path: tuple, value: Any) -> str:
     return text.replace(json.dumps(marker), value.text) if isinstance(value, Raw) else text
 
 
-def cases(rng: random.Random, endpoints: dict, query_endpoints: list
+def cases(rng: random.Random, endpoints: dict, query_endpoints: list, sampled: int
           ) -> list[tuple[str, str, str, tuple, str]]:
-    """(method, path, body or query, field path, value name), seeded."""
+    """(method, path, body or query, field path, value name), seeded: ALWAYS and `sampled` of
+    the other values into each field."""
     out = []
-    names = [n for n in VALUES if n not in ALWAYS]
     for endpoint, (base, model, nested) in endpoints.items():
         fields = [(f.alias or name,) for name, f in model.model_fields.items()]
         for field in [*fields, *nested]:
             shaped = {**base, **SHAPES.get(field, {})}
-            for name in [*ALWAYS, *rng.sample(names, SAMPLED_PER_FIELD)]:
+            for name in [*ALWAYS, *rng.sample(OTHERS, sampled)]:
                 out.append(("POST", endpoint, body_text(shaped, field, VALUES[name]), field,
                             name))
     for method, endpoint, param in query_endpoints:
@@ -181,11 +185,12 @@ def fuzz(server: LocalServer, plan: list, plain: tuple[str, dict[str, Any]]) -> 
     """Send each case, then `plain` (it must succeed, through the engine core); fail on a
     hang at once, and on 5xx answers at the end, listing them."""
     failures: list[str] = []
+    budget = BUDGET_S * max(1.0, len(plan) / 1000)
     started = time.monotonic()
     with httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as client:
         for done, (method, endpoint, payload, field, name) in enumerate(plan):
-            assert time.monotonic() - started < BUDGET_S, \
-                f"{done} of {len(plan)} cases in {BUDGET_S:.0f} s"
+            assert time.monotonic() - started < budget, \
+                f"{done} of {len(plan)} cases in {budget:.0f} s"
             what = f"{method} {endpoint} {'.'.join(map(str, field))} = {name}"
             try:
                 if method == "GET" or endpoint in ("/sleep", "/wake_up"):
@@ -210,8 +215,13 @@ def fuzz(server: LocalServer, plan: list, plain: tuple[str, dict[str, Any]]) -> 
     assert not failures, "\n".join(failures[:30])
 
 
-def test_malformed_values_in_every_field_never_5xx_or_hang_and_the_core_serves_on(server):
-    plan = cases(random.Random(SEED), ENDPOINTS, QUERY_ENDPOINTS)
+def sampled(soak: bool) -> int:
+    return series_size(soak, 6, len(OTHERS))
+
+
+@pytest.mark.soak
+def test_malformed_values_in_every_field_never_5xx_or_hang_and_the_core_serves_on(server, soak):
+    plan = cases(random.Random(SEED), ENDPOINTS, QUERY_ENDPOINTS, sampled(soak))
     assert len(plan) > 1000, len(plan)
     fuzz(server, plan, ("/v1/completions", {"model": "tiny", "prompt": [5, 6],
                                             "max_tokens": 1, "ignore_eos": True}))
@@ -235,8 +245,9 @@ EMBED_ENDPOINTS = {
 }
 
 
-def test_malformed_values_into_an_embedding_server_never_5xx_or_hang(embed_server):
-    plan = cases(random.Random(SEED), EMBED_ENDPOINTS, [])
+@pytest.mark.soak
+def test_malformed_values_into_an_embedding_server_never_5xx_or_hang(embed_server, soak):
+    plan = cases(random.Random(SEED), EMBED_ENDPOINTS, [], sampled(soak))
     fuzz(embed_server, plan, ("/v1/embeddings", {"model": "tiny", "input": [5, 6]}))
 
 

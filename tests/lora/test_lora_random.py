@@ -3,7 +3,8 @@ model) at random from more adapters than max_loras (device slots) and max_cpu_lo
 workers' LRU), arrive while the engine steps, share prompt prefixes (prefix caching), are
 chunked and preempted (a small KV pool), while adapters are removed and pinned at random
 under them. Every request must get its own adapter's greedy tokens, as HF + peft computes
-them, and no step may hold more than max_loras adapters."""
+them, and no step may hold more than max_loras adapters. `make test` runs 2 seeded series,
+`make soak` (--soak) 16."""
 
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ from lora_helpers import ATTN, MLP, hf_lora_greedy, lora_request, make_adapter
 from fleetllm import LLMEngine, SamplingParams
 
 NUM_ADAPTERS = 6
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.soak, pytest.mark.timeout(600)]
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.function is test_every_request_gets_its_own_adapters_tokens:
+        metafunc.parametrize("seed", range(16 if metafunc.config.getoption("soak") else 2))
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +38,6 @@ def adapters(tiny_models, tmp_path_factory):
     return base, made
 
 
-@pytest.mark.parametrize("seed", [0, 1])
 def test_every_request_gets_its_own_adapters_tokens(adapters, seed):
     base, paths = adapters
     rng = random.Random(seed)

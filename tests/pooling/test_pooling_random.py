@@ -7,8 +7,8 @@ per request (pooling_helpers.hf_embedding): exactly the invalid requests are ref
 (InvalidRequestError, nothing queued); every other one not aborted gets one finished output
 with the reference's vector, an aborted one nothing after its abort; no block leaks; over the
 series steps batched several requests and requests waited for room.
-FLEETLLM_POOLING_WORKLOADS=N runs more; FLEETLLM_RANDOM_SEED picks another series;
-FLEETLLM_RANDOM_ONLY=i replays workload i.
+`make test` runs 60 workloads, `make soak` (--soak) 600; FLEETLLM_POOLING_WORKLOADS=N runs N;
+FLEETLLM_RANDOM_SEED picks another series; FLEETLLM_RANDOM_ONLY=i replays workload i.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
+from conftest import series_size
 from pooling_helpers import assert_same_vector, hf_embedding, make_model_checkpoint
 from workload_helpers import check_blocks
 
@@ -26,12 +27,11 @@ from fleetllm.engine.outputs import PoolingRequestOutput
 from fleetllm.errors import InvalidRequestError
 from fleetllm.pooling_params import PoolingParams
 
-NUM_WORKLOADS = int(os.environ.get("FLEETLLM_POOLING_WORKLOADS", "60"))
 ONLY = os.environ.get("FLEETLLM_RANDOM_ONLY")
 SERIES = int(os.environ.get("FLEETLLM_RANDOM_SEED", "20261125"))
 VOCAB, HIDDEN, MATRYOSHKA = 512, 64, [16, 32]
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.soak, pytest.mark.timeout(300)]
 
 
 @dataclass
@@ -152,10 +152,11 @@ def check(req: Req, shape: Shape, path) -> bool:
     return False
 
 
-def test_random_pooling_workloads_match_requests_run_alone(model):
+def test_random_pooling_workloads_match_requests_run_alone(model, soak):
     stats = {"requests": 0, "invalid": 0, "aborted_unfinished": 0, "max_batch": 0,
              "waited": 0, "blocks_held": 0}
-    indices = [int(ONLY)] if ONLY else range(NUM_WORKLOADS)
+    indices = [int(ONLY)] if ONLY else \
+        range(series_size(soak, 60, 600, "FLEETLLM_POOLING_WORKLOADS"))
     for index in indices:
         rng = random.Random(f"{SERIES}-{index}")
         shape, reqs = draw(rng, index)

@@ -11,8 +11,8 @@ ended any other way than stop or its abort. (The grammar state lives on the engi
 Sequence, replayed from its tokens: a replaced worker, a recompute or a failed step leaves
 nothing to repair; this test is what shows it.)
 
-FLEETLLM_STRUCTURED_WORKLOADS=N runs more; FLEETLLM_RANDOM_SEED / FLEETLLM_RANDOM_ONLY as in
-test_random_workloads.
+`make test` runs 25 workloads, `make soak` (--soak) 250; FLEETLLM_STRUCTURED_WORKLOADS=N runs
+N; FLEETLLM_RANDOM_SEED / FLEETLLM_RANDOM_ONLY as in test_random_workloads.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 import random
 
 import pytest
+from conftest import series_size
 from structured_helpers import check_output, random_constraint
 from workload_helpers import (
     check,
@@ -34,11 +35,10 @@ from workload_helpers import (
 
 from fleetllm import StructuredOutputsParams
 
-NUM_WORKLOADS = int(os.environ.get("FLEETLLM_STRUCTURED_WORKLOADS", "25"))
 ONLY = os.environ.get("FLEETLLM_RANDOM_ONLY")
 SERIES = int(os.environ.get("FLEETLLM_RANDOM_SEED", "20261125"))
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.soak, pytest.mark.timeout(600)]
 
 
 def constrain(rng: random.Random, reqs) -> None:
@@ -57,10 +57,11 @@ def constrain(rng: random.Random, reqs) -> None:
                                          ignore_eos=rng.random() < 0.3)
 
 
-def test_structured_outputs_survive_preemption_faults_and_restarts(engines):  # noqa: F811
+def test_structured_outputs_survive_preemption_faults_and_restarts(engines, soak):  # noqa: F811
     totals = {"grammar requests": 0, "validated": 0, "preemptions": 0, "faults": 0,
               "restarts": 0}
-    indices = [int(ONLY)] if ONLY else range(NUM_WORKLOADS)
+    indices = [int(ONLY)] if ONLY else \
+        range(series_size(soak, 25, 250, "FLEETLLM_STRUCTURED_WORKLOADS"))
     for index in indices:
         rng = random.Random(f"{SERIES}-structured-{index}")
         llm = engines[rng.choice([4, 16])]
