@@ -30,6 +30,17 @@ def model(tiny_models):
     return tiny_models["llama_gqa"]
 
 
+@pytest.fixture(scope="module")
+def engines(model):
+    """An engine-core client and an in-process engine (the reference) of the same model, for
+    the tests that only run requests on both: each checks the core holds nothing after it."""
+    core = EngineCoreClient(str(model), kv_cache_memory=KV)
+    ref = AsyncLLMEngine.from_engine_args(str(model), kv_cache_memory=KV)
+    yield core, ref
+    core.shutdown()
+    ref.shutdown()
+
+
 def random_requests(rng: random.Random, count: int) -> list[tuple[dict, SamplingParams]]:
     out = []
     for _ in range(count):
@@ -82,26 +93,19 @@ def summary(out) -> list:
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_workloads_give_the_in_process_engine_s_tokens(model, seed):
+def test_random_workloads_give_the_in_process_engine_s_tokens(engines, seed):
+    core, ref = engines
     rng = random.Random(seed)
     requests = random_requests(rng, 24)
-    ref = AsyncLLMEngine.from_engine_args(str(model), kv_cache_memory=KV)
-    try:
-        want = asyncio.run(run_workload(ref, requests, None))
-    finally:
-        ref.shutdown()
-    core = EngineCoreClient(str(model), kv_cache_memory=KV)
-    try:
-        got = asyncio.run(run_workload(core, requests, None))
-        cancelled = asyncio.run(run_workload(core, requests, random.Random(seed), 0.3))
-        time.sleep(0.3)
-        assert core.load.num_running == core.load.num_waiting == 0
-        assert core.load.num_free_gpu_blocks == core.load.num_gpu_blocks  # nothing leaked
-        assert not core._streams and not core._adds
-        core.check_health()
-        core.check_workers()
-    finally:
-        core.shutdown()
+    want = asyncio.run(run_workload(ref, requests, None))
+    got = asyncio.run(run_workload(core, requests, None))
+    cancelled = asyncio.run(run_workload(core, requests, random.Random(seed), 0.3))
+    time.sleep(0.3)
+    assert core.load.num_running == core.load.num_waiting == 0
+    assert core.load.num_free_gpu_blocks == core.load.num_gpu_blocks  # nothing leaked
+    assert not core._streams and not core._adds
+    core.check_health()
+    core.check_workers()
     assert set(got) == set(want) == {f"r{i}" for i in range(len(requests))}
     for rid, (kind, out) in want.items():
         assert kind == "done" and got[rid][0] == "done", (rid, got[rid])
@@ -113,26 +117,22 @@ def test_random_workloads_give_the_in_process_engine_s_tokens(model, seed):
             assert summary(out) == summary(want[rid][1]), rid
 
 
-def test_rejections_and_text_prompts_cross_the_process_boundary(model):
-    core = EngineCoreClient(str(model), kv_cache_memory=KV)
-    ref = AsyncLLMEngine.from_engine_args(str(model), kv_cache_memory=KV)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=8)
+def test_rejections_and_text_prompts_cross_the_process_boundary(engines):
+    core, ref = engines
+    params = SamplingParams(temperature=0, max_tokens=8)
 
-        async def final(engine, prompt):
-            outs = [out async for out in engine.generate(prompt, params, "t")]
-            return outs[-1]
+    async def final(engine, prompt):
+        outs = [out async for out in engine.generate(prompt, params, "t")]
+        return outs[-1]
 
-        got, want = asyncio.run(final(core, "hello world")), asyncio.run(final(ref, "hello world"))
-        assert got.prompt == "hello world" and got.prompt_token_ids == want.prompt_token_ids
-        assert summary(got) == summary(want)
-        for bad in ({"prompt_token_ids": [999999]}, {"prompt_token_ids": []}):
-            with pytest.raises(type(_rejection(ref, bad))) as info:
-                asyncio.run(core.add_request("bad", bad, params))
-            assert str(info.value) == str(_rejection(ref, bad))
-    finally:
-        core.shutdown()
-        ref.shutdown()
+    got, want = asyncio.run(final(core, "hello world")), asyncio.run(final(ref, "hello world"))
+    assert got.prompt == "hello world" and got.prompt_token_ids == want.prompt_token_ids
+    assert summary(got) == summary(want)
+    for bad in ({"prompt_token_ids": [999999]}, {"prompt_token_ids": []}):
+        with pytest.raises(type(_rejection(ref, bad))) as info:
+            asyncio.run(core.add_request("bad", bad, params))
+        assert str(info.value) == str(_rejection(ref, bad))
+    assert not core._streams and not core._adds
 
 
 def _rejection(engine, prompt) -> BaseException:
