@@ -97,7 +97,7 @@ test: lint docs
 # the pooling, structured-output and LoRA series, the fault soak, both server fuzzers), run
 # with --soak (tests/conftest.py), which makes them run more workloads, rounds and examples.
 # `make test` runs the same tests at a short size with fixed seeds, so nothing they check is
-# left out of it; this is the long run (about 10 minutes on 2 cores), for a change to the
+# left out of it; this is the long run (about 6 minutes on 2 cores), for a change to the
 # scheduler, the engine's recovery or the server, or before a release. PYTEST_ARGS narrows it
 # (a file) or adds to it; FLEETLLM_RANDOM_SEED and the other knobs of docs/testing.md pick
 # other series.
