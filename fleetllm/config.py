@@ -6,7 +6,7 @@ a bad setting fails before any process starts, with a ConfigurationError naming 
 The sections live here and beside it: config_model.py (the checkpoint: ModelConfig,
 ArchConfig), config_lora.py, config_speculative.py, config_pooler.py, and config_vllm.py (vLLM
 arguments without a field), whose names it still exports. They import nothing of
-fleetllm but errors and utils (tests/test_layering.py), so every layer can read them.
+fleetllm but errors and utils (tests/project/test_layering.py), so every layer can read them.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from fleetllm.worker.cpu_setup import (  # noqa: F401 - available_cores: its old
 )
 from fleetllm.worker.sampler import SampleRow
 
-_set_intra_op_threads = set_intra_op_threads  # its old name (tests/test_perf_guards.py)
+_set_intra_op_threads = set_intra_op_threads  # its old name (tests/engine/test_perf_guards.py)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Each projection's kernel (fleetllm/model/linear_kernels.py), chosen once after loading by
 kernel_choice.select_kernels: every kind computes F.linear and gives its weight back, the
-step path never decides again, and no other module decides it (tests/test_kernels.py checks
+step path never decides again, and no other module decides it (tests/kernels/test_kernels.py checks
 that the C ops read each copy by the kind it names)."""
 
 from __future__ import annotations
