@@ -12,7 +12,7 @@
 // (measured: neither the pairs' two rounded FMAs, in either order, nor one rounding per pair
 // or per instruction), so scores and outputs differ from the pairs kernel's in the last bits of
 // float32; PyTorch's flash attention on the same tiles shares their order (>= 99.99% of the
-// bf16 outputs bit-equal to its SDPA, where the pairs' order gives 99.9%: tests/test_attention.py).
+// bf16 outputs bit-equal to its SDPA, where the pairs' order gives 99.9%: tests/kernels/test_attention.py).
 // Denormals read and written as zeros, as vdpbf16ps does.
 //
 // Layouts (all read in place as tiles, 64 bytes a row):

@@ -1,5 +1,5 @@
 // The kernels' own thread pool (pool.cpp): workers that spin briefly between calls, then sleep.
-// Self-contained (pthreads, no torch), so that tests/test_kernel_pool.py can build it alone
+// Self-contained (pthreads, no torch), so that tests/kernels/test_kernel_pool.py can build it alone
 // with preemption points and a fork stress test.
 #pragma once
 
