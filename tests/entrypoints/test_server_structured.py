@@ -297,6 +297,11 @@ def test_the_template_gets_tools_and_replayed_calls(server):
      "guided_decoding_backend", "outlines"),
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
      "structured_outputs.whitespace_pattern", "unknown field"),
+    # past MAX_CONSTRAINT_CHARS: a 300 KB regex compiled for 18 s on the grammar thread
+    ({"guided_regex": "a" * 300_000}, "guided_regex", "300,000 characters"),
+    ({"guided_choice": ["x" * 1000] * 70}, "guided_choice", "at most 65,536"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "enum": ["y" * 70_000]}}}}, "response_format", "json: 70,"),
 ])
 def test_malformed_constraints_are_400s_naming_the_problem(server, body, param, words):
     for path, base in (("/v1/completions", {"prompt": "hi"}),
