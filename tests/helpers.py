@@ -1,5 +1,6 @@
 """Test helpers: drive an executor with hand-built requests, run HF as the reference, load the
-repository's tools/ scripts, and give Ray workers the path to the tests' modules."""
+repository's tools/ scripts, give Ray workers the path to the tests' modules, and simulate the
+CPU kinds whose projection kernels differ."""
 
 from __future__ import annotations
 
@@ -24,6 +25,41 @@ def ray_pythonpath(test_file: str) -> str:
     (Spawned mp workers get the test process's sys.path, which pytest gave both.)"""
     return os.pathsep.join([str(TESTS), str(Path(test_file).resolve().parent),
                             *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def simulate_no_onednn_bf16(monkeypatch) -> None:
+    """A CPU where oneDNN packs no bf16 (AVX2): PyTorch's reorder refuses bf16 weights."""
+    from fleetllm.model import linear_kernels as lk
+
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+
+    def without_bf16(weight, *args):
+        if weight.dtype == torch.bfloat16:  # what PyTorch says on such a CPU
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
+                               "avx_ne_convert or avx512bw, avx512vl and avx512dq")
+        return reorder(weight, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
+    monkeypatch.setattr(lk, "onednn_packs_bf16", lambda: False)
+
+
+def simulate_onednn_amx(monkeypatch, small_kind: str) -> None:
+    """A CPU where oneDNN's bf16 matmul runs on AMX, with the small batches' copy beside it
+    for the kernels' AMX tiles (small_kind "amx": this CPU must have them) or by pairs
+    ("pairs"). Skips the test where this CPU runs no copies by pairs or oneDNN packs no bf16
+    (every CPU with AMX does)."""
+    import pytest
+
+    from fleetllm.kernels import cpu_kernels
+    from fleetllm.model import linear_kernels as lk
+
+    if not cpu_kernels.gemm_pairs_available() or not lk.onednn_packs_bf16():
+        pytest.skip("no copies by pairs, or oneDNN packs no bf16 here (every CPU with AMX does)")
+    if small_kind == "amx" and not cpu_kernels.amx_available():
+        pytest.skip("no AMX tiles on this CPU")
+    if small_kind == "pairs":
+        monkeypatch.setattr(lk.Amx, "applies", lambda w: False)
+    monkeypatch.setattr(lk, "onednn_amx", lambda: True)
 
 
 def load_tool(name: str):

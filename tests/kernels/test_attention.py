@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import simulate_onednn_amx
 
 from fleetllm.attention import (
     AttentionMetadata,
@@ -308,14 +309,8 @@ def test_fused_layers_beside_onednn_on_amx_give_the_modules_bits(tiny_models, mo
     from fleetllm import SamplingParams
     from fleetllm.model import linear_kernels as lk
 
-    if not cpu_kernels.gemm_pairs_available() or not lk.onednn_packs_bf16():
-        pytest.skip("no copies by pairs, or oneDNN packs no bf16 here (every CPU with AMX does)")
-    if small_kind == "amx" and not cpu_kernels.amx_available():
-        pytest.skip("no AMX tiles on this CPU")
-    if small_kind == "pairs":
-        monkeypatch.setattr(lk.Amx, "applies", lambda w: False)
+    simulate_onednn_amx(monkeypatch, small_kind)
     monkeypatch.setattr(lk.Amx, "MAX_ROWS", lk.Pairs.SMALL_ROWS)
-    monkeypatch.setattr(lk, "onednn_amx", lambda: True)
     prompts = [{"prompt_token_ids": list(range(5 + i, 30 + 3 * i))} for i in range(sequences)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
     seen = set()

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import simulate_no_onednn_bf16, simulate_onednn_amx
 from kernel_cases import decode_inputs
 
 from fleetllm import LLM, SamplingParams
@@ -135,7 +136,7 @@ def test_projections_take_the_gemv_kernel_up_to_their_row_limit(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "gemv", lambda *a: calls.append(a[0].shape[0]) or gemv(*a))
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g)
-    _without_onednn_bf16(monkeypatch)  # the bf16 weight's copy is float32
+    simulate_no_onednn_bf16(monkeypatch)  # the bf16 weight's copy is float32
     for weight, decode_rows in ((w.to(BF16), 16), (w, 8)):
         for head, limit in ((False, 4), (True, decode_rows)):
             kernel = lk.Gemv(weight, lk.OneDnn(weight), *lk.gemv_limits(lk.OneDnn(weight), head))
@@ -440,20 +441,6 @@ def _projections(worker) -> list[tuple[torch.dtype | None, torch.dtype | None, o
     return out
 
 
-def _without_onednn_bf16(monkeypatch) -> None:
-    """Simulate a CPU where oneDNN packs no bf16 (AVX2): PyTorch's reorder refuses bf16."""
-    reorder = torch.ops.mkldnn._reorder_linear_weight
-
-    def without_bf16(weight, *args):
-        if weight.dtype == BF16:  # what PyTorch says on such a CPU
-            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
-                               "avx_ne_convert or avx512bw, avx512vl and avx512dq")
-        return reorder(weight, *args)
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
-    monkeypatch.setattr(lk, "onednn_packs_bf16", lambda: False)
-
-
 def _packed_projection(monkeypatch, budget: str | None):
     """A 96 x 128 bf16 projection packed by kernel_choice.select_kernels under the budget
     FLEETLLM_GEMV_MAX_BYTES (None: the default); (projection, its dense weight, generator)."""
@@ -481,7 +468,7 @@ def test_bf16_projections_are_packed_on_every_cpu(onednn_bf16, tiny_models, tmp_
     and greedy outputs match transformers in bf16. Here the CPU without bf16 packing is
     simulated wherever this runs."""
     if not onednn_bf16:
-        _without_onednn_bf16(monkeypatch)
+        simulate_no_onednn_bf16(monkeypatch)
         # and no pair packing: a CPU with neither AVX2 nor AVX-512 (linear_kernels.Pairs)
         monkeypatch.setattr(lk.Pairs, "applies", lambda weight: False)
     elif not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
@@ -511,7 +498,7 @@ def test_bf16_decode_steps_of_up_to_16_take_the_kernel_without_bf16_packing(
     outputs that still follow transformers in bf16."""
     from fleetllm.model import fused
 
-    _without_onednn_bf16(monkeypatch)
+    simulate_no_onednn_bf16(monkeypatch)
     monkeypatch.setattr(lk.Pairs, "applies", lambda weight: False)  # no AVX2 / AVX-512
     seen = {"layer": 0, "head": 0}
     run_layers, gemv = fused.run_layers, cpu_kernels.gemv
@@ -553,13 +540,7 @@ def test_with_amx_bf16_projections_keep_onednn_and_a_copy_for_small_batches(
     Amx.MAX_ROWS rows) where the CPU has AMX, else by pairs (up to SMALL_ROWS); over the
     budget oneDNN's alone. The dense weight goes either way; each copy gives its own kernel's
     bits."""
-    if not cpu_kernels.gemm_pairs_available() or not lk.onednn_packs_bf16():
-        pytest.skip("no copies by pairs, or oneDNN packs no bf16 here (every CPU with AMX does)")
-    if small_kind == "amx" and not cpu_kernels.amx_available():
-        pytest.skip("no AMX tiles on this CPU")
-    if small_kind == "pairs":
-        monkeypatch.setattr(lk.Amx, "applies", lambda w: False)
-    monkeypatch.setattr(lk, "onednn_amx", lambda: True)
+    simulate_onednn_amx(monkeypatch, small_kind)
     proj, dense, g = _packed_projection(monkeypatch, budget)
     kernel = proj.kernel
     assert proj.weight is None and kernel.decode_rows == 0
@@ -593,7 +574,7 @@ def test_without_onednn_bf16_packing_the_pairs_take_over_where_the_dense_weights
     whose GEMM takes every batch with its own bits."""
     if not cpu_kernels.gemm_pairs_available():
         pytest.skip("no AVX2 or AVX-512: no copies by pairs")
-    _without_onednn_bf16(monkeypatch)
+    simulate_no_onednn_bf16(monkeypatch)
     monkeypatch.setattr(lk, "onednn_amx", lambda: False)
     proj, dense, g = _packed_projection(monkeypatch, budget)
     kernel = proj.kernel
@@ -710,7 +691,7 @@ def test_batch_invariant_bf16_rows_are_the_same_bits_in_any_batch(cpu, monkeypat
     if cpu == "amx":
         monkeypatch.setattr(lk, "onednn_amx", lambda: True)
     elif cpu == "no-bf16-packing":
-        _without_onednn_bf16(monkeypatch)
+        simulate_no_onednn_bf16(monkeypatch)
         monkeypatch.setattr(lk, "onednn_amx", lambda: False)
     monkeypatch.setenv("FLEETLLM_BATCH_INVARIANT", "1")
     g = torch.Generator().manual_seed(9)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import simulate_no_onednn_bf16, simulate_onednn_amx
 from serving_helpers import KV
 
 from fleetllm import LLM, SamplingParams
@@ -339,21 +340,9 @@ def test_greedy_passes_in_one_c_call_read_every_kind_of_lm_head(tiny_models, mon
 
     dtype, setting = HEADS[case]
     if setting.get("amx"):
-        if not cpu_kernels.gemm_pairs_available() or not lk.onednn_packs_bf16():
-            pytest.skip("no copies by pairs, or oneDNN packs no bf16 here")
-        monkeypatch.setattr(lk.Amx, "applies", lambda w: False)
-        monkeypatch.setattr(lk, "onednn_amx", lambda: True)
+        simulate_onednn_amx(monkeypatch, "pairs")
     if setting.get("no_bf16_packing"):  # an AVX2-only CPU's oneDNN: no bf16 packing, no AMX
-        reorder = torch.ops.mkldnn._reorder_linear_weight
-
-        def without_bf16(weight, *args):
-            if weight.dtype == torch.bfloat16:
-                raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu "
-                                   "support avx_ne_convert or avx512bw, avx512vl and avx512dq")
-            return reorder(weight, *args)
-
-        monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", without_bf16)
-        monkeypatch.setattr(lk, "onednn_packs_bf16", lambda: False)
+        simulate_no_onednn_bf16(monkeypatch)
         monkeypatch.setattr(lk, "onednn_amx", lambda: False)
     for name, value in setting.items():
         if name.isupper():
