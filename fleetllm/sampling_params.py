@@ -67,9 +67,13 @@ class StructuredOutputsParams:
             raise ConfigurationError(f"{kind}: must be a non-empty string, got {value!r}")
         elif kind == "json_object" and value is not True:
             raise ConfigurationError(f"json_object: must be True, got {value!r}")
-        size = (len(json.dumps(value)) if isinstance(value, dict) else
-                sum(map(len, value)) if kind == "choice" else
-                len(value) if isinstance(value, str) else 0)
+        if isinstance(value, dict):  # key() and the backends take its JSON text
+            try:
+                value = json.dumps(value)
+            except (TypeError, ValueError) as e:
+                raise ConfigurationError(f"json: the schema is not JSON ({e})") from None
+        size = sum(map(len, value)) if kind == "choice" else \
+            len(value) if isinstance(value, str) else 0
         if size > MAX_CONSTRAINT_CHARS:
             raise ConfigurationError(
                 f"{kind}: {size:,} characters; a constraint takes at most "

@@ -234,10 +234,15 @@ def test_a_malformed_constraint_is_refused_naming_the_problem(tiny, constraint, 
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(json={}, regex="a"), dict(choice=[]),
-                                    dict(choice="ab"), dict(regex=""), dict(json=3)])
+                                    dict(choice="ab"), dict(regex=""), dict(json=3),
+                                    dict(json={"enum": {1, 2}}),  # no JSON: not a TypeError
+                                    dict(regex="a" * (64 * 1024 + 1)),  # MAX_CONSTRAINT_CHARS
+                                    dict(choice=["ab"] * (32 * 1024 + 1)),
+                                    dict(json={"enum": ["a" * 64 * 1024]})])
 def test_constraint_params_are_checked(kwargs):
     with pytest.raises(ConfigurationError):
         StructuredOutputsParams(**kwargs)
+    StructuredOutputsParams(regex="a" * 64 * 1024)  # the limit itself is fine
 
 
 def test_unknown_backend_and_config_fields_are_refused(tiny_models):
