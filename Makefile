@@ -40,18 +40,22 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c 'import vllm; print("vllm", vllm.__version__)'
 	touch $(VLLM_STAMP)
 
-# llama.cpp as a batch-1 peer (tools/llamacpp_bench.py): llama-bench built from the llama.cpp
-# tree that llama-cpp-python's source package vendors (a registry package; ~8 minutes with
-# cmake on 2 cores), tuned for this CPU (GGML_NATIVE).
+# llama.cpp as the GGUF peer (tools/llamacpp_bench.py, `fleetllm bench ... --compare llamacpp`,
+# docs/quantization.md): llama-bench (batch 1), llama-batched-bench (throughput),
+# llama-quantize (K-quant files from a GGUF that fleetllm wrote) and llama-perplexity, built
+# from the llama.cpp tree that llama-cpp-python's source package vendors (a registry package;
+# ~10 minutes with cmake on 2 cores), tuned for this CPU (GGML_NATIVE).
 LLAMACPP_VERSION := 0.3.36
 LLAMACPP := .peers/llama.cpp
 LLAMACPP_BENCH := $(LLAMACPP)/build/bin/llama-bench
+LLAMACPP_TOOLS := llama-bench llama-batched-bench llama-quantize llama-perplexity
 
 llamacpp: $(LLAMACPP_BENCH)
 
 $(LLAMACPP_BENCH):
 	mkdir -p .peers
-	python3 -m pip download -q --no-deps --no-binary :all: -d .peers \
+	test -f .peers/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz || \
+	    python3 -m pip download -q --no-deps --no-binary :all: -d .peers \
 	    llama-cpp-python==$(LLAMACPP_VERSION)
 	rm -rf $(LLAMACPP) .peers/llama_cpp_python-$(LLAMACPP_VERSION)
 	tar xzf .peers/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C .peers
@@ -60,7 +64,7 @@ $(LLAMACPP_BENCH):
 	cmake -S $(LLAMACPP) -B $(LLAMACPP)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
 	    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 	    -DLLAMA_BUILD_SERVER=OFF
-	cmake --build $(LLAMACPP)/build --target llama-bench -j $$(nproc)
+	cmake --build $(LLAMACPP)/build -j $$(nproc) --target $(LLAMACPP_TOOLS)
 
 run: setup
 	$(VENV)/bin/fleetllm generate --max-tokens 64 "$(PROMPT)"
