@@ -20,6 +20,7 @@
 
 #include "kernels.h"
 #include "parallel.h"
+#include "quant_ops.h"
 
 namespace fleetllm {
 namespace {
@@ -449,12 +450,23 @@ Tensor mkl_linear(const Tensor &x, const Tensor &packed, const optional<Tensor> 
 
 // How the one-call paths read a projection (fleetllm/kernels/cpu_kernels.py LinearKind, set by
 // the projection's kernel: model/linear_kernels.py): the dense weight through the GEMV, oneDNN's
-// or MKL's packed copy, or a copy packed for the kernels' own GEMMs (by pairs, AMX tiles).
-enum LinearKind : int64_t { GEMV = 0, ONEDNN = 1, MKL = 2, PAIRS = 3, AMX = 4 };
+// or MKL's packed copy, a copy packed for the kernels' own GEMMs (by pairs, AMX tiles), or
+// GGUF: each projection's quantized packed copy (quant.h), or its dense weight where the file
+// stores it unquantized.
+enum LinearKind : int64_t { GEMV = 0, ONEDNN = 1, MKL = 2, PAIRS = 3, AMX = 4, GGUF = 5 };
 
 void check_kind(int64_t kind, const char *name)
 {
-    TORCH_CHECK(kind >= GEMV && kind <= AMX, name, ": ", kind, " is not a LinearKind (0-4)");
+    TORCH_CHECK(kind >= GEMV && kind <= GGUF, name, ": ", kind, " is not a LinearKind (0-5)");
+}
+
+// A GGUF-kind projection: the quantized copy, or a dense weight of the layer's dtype.
+Tensor gguf_or_dense(const Tensor &x, const Tensor &w, const optional<Tensor> &bias)
+{
+    if (is_gguf_packed(w))
+        return gguf_linear(x, w, bias);
+    check_dense(w, "a GGUF layer's dense weight", {w.size(0), x.size(1)}, x.scalar_type());
+    return gemv(x, w, bias);
 }
 
 // A decoder layer's projections through oneDNN's packed weights or MKL's (1-d bytes: float32
@@ -497,8 +509,9 @@ const void *project_packed(void *ctx, int which, const void *x)
         if (bias.has_value())
             bias = bias->to(at::kFloat);
     }
-    Tensor out = p.kind == MKL ? mkl_linear(in, w, bias, p.out[which])
-                               : linear_pointwise(in, w, bias);
+    Tensor out = p.kind == MKL    ? mkl_linear(in, w, bias, p.out[which])
+                 : p.kind == GGUF ? gguf_or_dense(in, w, bias)
+                                  : linear_pointwise(in, w, bias);
     if (widen)
         out = out.to(p.type);
     if (bias_after && p.bias[which]->has_value())
@@ -534,9 +547,13 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
     const bool by_pairs = kind == PAIRS, by_tiles = kind == AMX;
     const bool dense_down = kind == GEMV || kind == MKL;
     const Tensor inter_of = dense_down ? w_down : *packed.get(3);
-    check_float(inter_of, dense_down ? "w_down" : "packed down", by_pairs ? 4 : by_tiles ? 5 : 2);
-    const int64_t inter = by_pairs ? 2 * inter_of.size(1)
-                                   : by_tiles ? 32 * inter_of.size(1) : inter_of.size(1);
+    const bool gguf_down = kind == GGUF && is_gguf_packed(inter_of);
+    if (!gguf_down)
+        check_float(inter_of, dense_down ? "w_down" : "packed down",
+                    by_pairs ? 4 : by_tiles ? 5 : 2);
+    const int64_t inter = gguf_down  ? gguf_in_features(inter_of)
+                          : by_pairs ? 2 * inter_of.size(1)
+                          : by_tiles ? 32 * inter_of.size(1) : inter_of.size(1);
     const at::ScalarType type = x.scalar_type();
     kernels::LayerDims d{to_int(x.size(0), "rows"), to_int(x.size(1), "hidden size"),
                          to_int(heads, "heads"), c.kvh, c.d, to_int(inter, "inter"),
@@ -586,6 +603,14 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
                 else
                     check_amx_packed(*w, out[i], in[i]);
                 own[i] = cptr<kernels::bf16>(*w);
+            } else if (kind == GGUF) {  // quantized (checked at each call) or dense
+                if (is_gguf_packed(*w)) {
+                    TORCH_CHECK(gguf_in_features(*w) == in[i] && gguf_out_features(*w) == out[i],
+                                "decoder_layer: packed quantized weight ", i, " must be [",
+                                out[i], ", ", in[i], "]");
+                } else {
+                    check_dense(*w, "dense weight", {out[i], in[i]}, type);
+                }
             } else if (kind == MKL) {  // MKL's packed sgemm (float32, dense weights kept)
                 TORCH_CHECK(type == at::kFloat, "decoder_layer: MKL-packed weights are float32");
                 check_mkl_packed(*w, out[i], in[i]);
@@ -682,7 +707,10 @@ Tensor decoder_layers(const Tensor &x, const optional<Tensor> &embed, const Tens
                 "packed weights each; got ", weights.size(), ", ", windows.size(), ", ",
                 packed.size());
     Tensor h = x;
-    if (embed.has_value()) {
+    if (embed.has_value() && is_gguf_packed(*embed)) {  // a quantized embedding: its rows
+        TORCH_CHECK(weights.get(0).has_value(), "decoder_layers: layer 0's w_in is None");
+        h = gguf_rows(*embed, x, weights.get(0)->scalar_type());
+    } else if (embed.has_value()) {
         check_float(*embed, "embed", 2);
         h = table_rows(x, *embed, "token id", "vocabulary");
     }
@@ -723,6 +751,7 @@ Tensor head_logits(const Tensor &h, const Tensor &head, int64_t kind, int64_t n)
                    : linear_pointwise(h.to(at::kFloat), head, none).to(h.scalar_type());
     case MKL: return mkl_linear(h, head, none, n);
     case PAIRS: return gemm_pairs(h, head, none, n);
+    case GGUF: return gguf_or_dense(h, head, none);
     default: return gemm_amx(h, head, none, n);
     }
 }
@@ -773,7 +802,7 @@ Tensor greedy_passes(const Tensor &ids, const Tensor &embed,
     Tensor x = ids;
     int64_t done = 0;
     while (done < k) {
-        const Tensor residual = at::empty({t, embed.size(1)}, embed.options());
+        const Tensor residual = at::empty({t, final_norm.size(0)}, final_norm.options());
         const Tensor h = decoder_layers(x, embed, residual, true, weights, eps, heads, windows,
                                         scale, cos, sin, kv_caches, slots[done], tables,
                                         table_start, ctx_lens[done], packed, kind, final_norm,

@@ -136,6 +136,9 @@ class ModelConfig:
     # {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} (or its JSON) over the
     # checkpoint's pooler settings.
     override_pooler_config: dict | str | PoolerConfig | None = None
+    # vLLM's: None (what the checkpoint is), or "gguf" (model: the path of a .gguf file,
+    # fleetllm/quant/; docs/quantization.md).
+    quantization: str | None = None
     arch: ArchConfig = field(init=False, repr=False)
     pooler_config: PoolerConfig | None = field(init=False, default=None)  # task "embed" only
 
@@ -146,14 +149,15 @@ class ModelConfig:
             self.tokenizer = os.fspath(self.tokenizer)
         check_field_types(self)
         path = Path(self.model)
-        if not path.is_dir():
-            raise ModelLoadError(f"model path {self.model!r} is not a directory; pass a local "
-                                 "Hugging Face checkpoint directory (fleetllm never downloads)")
-        cfg = read_json(path / "config.json")
+        cfg = self._read_config(path)
         try:
             self.arch = ArchConfig.from_dict(cfg)
         except KeyError as e:
             raise ModelLoadError(f"{path / 'config.json'} lacks the field {e}") from e
+        if self.is_gguf:  # every tensor's name, shape and bytes, before any worker starts
+            from fleetllm.model.loader import hf_tensor_shapes
+            from fleetllm.quant.gguf_checkpoint import open_gguf
+            open_gguf(self.model).check_shapes(hf_tensor_shapes(self.arch))
         self.tokenizer = self.tokenizer or self.model
         limit = self._resolve_task(path)
         if self.arch.sliding_window and self.arch.architecture.startswith("Qwen"):
@@ -171,6 +175,27 @@ class ModelConfig:
         if isinstance(self.dtype, str) and self.dtype != "auto":
             _check(self.dtype in DTYPES, "dtype",
                    f"must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+
+    def _read_config(self, path: Path) -> dict[str, Any]:
+        """config.json of a checkpoint directory, or a GGUF file's metadata in its form."""
+        from fleetllm.quant.gguf_checkpoint import is_gguf, open_gguf
+
+        _check(self.quantization in (None, "gguf"), "quantization",
+               f"{self.quantization!r} is not supported (GGUF files are: 'gguf', or None)")
+        if is_gguf(path):
+            self.quantization = "gguf"
+            return open_gguf(str(path)).config
+        _check(self.quantization is None, "quantization",
+               f"'gguf' needs the path of a .gguf file, got {self.model!r}")
+        if not path.is_dir():
+            raise ModelLoadError(f"model path {self.model!r} is neither a directory nor a "
+                                 "GGUF file; pass a local Hugging Face checkpoint directory or "
+                                 "a .gguf file (fleetllm never downloads)")
+        return read_json(path / "config.json")
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.quantization == "gguf"
 
     def _resolve_task(self, path: Path) -> int:
         """Settle task ("generate" | "embed") and the pooler; returns the model's length

@@ -59,7 +59,6 @@ VLLM_ARGS: dict[str, VllmArg] = {
                                              "window either way"),
     # Features that change the results, which fleetllm does not implement: refused unless
     # they hold vLLM's default, which means what fleetllm does anyway.
-    "quantization": VllmArg(None, "fleetllm runs unquantized checkpoints only", True),
     "observability_config": VllmArg(None, "fleetllm exports no traces (OpenTelemetry)",
                                     True),
     "fully_sharded_loras": VllmArg(False, "adapters are sharded as their base layers are"),

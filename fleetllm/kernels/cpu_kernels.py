@@ -29,7 +29,7 @@ _lock = threading.Lock()
 _OPS = ("paged_decode", "prefill_attention", "add_rmsnorm", "silu_mul", "rope_qk_kv", "gemv",
         "decoder_layer", "decoder_layers", "greedy_passes", "argmax", "build_info", "gemm_pairs",
         "gemm_pairs_available", "gemm_amx", "amx_available", "mkl_pack", "mkl_linear",
-        "mkl_available")
+        "mkl_available", "gguf_linear", "gguf_rows")
 
 
 def _load() -> SimpleNamespace | None:
@@ -66,13 +66,16 @@ DTYPES = (torch.float32, torch.bfloat16)
 class LinearKind(IntEnum):
     """How the one-call decode paths read a projection (csrc/ops.cpp LinearKind): its dense
     weight through the GEMV, oneDNN's or MKL's packed copy, or a copy packed for the kernels'
-    GEMMs (by pairs, AMX tiles). Each kernel of model/linear_kernels.py names its own."""
+    GEMMs (by pairs, AMX tiles), or GGUF: each projection's quantized packed copy
+    (fleetllm/quant/packed.py) or, where the file stores it unquantized, its dense weight.
+    Each kernel of model/linear_kernels.py names its own."""
 
     GEMV = 0
     ONEDNN = 1
     MKL = 2
     PAIRS = 3
     AMX = 4
+    GGUF = 5
 
 
 def usable(*tensors: torch.Tensor) -> bool:
@@ -248,3 +251,15 @@ def gemm_amx(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     (linear_kernels.Amx): contiguous x [M, K]; float32 sums over k in order, the bias, one
     rounding."""
     return _ops.gemm_amx(x, packed, bias, out_features)
+
+
+def gguf_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+                ) -> torch.Tensor:
+    """x @ w.T (+ bias) from w's quantized packed copy (fleetllm/quant/packed.py): contiguous
+    float32 or bfloat16 x [M, K]; float32 sums, rounded once to x's dtype."""
+    return _ops.gguf_linear(x, packed, bias)
+
+
+def gguf_rows(packed: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows of a quantized packed copy at ids (int64 [T]): an embedding's lookup."""
+    return _ops.gguf_rows(packed, ids, dtype)

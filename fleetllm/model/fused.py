@@ -69,13 +69,17 @@ def _stack(model) -> _Stack | None:
     gemv_rows = min((k.decode_rows for k in kernels), default=0)
     weights = [_layer_weights(layer, gemv_rows > 0) for layer in layers]
     attn = [layer.self_attn for layer in layers]
-    embed = model.embed_tokens.weight if model.is_first_stage else None
+    embed = None
+    if model.is_first_stage:  # a GGUF model's quantized embedding: its packed copy
+        embed = getattr(model.embed_tokens, "packed", None)
+        embed = model.embed_tokens.weight if embed is None else embed
     norm = model.norm if model.is_last_stage else None
     ok = (layers and get_tp_group().world_size == 1
           and all(w is not None for w in weights)
           and len({(a.num_heads, a.scale, layer.input_layernorm.eps)
                    for a, layer in zip(attn, layers, strict=True)}) == 1
-          and (embed is None or embed.is_contiguous() and cpu_kernels.usable(embed))
+          and (embed is None or embed.dtype == torch.uint8
+               or embed.is_contiguous() and cpu_kernels.usable(embed))
           and (norm is None or norm.eps == layers[0].input_layernorm.eps))
     model._fused_stack = None
     if ok:
@@ -102,8 +106,15 @@ def _packed_for(st: _Stack, rows: int) -> tuple[LinearKind, list] | None:
     if got is None:
         copies = [k.for_rows(rows) for k in st.kernels]
         kinds = {c.kind for c in copies}
-        got = st.packed[rows] = (kinds.pop(), [c.tensor for c in copies]) \
-            if len(kinds) == 1 and None not in kinds else False
+        if LinearKind.GGUF in kinds:  # quantized beside dense (unquantized) weights
+            dense = all(c.kind == LinearKind.GGUF or (
+                c.tensor is not None and c.tensor.dim() == 2 and c.tensor.is_contiguous()
+                and cpu_kernels.usable(c.tensor)) for c in copies)
+            got = (LinearKind.GGUF, [c.tensor for c in copies]) if dense else False
+        else:
+            got = (kinds.pop(), [c.tensor for c in copies]) \
+                if len(kinds) == 1 and None not in kinds else False
+        st.packed[rows] = got
     return got or None
 
 
@@ -141,8 +152,8 @@ def run_layers(model, positions: torch.Tensor, x: torch.Tensor,
     # The first stage (x its token ids, st.embed its embedding) starts the residual; a later
     # stage's comes with its input.
     first = residual is None
-    if first:
-        residual = x.new_empty(x.shape[0], st.embed.shape[1], dtype=st.embed.dtype)
+    if first:  # hidden size and dtype: the first norm's
+        residual = x.new_empty(x.shape[0], st.weights[0].shape[0], dtype=st.weights[0].dtype)
     if len(kv_caches) != len(st.windows):
         kv_caches = kv_caches[:len(st.windows)]  # one a layer, as the modules take them
     dec = meta.decode
@@ -188,7 +199,7 @@ def run_passes(model, ids: torch.Tensor, positions: torch.Tensor, slots: torch.T
         return None
     if len(kv_caches) != len(st.windows):
         kv_caches = kv_caches[:len(st.windows)]
-    cos, sin = model.rotary.tables(st.embed.dtype)
+    cos, sin = model.rotary.tables(st.weights[0].dtype)
     (kind, packed), (weight, head_kind, n) = packed, head
     return cpu_kernels.greedy_passes(
         ids, st.weights, st.eps, st.heads, st.windows, st.scale, cos, sin, kv_caches, slots,

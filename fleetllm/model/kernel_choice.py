@@ -38,7 +38,10 @@ def select_kernels(model: nn.Module) -> int:
     the dense weight, `module.weight` becomes None (unless the embedding shares it). Returns
     the number of modules packed (0: none, the model unchanged but for TorchLinear/Gemv)."""
     linears, shared, packable, keep_dense, by_pairs = _plan(model)
-    packed = _pack(linears, keep_dense, by_pairs) if packable else {}
+    # A GGUF model's unquantized projections keep their dense weights: the one-call decode
+    # paths read them beside the quantized ones (LinearKind.GGUF).
+    gguf = any(isinstance(m.kernel, lk.Gguf) for m in linears)
+    packed = _pack(linears, keep_dense, by_pairs) if packable and not gguf else {}
     for module in linears:
         weight = module.weight
         if weight is None:

@@ -19,11 +19,13 @@ from fleetllm.distributed.parallel_state import get_tp_group
 from fleetllm.kernels import cpu_kernels
 from fleetllm.lora.layers import lora_delta
 from fleetllm.model.linear_kernels import LinearKernel, TorchLinear
+from fleetllm.quant.packed import QuantTensor
 
 
 def narrow(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
-    """Rows (dim 0) or columns (dim 1) [start, start+length) of a tensor or safetensors slice."""
-    if isinstance(loaded, torch.Tensor):
+    """Rows (dim 0) or columns (dim 1) [start, start+length) of a tensor, safetensors slice or
+    GGUF tensor (QuantTensor)."""
+    if isinstance(loaded, torch.Tensor | QuantTensor):
         return loaded.narrow(dim, start, length)
     index = (slice(start, start + length),) if dim == 0 else (slice(None), slice(start,
                                                                                 start + length))
@@ -40,6 +42,12 @@ def default_weight_loader(param: nn.Parameter, loaded: Any, part: int | None = N
         raise ValueError(f"shape {tuple(tensor.shape)} does not match the model's "
                          f"{tuple(param.shape)}")
     param.data.copy_(tensor)
+
+
+def stash(module: nn.Module, part: int, tensor: QuantTensor) -> None:
+    """Keep a GGUF tensor's blocks for `part` of module's weight, until the loader packs
+    them (quant/gguf_loader.finish)."""
+    module.__dict__.setdefault("quant_parts", {})[part] = tensor
 
 
 class RMSNorm(nn.Module):
@@ -98,6 +106,9 @@ class ColumnParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Any, part: int | None = None) -> None:
         part = part or 0
         full, shard, start = self.parts[part]
+        if isinstance(loaded, QuantTensor):  # GGUF: kept as blocks (quant/gguf_loader.py)
+            stash(self, part, loaded.narrow(0, start, shard))
+            return
         rows = load_full(narrow(loaded, 0, start, shard))
         param.data.narrow(0, self.part_offsets[part], shard).copy_(rows)
 
@@ -120,6 +131,9 @@ class RowParallelLinear(nn.Module):
         self.kernel: LinearKernel = TorchLinear(self)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, part: int | None = None) -> None:
+        if isinstance(loaded, QuantTensor) and param is self.weight:
+            stash(self, 0, loaded.narrow(1, self.start, self.shard))
+            return
         param.data.copy_(load_full(narrow(loaded, 1, self.start, self.shard)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,21 +153,36 @@ class VocabParallelEmbedding(nn.Module):
         self.shard = math.ceil(vocab_size / tp.world_size)
         self.start = tp.rank_in_group * self.shard
         self.valid = max(0, min(self.shard, vocab_size - self.start))
-        self.weight = nn.Parameter(torch.zeros(self.shard, hidden_size))
+        # Not zeros: a GGUF model never writes a quantized embedding's weight (its memory is
+        # never touched); the padding rows are zero.
+        self.weight = nn.Parameter(torch.empty(self.shard, hidden_size))
+        self.weight.data[self.valid:].zero_()
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, part: int | None = None) -> None:
+        if isinstance(loaded, QuantTensor):
+            stash(self, 0, loaded.narrow(0, self.start, self.valid))
+            return
         if self.valid:
             param.data[: self.valid].copy_(load_full(narrow(loaded, 0, self.start, self.valid)))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         tp = get_tp_group()
         if tp.world_size == 1:
-            return F.embedding(ids, self.weight)
+            return self.rows(ids)
         local = ids - self.start
         inside = (local >= 0) & (local < self.valid)
-        out = F.embedding(local.clamp(0, self.shard - 1), self.weight) * inside.unsqueeze(-1)
+        out = self.rows(local.clamp(0, self.shard - 1)) * inside.unsqueeze(-1)
         return tp.all_reduce(out)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """This shard's rows at ids: the weight's, or a quantized copy's (GGUF: `packed`, the
+        rows dequantized as looked up)."""
+        packed = getattr(self, "packed", None)
+        if packed is None:
+            return F.embedding(ids, self.weight)
+        from fleetllm.quant.gguf_loader import embedding_rows
+        return embedding_rows(self, ids)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -4,12 +4,12 @@ head, chosen once after loading by `select_kernels` (as vLLM's dispatch_cpu_unqu
 Kinds: TorchLinear (F.linear: CUDA, other dtypes, no packing), Gemv (the dense weight through
 the kernels' GEMV for a few rows, then another kernel), OneDnn (oneDNN's packed copy; float32
 for bf16 where oneDNN packs no bf16), Mkl (MKL's packed sgemm: float32 on Intel), Pairs and
-Amx (bf16 packed for the kernels' GEMMs: csrc/gemm.cpp, gemm_amx.cpp) and SmallBatches (Pairs
-or Amx for a few rows beside oneDNN on AMX CPUs). Modules call `kernel(x, bias)`; the one-call
-decode paths (fused.py) read `for_rows(rows)`'s `tensor` and `kind` (cpu_kernels.LinearKind).
-Every packed copy is checked against F.linear when chosen; a failed packing leaves F.linear
-(one warning). A new weight format is one class here and its C op. Measured reasons for each
-choice: docs/performance.md.
+Amx (bf16 packed for the kernels' GEMMs: csrc/gemm.cpp, gemm_amx.cpp), SmallBatches (Pairs
+or Amx for a few rows beside oneDNN on AMX CPUs) and Gguf (a GGUF file's blocks, set by the
+loader). Modules call `kernel(x, bias)`; the one-call decode paths (fused.py) read
+`for_rows(rows)`'s `tensor` and `kind` (cpu_kernels.LinearKind). Every packed copy is checked
+against F.linear when chosen; a failed packing leaves F.linear (one warning). A new weight
+format is one class here and its C op. Measured reasons for each choice: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -290,6 +290,27 @@ class SmallBatches(LinearKernel):
 
     def to_dense(self) -> torch.Tensor:
         return self.large.to_dense()
+
+
+class Gguf(LinearKernel):
+    """A quantized weight as GGUF's blocks behind a header (fleetllm/quant/packed.py): the
+    kernels' gguf_linear (csrc/quant.cpp: the blocks unpacked in registers, float32 sums; a
+    prompt's rows through chunks dequantized for a GEMM). Where the kernels do not run (no
+    build, CUDA), each call dequantizes it (gguf's numpy) and runs F.linear: nothing
+    dequantized is kept."""
+
+    kind = LinearKind.GGUF
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if cpu_kernels.usable(x):
+            return cpu_kernels.gguf_linear(x.contiguous(), self.tensor, bias)
+        from fleetllm.quant.packed import dequantize_packed
+        w = dequantize_packed(self.tensor).to(device=x.device, dtype=x.dtype)
+        return F.linear(x, w, bias)
+
+    def to_dense(self) -> torch.Tensor:
+        from fleetllm.quant.packed import dequantize_packed
+        return dequantize_packed(self.tensor)
 
 
 def gemv_limits(rest: LinearKernel, head: bool) -> tuple[int, int]:

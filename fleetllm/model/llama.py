@@ -162,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         (hidden, residual) pair to send to the next stage."""
         if self.is_first_stage:
             x, residual = input_ids, None  # embedded in the fused call, or below
-            dtype = self.embed_tokens.weight.dtype
+            dtype = self.norm_dtype
         else:
             x, residual = intermediate
             dtype = x.dtype
@@ -181,6 +181,12 @@ class LlamaForCausalLM(nn.Module):
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden, None
+
+    @property
+    def norm_dtype(self) -> torch.dtype:
+        """The model's dtype: its norms' (a GGUF model's embedding may be quantized)."""
+        layer = next(iter(self.layers.values()), None)
+        return (layer.input_layernorm if layer is not None else self.norm).weight.dtype
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)

@@ -55,9 +55,12 @@ def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
         torch.set_default_dtype(default_dtype)
     # Before loading (the loaders copy into the parameters in place); not where packing will
     # free the dense weights: the mapping would stay whole while any parameter lives in it.
-    if device.type == "cpu" and dense_weights_kept(model):
+    if device.type == "cpu" and dense_weights_kept(model) and not mc.is_gguf:
         huge_pages.place_parameters(model)
-    if load_format == "dummy":
+    if mc.is_gguf:  # blocks kept as the file has them (fleetllm/quant/)
+        from fleetllm.quant.gguf_loader import load_gguf
+        load_gguf(model, mc.model)
+    elif load_format == "dummy":
         _init_dummy(model, mc.seed)
     elif load_format == "sharded_state":  # this rank's own tensors (Executor.save_sharded_state)
         from fleetllm.model.sharded_state import load_sharded_state

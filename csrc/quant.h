@@ -1,0 +1,50 @@
+// Quantized projections (quant.cpp; fleetllm/quant/ and model/linear_kernels.py's Gguf): GGUF's
+// block types read as the file stores them, and the packed copy a projection keeps: one uint8
+// buffer that starts with a header of int64 words, then each part's rows (q, k and v of a
+// merged projection may be of different types, as in Q4_K_M files):
+//   [0] QPACK_MAGIC, [1] K (in features), [2] parts, then per part: type, rows, row bytes,
+//   byte offset of its first row; part p's rows are outputs sum(rows of parts < p) + ...
+// Types are ggml's ids; F32, F16 and BF16 parts are plain rows.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace fleetllm::kernels::quant {
+
+enum Type : int64_t {
+    F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
+    Q6_K = 14, BF16 = 30
+};
+constexpr int64_t QPACK_MAGIC = 0x314b4341505146LL;  // "FQPACK1"
+constexpr int MAX_PARTS = 4;
+
+// Elements and bytes of one block of `type`; {0, 0} for a type fleetllm does not read.
+struct Layout {
+    int elems, bytes;
+};
+Layout layout(int64_t type);
+
+struct Part {
+    int64_t type, rows, row_bytes;
+    const uint8_t *data;
+};
+
+// A packed copy, parsed and checked (parse: nullptr, or what is wrong).
+struct Weight {
+    int K = 0;
+    long N = 0;
+    int parts = 0;
+    Part part[MAX_PARTS];
+};
+const char *parse(const uint8_t *buf, int64_t nbytes, Weight &w);
+
+// y[m, n] = x[m, :] . w[n, :] for M rows of float32 x [M, K]; y float32 [M, N]. Rows of x in
+// groups of up to 8 share each block's unpacking; float32 sums.
+void linear(const float *x, int M, const Weight &w, float *y, int nthreads);
+
+// Rows [r0, r0 + rows) of w as float32 [rows, K] (a prompt's chunk for a GEMM, an embedding's
+// rows).
+void dequantize(const Weight &w, long r0, long rows, float *out, int nthreads);
+
+}  // namespace fleetllm::kernels::quant

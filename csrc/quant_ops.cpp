@@ -1,0 +1,117 @@
+// torch.ops.fleetllm.gguf_* : the quantized projections' ops (quant_ops.h), with their checks
+// (a packed copy's header is parsed and bounds-checked at every call: a RuntimeError, never a
+// wild read) and registration (a fragment of ops.cpp's library).
+#include "quant_ops.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "quant.h"
+
+namespace fleetllm {
+
+namespace q = kernels::quant;
+using at::Tensor;
+
+namespace {
+
+// Rows of x past which a call dequantizes chunks of the weight for a float32 GEMM instead
+// (a prompt: the GEMM's blocking beats re-unpacking each block per 8 rows).
+constexpr int64_t GEMM_ROWS = 16;
+constexpr int64_t CHUNK_ROWS = 256;
+
+q::Weight parsed(const Tensor &packed)
+{
+    TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
+                    packed.dim() == 1 && packed.is_contiguous(),
+                "a packed quantized weight must be a contiguous CPU uint8 1-D tensor, got ",
+                packed.scalar_type(), " ", packed.sizes());
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.const_data_ptr()) % 8 == 0,
+                "a packed quantized weight must be 8-byte aligned");
+    q::Weight w;
+    const char *err = q::parse(packed.const_data_ptr<uint8_t>(), packed.numel(), w);
+    TORCH_CHECK(err == nullptr, "packed quantized weight: ", err ? err : "");
+    return w;
+}
+
+}  // namespace
+
+bool is_gguf_packed(const Tensor &t)
+{
+    return t.scalar_type() == at::kByte && t.dim() == 1 && !t.is_mkldnn();
+}
+
+int64_t gguf_in_features(const Tensor &packed) { return parsed(packed).K; }
+int64_t gguf_out_features(const Tensor &packed) { return parsed(packed).N; }
+
+Tensor gguf_linear(const Tensor &x, const Tensor &packed, const std::optional<Tensor> &bias)
+{
+    const q::Weight w = parsed(packed);
+    TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() &&
+                    (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                "gguf_linear: x must be a contiguous CPU float32 or bfloat16 [M, K], got ",
+                x.scalar_type(), " ", x.sizes());
+    TORCH_CHECK(x.size(1) == w.K, "gguf_linear: x has ", x.size(1), " features, the weight ",
+                w.K);
+    if (bias)
+        TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.N, "gguf_linear: bias must be [",
+                    w.N, "], got ", bias->sizes());
+    const int64_t m = x.size(0);
+    TORCH_CHECK(m <= INT32_MAX, "gguf_linear: too many rows");
+    const Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+    Tensor y;
+    if (m <= GEMM_ROWS || w.K % 16) {
+        y = at::empty({m, w.N}, xf.options());
+        if (m > 0)
+            q::linear(xf.const_data_ptr<float>(), static_cast<int>(m), w,
+                      y.mutable_data_ptr<float>(), at::get_num_threads());
+    } else {  // chunks of the weight dequantized, each a float32 GEMM
+        y = at::empty({m, w.N}, xf.options());
+        const int64_t chunk = std::min<int64_t>(CHUNK_ROWS, w.N);
+        Tensor dense = at::empty({chunk, w.K}, xf.options());
+        for (int64_t n0 = 0; n0 < w.N; n0 += chunk) {
+            const int64_t rows = std::min(chunk, w.N - n0);
+            Tensor d = dense.narrow(0, 0, rows);
+            q::dequantize(w, n0, rows, d.mutable_data_ptr<float>(), at::get_num_threads());
+            y.narrow(1, n0, rows).copy_(at::mm(xf, d.t()));
+        }
+    }
+    if (bias)
+        y.add_(bias->to(at::kFloat));
+    return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+Tensor gguf_rows(const Tensor &packed, const Tensor &ids, at::ScalarType dtype)
+{
+    const q::Weight w = parsed(packed);
+    TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1 &&
+                    ids.is_contiguous(),
+                "gguf_rows: ids must be a contiguous int64 [T]");
+    const int64_t t = ids.size(0);
+    Tensor out = at::empty({t, w.K}, at::TensorOptions().dtype(at::kFloat));
+    const int64_t *id = ids.const_data_ptr<int64_t>();
+    for (int64_t r = 0; r < t; r++) {
+        TORCH_CHECK(id[r] >= 0 && id[r] < w.N, "token id ", id[r], " is outside the vocabulary "
+                    "[0, ", w.N, ")");
+        q::dequantize(w, id[r], 1, out.mutable_data_ptr<float>() + r * w.K, 1);
+    }
+    return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+}  // namespace fleetllm
+
+TORCH_LIBRARY_FRAGMENT(fleetllm, m)
+{
+    m.def("gguf_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+    m.def("gguf_rows(Tensor packed, Tensor ids, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fleetllm, CPU, m)
+{
+    m.impl("gguf_linear", &fleetllm::gguf_linear);
+    m.impl("gguf_rows", &fleetllm::gguf_rows);
+}

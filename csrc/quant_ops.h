@@ -1,0 +1,23 @@
+// The quantized projections' ops (quant_ops.cpp), also called by ops.cpp's one-call decode
+// paths for LinearKind GGUF: a projection's packed copy (quant.h) is a 1-D uint8 tensor.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace fleetllm {
+
+// x [M, K] (float32 or bfloat16, contiguous) @ w^T (+ bias) in x's dtype, float32 sums.
+at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &packed,
+                       const std::optional<at::Tensor> &bias);
+
+// The rows of a packed copy at `ids` (int64 [T]; an embedding's lookup) as `dtype` [T, K].
+at::Tensor gguf_rows(const at::Tensor &packed, const at::Tensor &ids, at::ScalarType dtype);
+
+// Whether t is a packed copy (1-D uint8), and its in features (K) and out features (N).
+bool is_gguf_packed(const at::Tensor &t);
+int64_t gguf_in_features(const at::Tensor &packed);
+int64_t gguf_out_features(const at::Tensor &packed);
+
+}  // namespace fleetllm

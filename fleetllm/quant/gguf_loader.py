@@ -1,0 +1,96 @@
+"""Fill a model from a GGUF file: the model's weight loaders keep each projection's (and the
+embedding's) blocks for this rank (layers.stash: whole rows, whole blocks of columns), then
+`finish` packs each module's parts into one copy (packed.py) and gives the module its Gguf
+kernel; the dense parameter, never written, is dropped. A module whose parts are all F32/F16/
+BF16 gets its dense weight instead, and the usual kernels. Nothing dequantized is kept: the
+embedding's rows are dequantized as they are looked up.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
+from fleetllm.errors import ModelLoadError
+from fleetllm.kernels import cpu_kernels
+from fleetllm.model import linear_kernels as lk
+from fleetllm.model.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from fleetllm.progress import ProgressBar
+from fleetllm.quant.gguf_checkpoint import open_gguf
+from fleetllm.quant.packed import QuantTensor, dequantize_packed, pack
+
+
+def load_gguf(model: nn.Module, path: str) -> None:
+    ckpt = open_gguf(path)
+    expected = {name for name, _ in model.named_parameters()}
+    loaded: set[str] = set()
+    first_rank = get_tp_group().is_first and get_pp_group().is_first
+    for name, tensor in ProgressBar(ckpt.tensors(), desc="Loading GGUF tensors", unit="tensor",
+                                    total=len(ckpt.reader.tensors), disable=not first_rank):
+        try:
+            filled = model.load_weight(name, tensor)
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise ModelLoadError(f"{path}: tensor {name!r}: {e}") from e
+        if filled:
+            loaded.add(filled)
+    if model.cfg.tie_word_embeddings and getattr(model, "lm_head", None) is not None:
+        loaded.add("lm_head.weight")
+    finish(model)
+    missing = expected - loaded
+    if missing:
+        raise ModelLoadError(f"{path}: lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def finish(model: nn.Module) -> None:
+    """Pack each module's kept blocks (see the module docstring)."""
+    dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+    for module in list(model.modules()):
+        parts = module.__dict__.pop("quant_parts", None)
+        if not parts:
+            continue
+        count = len(module.parts) if isinstance(module, ColumnParallelLinear) else 1
+        if sorted(parts) != list(range(count)):
+            raise ModelLoadError(f"a projection has parts {sorted(parts)} of {count}")
+        ordered = [parts[i] for i in range(count)]
+        if isinstance(module, VocabParallelEmbedding) and module.valid < module.shard:
+            pad = ordered[0]  # the last shard's padding rows: zero blocks are zero weights
+            ordered.append(QuantTensor(np.zeros((module.shard - module.valid,
+                                                 pad.raw.shape[1]), np.uint8), pad.qtype,
+                                       (module.shard - module.valid, pad.shape[1])))
+        if not any(p.quantized for p in ordered):
+            _load_dense(module, ordered)
+            continue
+        packed = pack(ordered)
+        if isinstance(module, ParallelLMHead):
+            module.kernel = lk.Gguf(packed, module.shard)
+        elif isinstance(module, VocabParallelEmbedding):
+            module.packed, module.packed_dtype = packed, dtype
+            head = getattr(model, "lm_head", None)
+            if head is not None and head.weight is module.weight:  # tied: the same blocks
+                head.kernel = lk.Gguf(packed, head.shard)
+                head.weight = None
+        else:
+            module.kernel = lk.Gguf(packed, sum(p.shape[0] for p in ordered))
+        module.weight = None  # never written: no memory was touched
+
+
+def _load_dense(module: nn.Module, parts: list[QuantTensor]) -> None:
+    rows = torch.cat([p.dequantize() for p in parts]).to(module.weight.dtype)
+    module.weight.data.copy_(rows)
+
+
+def embedding_rows(module: VocabParallelEmbedding, ids: torch.Tensor) -> torch.Tensor:
+    """A quantized embedding's rows at ids (any shape), in the model's dtype."""
+    flat = ids.reshape(-1).to(torch.long).contiguous()
+    if cpu_kernels.available() and flat.device.type == "cpu":
+        out = cpu_kernels.gguf_rows(module.packed, flat, module.packed_dtype)
+    else:
+        out = dequantize_packed(module.packed)[flat.cpu()].to(ids.device, module.packed_dtype)
+    return out.view(*ids.shape, out.shape[-1])
+

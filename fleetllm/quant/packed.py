@@ -1,0 +1,130 @@
+"""A quantized projection's packed copy: GGUF's blocks as the file stores them, behind a small
+header, in one uint8 tensor the C ops read (csrc/quant.h; linear_kernels.Gguf).
+
+Layout: int64 words [magic, K, parts, then per part (ggml type, rows, row bytes, byte offset)],
+then each part's rows, 64-byte aligned. A merged projection (q/k/v, gate/up) is one copy of
+several parts, which may differ in type (Q4_K_M files give some layers' v Q6_K). `QuantTensor`
+is one checkpoint tensor's raw blocks (memory-mapped) with the slicing that tensor
+parallelism needs: whole rows, or whole blocks of columns (a block never straddles ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+import torch
+
+MAGIC = 0x314B4341505146  # csrc/quant.h QPACK_MAGIC
+MAX_PARTS = 4
+
+
+class QType(IntEnum):
+    """The ggml tensor types fleetllm reads (gguf.GGMLQuantizationType's ids; gguf itself is
+    imported only where a file is read or written: ~0.2 s)."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
+    Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    BF16 = 30
+
+
+# (elements, bytes) of a block: gguf.GGML_QUANT_SIZES
+BLOCK = {QType.F32: (1, 4), QType.F16: (1, 2), QType.BF16: (1, 2), QType.Q4_0: (32, 18),
+         QType.Q4_1: (32, 20), QType.Q5_0: (32, 22), QType.Q5_1: (32, 24),
+         QType.Q8_0: (32, 34), QType.Q4_K: (256, 144), QType.Q5_K: (256, 176),
+         QType.Q6_K: (256, 210)}
+PLAIN = frozenset({QType.F32, QType.F16, QType.BF16})
+READABLE = frozenset(int(t) for t in QType)
+
+
+@dataclass
+class QuantTensor:
+    """One tensor's blocks: raw uint8 [rows, row bytes] (a view of the memory-mapped file) of
+    ggml type `qtype`, logically float [rows, cols]."""
+
+    raw: np.ndarray
+    qtype: QType
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        self.qtype = QType(self.qtype)
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return BLOCK[self.qtype]
+
+    @property
+    def quantized(self) -> bool:
+        return self.qtype not in PLAIN
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantTensor:
+        """Rows (dim 0) or columns (dim 1) [start, start + length): columns in whole blocks."""
+        rows, cols = self.shape
+        if dim == 0:
+            return QuantTensor(self.raw[start:start + length], self.qtype, (length, cols))
+        elems, nbytes = self.block
+        if start % elems or length % elems:
+            raise ValueError(f"columns [{start}, {start + length}) of a {self.qtype.name} "
+                             f"tensor split its blocks of {elems}: this tensor-parallel size "
+                             "does not divide its blocks")
+        b0, nb = start // elems, length // elems
+        return QuantTensor(self.raw[:, b0 * nbytes:(b0 + nb) * nbytes], self.qtype,
+                           (rows, length))
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols]: gguf's reference dequantization (numpy)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+        return torch.from_numpy(np.array(dequantize(
+            np.ascontiguousarray(self.raw), GGMLQuantizationType(int(self.qtype))),
+            dtype=np.float32).reshape(self.shape))
+
+
+def pack(parts: list[QuantTensor]) -> torch.Tensor:
+    """The packed copy of parts stacked by rows (all of one column count)."""
+    if not 0 < len(parts) <= MAX_PARTS:
+        raise ValueError(f"a packed copy holds 1 to {MAX_PARTS} parts, got {len(parts)}")
+    cols = parts[0].shape[1]
+    if any(p.shape[1] != cols for p in parts):
+        raise ValueError(f"parts of one projection differ in columns: {[p.shape for p in parts]}")
+    header = 8 * (3 + 4 * len(parts))
+    offsets, offset = [], -(-header // 64) * 64
+    for p in parts:
+        offsets.append(offset)
+        offset += -(-p.raw.size // 64) * 64
+    out = torch.zeros(offset, dtype=torch.uint8)
+    words = [MAGIC, cols, len(parts)]
+    for p, off in zip(parts, offsets, strict=True):
+        words += [int(p.qtype), p.shape[0], p.raw.shape[1], off]
+        out[off:off + p.raw.size] = torch.from_numpy(np.ascontiguousarray(p.raw).reshape(-1))
+    out[:8 * len(words)] = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+    return out
+
+
+def unpack(packed: torch.Tensor) -> list[QuantTensor]:
+    """The parts of a packed copy (views of it)."""
+    words = packed[:24].view(torch.int64).tolist()
+    if words[0] != MAGIC:
+        raise ValueError("not a packed quantized weight")
+    cols, n = words[1], words[2]
+    head = packed[:8 * (3 + 4 * n)].view(torch.int64).tolist()[3:]
+    parts = []
+    for i in range(n):
+        qtype, rows, row_bytes, off = head[4 * i:4 * i + 4]
+        raw = packed[off:off + rows * row_bytes].numpy().reshape(rows, row_bytes)
+        parts.append(QuantTensor(raw, QType(qtype), (rows, cols)))
+    return parts
+
+
+def dequantize_packed(packed: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] of a packed copy (the PyTorch path, checks, sharded_state's dense form)."""
+    return torch.cat([p.dequantize() for p in unpack(packed)])
