@@ -212,7 +212,13 @@ def run(args: argparse.Namespace) -> dict:
 
     kwargs = engine_kwargs_from(args, args.engine_actions)
     model, dummy_seed = resolve_source(args, kwargs)
-    peers = compare_peers(args.compare, {"hf", "vllm"}, {"hf"})
+    from fleetllm.quant.gguf_checkpoint import is_gguf
+
+    gguf = is_gguf(model)  # its peer: llama.cpp on the same file (HF reads no GGUF here)
+    peers = compare_peers(args.compare, {"hf", "vllm", "llamacpp"},
+                          {"llamacpp"} if gguf else {"hf"})
+    if ("llamacpp" in peers) != gguf or (gguf and peers - {"llamacpp"}):
+        raise ValueError("--compare llamacpp is the peer of a GGUF --model, and the only one")
     if "vllm" in peers:  # before loading anything: a missing venv fails at once
         from fleetllm.benchmarks.vllm_peer import vllm_python
 
@@ -241,6 +247,11 @@ def run(args: argparse.Namespace) -> dict:
         else:
             prompts = [[rng.randrange(3, arch.vocab_size) for _ in range(args.input_len)]
                        for _ in range(args.batch_size)]
+        if "llamacpp" in peers:
+            from fleetllm.benchmarks.llamacpp_peer import LlamaCppLatency
+
+            engines.append(LlamaCppLatency(model, args.input_len, torch.get_num_threads(),
+                                           args.batch_size))
         if "hf" in peers:
             from fleetllm.benchmarks.hf_peers import load_hf_model
 
@@ -272,10 +283,13 @@ def run(args: argparse.Namespace) -> dict:
             vllm.close()
     ctx = args.input_len + args.output_len / 2  # mean context over the decode steps
     kv = args.batch_size * ctx * workload.kv_bytes_per_token(arch, kv_dtype.itemsize)
-    weights = workload.weight_bytes(arch, dtype.itemsize)
+    weights = workload.weight_bytes(arch, dtype.itemsize) if not gguf else \
+        workload.gguf_weight_bytes(model)
     step_bytes = weights + kv
     bound = args.batch_size * bandwidth * 1e9 / step_bytes
     dtype_name = str(dtype).removeprefix("torch.")
+    if gguf:
+        dtype_name = f"GGUF {workload.gguf_file_type(model)}, activations {dtype_name}"
     figures = {"model": args.preset or model, "dtype": dtype_name,
                "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
                "batch_size": args.batch_size,
@@ -301,6 +315,11 @@ def run(args: argparse.Namespace) -> dict:
         print(f"speculative decoding: {ratio:.2f}x the decode tokens/s without it; drafts "
               f"accepted {sd['accepted_tokens']} of {sd['draft_tokens']} "
               f"({sd['draft_acceptance_rate']:.1%})")
+    if "llama.cpp" in best:
+        ratio = ours / best["llama.cpp"]["decode_tokens_per_s"]
+        figures["ratio_decode_vs_llamacpp"] = ratio
+        print(f"ratio fleetllm / llama.cpp decode tokens/s: {ratio:.2f}x (llama-bench tg"
+              f"{args.output_len} @ d{args.input_len}, the same file and thread count)")
     if "HF generate" in best:
         ratio = ours / best["HF generate"]["decode_tokens_per_s"]
         figures["ratio_decode_vs_hf"] = ratio

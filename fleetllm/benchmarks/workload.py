@@ -161,6 +161,30 @@ def weight_bytes(a: ArchConfig, dtype_bytes: int) -> int:
     return (linear_params(a) + a.vocab_size * a.hidden_size + norms + biases) * dtype_bytes
 
 
+def gguf_weight_bytes(path: str) -> int:
+    """weight_bytes for a GGUF file: its tensors' bytes as stored, the embedding counted
+    once as above (it is the LM head when tied; else a few rows of it are read)."""
+    from fleetllm.quant.gguf_checkpoint import open_gguf
+
+    infos = open_gguf(path).tensor_infos
+    total = sum(int(t.n_bytes) for t in infos.values())
+    if "output.weight" in infos and "token_embd.weight" in infos:
+        total -= int(infos["token_embd.weight"].n_bytes)
+    return total
+
+
+def gguf_file_type(path: str) -> str:
+    """The GGUF's most common matrix type (Q4_K for a Q4_K_M file)."""
+    from collections import Counter
+
+    from fleetllm.quant.gguf_checkpoint import open_gguf
+    from fleetllm.quant.packed import QType
+
+    counts = Counter(QType(int(t.tensor_type)).name for t in
+                     open_gguf(path).tensor_infos.values() if len(t.shape) == 2)
+    return counts.most_common(1)[0][0]
+
+
 def kv_bytes_per_token(a: ArchConfig, dtype_bytes: int) -> int:
     """Bytes of KV cache one token position holds (keys and values, every layer)."""
     return 2 * a.num_layers * a.num_kv_heads * a.head_dim * dtype_bytes

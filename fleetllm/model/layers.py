@@ -214,6 +214,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / scaling["factor"]
         elif kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif kind == "freq_factors":  # a GGUF file's rope_freqs: llama3's, as llama.cpp has it
+            inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
         elif kind != "default":
             from fleetllm.errors import ConfigurationError
             raise ConfigurationError(f"rope_scaling: type {kind!r} is not supported (default, "

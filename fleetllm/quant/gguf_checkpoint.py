@@ -130,9 +130,10 @@ class GgufCheckpoint:
         elif scaling not in (None, "none"):
             raise ModelLoadError(f"{self.path}: rope scaling {scaling!r} is not supported "
                                  "(linear is)")
-        if "rope_freqs.weight" in self.tensor_infos:
-            raise ModelLoadError(f"{self.path}: a rope_freqs tensor (llama3 rope scaling) is "
-                                 "not supported yet")
+        freqs = self.tensor_infos.get("rope_freqs.weight")
+        if freqs is not None:  # llama3's scaling, as llama.cpp applies it: a factor per pair
+            factors = self.tensor(freqs, "rope_freqs").tolist()
+            cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors}
         return cfg
 
     def hf_name(self, name: str) -> str | None:
@@ -149,6 +150,8 @@ class GgufCheckpoint:
         """(Hugging Face name, tensor) for each tensor: 2-D ones as QuantTensor, others as
         float32 tensors. Raises ModelLoadError for a tensor that is not one the model has."""
         for info in self.reader.tensors:
+            if info.name == "rope_freqs.weight":  # in the config (rope_scaling)
+                continue
             name = self.hf_name(info.name)
             if name is None:
                 raise ModelLoadError(f"{self.path}: tensor {info.name!r} has no place in a "
@@ -184,6 +187,8 @@ class GgufCheckpoint:
         size = self.reader.data.shape[0]
         seen = set()
         for info in self.reader.tensors:
+            if info.name == "rope_freqs.weight":
+                continue
             name = self.hf_name(info.name)
             shape = tuple(int(d) for d in reversed(info.shape.tolist()))
             if name is None or name not in expected:
