@@ -79,8 +79,9 @@ def export_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLike[str]
     try:
         _write(hf, f32, "F32", progress)
         with _replacing(out) as tmp:
+            # its log quotes token text cut at byte limits: not always UTF-8
             run = subprocess.run([str(tool), str(f32), str(tmp), preset], capture_output=True,
-                                 text=True, check=False)
+                                 text=True, errors="replace", check=False)
             if run.returncode != 0 or not tmp.is_file():
                 tail = (run.stdout + run.stderr)[-2000:]
                 raise ModelLoadError(f"{tool} {preset} exited {run.returncode}:\n{tail}")
