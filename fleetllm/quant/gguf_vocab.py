@@ -8,7 +8,8 @@ strings as the HF tokenizer spells them, ids the tokenizer lacks up to the model
 padded as [PAD<i>] (UNUSED), added tokens CONTROL when special (or <|...|>-looking), else
 USER_DEFINED; the pre-tokenizer name comes from tokenizer.json's split regex (gpt-2,
 llama-bpe, qwen2; anything else "default", with a warning). BPE with byte_fallback (the HF
-form of Llama 2 / Mistral SentencePiece vocabularies) is "llama" through gguf.LlamaHfVocab.
+form of Llama 2 / Mistral SentencePiece vocabularies) is "llama" through gguf.LlamaHfVocab,
+scored by merge order.
 gguf.SpecialVocab adds merges, special ids, add_*_token flags and the chat template; when the
 files do not say whether BOS/EOS are added, the flag is read from what the tokenizer does.
 Failures: no tokenizer.json (a tokenizer.model alone needs sentencepiece, not installed) or a
@@ -53,7 +54,7 @@ def add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path, n_vocab: int) -> str:
 
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
     if model.get("byte_fallback"):
-        kind, tokens, toktypes = "llama", *_llama_vocab(writer, hf_dir, n_vocab)
+        kind, tokens, toktypes = "llama", *_llama_vocab(writer, hf_dir, n_vocab, model)
         writer.add_tokenizer_pre("default")
     else:
         kind = "gpt2"
@@ -114,17 +115,24 @@ def _byte_level_vocab(tokenizer: Any, n_vocab: int) -> tuple[list[str], list[int
     return tokens, types
 
 
-def _llama_vocab(writer: gguf.GGUFWriter, hf_dir: Path,
-                 n_vocab: int) -> tuple[list[bytes], list[int]]:
+def _llama_vocab(writer: gguf.GGUFWriter, hf_dir: Path, n_vocab: int,
+                 model: dict[str, Any]) -> tuple[list[bytes], list[int]]:
+    """Tokens and types as LlamaHfVocab reads them. Its scores are all -1000, which leaves
+    llama.cpp's SentencePiece tokenizer (it merges the best-scored pair first) no order: a
+    token made by BPE merge r scores -r instead, the order the merges are applied in."""
     try:
         vocab = gguf.LlamaHfVocab(hf_dir)
     except (FileNotFoundError, TypeError) as e:
         raise ConfigurationError(f"{hf_dir}: byte-fallback BPE tokenizer not readable as a "
                                  f"llama vocabulary: {e}") from e
+    rank: dict[bytes, int] = {}
+    for r, merge in enumerate(model.get("merges") or []):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        rank.setdefault((left + right).encode(), r)
     tokens, scores, types = [], [], []
     for text, score, toktype in vocab.all_tokens():
         tokens.append(text)
-        scores.append(score)
+        scores.append(-float(rank[text]) if text in rank else score)
         types.append(int(toktype))
     for i in range(len(tokens), n_vocab):  # embedding rows past the tokenizer's ids
         tokens.append(f"[PAD{i}]".encode())
