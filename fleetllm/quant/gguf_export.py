@@ -10,10 +10,12 @@ rope_freqs tensor) and the tokenizer (gguf_vocab). Used by the tests and benchma
 small files, and by `fleetllm quantize`.
 How: safetensors are opened lazily; every tensor's type is decided first (gguf_mix: the
 llama-quantize preset rules), the header and tensor infos are written, then each tensor is
-loaded as float32, permuted, quantized (blocks.quantize) and appended: peak memory is about
-one tensor. The file is written as <out>.tmp-<pid> beside the target and renamed over it at the
-end, so a crash leaves no partial .gguf. With llama_quantize=<path of llama-quantize>, an F32
-GGUF is written to a temporary file instead and llama.cpp's own tool quantizes it to `qtype`.
+loaded as float32, permuted, quantized (blocks.quantize) and appended: memory follows the
+largest tensor, not the model (a 187M-weight bf16 checkpoint with a 65M-weight embedding:
+0.7 GB resident). The file is written as .<name>.tmp-<pid> beside the target and renamed
+over it at the end, so a crash leaves no partial .gguf. With llama_quantize=<path of
+llama-quantize>, an F32 GGUF is written to a temporary file instead and llama.cpp's own tool
+quantizes it to `qtype`.
 Failures: an unknown architecture, qtype or rope scaling type, a missing config.json /
 safetensors / tokenizer, or a checkpoint tensor with no GGUF name raise ConfigurationError
 naming it; llama-quantize exiting non-zero raises ModelLoadError with the end of its output.
