@@ -1,15 +1,11 @@
 """GGUF writing: the numpy block quantizers (fleetllm.quant.blocks), the llama-quantize type
 mixes (gguf_mix) and HF directory -> .gguf export (gguf_export), read back with transformers'
 own GGUF loader (which dequantizes with the gguf package). Tiny random-weight models and the
-bundled demo model; nothing is downloaded. Checks against llama.cpp's own libggml-base /
-llama-quantize run where `make llamacpp` built them (.peers/llama.cpp/build/bin, or
-$FLEETLLM_LLAMACPP_BIN), and skip elsewhere."""
+bundled demo model; nothing is downloaded. The checks against llama.cpp's own build are
+test_gguf_llamacpp's."""
 
 from __future__ import annotations
 
-import ctypes
-import json
-import os
 import shutil
 from pathlib import Path
 
@@ -18,7 +14,15 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import make_checkpoint
+from gguf_helpers import (
+    DEMO,
+    MODELS,
+    edit_config,
+    load_gguf,
+    load_reference,
+    make_hf_models,
+    rel_rms,
+)
 
 from fleetllm.cli import main as cli_main
 from fleetllm.errors import ConfigurationError
@@ -27,23 +31,13 @@ from fleetllm.quant.gguf_export import export_gguf
 from fleetllm.quant.gguf_mix import PRESETS, tensor_type, use_more_bits
 
 T = gguf.GGMLQuantizationType
-ROOT = Path(__file__).resolve().parents[2]
-DEMO = ROOT / "fleetllm" / "demo_model"
-LLAMACPP_BIN = Path(os.environ.get("FLEETLLM_LLAMACPP_BIN",
-                                   ROOT / ".peers" / "llama.cpp" / "build" / "bin"))
 TEXTS = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)\n",
          "  Hello,  world! ü 🦙 <|endoftext|> tabs\tand 12345", "import os\n\nclass A:\n\tpass"]
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # relative RMS error of dequantize(quantize(x)) on N(0, 1) rows, measured (in the comments)
 # with margin; Q8_0 .. Q5_1 are gguf's (ggml's reference) quantizers
 ERROR_BOUND = {T.F32: 0.0, T.F16: 3e-4, T.BF16: 2e-3, T.Q8_0: 0.006,  # 0.54%
                T.Q6_K: 0.0195, T.Q5_K: 0.039, T.Q5_1: 0.041, T.Q5_0: 0.046,  # 1.79 3.63 3.79 4.27
                T.Q4_K: 0.078, T.Q4_1: 0.084, T.Q4_0: 0.092}  # 7.26 7.82 8.60
-
-
-def _rel_rms(y: np.ndarray, x: np.ndarray) -> float:
-    return float(np.sqrt(((y - x) ** 2).mean() / (x ** 2).mean()))
 
 
 @pytest.mark.parametrize("qtype", sorted(blocks.SUPPORTED), ids=lambda t: t.name)
@@ -54,7 +48,7 @@ def test_round_trip_within_the_type_error(qtype):
     assert raw.dtype == np.uint8 and raw.shape == (64, 2048 // block * nbytes)
     y = blocks.dequantize(raw, qtype, x.shape)
     assert y.dtype == np.float32 and y.shape == x.shape
-    assert _rel_rms(y, x) <= ERROR_BOUND[qtype]
+    assert rel_rms(y, x) <= ERROR_BOUND[qtype]
     zeros = np.zeros((2, 512), np.float32)
     assert not blocks.dequantize(blocks.quantize(zeros, qtype), qtype, zeros.shape).any()
 
@@ -84,34 +78,6 @@ def test_k_quants_give_back_what_a_block_represents(qtype):
     x = _representable(qtype, 200, np.random.default_rng(1))
     y = blocks.dequantize(blocks.quantize(x, qtype), qtype, x.shape)
     np.testing.assert_allclose(y, x, rtol=0, atol=1e-6 * np.abs(x).max())
-
-
-def _libggml() -> ctypes.CDLL:
-    lib = LLAMACPP_BIN / "libggml-base.so"
-    if not lib.is_file():
-        pytest.skip(f"no llama.cpp build at {LLAMACPP_BIN} (make llamacpp)")
-    return ctypes.CDLL(str(lib))
-
-
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
-def test_k_blocks_read_the_same_in_llama_cpp_and_as_good_as_its_quantizer(qtype):
-    lib, name = _libggml(), qtype.name.lower().replace("_k", "_K")
-    x = np.random.default_rng(2).standard_normal((32, 4096)).astype(np.float32)
-    x[:, :5] *= 12  # a few outliers
-    ptr = ctypes.c_void_p
-    ours = blocks.quantize(x, qtype)
-    theirs_read = np.empty_like(x)
-    getattr(lib, f"dequantize_row_{name}")(ours.ctypes.data_as(ptr),
-                                           theirs_read.ctypes.data_as(ptr), ctypes.c_int64(x.size))
-    y = blocks.dequantize(ours, qtype, x.shape)
-    assert np.array_equal(theirs_read, y)
-    lib.ggml_validate_row_data.restype = ctypes.c_bool
-    assert lib.ggml_validate_row_data(int(qtype), ours.ctypes.data_as(ptr), ours.nbytes)
-    ref = np.empty_like(ours)
-    getattr(lib, f"quantize_row_{name}_ref")(x.ctypes.data_as(ptr), ref.ctypes.data_as(ptr),
-                                             ctypes.c_int64(x.size))
-    # measured: ours 1.5% (Q4_K) .. 0.1% (Q5_K) worse than ggml's reference quantizer
-    assert _rel_rms(y, x) <= 1.03 * _rel_rms(blocks.dequantize(ref, qtype, x.shape), x)
 
 
 def test_bad_block_arguments_are_configuration_errors():
@@ -157,66 +123,9 @@ def test_mixes_follow_llama_quantize_rules():
 
 # -- export, read back by transformers --------------------------------------------------
 
-SIZES = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-             max_position_embeddings=512, bos_token_id=0, eos_token_id=0)
-MODELS = {  # name: (architecture, overrides)
-    "llama": ("LlamaForCausalLM", {}),
-    "mistral": ("LlamaForCausalLM", {}),  # config.json rewritten as MistralForCausalLM below
-    "qwen2": ("Qwen2ForCausalLM", dict(intermediate_size=544)),  # K-quant fallbacks
-    # transformers reads no head_dim from a qwen3 GGUF (its default: 128): hidden 512, 4 heads
-    "qwen3": ("Qwen3ForCausalLM", dict(tie_word_embeddings=True, rope_theta=50000.0,
-                                       hidden_size=512, head_dim=128)),
-}
-
-
-def _demo_tokenizer(path: Path, qwen: bool) -> None:
-    """The demo model's tokenizer; for Qwen with Qwen2's split regex (transformers reads a
-    qwen2 / qwen3 GGUF's tokenizer with Qwen2's pipeline whatever the file's pre says)."""
-    for f in path.glob("*"):
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-            f.unlink()
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(DEMO / name, path / name)
-    if qwen:
-        spec = json.loads((path / "tokenizer.json").read_text())
-        spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated",
-             "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
-             "use_regex": False}]}
-        (path / "tokenizer.json").write_text(json.dumps(spec))
-
-
-def _edit_config(path: Path, **changes) -> None:
-    config = json.loads((path / "config.json").read_text())
-    config.update(changes)
-    (path / "config.json").write_text(json.dumps(config))
-
-
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf")
-    out = {}
-    for i, (name, (arch, overrides)) in enumerate(MODELS.items()):
-        # general.name is the directory's: transformers reads a file named exactly "mistral"
-        # as its own mistral architecture, which its GGUF loader then cannot map
-        path = make_checkpoint(root / f"{name}-tiny", arch, seed=i, **{**SIZES, **overrides})
-        _demo_tokenizer(path, qwen=name.startswith("qwen"))
-        out[name] = path
-    _edit_config(out["mistral"], architectures=["MistralForCausalLM"], model_type="mistral",
-                 sliding_window=64)
-    return out
-
-
-def _load(path: Path, name: str) -> transformers.PreTrainedModel:
-    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                             dtype=torch.float32).eval()
-
-
-def _reference(hf_dir: Path) -> transformers.PreTrainedModel:
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float32).eval()
+    return make_hf_models(tmp_path_factory.mktemp("hf"))
 
 
 def _greedy(model: transformers.PreTrainedModel, ids: torch.Tensor) -> list[int]:
@@ -229,7 +138,7 @@ def test_f32_export_reads_back_exactly(hf_models, tmp_path, name):
     hf_dir = hf_models[name]
     path = export_gguf(hf_dir, tmp_path / f"{name}.gguf", "F32", progress=False)
     assert sorted(tmp_path.iterdir()) == [path]  # no temporary left
-    ref, got = _reference(hf_dir), _load(path, name)
+    ref, got = load_reference(hf_dir), load_gguf(path)
     want = ref.state_dict()
     tied = bool(ref.config.tie_word_embeddings)
     assert ("lm_head.weight" in dict(got.named_parameters())) is not tied
@@ -260,11 +169,11 @@ def test_f32_export_reads_back_exactly(hf_models, tmp_path, name):
 def test_q8_0_export_is_within_the_block_error(hf_models, tmp_path, name):
     hf_dir = hf_models[name]
     path = export_gguf(hf_dir, tmp_path / f"{name}.gguf", "Q8_0", progress=False)
-    ref, got = _reference(hf_dir), _load(path, name)
+    ref, got = load_reference(hf_dir), load_gguf(path)
     want = ref.state_dict()
     for key, value in got.state_dict().items():
         bound = 0.0 if value.ndim == 1 else 0.006
-        assert _rel_rms(value.numpy(), want[key].numpy()) <= bound, key
+        assert rel_rms(value.numpy(), want[key].numpy()) <= bound, key
     ids = torch.tensor([[5, 99, 1234, 7, 42, 3000, 17, 256]])
     with torch.no_grad():
         a, b = ref(ids).logits, got(ids).logits
@@ -273,7 +182,7 @@ def test_q8_0_export_is_within_the_block_error(hf_models, tmp_path, name):
 
 
 def test_demo_model_exports_and_reads_back(tmp_path):
-    ref = _reference(DEMO)
+    ref = load_reference(DEMO)
     want_tok = transformers.AutoTokenizer.from_pretrained(DEMO)
     ids = want_tok(TEXTS[0], return_tensors="pt").input_ids
     with torch.no_grad():
@@ -287,7 +196,7 @@ def test_demo_model_exports_and_reads_back(tmp_path):
             assert types["token_embd.weight"] == "Q6_K"
             assert [types[f"blk.{i}.attn_v.weight"] for i in range(4)] == \
                 ["Q4_K", "Q4_K", "Q6_K", "Q6_K"]
-        got = _load(path, "demo")
+        got = load_gguf(path)
         with torch.no_grad():
             logits = got(ids).logits
         err = ((logits - want).norm() / want.norm()).item()
@@ -306,7 +215,7 @@ def test_demo_model_exports_and_reads_back(tmp_path):
 def test_rope_scaling_is_written_as_convert_hf_to_gguf_does(hf_models, tmp_path, rope):
     hf_dir = tmp_path / "hf"
     shutil.copytree(hf_models["llama"], hf_dir)
-    _edit_config(hf_dir, rope_parameters=rope, rope_scaling=None)
+    edit_config(hf_dir, rope_parameters=rope, rope_scaling=None)
     reader = gguf.GGUFReader(export_gguf(hf_dir, tmp_path / "r.gguf", "F16", progress=False))
     fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("llama.rope")}
     assert fields["llama.rope.freq_base"] == rope["rope_theta"]
@@ -336,10 +245,10 @@ def test_unsupported_inputs_are_clear_errors_and_leave_no_file(hf_models, tmp_pa
     out.mkdir()
     with pytest.raises(ConfigurationError, match="unknown GGUF quantization type 'Q3_K_M'"):
         export_gguf(hf_dir, out / "x.gguf", "Q3_K_M")
-    _edit_config(hf_dir, rope_parameters=dict(rope_type="dynamic", factor=2.0))
+    edit_config(hf_dir, rope_parameters=dict(rope_type="dynamic", factor=2.0))
     with pytest.raises(ConfigurationError, match="rope scaling 'dynamic'"):
         export_gguf(hf_dir, out / "x.gguf", "Q8_0", progress=False)
-    _edit_config(hf_dir, architectures=["GPT2LMHeadModel"])
+    edit_config(hf_dir, architectures=["GPT2LMHeadModel"])
     with pytest.raises(ConfigurationError, match="architecture 'GPT2LMHeadModel' cannot be"):
         export_gguf(hf_dir, out / "x.gguf")
     assert list(out.iterdir()) == []
@@ -349,25 +258,3 @@ def test_unsupported_inputs_are_clear_errors_and_leave_no_file(hf_models, tmp_pa
                      "q4_k_m"]) == 0
     assert gguf.GGUFReader(out / "y.gguf").fields["general.file_type"].contents() == \
         PRESETS["Q4_K_M"][0]
-
-
-def test_llama_quantize_makes_the_same_mix(tmp_path):
-    tool = LLAMACPP_BIN / "llama-quantize"
-    if not tool.is_file():
-        pytest.skip(f"no llama-quantize at {tool} (make llamacpp)")
-    # 8 layers for the use_more_bits pattern, untied, K = 544 for the fallbacks; its own
-    # small tokenizer (fewer tokens than embedding rows: [PAD] tokens)
-    hf_dir = make_checkpoint(tmp_path / "hf", "LlamaForCausalLM", **{
-        **SIZES, "num_hidden_layers": 8, "intermediate_size": 544, "vocab_size": 1024})
-    for preset in ("Q8_0", "Q4_0", "Q5_1", "Q6_K", "Q4_K_S", "Q4_K_M", "Q5_K_M"):
-        ours = gguf.GGUFReader(export_gguf(hf_dir, tmp_path / "a.gguf", preset, progress=False))
-        theirs = gguf.GGUFReader(export_gguf(hf_dir, tmp_path / "b.gguf", preset,
-                                             progress=False, llama_quantize=str(tool)))
-        got = {t.name: t for t in theirs.tensors}
-        assert {t.name: t.tensor_type for t in ours.tensors} == \
-            {n: t.tensor_type for n, t in got.items()}, preset
-        for t in ours.tensors:  # ggml's reference quantizers: the same bytes
-            if t.tensor_type not in (T.Q4_K, T.Q5_K, T.Q6_K):
-                assert np.array_equal(t.data, got[t.name].data), (preset, t.name)
-    model = _load(tmp_path / "b.gguf", "llama-quantize")
-    assert model.config.num_hidden_layers == 8
