@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import make_checkpoint
+from conftest import _CORPUS, make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "fleetllm" / "demo_model"
@@ -62,6 +62,26 @@ def demo_tokenizer(path: Path, qwen: bool) -> None:
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
              "use_regex": False}]}
         (path / "tokenizer.json").write_text(json.dumps(spec))
+
+
+def byte_fallback_tokenizer(path: Path) -> None:
+    """Llama 2's tokenizer.json shape: BPE with byte fallback, Metaspace, BOS added."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
+                                                 split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    trainer = trainers.BpeTrainer(vocab_size=600, show_progress=False, special_tokens=[
+        "<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))])
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    for f in path.glob("tokenizer*"):
+        f.unlink()
+    transformers.LlamaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                    unk_token="<unk>", legacy=False).save_pretrained(path)
 
 
 def edit_config(path: Path, **changes) -> None:

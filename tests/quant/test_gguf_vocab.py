@@ -6,12 +6,12 @@ names. Tiny tokenizers trained here; nothing is downloaded."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import gguf
 import pytest
 import transformers
-from conftest import _CORPUS, make_checkpoint
+from conftest import make_checkpoint
+from gguf_helpers import byte_fallback_tokenizer
 
 from fleetllm.errors import ConfigurationError
 from fleetllm.quant.gguf_export import export_gguf
@@ -21,30 +21,10 @@ TEXTS = ["def fibonacci(n):\n    return n", "Hello,  world! ü 🦙 x",
          "import os\n\nclass A:\n\tpass"]
 
 
-def _byte_fallback_tokenizer(path: Path) -> None:
-    """Llama 2's tokenizer.json shape: BPE with byte fallback, Metaspace, BOS added."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
-                                                 split=False)
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    trainer = trainers.BpeTrainer(vocab_size=600, show_progress=False, special_tokens=[
-        "<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))])
-    tok.train_from_iterator(_CORPUS * 20, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", 1)])
-    for f in path.glob("tokenizer*"):
-        f.unlink()
-    transformers.LlamaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                    unk_token="<unk>", legacy=False).save_pretrained(path)
-
-
 def test_byte_fallback_bpe_is_a_llama_vocabulary_scored_by_merge_order(tmp_path):
     hf_dir = make_checkpoint(tmp_path / "spm", "LlamaForCausalLM", vocab_size=600,
                              hidden_size=64, intermediate_size=256, num_hidden_layers=1)
-    _byte_fallback_tokenizer(hf_dir)
+    byte_fallback_tokenizer(hf_dir)
     path = export_gguf(hf_dir, tmp_path / "spm.gguf", "F32", progress=False)
     fields = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()
               if k.startswith("tokenizer.")}
