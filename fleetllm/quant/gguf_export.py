@@ -14,7 +14,8 @@ loaded as float32, permuted, quantized (blocks.quantize) and appended: memory fo
 largest tensor, not the model (a 187M-weight bf16 checkpoint with a 65M-weight embedding:
 0.7 GB resident). The file is written as .<name>.tmp-<pid> beside the target and renamed
 over it at the end, so a crash leaves no partial .gguf. With llama_quantize=<path of
-llama-quantize>, an F32 GGUF is written to a temporary file instead and llama.cpp's own tool
+llama-quantize>, an unquantized GGUF is written to a temporary file instead (BF16 or F16 when
+every checkpoint weight is, else F32: no rounding before llama.cpp's) and llama.cpp's own tool
 quantizes it to `qtype`.
 Failures: an unknown architecture, qtype or rope scaling type, a missing config.json /
 safetensors / tokenizer, or a checkpoint tensor with no GGUF name raise ConfigurationError
@@ -77,9 +78,9 @@ def export_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLike[str]
     tool = Path(llama_quantize)
     if not (tool.is_file() and os.access(tool, os.X_OK)):
         raise ConfigurationError(f"llama-quantize {tool} is not an executable file")
-    f32 = out.with_name(f".{out.name}.f32-{os.getpid()}")
+    f32 = out.with_name(f".{out.name}.src-{os.getpid()}")
     try:
-        _write(hf, f32, "F32", progress)
+        _write(hf, f32, _lossless_preset(hf), progress)
         with _replacing(out) as tmp:
             # its log quotes token text cut at byte limits: not always UTF-8
             run = subprocess.run([str(tool), str(f32), str(tmp), preset], capture_output=True,
@@ -110,7 +111,7 @@ def _write(hf: Path, path: Path, preset: str, progress: bool) -> None:
     tensors, n_vocab = _plan(hf, config, arch, preset)
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[arch])
     try:
-        _add_metadata(writer, hf, config, arch, preset)
+        _add_metadata(writer, hf, config, arch, preset, n_vocab)
         add_tokenizer(writer, hf, n_vocab)
         for t in tensors:
             nbytes = blocks.row_bytes(t.qtype, t.shape[-1])
@@ -167,6 +168,9 @@ def _checkpoint(hf: Path) -> dict[str, Path]:
     index = hf / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map") or {}
+        missing = sorted({f for f in weight_map.values() if not (hf / f).is_file()})
+        if missing or not weight_map:
+            raise ConfigurationError(f"{index} lists no weights or missing files: {missing[:3]}")
         return {name: hf / f for name, f in weight_map.items()}
     files = sorted(hf.glob("*.safetensors"))
     if not files:
@@ -176,6 +180,17 @@ def _checkpoint(hf: Path) -> dict[str, Path]:
         with safe_open(str(f), framework="pt") as st:
             names.update(dict.fromkeys(st.keys(), f))
     return names
+
+
+def _lossless_preset(hf: Path) -> str:
+    """The float type that holds every checkpoint weight exactly: llama-quantize's input."""
+    from safetensors import safe_open
+
+    dtypes = set()
+    for name, path in _checkpoint(hf).items():
+        with safe_open(str(path), framework="pt") as st:
+            dtypes.add(st.get_slice(name).get_dtype())
+    return dtypes.pop() if dtypes in ({"BF16"}, {"F16"}) else "F32"
 
 
 def _loader(path: Path, name: str, permute: tuple[int, int] | None) -> Callable[[], np.ndarray]:
@@ -269,7 +284,7 @@ def _llama3_rope_factors(config: dict[str, Any], arch: gguf.MODEL_ARCH) -> np.nd
 
 
 def _add_metadata(w: gguf.GGUFWriter, hf: Path, config: dict[str, Any],
-                  arch: gguf.MODEL_ARCH, preset: str) -> None:
+                  arch: gguf.MODEL_ARCH, preset: str, n_vocab: int) -> None:
     w.add_name(str(config.get("_name_or_path") or hf.resolve().name))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_file_type(PRESETS[preset][0])
@@ -283,7 +298,7 @@ def _add_metadata(w: gguf.GGUFWriter, hf: Path, config: dict[str, Any],
     w.add_key_length(_head_dim(config))
     w.add_value_length(_head_dim(config))
     w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
-    w.add_vocab_size(config["vocab_size"])
+    w.add_vocab_size(n_vocab)  # the embedding rows, as the token list is padded to
     if arch == gguf.MODEL_ARCH.LLAMA:
         w.add_rope_dimension_count(_head_dim(config))
     window = config.get("sliding_window")
