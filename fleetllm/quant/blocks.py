@@ -84,8 +84,8 @@ def quantize(array: np.ndarray, qtype: GGMLQuantizationType | str) -> np.ndarray
         step = max(1, _CHUNK_WEIGHTS // rows.shape[1])
         for start in range(0, rows.shape[0], step):
             part = rows[start:start + step]
-            blocks = _K_QUANTIZERS[t](part.reshape(-1, QK_K))
-            out[start:start + step] = blocks.reshape(part.shape[0], nbytes)
+            packed = _K_QUANTIZERS[t](part.reshape(-1, QK_K))
+            out[start:start + step] = packed.reshape(part.shape[0], nbytes)
     else:
         out = np.asarray(gq.quantize(rows, t)).view(np.uint8)
     return out.reshape(*x.shape[:-1], nbytes)
@@ -93,7 +93,8 @@ def quantize(array: np.ndarray, qtype: GGMLQuantizationType | str) -> np.ndarray
 
 def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType | str,
                shape: tuple[int, ...]) -> np.ndarray:
-    """Raw blocks of `qtype` -> float32 array of `shape` (gguf.quants' reference decoding)."""
+    """Raw blocks of `qtype` -> float32 array of `shape` (gguf.quants' reference decoding; for
+    F32 a view of `raw`, not a copy)."""
     t = as_qtype(qtype)
     shape = tuple(int(s) for s in shape)
     nbytes = row_bytes(t, shape[-1])

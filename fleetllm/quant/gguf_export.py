@@ -78,18 +78,18 @@ def export_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLike[str]
     tool = Path(llama_quantize)
     if not (tool.is_file() and os.access(tool, os.X_OK)):
         raise ConfigurationError(f"llama-quantize {tool} is not an executable file")
-    f32 = out.with_name(f".{out.name}.src-{os.getpid()}")
+    source = out.with_name(f".{out.name}.src-{os.getpid()}")
     try:
-        _write(hf, f32, _lossless_preset(hf), progress)
+        _write(hf, source, _lossless_preset(hf), progress)
         with _replacing(out) as tmp:
             # its log quotes token text cut at byte limits: not always UTF-8
-            run = subprocess.run([str(tool), str(f32), str(tmp), preset], capture_output=True,
+            run = subprocess.run([str(tool), str(source), str(tmp), preset], capture_output=True,
                                  text=True, errors="replace", check=False)
             if run.returncode != 0 or not tmp.is_file():
                 tail = (run.stdout + run.stderr)[-2000:]
                 raise ModelLoadError(f"{tool} {preset} exited {run.returncode}:\n{tail}")
     finally:
-        f32.unlink(missing_ok=True)
+        source.unlink(missing_ok=True)
     return out
 
 
