@@ -1,5 +1,5 @@
 """The `fleetllm` command: generate, serve, bench throughput | latency | rpc | serve | recovery |
-grammar.
+grammar, quantize (a Hugging Face checkpoint to a GGUF file).
 
 The console-script entry point, on top of everything: no fleetllm module imports it. The
 engine flags it shares with the server and the benchmarks are fleetllm.engine.arg_utils'.
@@ -113,6 +113,33 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
     serve.set_defaults(run=_run_bench_serve, passthrough=True)
 
 
+def _run_quantize(args: argparse.Namespace) -> int:
+    from fleetllm.quant.gguf_export import export_gguf
+
+    path = export_gguf(args.hf_dir, args.out, args.type, llama_quantize=args.llama_quantize)
+    print(path)
+    return 0
+
+
+def _add_quantize(sub: Any, common: argparse.ArgumentParser) -> None:
+    from fleetllm.quant.gguf_mix import PRESETS
+
+    quant = sub.add_parser("quantize", parents=[common], formatter_class=HelpFormatter,
+                           help="write a Hugging Face checkpoint as a GGUF file",
+                           description="Write a Hugging Face checkpoint directory (Llama, "
+                           "Mistral, Qwen2, Qwen3) as a GGUF file, quantized the way "
+                           "llama-quantize's presets mix types.")
+    quant.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face checkpoint directory")
+    quant.add_argument("out", metavar="OUT.gguf", help="GGUF file to write")
+    quant.add_argument("--type", default="Q8_0", type=str.upper, choices=list(PRESETS),
+                       metavar="TYPE",
+                       help=f"quantization preset: {', '.join(PRESETS)}")
+    quant.add_argument("--llama-quantize", metavar="PATH", default=None,
+                       help="quantize with this llama.cpp llama-quantize binary instead of "
+                       "fleetllm's numpy quantizers")
+    quant.set_defaults(run=_run_quantize)
+
+
 def build_parser() -> argparse.ArgumentParser:
     # --debug is on every subcommand too; SUPPRESS there keeps `fleetllm --debug generate`
     # (the subcommand's unset default would otherwise overwrite the top-level value).
@@ -128,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub, common)
     _add_serve(sub, common)
     _add_bench(sub, common)
+    _add_quantize(sub, common)
     return parser
 
 
