@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <vector>
 
 #include "kernels.h"
@@ -227,6 +228,9 @@ struct LinearCtx {
     const Weight *w;
     float *y;
     int M;
+    const int8_t *xq;  // x quantized for the VNNI path (vnni_quantize), or nullptr
+    const float *dxl, *xqsum;
+    const int32_t *xls;
 };
 
 // Per row r of MT rows of x: acc[r] += sum over 16 lanes of v * x_r[off..off+16).
@@ -404,7 +408,10 @@ void linear_body(void *arg, long begin, long end, int)
     for (int pi = 0; pi < c.w->parts; pi++) {
         const Part &p = c.w->part[pi];
         const long lo = std::max(begin, first), hi = std::min(end, first + p.rows);
-        if (lo < hi) {
+        if (lo < hi && c.xq != nullptr && vnni_reads(p.type, c.w->K)) {
+            vnni_rows(p, c.xq, c.dxl, c.xls, c.xqsum, c.w->K, c.M, lo - first, hi - first, c.y,
+                      c.w->N, first);
+        } else if (lo < hi) {
             int m0 = 0;
             for (; m0 + 8 <= c.M; m0 += 8) rows_dot<8>(c, p, first, lo - first, hi - first, m0);
             for (; m0 + 4 <= c.M; m0 += 4) rows_dot<4>(c, p, first, lo - first, hi - first, m0);
@@ -461,7 +468,20 @@ void linear(const float *x, int M, const Weight &w, float *y, int nthreads)
                 for (int i = 0; i < 16; i++) t += x[static_cast<long>(r) * K + 16 * g + i];
                 xsum[static_cast<size_t>(r) * KG + g] = t;
             }
-    LinearCtx c{x, xsum.data(), &w, y, M};
+    // The VNNI path: x quantized once for the parts it reads (a decode step's few rows).
+    bool vnni = M <= 8 && vnni_available();
+    bool reads = false;
+    for (int p = 0; p < w.parts; p++) reads = reads || vnni_reads(w.part[p].type, K);
+    vnni = vnni && reads;
+    const size_t n = vnni ? static_cast<size_t>(M) * K : 0;
+    std::vector<int8_t> xq(2 * n);  // two planes (quant_vnni.cpp)
+    std::vector<float> dxl(n / 4);
+    std::vector<int32_t> xls(n / 4);
+    std::vector<float> xqsum(n / 16);
+    if (vnni)
+        vnni_quantize(x, M, K, xq.data(), dxl.data(), xls.data(), xqsum.data());
+    LinearCtx c{x,           xsum.data(), &w, y, M, vnni ? xq.data() : nullptr, dxl.data(),
+                xqsum.data(), xls.data()};
     // Chunks of outputs claimed by the threads: ~16 a thread, at least 4 rows.
     const long chunk = std::max(4L, w.N / (16L * std::max(nthreads, 1)));
     const bool small = static_cast<long>(K) * w.N < 4 * PAR_MIN;

@@ -47,4 +47,16 @@ void linear(const float *x, int M, const Weight &w, float *y, int nthreads);
 // rows).
 void dequantize(const Weight &w, long r0, long rows, float *out, int nthreads);
 
+// The AVX-512 VNNI path (quant_vnni.cpp): whether this CPU runs it (FLEETLLM_QUANT_VNNI=0
+// turns it off), whether it reads a part of `type` with K columns, x's rows quantized for it
+// (xq int8 [2, M, K]: two planes; dxl, xls: per 4 elements; xqsum: each 16
+// elements' sum as quantized), and outputs [n0, n1) of one part for every row of x (y [M, N],
+// the part's first output at `first`).
+bool vnni_available();
+bool vnni_reads(int64_t type, int K);
+void vnni_quantize(const float *x, int M, int K, int8_t *xq, float *dxl, int32_t *xls,
+                   float *xqsum);
+void vnni_rows(const Part &p, const int8_t *xq, const float *dxl, const int32_t *xls,
+               const float *xqsum, int K, int M, long n0, long n1, float *y, long N, long first);
+
 }  // namespace fleetllm::kernels::quant
