@@ -94,14 +94,15 @@ def _run_bench_serve(args: argparse.Namespace) -> int | dict:
 
 
 def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
-    from fleetllm.benchmarks import grammar, latency, recovery, rpc, throughput
+    from fleetllm.benchmarks import grammar, latency, perplexity, recovery, rpc, throughput
 
     bench = sub.add_parser("bench", help="throughput | latency | rpc | serve | recovery | "
-                           "grammar",
+                           "grammar | perplexity",
                            description="Benchmarks; `fleetllm bench NAME --help` for each.")
     which = bench.add_subparsers(dest="benchmark", required=True, metavar="NAME")
     for name, module in (("throughput", throughput), ("latency", latency), ("rpc", rpc),
-                         ("recovery", recovery), ("grammar", grammar)):
+                         ("recovery", recovery), ("grammar", grammar),
+                         ("perplexity", perplexity)):
         summary = (module.__doc__ or name).split("\n\n")[0]
         parser = which.add_parser(name, parents=[common], formatter_class=HelpFormatter,
                                   help=summary.split(":")[0], description=summary)
@@ -114,14 +115,32 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _run_quantize(args: argparse.Namespace) -> int:
+    import tempfile
+
     from fleetllm.quant.gguf_export import export_gguf
 
-    path = export_gguf(args.hf_dir, args.out, args.type, llama_quantize=args.llama_quantize)
+    if (args.hf_dir is None) == (args.preset is None):
+        raise SystemExit("fleetllm quantize: give HF_DIR or --preset, not both")
+    with tempfile.TemporaryDirectory(prefix="fleetllm-preset-") as tmp:
+        src = args.hf_dir
+        if args.preset:  # the benchmarks' dummy weights (seed 0), bf16, a placeholder BPE
+            import torch
+
+            from fleetllm.benchmarks.checkpoint import (
+                write_byte_bpe_tokenizer,
+                write_dummy_checkpoint,
+            )
+            from fleetllm.benchmarks.presets import PRESETS, preset_dir
+
+            src = write_dummy_checkpoint(preset_dir(args.preset), tmp, 0, torch.bfloat16)
+            write_byte_bpe_tokenizer(src, PRESETS[args.preset]["vocab_size"])
+        path = export_gguf(src, args.out, args.type, llama_quantize=args.llama_quantize)
     print(path)
     return 0
 
 
 def _add_quantize(sub: Any, common: argparse.ArgumentParser) -> None:
+    from fleetllm.benchmarks.presets import PRESETS as BENCH_PRESETS
     from fleetllm.quant.gguf_mix import PRESETS
 
     quant = sub.add_parser("quantize", parents=[common], formatter_class=HelpFormatter,
@@ -129,8 +148,12 @@ def _add_quantize(sub: Any, common: argparse.ArgumentParser) -> None:
                            description="Write a Hugging Face checkpoint directory (Llama, "
                            "Mistral, Qwen2, Qwen3) as a GGUF file, quantized the way "
                            "llama-quantize's presets mix types.")
-    quant.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face checkpoint directory")
+    quant.add_argument("hf_dir", metavar="HF_DIR", nargs="?", default=None,
+                       help="Hugging Face checkpoint directory")
     quant.add_argument("out", metavar="OUT.gguf", help="GGUF file to write")
+    quant.add_argument("--preset", default=None, choices=sorted(BENCH_PRESETS),
+                       help="instead of HF_DIR: a benchmark preset's dummy weights (what "
+                       "`fleetllm bench --preset` runs), so GGUF figures can be reproduced")
     quant.add_argument("--type", default="Q8_0", type=str.upper, choices=list(PRESETS),
                        metavar="TYPE",
                        help=f"quantization preset: {', '.join(PRESETS)}")

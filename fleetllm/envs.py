@@ -94,6 +94,9 @@ VARIABLES: tuple[EnvVar, ...] = (
            "how the bf16 pairs kernel sums (the same bits either way)", read_by="C++"),
     EnvVar("FLEETLLM_CPU_AMX", "bool", "1",
            "0: no AMX tiles for bf16 projections", read_by="C++"),
+    EnvVar("FLEETLLM_QUANT_VNNI", "bool", "1",
+           "0: quantized (GGUF) projections unpack to float32 instead of AVX-512 VNNI's int8 "
+           "dot products", read_by="C++"),
     # Threads and memory.
     EnvVar("FLEETLLM_NUM_THREADS", "int", "physical cores / ranks on this machine",
            "torch's intra-op threads per worker", parse=_int_or_none),

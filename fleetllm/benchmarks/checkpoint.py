@@ -77,3 +77,37 @@ def write_word_tokenizer(out_dir: str | Path, vocab_size: int) -> Path:
         "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False,
         "model_max_length": 1 << 20}, indent=1))
     return out
+
+
+def write_byte_bpe_tokenizer(out_dir: str | Path, vocab_size: int) -> Path:
+    """A placeholder byte-level BPE tokenizer of vocab_size ids for a dummy checkpoint that is
+    written as a GGUF (`fleetllm quantize --preset`): GGUF files carry a BPE vocabulary (with
+    merges, which llama.cpp requires), not a word-level one. Ids 0-2 are <unk>, <s>, </s>,
+    then the 256 byte symbols, then filler tokens no text produces."""
+    # GPT-2's byte -> printable symbol table
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = iter(range(256, 512))
+    symbols = [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+    tokens = ["<unk>", "<s>", "</s>", *symbols, "\u0120w"]
+    tokens += [f"\u0120w{i}" for i in range(vocab_size - len(tokens))]
+    spec = {"version": "1.0", "truncation": None, "padding": None, "normalizer": None,
+            "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False,
+                              "rstrip": False, "normalized": False, "special": True}
+                             for i, t in enumerate(tokens[:3])],
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False,
+                              "trim_offsets": True, "use_regex": True},
+            "post_processor": None,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                        "use_regex": True},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                      "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": {t: i for i, t in enumerate(tokens)},
+                      "merges": ["\u0120 w"]}}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>",
+        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}, indent=1))
+    return out

@@ -52,12 +52,25 @@ def reference_tokens(path: Path, prompts: list[str]) -> tuple[list[list[int]], l
     return tokens, logits
 
 
-def check_parity(path: Path, got: list[list[int]], min_equal: float = 0.9) -> float:
+# The largest |logprob - transformers' logprob| of a token both chose: measured up to 6e-4
+# on these files (the demo model, random llama / qwen2 / qwen3, every preset; float32 sums in
+# a different order, and the VNNI path's two planes of x, ~3e-5 relative).
+LOGPROB_TOL = 2e-3
+
+
+def check_parity(path: Path, got: list[list[int]], min_equal: float = 0.9,
+                 logprobs: list[list[float]] | None = None) -> float:
     """>= min_equal of the requests equal the reference, and each one's first differing token
-    is within the reference's top 5 there. Returns the fraction equal."""
+    is within the reference's top 5 there; the sampled tokens' logprobs (where given) within
+    LOGPROB_TOL of the reference's over the tokens both chose. Returns the fraction equal."""
     want, logits = reference_tokens(path, PROMPTS)
     equal = 0
-    for g, w, lg in zip(got, want, logits, strict=True):
+    for i, (g, w, lg) in enumerate(zip(got, want, logits, strict=True)):
+        same = next((j for j, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), len(g))
+        if logprobs is not None and same:
+            ref = torch.log_softmax(lg[:same].double(), -1)[torch.arange(same), g[:same]]
+            err = (torch.tensor(logprobs[i][:same], dtype=torch.float64) - ref).abs().max()
+            assert err < LOGPROB_TOL, f"{path.name}: logprob off by {err:.2e}"
         if g == w:
             equal += 1
             continue
@@ -68,11 +81,18 @@ def check_parity(path: Path, got: list[list[int]], min_equal: float = 0.9) -> fl
     return equal / len(got)
 
 
-def generate(path: Path, **kwargs) -> list[list[int]]:
+def generate(path: Path, with_logprobs: bool = False, **kwargs):
+    """Greedy tokens of PROMPTS (and, with_logprobs, each sampled token's logprob)."""
     with LLM(str(path), max_model_len=128, **kwargs) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0,
-                                                    ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+                                                    ignore_eos=True, logprobs=0),
+                            use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    if not with_logprobs:
+        return tokens
+    return tokens, [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                    o.outputs[0].logprobs, strict=True)]
+                    for o in outs]
 
 
 @pytest.fixture(scope="module")
@@ -102,14 +122,16 @@ def files(tmp_path_factory):
 @pytest.mark.parametrize("preset", DEMO_TYPES)
 def test_demo_model_matches_transformers(files, preset):
     path = files("demo", preset)
-    check_parity(path, generate(path))
+    tokens, logprobs = generate(path, with_logprobs=True)
+    check_parity(path, tokens, logprobs=logprobs)
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("preset", RANDOM_TYPES)
 def test_random_weights_match_transformers(files, model, preset):
     path = files(model, preset)
-    check_parity(path, generate(path))
+    tokens, logprobs = generate(path, with_logprobs=True)
+    check_parity(path, tokens, logprobs=logprobs)
 
 
 def test_one_call_decode_paths_run_quantized(files, monkeypatch):
