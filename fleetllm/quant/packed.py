@@ -105,7 +105,7 @@ def pack(parts: list[QuantTensor]) -> torch.Tensor:
     words = [MAGIC, cols, len(parts)]
     for p, off in zip(parts, offsets, strict=True):
         words += [int(p.qtype), p.shape[0], p.raw.shape[1], off]
-        out[off:off + p.raw.size] = torch.from_numpy(np.array(p.raw, copy=True).reshape(-1))
+        out.numpy()[off:off + p.raw.size] = p.raw.reshape(-1)  # from the mapping, one copy
     out[:8 * len(words)] = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
     return out
 
