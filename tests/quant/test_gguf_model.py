@@ -34,11 +34,16 @@ RANDOM = {"llama": ("LlamaForCausalLM", {}),
 RANDOM_TYPES = ["Q8_0", "Q6_K", "Q4_K_M", "Q5_K_M", "Q4_0"]
 
 
-def reference_tokens(path: Path, prompts: list[str]) -> tuple[list[list[int]], list]:
-    """transformers' greedy tokens on the file, and its logits at each step."""
+def reference_tokens(path: Path, prompts: list[str], adapter: Path | None = None
+                     ) -> tuple[list[list[int]], list]:
+    """transformers' greedy tokens on the file (with a PEFT adapter: peft's), and its logits
+    at each step."""
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, str(adapter)).eval()
     tokens, logits = [], []
     for p in prompts:  # plain greedy steps: no stop at EOS (the engine ignores it here)
         ids = tok(p, return_tensors="pt").input_ids
@@ -52,10 +57,11 @@ def reference_tokens(path: Path, prompts: list[str]) -> tuple[list[list[int]], l
     return tokens, logits
 
 
-def check_parity(path: Path, got: list[list[int]], min_equal: float = 0.9) -> float:
+def check_parity(path: Path, got: list[list[int]], min_equal: float = 0.9,
+                 adapter: Path | None = None) -> float:
     """>= min_equal of the requests equal the reference, and each one's first differing token
     is within the reference's top 5 there. Returns the fraction equal."""
-    want, logits = reference_tokens(path, PROMPTS)
+    want, logits = reference_tokens(path, PROMPTS, adapter)
     equal = 0
     for g, w, lg in zip(got, want, logits, strict=True):
         if g == w:
