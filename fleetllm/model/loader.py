@@ -55,7 +55,11 @@ def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
         torch.set_default_dtype(default_dtype)
     # Before loading (the loaders copy into the parameters in place); not where packing will
     # free the dense weights: the mapping would stay whole while any parameter lives in it.
-    if device.type == "cpu" and dense_weights_kept(model) and not mc.is_gguf:
+    quantized = mc.is_gguf
+    if not quantized and load_format == "sharded_state":  # a GGUF model's, saved
+        from fleetllm.model.sharded_state import gguf_source
+        quantized = gguf_source(mc.model) is not None
+    if device.type == "cpu" and dense_weights_kept(model) and not quantized:
         huge_pages.place_parameters(model)
     if mc.is_gguf:  # blocks kept as the file has them (fleetllm/quant/)
         from fleetllm.quant.gguf_loader import load_gguf

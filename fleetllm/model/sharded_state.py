@@ -7,6 +7,15 @@ each rank's tensors under the model's names, as it holds them, split at `max_siz
 directory without it is incomplete), and the source's config, generation config and tokenizer,
 so `LLM(path, load_format="sharded_state", ...)` works as is. Tied embeddings are saved once
 (safetensors refuses shared memory) and tied again when the model is built.
+
+A GGUF model keeps its quantized layout: each packed copy (a Gguf kernel's, a quantized
+embedding's; quant/packed.py) is saved as it is, uint8 under `{module}.packed`, and loaded back
+into the same place (quant/gguf_loader.install), so the directory weighs about the .gguf file.
+The source file itself is not copied (it would double that) nor referenced (it may move): the
+directory gets its config as config.json (the GGUF metadata in Hugging Face's form, as
+ModelConfig reads it) and its tokenizer saved by transformers (or the files of a tokenizer
+directory given), and the metadata names the source file ("gguf") for the record and for the
+loader (no dense weights are placed in huge pages for it).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from safetensors.torch import save_file
 from fleetllm.config import EngineConfig, ModelConfig
 from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
 from fleetllm.errors import ConfigurationError, ModelLoadError
+from fleetllm.model.linear_kernels import Gguf
 
 DEFAULT_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 METADATA_FILE = "fleetllm_sharded_state.json"
@@ -67,12 +77,25 @@ def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if id(tensor) not in seen:
             seen.add(id(tensor))
             out[name] = tensor
-    # A projection whose weight lives only in its kernel's packed copy (kernel_choice.py) is
-    # saved dense, as loading expects it (and packs it again).
-    for prefix, module in model.named_modules():
+    # A GGUF model's packed copies as they are (an embedding's first: a tied LM head's kernel
+    # shares it); a projection whose weight lives only in another kernel's packed copy
+    # (kernel_choice.py) is saved dense, as loading expects it (and packs it again).
+    modules = list(model.named_modules())
+    held: set[int] = set()
+    for prefix, module in modules:
+        packed = getattr(module, "packed", None)
+        if packed is not None:
+            out[f"{prefix}.packed"] = packed
+            held.add(id(packed))
+    for prefix, module in modules:
         kernel = getattr(module, "kernel", None)
-        if kernel is not None and getattr(module, "weight", None) is None:
+        if kernel is None or getattr(module, "weight", None) is not None:
+            continue
+        if not isinstance(kernel, Gguf):
             out[f"{prefix}.weight"] = kernel.to_dense()
+        elif id(kernel.tensor) not in held:
+            out[f"{prefix}.packed"] = kernel.tensor
+            held.add(id(kernel.tensor))
     return out
 
 
@@ -114,16 +137,24 @@ def save_sharded_state(model: torch.nn.Module, path: str | os.PathLike, rank: in
 
 def copy_model_files(model_config: ModelConfig, path: str | os.PathLike) -> None:
     """Copy config.json, generation_config.json, the tokenizer files (and the other small
-    files) of the checkpoint beside the shards; never its weights."""
-    sources = [Path(model_config.model)]
-    if model_config.tokenizer and Path(model_config.tokenizer) != sources[0]:
+    files) of the checkpoint beside the shards; never its weights. A GGUF file's config and
+    tokenizer are written instead (see the module docstring)."""
+    model = Path(model_config.model)
+    sources = [] if model_config.is_gguf else [model]
+    if model_config.tokenizer and Path(model_config.tokenizer) != model:
         sources.append(Path(model_config.tokenizer))
-    for i, source in enumerate(sources):
+    if model_config.is_gguf:
+        from fleetllm.quant.gguf_checkpoint import load_gguf_tokenizer, open_gguf
+        config = open_gguf(model_config.model).config
+        (Path(path) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if not sources:  # the file's own tokenizer
+            load_gguf_tokenizer(model_config.model).save_pretrained(str(path))
+    for source in sources:
         for f in sorted(source.iterdir()):
             if (not f.is_file() or f.name.endswith(_NOT_COPIED) or f.name == METADATA_FILE
                     or f.name == "model.safetensors.index.json"):
                 continue
-            if i > 0 and (Path(path) / f.name).exists():
+            if source != model and (Path(path) / f.name).exists():
                 continue  # the model's own config.json wins over the tokenizer dir's
             shutil.copyfile(f, Path(path) / f.name)
 
@@ -138,6 +169,14 @@ def write_metadata(path: str | os.PathLike, config: EngineConfig, pattern: str,
             "pipeline_parallel_size": pc.pipeline_parallel_size,
             "world_size": pc.world_size, "dtype": str(dtype).removeprefix("torch."),
             "pattern": pattern, "files": {str(rank): f for rank, f in enumerate(files)}}
+    mc = config.model_config
+    source = None
+    if mc.is_gguf:
+        source = Path(mc.model).name
+    elif config.load_config.load_format == "sharded_state":  # saved again: its source's
+        source = gguf_source(mc.model)
+    if source:
+        meta["gguf"] = source
     tmp = Path(path) / f".{METADATA_FILE}.tmp"
     tmp.write_text(json.dumps(meta, indent=2) + "\n")
     os.replace(tmp, Path(path) / METADATA_FILE)
@@ -155,6 +194,15 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ModelLoadError(f"{meta_path} is not a fleetllm sharded state description")
     return meta
+
+
+def gguf_source(path: str | os.PathLike) -> str | None:
+    """The name of the GGUF file whose packed copies the sharded state at path holds (None:
+    none, or the state cannot be read: loading says why)."""
+    try:
+        return read_metadata(path).get("gguf")
+    except ModelLoadError:
+        return None
 
 
 def check_layout(meta: dict[str, Any], config: EngineConfig, path: str | os.PathLike) -> None:
@@ -181,6 +229,7 @@ def load_sharded_state(model: torch.nn.Module, config: EngineConfig) -> None:
     if not files:
         raise ModelLoadError(f"{path / METADATA_FILE} lists no files for rank {rank}")
     targets = state_tensors(model)
+    dtype = config.model_config.torch_dtype(config.device_config.device)
     loaded: set[str] = set()
     for name in files:
         file = path / name
@@ -190,6 +239,9 @@ def load_sharded_state(model: torch.nn.Module, config: EngineConfig) -> None:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
+                    if key.endswith(".packed"):  # a GGUF model's quantized copy
+                        loaded.add(_install_packed(model, key, f.get_tensor(key), dtype, file))
+                        continue
                     target = targets.get(key)
                     if target is None:
                         raise ModelLoadError(f"{file}: tensor {key!r} has no place in this "
@@ -210,3 +262,34 @@ def load_sharded_state(model: torch.nn.Module, config: EngineConfig) -> None:
     if missing:
         raise ModelLoadError(f"{path}: rank {rank}'s files lack {len(missing)} tensors, e.g. "
                              f"{sorted(missing)[:3]}")
+
+
+def _install_packed(model: torch.nn.Module, key: str, packed: torch.Tensor, dtype: torch.dtype,
+                    file: Path) -> str:
+    """Put a saved packed copy (`{module}.packed`) back in its module, checked against the
+    module's dense shape; returns the name of the weight it stands for."""
+    from fleetllm.quant.gguf_loader import install
+    from fleetllm.quant.packed import unpack
+
+    prefix = key.removesuffix(".packed")
+    try:
+        module = model.get_submodule(prefix)
+    except AttributeError:
+        module = None
+    weight = getattr(module, "weight", None)
+    if weight is None:
+        raise ModelLoadError(f"{file}: tensor {key!r} has no place in this model")
+    try:
+        parts = unpack(packed) if packed.dtype == torch.uint8 and packed.dim() == 1 else None
+    except (ValueError, RuntimeError, IndexError):
+        parts = None
+    if not parts:
+        raise ModelLoadError(f"{file}: tensor {key!r} is not a packed quantized weight")
+    shape = (sum(q.shape[0] for q in parts), parts[0].shape[1])
+    if shape != tuple(weight.shape):
+        raise ModelLoadError(f"{file}: tensor {key!r} holds a {shape} weight, the model's is "
+                             f"{tuple(weight.shape)}")
+    if packed.data_ptr() % 64:  # the kernels read 8-byte words; allocations are aligned
+        packed = packed.clone()
+    install(model, module, packed, dtype)
+    return f"{prefix}.weight"

@@ -69,18 +69,26 @@ def finish(model: nn.Module) -> None:
         if not any(p.quantized for p in ordered):
             _load_dense(module, ordered)
             continue
-        packed = pack(ordered)
-        if isinstance(module, ParallelLMHead):
-            module.kernel = lk.Gguf(packed, module.shard)
-        elif isinstance(module, VocabParallelEmbedding):
-            module.packed, module.packed_dtype = packed, dtype
-            head = getattr(model, "lm_head", None)
-            if head is not None and head.weight is module.weight:  # tied: the same blocks
-                head.kernel = lk.Gguf(packed, head.shard)
-                head.weight = None
-        else:
-            module.kernel = lk.Gguf(packed, sum(p.shape[0] for p in ordered))
-        module.weight = None  # never written: no memory was touched
+        install(model, module, pack(ordered), dtype)
+
+
+def install(model: nn.Module, module: nn.Module, packed: torch.Tensor,
+            dtype: torch.dtype) -> None:
+    """Give module its packed copy (packed.py) in place of its dense weight, which is dropped
+    (never written: no memory was touched): a projection's or the LM head's Gguf kernel, an
+    embedding's rows (`packed`, looked up in `dtype`; a tied LM head's kernel shares them).
+    Also how sharded_state loads a saved GGUF model's copies."""
+    if isinstance(module, ParallelLMHead):
+        module.kernel = lk.Gguf(packed, module.shard)
+    elif isinstance(module, VocabParallelEmbedding):
+        module.packed, module.packed_dtype = packed, dtype
+        head = getattr(model, "lm_head", None)
+        if head is not None and head.weight is module.weight:  # tied: the same blocks
+            head.kernel = lk.Gguf(packed, head.shard)
+            head.weight = None
+    else:
+        module.kernel = lk.Gguf(packed, module.weight.shape[0])
+    module.weight = None
 
 
 def _load_dense(module: nn.Module, parts: list[QuantTensor]) -> None:

@@ -193,11 +193,18 @@ class Worker(WorkerBase):
                 # one object, emptied once.
                 for param in model.parameters():
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+                held = {id(getattr(getattr(m, "kernel", None), "tensor", None))
+                        for m in model.modules()}
                 for module in model.modules():  # the kernels' packed copies go too
                     kernel = getattr(module, "kernel", None)
                     if kernel is not None:
                         freed += kernel.nbytes
                         module.kernel = None
+                    # A GGUF embedding's quantized rows (a tied LM head's kernel shares them:
+                    # counted there)
+                    packed = module.__dict__.pop("packed", None)
+                    if packed is not None and id(packed) not in held:
+                        freed += packed.numel()
                 fused.forget(model)  # it holds the packed copies for the one-call layers
                 state["weights"] = model
         _release_memory(self.device)

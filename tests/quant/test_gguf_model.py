@@ -34,11 +34,16 @@ RANDOM = {"llama": ("LlamaForCausalLM", {}),
 RANDOM_TYPES = ["Q8_0", "Q6_K", "Q4_K_M", "Q5_K_M", "Q4_0"]
 
 
-def reference_tokens(path: Path, prompts: list[str]) -> tuple[list[list[int]], list]:
-    """transformers' greedy tokens on the file, and its logits at each step."""
+def reference_tokens(path: Path, prompts: list[str], adapter: Path | None = None
+                     ) -> tuple[list[list[int]], list]:
+    """transformers' greedy tokens on the file (with a PEFT adapter: peft's), and its logits
+    at each step."""
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, str(adapter)).eval()
     tokens, logits = [], []
     for p in prompts:  # plain greedy steps: no stop at EOS (the engine ignores it here)
         ids = tok(p, return_tensors="pt").input_ids
@@ -59,11 +64,13 @@ LOGPROB_TOL = 2e-3
 
 
 def check_parity(path: Path, got: list[list[int]], min_equal: float = 0.9,
-                 logprobs: list[list[float]] | None = None) -> float:
-    """>= min_equal of the requests equal the reference, and each one's first differing token
-    is within the reference's top 5 there; the sampled tokens' logprobs (where given) within
-    LOGPROB_TOL of the reference's over the tokens both chose. Returns the fraction equal."""
-    want, logits = reference_tokens(path, PROMPTS)
+                 logprobs: list[list[float]] | None = None, adapter: Path | None = None
+                 ) -> float:
+    """>= min_equal of the requests equal the reference (with `adapter`: transformers + peft),
+    and each one's first differing token is within the reference's top 5 there; the sampled
+    tokens' logprobs (where given) within LOGPROB_TOL of the reference's over the tokens both
+    chose. Returns the fraction equal."""
+    want, logits = reference_tokens(path, PROMPTS, adapter)
     equal = 0
     for i, (g, w, lg) in enumerate(zip(got, want, logits, strict=True)):
         same = next((j for j, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), len(g))
