@@ -91,9 +91,10 @@ def check_parity(path: Path, got: list[list[int]], min_equal: float = 0.9,
 def generate(path: Path, with_logprobs: bool = False, **kwargs):
     """Greedy tokens of PROMPTS (and, with_logprobs, each sampled token's logprob)."""
     with LLM(str(path), max_model_len=128, **kwargs) as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0,
-                                                    ignore_eos=True, logprobs=0),
-                            use_tqdm=False)
+        # logprobs only when asked: a row that wants them leaves multi-step's greedy C loop
+        params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True,
+                                logprobs=0 if with_logprobs else None)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     if not with_logprobs:
         return tokens
