@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> dict:
     gguf = is_gguf(model)  # its peer: llama.cpp on the same file (HF reads no GGUF here)
     peers = compare_peers(args.compare, {"hf", "vllm", "llamacpp"},
                           {"llamacpp"} if gguf else {"hf"})
-    if ("llamacpp" in peers) != gguf or (gguf and peers - {"llamacpp"}):
+    if ("llamacpp" in peers and not gguf) or (gguf and peers - {"llamacpp"}):
         raise ValueError("--compare llamacpp is the peer of a GGUF --model, and the only one")
     if "vllm" in peers:  # before loading anything: a missing venv fails at once
         from fleetllm.benchmarks.vllm_peer import vllm_python
