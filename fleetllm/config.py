@@ -26,6 +26,7 @@ from fleetllm.config_model import (  # noqa: F401 - re-exported: their old impor
     TASKS,
     ArchConfig,
     ModelConfig,
+    hf_tensor_shapes,
     read_json,
 )
 from fleetllm.config_pooler import (  # noqa: F401 - re-exported

@@ -111,6 +111,37 @@ class ArchConfig:
         return self.architecture.endswith("ForCausalLM")
 
 
+def hf_tensor_shapes(a: ArchConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a full (unsharded) Hugging Face checkpoint of this architecture, by
+    its checkpoint name."""
+    d, hid = a.head_dim, a.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (a.vocab_size, hid)}
+    for i in range(a.num_layers):
+        pre = f"model.layers.{i}."
+        for name, rows in (("q", a.num_heads * d), ("k", a.num_kv_heads * d),
+                           ("v", a.num_kv_heads * d)):
+            shapes[f"{pre}self_attn.{name}_proj.weight"] = (rows, hid)
+            if a.qkv_bias:
+                shapes[f"{pre}self_attn.{name}_proj.bias"] = (rows,)
+        shapes[f"{pre}self_attn.o_proj.weight"] = (hid, a.num_heads * d)
+        if a.o_bias:
+            shapes[f"{pre}self_attn.o_proj.bias"] = (hid,)
+        if a.qk_norm:
+            shapes[f"{pre}self_attn.q_norm.weight"] = shapes[f"{pre}self_attn.k_norm.weight"] = (d,)
+        for name, shape in (("gate", (a.intermediate_size, hid)),
+                            ("up", (a.intermediate_size, hid)),
+                            ("down", (hid, a.intermediate_size))):
+            shapes[f"{pre}mlp.{name}_proj.weight"] = shape
+            if a.mlp_bias:
+                shapes[f"{pre}mlp.{name}_proj.bias"] = (shape[0],)
+        shapes[f"{pre}input_layernorm.weight"] = shapes[f"{pre}post_attention_layernorm.weight"] \
+            = (hid,)
+    shapes["model.norm.weight"] = (hid,)
+    if not a.tie_word_embeddings:
+        shapes["lm_head.weight"] = (a.vocab_size, hid)
+    return shapes
+
+
 def read_json(path: Path) -> dict[str, Any]:
     try:
         with open(path) as f:
@@ -155,8 +186,7 @@ class ModelConfig:
         except KeyError as e:
             raise ModelLoadError(f"{path / 'config.json'} lacks the field {e}") from e
         if self.is_gguf:  # every tensor's name, shape and bytes, before any worker starts
-            from fleetllm.model.loader import hf_tensor_shapes
-            from fleetllm.quant.gguf_checkpoint import open_gguf
+            from fleetllm.config_gguf import open_gguf
             open_gguf(self.model).check_shapes(hf_tensor_shapes(self.arch))
         self.tokenizer = self.tokenizer or self.model
         limit = self._resolve_task(path)
@@ -178,7 +208,7 @@ class ModelConfig:
 
     def _read_config(self, path: Path) -> dict[str, Any]:
         """config.json of a checkpoint directory, or a GGUF file's metadata in its form."""
-        from fleetllm.quant.gguf_checkpoint import is_gguf, open_gguf
+        from fleetllm.config_gguf import is_gguf, open_gguf
 
         _check(self.quantization in (None, "gguf"), "quantization",
                f"{self.quantization!r} is not supported (GGUF files are: 'gguf', or None)")
@@ -188,9 +218,9 @@ class ModelConfig:
         _check(self.quantization is None, "quantization",
                f"'gguf' needs the path of a .gguf file, got {self.model!r}")
         if not path.is_dir():
-            raise ModelLoadError(f"model path {self.model!r} is neither a directory nor a "
-                                 "GGUF file; pass a local Hugging Face checkpoint directory or "
-                                 "a .gguf file (fleetllm never downloads)")
+            raise ModelLoadError(f"model path {self.model!r} is not a directory (nor a GGUF "
+                                 "file); pass a local Hugging Face checkpoint directory or a "
+                                 ".gguf file (fleetllm never downloads)")
         return read_json(path / "config.json")
 
     @property

@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> dict:
 
     kwargs = engine_kwargs_from(args, args.engine_actions)
     model, dummy_seed = resolve_source(args, kwargs)
-    from fleetllm.quant.gguf_checkpoint import is_gguf
+    from fleetllm.config_gguf import is_gguf
 
     gguf = is_gguf(model)  # its peer: llama.cpp on the same file (HF reads no GGUF here)
     peers = compare_peers(args.compare, {"hf", "vllm", "llamacpp"},

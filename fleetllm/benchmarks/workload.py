@@ -164,7 +164,7 @@ def weight_bytes(a: ArchConfig, dtype_bytes: int) -> int:
 def gguf_weight_bytes(path: str) -> int:
     """weight_bytes for a GGUF file: its tensors' bytes as stored, the embedding counted
     once as above (it is the LM head when tied; else a few rows of it are read)."""
-    from fleetllm.quant.gguf_checkpoint import open_gguf
+    from fleetllm.config_gguf import open_gguf
 
     infos = open_gguf(path).tensor_infos
     total = sum(int(t.n_bytes) for t in infos.values())
@@ -177,7 +177,7 @@ def gguf_file_type(path: str) -> str:
     """The GGUF's most common matrix type (Q4_K for a Q4_K_M file)."""
     from collections import Counter
 
-    from fleetllm.quant.gguf_checkpoint import open_gguf
+    from fleetllm.config_gguf import open_gguf
     from fleetllm.quant.packed import QType
 
     counts = Counter(QType(int(t.tensor_type)).name for t in

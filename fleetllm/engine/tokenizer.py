@@ -49,7 +49,8 @@ def light_config(path: str) -> Any | None:
 def load_tokenizer(path: str) -> Any:
     """The checkpoint's HF tokenizer, or None when the directory ships none; a GGUF file's
     from its metadata."""
-    from fleetllm.quant.gguf_checkpoint import is_gguf, load_gguf_tokenizer
+    from fleetllm.config_gguf import is_gguf
+    from fleetllm.quant.gguf_checkpoint import load_gguf_tokenizer
 
     if is_gguf(path):
         return load_gguf_tokenizer(path)

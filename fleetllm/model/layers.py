@@ -19,7 +19,7 @@ from fleetllm.distributed.parallel_state import get_tp_group
 from fleetllm.kernels import cpu_kernels
 from fleetllm.lora.layers import lora_delta
 from fleetllm.model.linear_kernels import LinearKernel, TorchLinear
-from fleetllm.quant.packed import QuantTensor
+from fleetllm.quant.packed import QuantTensor, dequantize_packed
 
 
 def narrow(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
@@ -181,8 +181,12 @@ class VocabParallelEmbedding(nn.Module):
         packed = getattr(self, "packed", None)
         if packed is None:
             return F.embedding(ids, self.weight)
-        from fleetllm.quant.gguf_loader import embedding_rows
-        return embedding_rows(self, ids)
+        flat = ids.reshape(-1).to(torch.long).contiguous()
+        if cpu_kernels.available() and flat.device.type == "cpu":
+            out = cpu_kernels.gguf_rows(packed, flat, self.packed_dtype)
+        else:  # the PyTorch path: the whole table dequantized for the call, then dropped
+            out = dequantize_packed(packed)[flat.cpu()].to(ids.device, self.packed_dtype)
+        return out.view(*ids.shape, out.shape[-1])
 
 
 class ParallelLMHead(VocabParallelEmbedding):

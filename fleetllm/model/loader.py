@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from fleetllm.config import ArchConfig, EngineConfig, read_json
+from fleetllm.config import EngineConfig, hf_tensor_shapes, read_json
 from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
 from fleetllm.errors import ModelLoadError
 from fleetllm.model import huge_pages
@@ -103,37 +103,6 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
     if missing:
         raise ModelLoadError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. "
                              f"{sorted(missing)[:3]}")
-
-
-def hf_tensor_shapes(a: ArchConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a full (unsharded) Hugging Face checkpoint of this architecture, by
-    its checkpoint name."""
-    d, hid = a.head_dim, a.hidden_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (a.vocab_size, hid)}
-    for i in range(a.num_layers):
-        pre = f"model.layers.{i}."
-        for name, rows in (("q", a.num_heads * d), ("k", a.num_kv_heads * d),
-                           ("v", a.num_kv_heads * d)):
-            shapes[f"{pre}self_attn.{name}_proj.weight"] = (rows, hid)
-            if a.qkv_bias:
-                shapes[f"{pre}self_attn.{name}_proj.bias"] = (rows,)
-        shapes[f"{pre}self_attn.o_proj.weight"] = (hid, a.num_heads * d)
-        if a.o_bias:
-            shapes[f"{pre}self_attn.o_proj.bias"] = (hid,)
-        if a.qk_norm:
-            shapes[f"{pre}self_attn.q_norm.weight"] = shapes[f"{pre}self_attn.k_norm.weight"] = (d,)
-        for name, shape in (("gate", (a.intermediate_size, hid)),
-                            ("up", (a.intermediate_size, hid)),
-                            ("down", (hid, a.intermediate_size))):
-            shapes[f"{pre}mlp.{name}_proj.weight"] = shape
-            if a.mlp_bias:
-                shapes[f"{pre}mlp.{name}_proj.bias"] = (shape[0],)
-        shapes[f"{pre}input_layernorm.weight"] = shapes[f"{pre}post_attention_layernorm.weight"] \
-            = (hid,)
-    shapes["model.norm.weight"] = (hid,)
-    if not a.tie_word_embeddings:
-        shapes["lm_head.weight"] = (a.vocab_size, hid)
-    return shapes
 
 
 def dummy_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from fleetllm.config import EngineConfig, ModelConfig
 from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
 from fleetllm.errors import ConfigurationError, ModelLoadError
-from fleetllm.model.linear_kernels import Gguf
+from fleetllm.kernels.cpu_kernels import LinearKind
 
 DEFAULT_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 METADATA_FILE = "fleetllm_sharded_state.json"
@@ -91,7 +91,7 @@ def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         kernel = getattr(module, "kernel", None)
         if kernel is None or getattr(module, "weight", None) is not None:
             continue
-        if not isinstance(kernel, Gguf):
+        if kernel.kind != LinearKind.GGUF:
             out[f"{prefix}.weight"] = kernel.to_dense()
         elif id(kernel.tensor) not in held:
             out[f"{prefix}.packed"] = kernel.tensor

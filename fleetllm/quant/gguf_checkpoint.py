@@ -1,19 +1,13 @@
-"""A GGUF file as a checkpoint: its config (from the metadata, in config.json's form), its
-tensors by Hugging Face name, and its tokenizer (transformers builds one from the metadata).
-
-How: gguf's GGUFReader memory-maps the file; each 2-D weight comes out as a QuantTensor (the
-raw blocks, a view of the mapping, whatever its type: F32/F16/BF16 too, so that a merged
-projection can mix them), 1-D tensors (norms, biases) as float32 tensors. Arch "llama" files
-store q and k with their rows permuted for llama.cpp's RoPE (convert_hf_to_gguf.py's
-permute); they are put back, rows being whole blocks. What fails: a missing, truncated or
-non-GGUF file, an architecture or tensor type fleetllm does not read, or a tensor whose shape
-does not match the config: ModelLoadError naming the file and the tensor, before any worker
-loads anything (ModelConfig checks the whole file when built).
+"""A GGUF file's tensors for the loader (config_gguf.py reads its metadata): each 2-D weight
+as a QuantTensor (the raw blocks, a view of the mapping, whatever its type: F32/F16/BF16 too,
+so that a merged projection can mix them), 1-D tensors (norms, biases) as float32 tensors; and
+the tokenizer transformers builds from the metadata. Arch "llama" files store q and k with
+their rows permuted for llama.cpp's RoPE (convert_hf_to_gguf.py's permute); they are put back,
+rows being whole blocks.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,190 +15,48 @@ from typing import Any
 import numpy as np
 import torch
 
+from fleetllm.config_gguf import GgufFile, is_gguf, open_gguf
 from fleetllm.errors import ModelLoadError
-from fleetllm.quant.packed import READABLE, QType, QuantTensor
+from fleetllm.quant.packed import QuantTensor
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
-_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-          "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+__all__ = ["GgufFile", "is_gguf", "open_gguf", "tensors", "load_gguf_tokenizer"]
 
 
-def is_gguf(path: str | Path) -> bool:
-    """A file (not a directory) whose name ends in .gguf, or that starts with GGUF's magic."""
-    p = Path(path)
-    if not p.is_file():
-        return False
-    if p.suffix.lower() == ".gguf":
-        return True
+def tensors(gguf: GgufFile) -> Iterator[tuple[str, QuantTensor | torch.Tensor]]:
+    """(Hugging Face name, tensor) for each tensor: 2-D ones as QuantTensor, others as
+    float32 tensors. Raises ModelLoadError for a tensor that is not one the model has."""
+    for info in gguf.reader.tensors:
+        if info.name == "rope_freqs.weight":  # in the config (rope_scaling)
+            continue
+        name = gguf.hf_name(info.name)
+        if name is None:
+            raise ModelLoadError(f"{gguf.path}: tensor {info.name!r} has no place in a "
+                                 f"{gguf.arch} model")
+        yield name, _tensor(gguf, info, name)
+
+
+def _tensor(gguf: GgufFile, info: Any, name: str) -> QuantTensor | torch.Tensor:
+    shape = tuple(int(d) for d in reversed(info.shape.tolist()))  # ggml: columns first
     try:
-        with open(p, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
-
-
-@functools.lru_cache(maxsize=4)
-def open_gguf(path: str) -> GgufCheckpoint:
-    """The checkpoint at path (one reader per file and process: the mapping is shared)."""
-    return GgufCheckpoint(path)
-
-
-class GgufCheckpoint:
-    def __init__(self, path: str):
-        from gguf import GGUFReader
-
-        self.path = path
-        try:
-            self.reader = GGUFReader(path, "r")
-        except (ValueError, OSError, IndexError, KeyError, TypeError) as e:
-            # gguf raises ValueError for a bad magic or version; a truncated file fails as
-            # its offsets run past the end (ValueError / IndexError from numpy).
-            raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
-        self.arch = self.field("general.architecture")
-        if self.arch not in ARCHITECTURES:
-            raise ModelLoadError(f"{path}: GGUF architecture {self.arch!r} is not supported; "
-                                 f"fleetllm reads {', '.join(ARCHITECTURES)}")
-        self.tensor_infos = {t.name: t for t in self.reader.tensors}
-        for t in self.reader.tensors:
-            if t.tensor_type not in READABLE:
-                raise ModelLoadError(
-                    f"{path}: tensor {t.name!r} is of type {t.tensor_type.name}, which "
-                    f"fleetllm does not read (it reads {', '.join(t.name for t in QType)})")
-
-    def field(self, key: str, default: Any = None) -> Any:
-        f = self.reader.get_field(key)
-        if f is None:
-            return default
-        try:
-            return f.contents()
-        except (ValueError, IndexError, UnicodeDecodeError) as e:
-            raise ModelLoadError(f"{self.path}: metadata {key!r} is unreadable: {e}") from e
-
-    @functools.cached_property
-    def config(self) -> dict[str, Any]:
-        """The config.json a Hugging Face checkpoint of this model would have."""
-        a = self.arch
-
-        def need(key: str) -> Any:
-            value = self.field(f"{a}.{key}")
-            if value is None:
-                raise ModelLoadError(f"{self.path}: metadata lacks {a}.{key}")
-            return value
-
-        heads = int(need("attention.head_count"))
-        hidden = int(need("embedding_length"))
-        vocab = self.field(f"{a}.vocab_size")
-        if vocab is None:
-            tokens = self.reader.get_field("tokenizer.ggml.tokens")
-            embd = self.tensor_infos.get("token_embd.weight")
-            vocab = len(tokens.data) if tokens is not None else \
-                (int(embd.shape[1]) if embd is not None else None)
-        if vocab is None:
-            raise ModelLoadError(f"{self.path}: no vocabulary size in the metadata")
-        cfg: dict[str, Any] = {
-            "architectures": [ARCHITECTURES[a]], "model_type": a,
-            "hidden_size": hidden, "intermediate_size": int(need("feed_forward_length")),
-            "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
-            "num_key_value_heads": int(self.field(f"{a}.attention.head_count_kv", heads)),
-            "head_dim": int(self.field(f"{a}.attention.key_length", hidden // heads)),
-            "rms_norm_eps": float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-            "rope_theta": float(self.field(f"{a}.rope.freq_base", 10000.0)),
-            "max_position_embeddings": int(self.field(f"{a}.context_length", 2048)),
-            "vocab_size": int(vocab),
-            "tie_word_embeddings": "output.weight" not in self.tensor_infos,
-            "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": self.field("tokenizer.ggml.eos_token_id"),
-        }
-        window = self.field(f"{a}.attention.sliding_window")
-        if window:
-            cfg["sliding_window"] = int(window)
-        scaling = self.field(f"{a}.rope.scaling.type")
-        factor = self.field(f"{a}.rope.scaling.factor")
-        if scaling == "linear" and factor:
-            cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
-        elif scaling not in (None, "none"):
-            raise ModelLoadError(f"{self.path}: rope scaling {scaling!r} is not supported "
-                                 "(linear is)")
-        freqs = self.tensor_infos.get("rope_freqs.weight")
-        if freqs is not None:  # llama3's scaling, as llama.cpp applies it: a factor per pair
-            factors = self.tensor(freqs, "rope_freqs").tolist()
-            cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors}
-        return cfg
-
-    def hf_name(self, name: str) -> str | None:
-        """The Hugging Face name of GGUF tensor `name` (None: not one the model has)."""
-        base, _, suffix = name.rpartition(".")
-        if base.startswith("blk."):
-            _, index, kind = base.split(".", 2)
-            mapped = _LAYER.get(kind)
-            return None if mapped is None else f"model.layers.{index}.{mapped}.{suffix}"
-        mapped = _TOP.get(base)
-        return None if mapped is None else f"{mapped}.{suffix}"
-
-    def tensors(self) -> Iterator[tuple[str, QuantTensor | torch.Tensor]]:
-        """(Hugging Face name, tensor) for each tensor: 2-D ones as QuantTensor, others as
-        float32 tensors. Raises ModelLoadError for a tensor that is not one the model has."""
-        for info in self.reader.tensors:
-            if info.name == "rope_freqs.weight":  # in the config (rope_scaling)
-                continue
-            name = self.hf_name(info.name)
-            if name is None:
-                raise ModelLoadError(f"{self.path}: tensor {info.name!r} has no place in a "
-                                     f"{self.arch} model")
-            yield name, self.tensor(info, name)
-
-    def tensor(self, info: Any, name: str) -> QuantTensor | torch.Tensor:
-        shape = tuple(int(d) for d in reversed(info.shape.tolist()))  # ggml: columns first
-        try:
-            raw = info.data
-            if len(shape) == 1:
-                t = QuantTensor(np.asarray(raw).view(np.uint8).reshape(1, -1), info.tensor_type,
-                                (1, shape[0]))
-                return t.dequantize().reshape(shape[0])
-            if len(shape) != 2:
-                raise ModelLoadError(f"{self.path}: tensor {info.name!r} has shape {shape}")
-            rows = shape[0]
-            q = QuantTensor(np.asarray(raw).view(np.uint8).reshape(rows, -1),
-                            info.tensor_type, shape)
-        except (ValueError, TypeError) as e:
-            raise ModelLoadError(f"{self.path}: tensor {info.name!r} is unreadable (a "
-                                 f"truncated file?): {e}") from e
-        if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            cfg = self.config
-            heads = cfg["num_attention_heads"] if "q_proj" in name else \
-                cfg["num_key_value_heads"]
-            q = QuantTensor(q.raw[_unpermute_rows(rows, heads)], q.qtype, q.shape)
-        return q
-
-    def check_shapes(self, expected: dict[str, tuple[int, ...]]) -> None:
-        """Every tensor has the shape the config gives it, every expected tensor is here, and
-        the file holds all the bytes its tensors claim (a truncated file fails here)."""
-        size = self.reader.data.shape[0]
-        seen = set()
-        for info in self.reader.tensors:
-            if info.name == "rope_freqs.weight":
-                continue
-            name = self.hf_name(info.name)
-            shape = tuple(int(d) for d in reversed(info.shape.tolist()))
-            if name is None or name not in expected:
-                raise ModelLoadError(f"{self.path}: tensor {info.name!r} has no place in this "
-                                     f"{self.arch} model")
-            if shape != expected[name]:
-                raise ModelLoadError(f"{self.path}: tensor {info.name!r} has shape {shape}, "
-                                     f"the config says {expected[name]}")
-            if info.data_offset + info.n_bytes > size:
-                raise ModelLoadError(f"{self.path}: tensor {info.name!r} runs past the end of "
-                                     "the file (truncated)")
-            seen.add(name)
-        missing = set(expected) - seen
-        if missing:
-            raise ModelLoadError(f"{self.path}: lacks {len(missing)} tensors, e.g. "
-                                 f"{sorted(missing)[:3]}")
+        raw = info.data
+        if len(shape) == 1:
+            t = QuantTensor(np.asarray(raw).view(np.uint8).reshape(1, -1), info.tensor_type,
+                            (1, shape[0]))
+            return t.dequantize().reshape(shape[0])
+        if len(shape) != 2:
+            raise ModelLoadError(f"{gguf.path}: tensor {info.name!r} has shape {shape}")
+        rows = shape[0]
+        q = QuantTensor(np.asarray(raw).view(np.uint8).reshape(rows, -1),
+                        info.tensor_type, shape)
+    except (ValueError, TypeError) as e:
+        raise ModelLoadError(f"{gguf.path}: tensor {info.name!r} is unreadable (a "
+                             f"truncated file?): {e}") from e
+    if gguf.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        cfg = gguf.config
+        heads = cfg["num_attention_heads"] if "q_proj" in name else \
+            cfg["num_key_value_heads"]
+        q = QuantTensor(q.raw[_unpermute_rows(rows, heads)], q.qtype, q.shape)
+    return q
 
 
 def _unpermute_rows(rows: int, heads: int) -> np.ndarray:

@@ -14,7 +14,6 @@ from torch import nn
 
 from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
 from fleetllm.errors import ModelLoadError
-from fleetllm.kernels import cpu_kernels
 from fleetllm.model import linear_kernels as lk
 from fleetllm.model.layers import (
     ColumnParallelLinear,
@@ -22,8 +21,8 @@ from fleetllm.model.layers import (
     VocabParallelEmbedding,
 )
 from fleetllm.progress import ProgressBar
-from fleetllm.quant.gguf_checkpoint import open_gguf
-from fleetllm.quant.packed import QuantTensor, dequantize_packed, pack
+from fleetllm.quant.gguf_checkpoint import open_gguf, tensors
+from fleetllm.quant.packed import QuantTensor, pack
 
 
 def load_gguf(model: nn.Module, path: str) -> None:
@@ -31,7 +30,7 @@ def load_gguf(model: nn.Module, path: str) -> None:
     expected = {name for name, _ in model.named_parameters()}
     loaded: set[str] = set()
     first_rank = get_tp_group().is_first and get_pp_group().is_first
-    for name, tensor in ProgressBar(ckpt.tensors(), desc="Loading GGUF tensors", unit="tensor",
+    for name, tensor in ProgressBar(tensors(ckpt), desc="Loading GGUF tensors", unit="tensor",
                                     total=len(ckpt.reader.tensors), disable=not first_rank):
         try:
             filled = model.load_weight(name, tensor)
@@ -94,14 +93,3 @@ def install(model: nn.Module, module: nn.Module, packed: torch.Tensor,
 def _load_dense(module: nn.Module, parts: list[QuantTensor]) -> None:
     rows = torch.cat([p.dequantize() for p in parts]).to(module.weight.dtype)
     module.weight.data.copy_(rows)
-
-
-def embedding_rows(module: VocabParallelEmbedding, ids: torch.Tensor) -> torch.Tensor:
-    """A quantized embedding's rows at ids (any shape), in the model's dtype."""
-    flat = ids.reshape(-1).to(torch.long).contiguous()
-    if cpu_kernels.available() and flat.device.type == "cpu":
-        out = cpu_kernels.gguf_rows(module.packed, flat, module.packed_dtype)
-    else:
-        out = dequantize_packed(module.packed)[flat.cpu()].to(ids.device, module.packed_dtype)
-    return out.view(*ids.shape, out.shape[-1])
-

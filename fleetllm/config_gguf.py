@@ -1,0 +1,170 @@
+"""A GGUF file's side of the configuration: its metadata as the config.json a Hugging Face
+checkpoint would have, its tensors' names and shapes checked against that config, and the
+names of the tensors by Hugging Face's naming (config layer: errors only, and the gguf package).
+
+GGUFReader memory-maps the file; nothing here reads a tensor's data (quant/gguf_checkpoint.py
+does). What fails: a missing, truncated or non-GGUF file, an architecture or tensor type
+fleetllm does not read, a tensor whose shape does not match the config or runs past the end of
+the file: ModelLoadError naming the file and the tensor, raised when ModelConfig is built,
+before any worker starts.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fleetllm.errors import ModelLoadError
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+# The ggml types the kernels read (quant/packed.py QType, by name)
+READABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+          "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A file (not a directory) whose name ends in .gguf, or that starts with GGUF's magic."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    if p.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+@functools.lru_cache(maxsize=4)
+def open_gguf(path: str) -> GgufFile:
+    """The checkpoint at path (one reader per file and process: the mapping is shared)."""
+    return GgufFile(path)
+
+
+class GgufFile:
+    def __init__(self, path: str):
+        from gguf import GGUFReader
+
+        self.path = path
+        try:
+            self.reader = GGUFReader(path, "r")
+        except (ValueError, OSError, IndexError, KeyError, TypeError) as e:
+            # gguf raises ValueError for a bad magic or version; a truncated file fails as
+            # its offsets run past the end (ValueError / IndexError from numpy).
+            raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
+        self.arch = self.field("general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise ModelLoadError(f"{path}: GGUF architecture {self.arch!r} is not supported; "
+                                 f"fleetllm reads {', '.join(ARCHITECTURES)}")
+        self.tensor_infos = {t.name: t for t in self.reader.tensors}
+        for t in self.reader.tensors:
+            if t.tensor_type.name not in READABLE:
+                raise ModelLoadError(
+                    f"{path}: tensor {t.name!r} is of type {t.tensor_type.name}, which "
+                    f"fleetllm does not read (it reads {', '.join(READABLE)})")
+
+    def field(self, key: str, default: Any = None) -> Any:
+        f = self.reader.get_field(key)
+        if f is None:
+            return default
+        try:
+            return f.contents()
+        except (ValueError, IndexError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{self.path}: metadata {key!r} is unreadable: {e}") from e
+
+    @functools.cached_property
+    def config(self) -> dict[str, Any]:
+        """The config.json a Hugging Face checkpoint of this model would have."""
+        a = self.arch
+
+        def need(key: str) -> Any:
+            value = self.field(f"{a}.{key}")
+            if value is None:
+                raise ModelLoadError(f"{self.path}: metadata lacks {a}.{key}")
+            return value
+
+        heads = int(need("attention.head_count"))
+        hidden = int(need("embedding_length"))
+        vocab = self.field(f"{a}.vocab_size")
+        if vocab is None:
+            tokens = self.reader.get_field("tokenizer.ggml.tokens")
+            embd = self.tensor_infos.get("token_embd.weight")
+            vocab = len(tokens.data) if tokens is not None else \
+                (int(embd.shape[1]) if embd is not None else None)
+        if vocab is None:
+            raise ModelLoadError(f"{self.path}: no vocabulary size in the metadata")
+        cfg: dict[str, Any] = {
+            "architectures": [ARCHITECTURES[a]], "model_type": a,
+            "hidden_size": hidden, "intermediate_size": int(need("feed_forward_length")),
+            "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
+            "num_key_value_heads": int(self.field(f"{a}.attention.head_count_kv", heads)),
+            "head_dim": int(self.field(f"{a}.attention.key_length", hidden // heads)),
+            "rms_norm_eps": float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self.field(f"{a}.rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self.field(f"{a}.context_length", 2048)),
+            "vocab_size": int(vocab),
+            "tie_word_embeddings": "output.weight" not in self.tensor_infos,
+            "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.field("tokenizer.ggml.eos_token_id"),
+        }
+        window = self.field(f"{a}.attention.sliding_window")
+        if window:
+            cfg["sliding_window"] = int(window)
+        scaling = self.field(f"{a}.rope.scaling.type")
+        factor = self.field(f"{a}.rope.scaling.factor")
+        if scaling == "linear" and factor:
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+        elif scaling not in (None, "none"):
+            raise ModelLoadError(f"{self.path}: rope scaling {scaling!r} is not supported "
+                                 "(linear is)")
+        freqs = self.tensor_infos.get("rope_freqs.weight")
+        if freqs is not None:  # llama3's scaling, as llama.cpp applies it: a factor per pair
+            factors = np.asarray(freqs.data, dtype=np.float32).reshape(-1).tolist()
+            cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors}
+        return cfg
+
+    def hf_name(self, name: str) -> str | None:
+        """The Hugging Face name of GGUF tensor `name` (None: not one the model has)."""
+        base, _, suffix = name.rpartition(".")
+        if base.startswith("blk."):
+            _, index, kind = base.split(".", 2)
+            mapped = _LAYER.get(kind)
+            return None if mapped is None else f"model.layers.{index}.{mapped}.{suffix}"
+        mapped = _TOP.get(base)
+        return None if mapped is None else f"{mapped}.{suffix}"
+
+    def check_shapes(self, expected: dict[str, tuple[int, ...]]) -> None:
+        """Every tensor has the shape the config gives it, every expected tensor is here, and
+        the file holds all the bytes its tensors claim (a truncated file fails here)."""
+        size = self.reader.data.shape[0]
+        seen = set()
+        for info in self.reader.tensors:
+            if info.name == "rope_freqs.weight":
+                continue
+            name = self.hf_name(info.name)
+            shape = tuple(int(d) for d in reversed(info.shape.tolist()))
+            if name is None or name not in expected:
+                raise ModelLoadError(f"{self.path}: tensor {info.name!r} has no place in this "
+                                     f"{self.arch} model")
+            if shape != expected[name]:
+                raise ModelLoadError(f"{self.path}: tensor {info.name!r} has shape {shape}, "
+                                     f"the config says {expected[name]}")
+            if info.data_offset + info.n_bytes > size:
+                raise ModelLoadError(f"{self.path}: tensor {info.name!r} runs past the end of "
+                                     "the file (truncated)")
+            seen.add(name)
+        missing = set(expected) - seen
+        if missing:
+            raise ModelLoadError(f"{self.path}: lacks {len(missing)} tensors, e.g. "
+                                 f"{sorted(missing)[:3]}")
+
