@@ -15,22 +15,35 @@
 #include "kernels.h"
 #include "parallel.h"
 
-namespace fleetllm::kernels::quant {
+namespace fleetllm::kernels::quant
+{
 
 Layout layout(int64_t type)
 {
     switch (type) {
-    case F32: return {1, 4};
-    case F16: case BF16: return {1, 2};
-    case Q4_0: return {32, 18};
-    case Q4_1: return {32, 20};
-    case Q5_0: return {32, 22};
-    case Q5_1: return {32, 24};
-    case Q8_0: return {32, 34};
-    case Q4_K: return {256, 144};
-    case Q5_K: return {256, 176};
-    case Q6_K: return {256, 210};
-    default: return {0, 0};
+    case F32:
+        return {1, 4};
+    case F16:
+    case BF16:
+        return {1, 2};
+    case Q4_0:
+        return {32, 18};
+    case Q4_1:
+        return {32, 20};
+    case Q5_0:
+        return {32, 22};
+    case Q5_1:
+        return {32, 24};
+    case Q8_0:
+        return {32, 34};
+    case Q4_K:
+        return {256, 144};
+    case Q5_K:
+        return {256, 176};
+    case Q6_K:
+        return {256, 210};
+    default:
+        return {0, 0};
     }
 }
 
@@ -63,7 +76,8 @@ const char *parse(const uint8_t *buf, int64_t nbytes, Weight &w)
     return nullptr;
 }
 
-namespace {
+namespace
+{
 
 inline float half(uint16_t h)
 {
@@ -72,7 +86,7 @@ inline float half(uint16_t h)
         return __builtin_bit_cast(float, sign | 0x7f800000u | (man << 13));
     if (exp)
         return __builtin_bit_cast(float, sign | ((exp + 112) << 23) | (man << 13));
-    const float f = static_cast<float>(man) * (1.0f / 16777216.0f);  // subnormal: man * 2^-24
+    const float f = static_cast<float>(man) * (1.0f / 16777216.0f); // subnormal: man * 2^-24
     return sign ? -f : f;
 }
 inline float half_at(const uint8_t *p)
@@ -80,18 +94,6 @@ inline float half_at(const uint8_t *p)
     uint16_t h;
     std::memcpy(&h, p, 2);
     return half(h);
-}
-
-// Q4_K / Q5_K: sub-block j's 6-bit scale and min (ggml's get_scale_min_k4).
-inline void scale_min_k4(int j, const uint8_t *q, int &sc, int &m)
-{
-    if (j < 4) {
-        sc = q[j] & 63;
-        m = q[j + 4] & 63;
-    } else {
-        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
 }
 
 // One block of `type` into q (elems int8), s and m (elems / 16 each). Returns whether any
@@ -103,7 +105,8 @@ bool unpack(int64_t type, const uint8_t *b, int8_t *q, float *s, float *m)
         s[0] = s[1] = half_at(b);
         std::memcpy(q, b + 2, 32);
         return false;
-    case Q4_0: case Q4_1: {
+    case Q4_0:
+    case Q4_1: {
         const bool one = type == Q4_1;
         const uint8_t *qs = b + (one ? 4 : 2);
         const int off = one ? 0 : 8;
@@ -115,7 +118,8 @@ bool unpack(int64_t type, const uint8_t *b, int8_t *q, float *s, float *m)
         m[0] = m[1] = one ? -half_at(b + 2) : 0.0f;
         return one;
     }
-    case Q5_0: case Q5_1: {
+    case Q5_0:
+    case Q5_1: {
         const bool one = type == Q5_1;
         uint32_t qh;
         std::memcpy(&qh, b + (one ? 4 : 2), 4);
@@ -130,10 +134,11 @@ bool unpack(int64_t type, const uint8_t *b, int8_t *q, float *s, float *m)
         m[0] = m[1] = one ? -half_at(b + 2) : 0.0f;
         return one;
     }
-    case Q4_K: case Q5_K: {
+    case Q4_K:
+    case Q5_K: {
         const float d = half_at(b), dmin = half_at(b + 2);
         const uint8_t *sc = b + 4, *qh = b + 16, *ql = b + (type == Q5_K ? 48 : 16);
-        for (int j = 0; j < 4; j++) {  // 64 elements: low nibbles, then high nibbles
+        for (int j = 0; j < 4; j++) { // 64 elements: low nibbles, then high nibbles
             for (int half_ = 0; half_ < 2; half_++) {
                 int scale, min;
                 scale_min_k4(2 * j + half_, sc, scale, min);
@@ -150,7 +155,8 @@ bool unpack(int64_t type, const uint8_t *b, int8_t *q, float *s, float *m)
             if (type == Q5_K)
                 for (int i = 0; i < 32; i++) {
                     o[i] = static_cast<int8_t>(o[i] | (((qh[i] >> (2 * j)) & 1) << 4));
-                    o[i + 32] = static_cast<int8_t>(o[i + 32] | (((qh[i] >> (2 * j + 1)) & 1) << 4));
+                    o[i + 32] =
+                        static_cast<int8_t>(o[i + 32] | (((qh[i] >> (2 * j + 1)) & 1) << 4));
                 }
         }
         return true;
@@ -159,21 +165,22 @@ bool unpack(int64_t type, const uint8_t *b, int8_t *q, float *s, float *m)
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192);
         const float d = half_at(b + 208);
-        for (int g = 0; g < 16; g++)
-            s[g] = d * static_cast<float>(sc[g]);
+        for (int g = 0; g < 16; g++) s[g] = d * static_cast<float>(sc[g]);
         for (int n = 0; n < 2; n++) {
             const uint8_t *l = ql + 64 * n, *h = qh + 32 * n;
             int8_t *o = q + 128 * n;
             for (int i = 0; i < 32; i++) {
                 o[i] = static_cast<int8_t>(((l[i] & 0xF) | ((h[i] & 3) << 4)) - 32);
-                o[i + 32] = static_cast<int8_t>(((l[i + 32] & 0xF) | (((h[i] >> 2) & 3) << 4)) - 32);
+                o[i + 32] =
+                    static_cast<int8_t>(((l[i + 32] & 0xF) | (((h[i] >> 2) & 3) << 4)) - 32);
                 o[i + 64] = static_cast<int8_t>(((l[i] >> 4) | (((h[i] >> 4) & 3) << 4)) - 32);
                 o[i + 96] = static_cast<int8_t>(((l[i + 32] >> 4) | (((h[i] >> 6) & 3) << 4)) - 32);
             }
         }
         return false;
     }
-    default: return false;
+    default:
+        return false;
     }
 }
 
@@ -194,41 +201,47 @@ typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x16u __attribute__((vector_size(16), aligned(1), may_alias));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
-inline u8x16 bytes16(const uint8_t *p) { return *reinterpret_cast<const u8x16u *>(p); }
+inline u8x16 bytes16(const uint8_t *p)
+{
+    return *reinterpret_cast<const u8x16u *>(p);
+}
 
-// 16 unsigned (or, floats_i8, signed) bytes as floats. Intrinsics: GCC lowers a generic
-// __builtin_convertvector from 16 bytes to 16 floats element by element.
-inline v16 floats(u8x16 q)
+// 16 unsigned (or, floats_i8, signed) bytes as floats (out-parameters: a 64-byte vector
+// returned by value would change the portable and avx2 builds' ABI, which -Wpsabi rejects).
+// Intrinsics: GCC lowers a generic __builtin_convertvector from 16 bytes to 16 floats
+// element by element.
+inline void floats(u8x16 q, v16 &out)
 {
 #if defined(__AVX512F__)
-    return __builtin_bit_cast(v16, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(__builtin_bit_cast(__m128i, q))));
+    out = __builtin_bit_cast(
+        v16, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(__builtin_bit_cast(__m128i, q))));
 #elif defined(__AVX2__)
     const __m128i v = __builtin_bit_cast(__m128i, q);
     const v8 lo = __builtin_bit_cast(v8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
-    const v8 hi = __builtin_bit_cast(v8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v))));
-    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v8 hi =
+        __builtin_bit_cast(v8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v))));
+    out = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #else
-    v16 out;
     for (int i = 0; i < 16; i++) out[i] = static_cast<float>(q[i]);
-    return out;
 #endif
 }
-inline v16 floats_i8(const uint8_t *p)
+inline void floats_i8(const uint8_t *p, v16 &out)
 {
 #if defined(__AVX512F__)
-    return __builtin_bit_cast(v16, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i *>(p)))));
+    out = __builtin_bit_cast(v16, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                      _mm_loadu_si128(reinterpret_cast<const __m128i *>(p)))));
 #else
-    return floats(bytes16(p) ^ 0x80) - 128.0f;
+    floats(bytes16(p) ^ 0x80, out);
+    out -= 128.0f;
 #endif
 }
 
 struct LinearCtx {
-    const float *x, *xsum;  // x [M, K]; its sums per 16 elements [M, K / 16]
+    const float *x, *xsum; // x [M, K]; its sums per 16 elements [M, K / 16]
     const Weight *w;
     float *y;
     int M;
-    const int8_t *xq;  // x quantized for the VNNI path (vnni_quantize), or nullptr
+    const int8_t *xq; // x quantized for the VNNI path (vnni_quantize), or nullptr
     const float *dxl, *xqsum;
     const int32_t *xls;
 };
@@ -245,8 +258,7 @@ inline void fma16(v16 (&acc)[MT], const v16 &v, const float *const (&x)[MT], lon
 }
 
 // sum over 32 elements of q * x (q from 2 x 16 unsigned or signed values), scaled: acc += d * .
-template <int MT>
-inline void scaled(v16 (&acc)[MT], const v16 (&t)[MT], float d)
+template <int MT> inline void scaled(v16 (&acc)[MT], const v16 (&t)[MT], float d)
 {
     for (int r = 0; r < MT; r++) acc[r] += t[r] * d;
 }
@@ -258,17 +270,24 @@ void block_dot(int64_t type, const uint8_t *b, const float *const (&x)[MT],
                const float *const (&xs)[MT], v16 (&acc)[MT], float (&mins)[MT])
 {
     v16 t[MT];
-    auto zero = [&] { for (int r = 0; r < MT; r++) t[r] = v16{}; };
+    auto zero = [&] {
+        for (int r = 0; r < MT; r++) t[r] = v16{};
+    };
     switch (type) {
     case Q8_0: {
         zero();
         for (int g = 0; g < 2; g++) {
-            fma16(t, floats_i8(b + 2 + 16 * g), x, 16 * g);
+            v16 v;
+            floats_i8(b + 2 + 16 * g, v);
+            fma16(t, v, x, 16 * g);
         }
         scaled(acc, t, half_at(b));
         return;
     }
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: {
+    case Q4_0:
+    case Q4_1:
+    case Q5_0:
+    case Q5_1: {
         const bool one = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
         const uint8_t *qs = b + (one ? 4 : 2) + (five ? 4 : 0);
         const u8x16 raw = bytes16(qs);
@@ -277,24 +296,26 @@ void block_dot(int64_t type, const uint8_t *b, const float *const (&x)[MT],
             uint32_t qh;
             std::memcpy(&qh, b + (one ? 4 : 2), 4);
             const u8x16 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
-            const u8x16 h0 = {(uint8_t)qh, (uint8_t)qh, (uint8_t)qh, (uint8_t)qh, (uint8_t)qh,
-                              (uint8_t)qh, (uint8_t)qh, (uint8_t)qh, (uint8_t)(qh >> 8),
-                              (uint8_t)(qh >> 8), (uint8_t)(qh >> 8), (uint8_t)(qh >> 8),
-                              (uint8_t)(qh >> 8), (uint8_t)(qh >> 8), (uint8_t)(qh >> 8),
-                              (uint8_t)(qh >> 8)};
-            const u8x16 h1 = {(uint8_t)(qh >> 16), (uint8_t)(qh >> 16), (uint8_t)(qh >> 16),
-                              (uint8_t)(qh >> 16), (uint8_t)(qh >> 16), (uint8_t)(qh >> 16),
-                              (uint8_t)(qh >> 16), (uint8_t)(qh >> 16), (uint8_t)(qh >> 24),
-                              (uint8_t)(qh >> 24), (uint8_t)(qh >> 24), (uint8_t)(qh >> 24),
-                              (uint8_t)(qh >> 24), (uint8_t)(qh >> 24), (uint8_t)(qh >> 24),
-                              (uint8_t)(qh >> 24)};
+            const u8x16 h0 = {
+                (uint8_t)qh,        (uint8_t)qh,        (uint8_t)qh,        (uint8_t)qh,
+                (uint8_t)qh,        (uint8_t)qh,        (uint8_t)qh,        (uint8_t)qh,
+                (uint8_t)(qh >> 8), (uint8_t)(qh >> 8), (uint8_t)(qh >> 8), (uint8_t)(qh >> 8),
+                (uint8_t)(qh >> 8), (uint8_t)(qh >> 8), (uint8_t)(qh >> 8), (uint8_t)(qh >> 8)};
+            const u8x16 h1 = {
+                (uint8_t)(qh >> 16), (uint8_t)(qh >> 16), (uint8_t)(qh >> 16), (uint8_t)(qh >> 16),
+                (uint8_t)(qh >> 16), (uint8_t)(qh >> 16), (uint8_t)(qh >> 16), (uint8_t)(qh >> 16),
+                (uint8_t)(qh >> 24), (uint8_t)(qh >> 24), (uint8_t)(qh >> 24), (uint8_t)(qh >> 24),
+                (uint8_t)(qh >> 24), (uint8_t)(qh >> 24), (uint8_t)(qh >> 24), (uint8_t)(qh >> 24)};
             lo |= ((h0 & bit) != 0) & 0x10;
             hi |= ((h1 & bit) != 0) & 0x10;
         }
         zero();
         const float off = one ? 0.0f : (five ? 16.0f : 8.0f);
-        fma16(t, floats(lo) - off, x, 0);
-        fma16(t, floats(hi) - off, x, 16);
+        v16 v;
+        floats(lo, v);
+        fma16(t, v - off, x, 0);
+        floats(hi, v);
+        fma16(t, v - off, x, 16);
         scaled(acc, t, half_at(b));
         if (one) {
             const float m = half_at(b + 2);
@@ -302,11 +323,12 @@ void block_dot(int64_t type, const uint8_t *b, const float *const (&x)[MT],
         }
         return;
     }
-    case Q4_K: case Q5_K: {
+    case Q4_K:
+    case Q5_K: {
         const bool five = type == Q5_K;
         const float d = half_at(b), dmin = half_at(b + 2);
         const uint8_t *sc = b + 4, *qh = b + 16, *ql = b + (five ? 48 : 16);
-        for (int j = 0; j < 4; j++) {  // 64 elements: 32 low nibbles, then 32 high ones
+        for (int j = 0; j < 4; j++) { // 64 elements: 32 low nibbles, then 32 high ones
             int s0, m0, s1, m1;
             scale_min_k4(2 * j, sc, s0, m0);
             scale_min_k4(2 * j + 1, sc, s1, m1);
@@ -319,13 +341,18 @@ void block_dot(int64_t type, const uint8_t *b, const float *const (&x)[MT],
                 q2 |= ((h0 >> (2 * j + 1)) & 1) << 4;
                 q3 |= ((h1 >> (2 * j + 1)) & 1) << 4;
             }
+            v16 v;
             zero();
-            fma16(t, floats(q0), x, 64 * j);
-            fma16(t, floats(q1), x, 64 * j + 16);
+            floats(q0, v);
+            fma16(t, v, x, 64 * j);
+            floats(q1, v);
+            fma16(t, v, x, 64 * j + 16);
             scaled(acc, t, d * static_cast<float>(s0));
             zero();
-            fma16(t, floats(q2), x, 64 * j + 32);
-            fma16(t, floats(q3), x, 64 * j + 48);
+            floats(q2, v);
+            fma16(t, v, x, 64 * j + 32);
+            floats(q3, v);
+            fma16(t, v, x, 64 * j + 48);
             scaled(acc, t, d * static_cast<float>(s1));
             for (int r = 0; r < MT; r++) {
                 const float *s16 = xs[r] + 4 * j;
@@ -340,21 +367,26 @@ void block_dot(int64_t type, const uint8_t *b, const float *const (&x)[MT],
         const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192);
         const float d = half_at(b + 208);
         for (int n = 0; n < 2; n++) {
-            for (int h = 0; h < 2; h++) {  // l in [16h, 16h + 16)
-                const u8x16 l0 = bytes16(ql + 64 * n + 16 * h), l1 = bytes16(ql + 64 * n + 32 + 16 * h);
+            for (int h = 0; h < 2; h++) { // l in [16h, 16h + 16)
+                const u8x16 l0 = bytes16(ql + 64 * n + 16 * h),
+                            l1 = bytes16(ql + 64 * n + 32 + 16 * h);
                 const u8x16 hb = bytes16(qh + 32 * n + 16 * h);
-                const u8x16 q[4] = {(l0 & 0xF) | ((hb & 3) << 4), (l1 & 0xF) | (((hb >> 2) & 3) << 4),
-                                    (l0 >> 4) | (((hb >> 4) & 3) << 4), (l1 >> 4) | (((hb >> 6) & 3) << 4)};
-                for (int k = 0; k < 4; k++) {  // elements 128n + 32k + 16h: granule 8n + 2k + h
+                const u8x16 q[4] = {
+                    (l0 & 0xF) | ((hb & 3) << 4), (l1 & 0xF) | (((hb >> 2) & 3) << 4),
+                    (l0 >> 4) | (((hb >> 4) & 3) << 4), (l1 >> 4) | (((hb >> 6) & 3) << 4)};
+                for (int k = 0; k < 4; k++) { // elements 128n + 32k + 16h: granule 8n + 2k + h
                     zero();
-                    fma16(t, floats(q[k]) - 32.0f, x, 128 * n + 32 * k + 16 * h);
+                    v16 v;
+                    floats(q[k], v);
+                    fma16(t, v - 32.0f, x, 128 * n + 32 * k + 16 * h);
                     scaled(acc, t, d * static_cast<float>(sc[8 * n + 2 * k + h]));
                 }
             }
         }
         return;
     }
-    default: return;
+    default:
+        return;
     }
 }
 
@@ -369,7 +401,7 @@ void rows_dot(const LinearCtx &c, const Part &p, long first, long n0, long n1, i
     for (long n = n0; n < n1; n++) {
         const uint8_t *row = p.data + n * p.row_bytes;
         float out[MT];
-        if (l.elems == 1) {  // plain rows
+        if (l.elems == 1) { // plain rows
             for (int r = 0; r < MT; r++) {
                 const float *xr = c.x + static_cast<long>(m0 + r) * K;
                 float acc = 0;
@@ -395,8 +427,7 @@ void rows_dot(const LinearCtx &c, const Part &p, long first, long n0, long n1, i
                 out[r] = t - mins[r];
             }
         }
-        for (int r = 0; r < MT; r++)
-            c.y[static_cast<long>(m0 + r) * c.w->N + first + n] = out[r];
+        for (int r = 0; r < MT; r++) c.y[static_cast<long>(m0 + r) * c.w->N + first + n] = out[r];
     }
 }
 
@@ -455,7 +486,7 @@ void dequant_body(void *arg, long begin, long end, int)
     }
 }
 
-}  // namespace
+} // namespace
 
 void linear(const float *x, int M, const Weight &w, float *y, int nthreads)
 {
@@ -474,14 +505,14 @@ void linear(const float *x, int M, const Weight &w, float *y, int nthreads)
     for (int p = 0; p < w.parts; p++) reads = reads || vnni_reads(w.part[p].type, K);
     vnni = vnni && reads;
     const size_t n = vnni ? static_cast<size_t>(M) * K : 0;
-    std::vector<int8_t> xq(2 * n);  // two planes (quant_vnni.cpp)
+    std::vector<int8_t> xq(2 * n); // two planes (quant_vnni.cpp)
     std::vector<float> dxl(n / 4);
     std::vector<int32_t> xls(n / 4);
     std::vector<float> xqsum(n / 16);
     if (vnni)
         vnni_quantize(x, M, K, xq.data(), dxl.data(), xls.data(), xqsum.data());
-    LinearCtx c{x,           xsum.data(), &w, y, M, vnni ? xq.data() : nullptr, dxl.data(),
-                xqsum.data(), xls.data()};
+    LinearCtx c{x,          xsum.data(),  &w,        y, M, vnni ? xq.data() : nullptr,
+                dxl.data(), xqsum.data(), xls.data()};
     // Chunks of outputs claimed by the threads: ~16 a thread, at least 4 rows.
     const long chunk = std::max(4L, w.N / (16L * std::max(nthreads, 1)));
     const bool small = static_cast<long>(K) * w.N < 4 * PAR_MIN;
@@ -495,4 +526,4 @@ void dequantize(const Weight &w, long r0, long rows, float *out, int nthreads)
     parallel_run(small ? 1 : nthreads, dequant_body, &c, rows, 8, false);
 }
 
-}  // namespace fleetllm::kernels::quant
+} // namespace fleetllm::kernels::quant

@@ -25,6 +25,19 @@ struct Layout {
 };
 Layout layout(int64_t type);
 
+// Q4_K / Q5_K: sub-block j's 6-bit scale and min, packed in 12 bytes (ggml's
+// get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t *q, int &sc, int &m)
+{
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
 struct Part {
     int64_t type, rows, row_bytes;
     const uint8_t *data;

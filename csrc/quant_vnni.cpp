@@ -5,8 +5,8 @@
 // x is two int8 planes, q1 and the rounding left, q2 = round((x - dx q1) * 128 / dx) (|q2| <=
 // 64): lanes (u . q1) * 128 + u . q2 (two vpdpbusd and a shift) times dx / 128 give x's
 // products to ~1/32000 instead of ~1/250: llama.cpp's one plane changed a greedy token in 28%
-// of the demo model's Q4_K_M requests against float32, two planes as often as float32 sums. A type whose
-// values are signed stores u = q + o (o = 8, 32 or 128): its lanes subtract o times x's lane
+// of the demo model's Q4_K_M requests against float32, two planes as often as float32 sums. A type
+// whose values are signed stores u = q + o (o = 8, 32 or 128): its lanes subtract o times x's lane
 // sums. Each lane is then scaled by its weight scale times its dx, in float32; minimums (Q4_K,
 // Q5_K) from the quantized x's sums per 16. Built into every x86 variant with
 // the target attribute and run only where the CPU has VNNI (vnni_available).
@@ -17,8 +17,10 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-namespace fleetllm::kernels::quant {
-namespace {
+namespace fleetllm::kernels::quant
+{
+namespace
+{
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,avx2,fma")))
 
@@ -27,17 +29,6 @@ VNNI inline float half_at(const uint8_t *p)
     uint16_t h;
     std::memcpy(&h, p, 2);
     return _cvtsh_ss(h);
-}
-
-inline void scale_min_k4(int j, const uint8_t *q, int &sc, int &m)
-{
-    if (j < 4) {
-        sc = q[j] & 63;
-        m = q[j + 4] & 63;
-    } else {
-        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
 }
 
 VNNI inline __m512i join(__m256i lo, __m256i hi)
@@ -68,21 +59,20 @@ VNNI inline void chunk(__m512 (&acc)[MT], __m512i u, __m512 ws, const Rows &x, i
 {
     for (int r = 0; r < MT; r++) {
         const long row = static_cast<long>(m0 + r) * x.K;
-        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u,
-                                        _mm512_loadu_si512(x.xq + row + e));
+        __m512i s =
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(x.xq + row + e));
         s = _mm512_dpbusd_epi32(_mm512_slli_epi32(s, 7), u,
                                 _mm512_loadu_si512(x.xq + x.plane + row + e));
         if constexpr (SHIFT > 0)
-            s = _mm512_sub_epi32(s, _mm512_slli_epi32(
-                                        _mm512_loadu_si512(x.xls + row / 4 + e / 4), SHIFT));
+            s = _mm512_sub_epi32(
+                s, _mm512_slli_epi32(_mm512_loadu_si512(x.xls + row / 4 + e / 4), SHIFT));
         const __m512 d = _mm512_mul_ps(ws, _mm512_loadu_ps(x.dxl + row / 4 + e / 4));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[r]);
     }
 }
 
 template <int MT>
-VNNI void rows(const Part &p, const Rows &x, int m0, long n0, long n1, float *y, long N,
-               long first)
+VNNI void rows(const Part &p, const Rows &x, int m0, long n0, long n1, float *y, long N, long first)
 {
     const int K = x.K, KG = K / 16;
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -92,15 +82,19 @@ VNNI void rows(const Part &p, const Rows &x, int m0, long n0, long n1, float *y,
         float mins[MT] = {};
         for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
         switch (p.type) {
-        case Q8_0: case Q4_0:
-            for (int b = 0; b < K / 32; b += 2) {  // two blocks: 64 weights
+        case Q8_0:
+        case Q4_0:
+            for (int b = 0; b < K / 32; b += 2) { // two blocks: 64 weights
                 const int bytes = p.type == Q8_0 ? 34 : 18;
                 const uint8_t *a = row + static_cast<long>(b) * bytes, *c = a + bytes;
                 __m512i u;
                 if (p.type == Q8_0) {
                     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-                    u = join(_mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(a + 2)), flip),
-                             _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(c + 2)), flip));
+                    u = join(
+                        _mm256_xor_si256(
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a + 2)), flip),
+                        _mm256_xor_si256(
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i *>(c + 2)), flip));
                     chunk<MT, 7>(acc, u, two_scales(half_at(a), half_at(c)), x, m0, 32L * b);
                 } else {
                     const __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i *>(a + 2));
@@ -112,7 +106,8 @@ VNNI void rows(const Part &p, const Rows &x, int m0, long n0, long n1, float *y,
                 }
             }
             break;
-        case Q4_K: case Q5_K: {
+        case Q4_K:
+        case Q5_K: {
             const bool five = p.type == Q5_K;
             const int bytes = five ? 176 : 144;
             __m512 minv[MT];
@@ -128,26 +123,36 @@ VNNI void rows(const Part &p, const Rows &x, int m0, long n0, long n1, float *y,
                     scale[j] = d * static_cast<float>(sj);
                     min16[2 * j] = min16[2 * j + 1] = dmin * static_cast<float>(mj);
                 }
-                const __m256i qh = five ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 16))
-                                        : _mm256_setzero_si256();
+                const __m256i qh =
+                    five ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 16))
+                         : _mm256_setzero_si256();
                 for (int j = 0; j < 4; j++) {
-                    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + 32 * j));
+                    const __m256i q =
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + 32 * j));
                     __m256i lo = _mm256_and_si256(q, low);
                     __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
                     if (five) {
                         const __m256i one = _mm256_set1_epi8(1);
-                        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(
-                                                     _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), one), 4));
-                        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(
-                                                     _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1)), one), 4));
+                        lo = _mm256_or_si256(
+                            lo, _mm256_slli_epi16(
+                                    _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)),
+                                                     one),
+                                    4));
+                        hi = _mm256_or_si256(
+                            hi, _mm256_slli_epi16(
+                                    _mm256_and_si256(
+                                        _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1)), one),
+                                    4));
                     }
-                    chunk<MT, 0>(acc, join(lo, hi), two_scales(scale[2 * j], scale[2 * j + 1]), x, m0,
-                                 256L * b + 64 * j);
+                    chunk<MT, 0>(acc, join(lo, hi), two_scales(scale[2 * j], scale[2 * j + 1]), x,
+                                 m0, 256L * b + 64 * j);
                 }
                 // the minimums: sum over the block's 16 granules of min * x's sum there
                 const __m512 mv = _mm512_load_ps(min16);
                 for (int r = 0; r < MT; r++)
-                    minv[r] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(x.xqsum + static_cast<long>(m0 + r) * KG + 16L * b), minv[r]);
+                    minv[r] = _mm512_fmadd_ps(
+                        mv, _mm512_loadu_ps(x.xqsum + static_cast<long>(m0 + r) * KG + 16L * b),
+                        minv[r]);
             }
             for (int r = 0; r < MT; r++) mins[r] = _mm512_reduce_add_ps(minv[r]);
             break;
@@ -157,48 +162,64 @@ VNNI void rows(const Part &p, const Rows &x, int m0, long n0, long n1, float *y,
                 const uint8_t *blk = row + static_cast<long>(b) * 210;
                 const float d = half_at(blk + 208);
                 // the 16 scales as floats times d, one per 16 elements
-                const __m512 scales = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                                         _mm_loadu_si128(reinterpret_cast<const __m128i *>(blk + 192)))));
+                const __m512 scales = _mm512_mul_ps(
+                    _mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                           reinterpret_cast<const __m128i *>(blk + 192)))));
                 const __m256i three = _mm256_set1_epi8(3);
                 for (int n = 0; n < 2; n++) {
-                    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * n));
-                    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * n + 32));
-                    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 128 + 32 * n));
-                    const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(h, three), 4));
-                    const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4));
-                    const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4));
-                    const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4));
-                    for (int c = 0; c < 2; c++) {  // elements 128n + 64c: granules 8n + 4c ..
-                        const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-                        const __m512 ws = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(8 * n + 4 * c)), scales);
-                        chunk<MT, 5>(acc, c == 0 ? join(q0, q1) : join(q2, q3), ws, x, m0, 256L * b + 128 * n + 64 * c);
+                    const __m256i l0 =
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * n));
+                    const __m256i l1 =
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * n + 32));
+                    const __m256i h =
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 128 + 32 * n));
+                    const __m256i q0 =
+                        _mm256_or_si256(_mm256_and_si256(l0, low),
+                                        _mm256_slli_epi16(_mm256_and_si256(h, three), 4));
+                    const __m256i q1 = _mm256_or_si256(
+                        _mm256_and_si256(l1, low),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4));
+                    const __m256i q2 = _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), three), 4));
+                    const __m256i q3 = _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4));
+                    for (int c = 0; c < 2; c++) { // elements 128n + 64c: granules 8n + 4c ..
+                        const __m512i idx =
+                            _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+                        const __m512 ws = _mm512_permutexvar_ps(
+                            _mm512_add_epi32(idx, _mm512_set1_epi32(8 * n + 4 * c)), scales);
+                        chunk<MT, 5>(acc, c == 0 ? join(q0, q1) : join(q2, q3), ws, x, m0,
+                                     256L * b + 128 * n + 64 * c);
                     }
                 }
             }
             break;
-        default: break;
+        default:
+            break;
         }
         for (int r = 0; r < MT; r++)
             y[static_cast<long>(m0 + r) * N + first + n] = _mm512_reduce_add_ps(acc[r]) - mins[r];
     }
 }
 
-}  // namespace
+} // namespace
 
 bool vnni_available()
 {
-    static const bool ok = __builtin_cpu_supports("avx512vnni") &&
-                           __builtin_cpu_supports("avx512bw") &&
-                           __builtin_cpu_supports("avx512vl") &&
-                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c") &&
-                           !(std::getenv("FLEETLLM_QUANT_VNNI") &&
-                             std::getenv("FLEETLLM_QUANT_VNNI")[0] == '0');
+    static const bool ok =
+        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("f16c") &&
+        !(std::getenv("FLEETLLM_QUANT_VNNI") && std::getenv("FLEETLLM_QUANT_VNNI")[0] == '0');
     return ok;
 }
 
 bool vnni_reads(int64_t type, int K)
 {
-    return K % 64 == 0 && (type == Q8_0 || type == Q4_0 || type == Q4_K || type == Q5_K || type == Q6_K);
+    return K % 64 == 0 &&
+           (type == Q8_0 || type == Q4_0 || type == Q4_K || type == Q5_K || type == Q6_K);
 }
 
 VNNI void vnni_quantize(const float *x, int M, int K, int8_t *xq, float *dxl, int32_t *xls,
@@ -213,11 +234,14 @@ VNNI void vnni_quantize(const float *x, int M, int K, int8_t *xq, float *dxl, in
         __m512i q[2], r[2];
         const __m512 v[2] = {a, b};
         for (int h = 0; h < 2; h++) {
-            const __m512 scaled = _mm512_mul_ps(v[h], s);  // in units of dx
+            const __m512 scaled = _mm512_mul_ps(v[h], s); // in units of dx
             q[h] = _mm512_cvtps_epi32(scaled);
-            r[h] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(scaled, _mm512_cvtepi32_ps(q[h])), s2));
-            _mm_storeu_si128(reinterpret_cast<__m128i *>(xq + i + 16 * h), _mm512_cvtsepi32_epi8(q[h]));
-            _mm_storeu_si128(reinterpret_cast<__m128i *>(xq + n + i + 16 * h), _mm512_cvtsepi32_epi8(r[h]));
+            r[h] = _mm512_cvtps_epi32(
+                _mm512_mul_ps(_mm512_sub_ps(scaled, _mm512_cvtepi32_ps(q[h])), s2));
+            _mm_storeu_si128(reinterpret_cast<__m128i *>(xq + i + 16 * h),
+                             _mm512_cvtsepi32_epi8(q[h]));
+            _mm_storeu_si128(reinterpret_cast<__m128i *>(xq + n + i + 16 * h),
+                             _mm512_cvtsepi32_epi8(r[h]));
         }
         // per 4 elements: (sum q1) * 128 + sum q2
         alignas(64) int32_t tot[32];
@@ -235,7 +259,8 @@ VNNI void vnni_quantize(const float *x, int M, int K, int8_t *xq, float *dxl, in
 }
 
 VNNI void vnni_rows(const Part &p, const int8_t *xq, const float *dxl, const int32_t *xls,
-                    const float *xqsum, int K, int M, long n0, long n1, float *y, long N, long first)
+                    const float *xqsum, int K, int M, long n0, long n1, float *y, long N,
+                    long first)
 {
     const Rows x{xq, static_cast<long>(M) * K, dxl, xqsum, xls, K};
     int m0 = 0;
@@ -244,16 +269,25 @@ VNNI void vnni_rows(const Part &p, const int8_t *xq, const float *dxl, const int
     for (; m0 < M; m0++) rows<1>(p, x, m0, n0, n1, y, N, first);
 }
 
-}  // namespace fleetllm::kernels::quant
+} // namespace fleetllm::kernels::quant
 
-#else  // not x86-64: no VNNI path
+#else // not x86-64: no VNNI path
 
-namespace fleetllm::kernels::quant {
-bool vnni_available() { return false; }
-bool vnni_reads(int64_t, int) { return false; }
+namespace fleetllm::kernels::quant
+{
+bool vnni_available()
+{
+    return false;
+}
+bool vnni_reads(int64_t, int)
+{
+    return false;
+}
 void vnni_quantize(const float *, int, int, int8_t *, float *, int32_t *, float *) {}
 void vnni_rows(const Part &, const int8_t *, const float *, const int32_t *, const float *, int,
-               int, long, long, float *, long, long) {}
-}  // namespace fleetllm::kernels::quant
+               int, long, long, float *, long, long)
+{
+}
+} // namespace fleetllm::kernels::quant
 
 #endif
