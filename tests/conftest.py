@@ -8,8 +8,15 @@ from pathlib import Path
 import fleetllm  # noqa: F401  (first: it sets OpenMP's wait before torch loads, as for users)
 
 # isort: split
+import numpy as np
 import pytest
 import torch
+
+# numpy advises MADV_HUGEPAGE on its own large arrays; freed, that memory stays in the heap
+# (fleetllm raises glibc's mmap threshold) and torch's next tensors land in it, advised: the
+# huge-page tests (tests/model/test_huge_pages.py) would then see THP where fleetllm asked for
+# none, whenever a test before them in the process built a GGUF file with numpy.
+np._core.multiarray._set_madvise_hugepage(False)
 
 # `make test` runs the suite in two pytest-xdist workers. Each gets a temp dir of its own
 # (TMPDIR, which the processes tests start and Ray's session files follow): tests that look
