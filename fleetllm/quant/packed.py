@@ -43,7 +43,6 @@ BLOCK = {QType.F32: (1, 4), QType.F16: (1, 2), QType.BF16: (1, 2), QType.Q4_0: (
          QType.Q8_0: (32, 34), QType.Q4_K: (256, 144), QType.Q5_K: (256, 176),
          QType.Q6_K: (256, 210)}
 PLAIN = frozenset({QType.F32, QType.F16, QType.BF16})
-READABLE = frozenset(int(t) for t in QType)
 
 
 @dataclass
