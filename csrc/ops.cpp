@@ -551,7 +551,7 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
     if (!gguf_down)
         check_float(inter_of, dense_down ? "w_down" : "packed down",
                     by_pairs ? 4 : by_tiles ? 5 : 2);
-    const int64_t inter = gguf_down  ? gguf_in_features(inter_of)
+    const int64_t inter = gguf_down  ? gguf_features(inter_of).first
                           : by_pairs ? 2 * inter_of.size(1)
                           : by_tiles ? 32 * inter_of.size(1) : inter_of.size(1);
     const at::ScalarType type = x.scalar_type();
@@ -605,7 +605,7 @@ Tensor decoder_layer(const Tensor &x, const Tensor &residual, bool first, const 
                 own[i] = cptr<kernels::bf16>(*w);
             } else if (kind == GGUF) {  // quantized (checked at each call) or dense
                 if (is_gguf_packed(*w)) {
-                    TORCH_CHECK(gguf_in_features(*w) == in[i] && gguf_out_features(*w) == out[i],
+                    TORCH_CHECK(gguf_features(*w) == std::pair(in[i], out[i]),
                                 "decoder_layer: packed quantized weight ", i, " must be [",
                                 out[i], ", ", in[i], "]");
                 } else {

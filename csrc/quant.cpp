@@ -1,22 +1,20 @@
-// The quantized projections' kernels (quant.h). Each block type unpacks a block into int8
-// values q and, per 16 elements (a granule), a float scale s and minimum m, so that weight =
-// s * q - m exactly as ggml's dequantize_row_* computes it; one loop then serves every type:
-// per granule the 16 values widened to float, scaled, multiplied with each row of x and
-// summed in a float32 vector; the minimums are applied once per row from x's granule sums
-// (K-quants keep theirs per 32 elements, so sum(w x) = sum(s q x) - sum(m * sum(x))).
-// Memory-bound at batch 1: a 4-bit weight streams 0.56-0.63 bytes where bf16 streams 2.
+// The quantized projections' kernels (quant.h) without VNNI (quant_vnni.cpp takes the common
+// types' decode rows where the CPU has it). block_dot widens a block's values to float in
+// registers, per 16 elements, scaled, multiplied with up to 8 rows of x and summed in float32
+// vectors; minimums are applied once from x's sums per 16 (sum(w x) = sum(s q x) - sum(m *
+// sum(x))). unpack gives a block as int8 values q and per 16 elements a scale s and minimum m
+// (weight = s * q - m, as ggml's dequantize_row_* computes it): the dequantization a prompt's
+// GEMM and an embedding's lookup read. Compute-bound here, not memory-bound
+// (docs/quantization.md).
 #include "quant.h"
 
 #include <algorithm>
-#include <cmath>
-#include <cstdlib>
 #include <vector>
 
 #include "kernels.h"
 #include "parallel.h"
 
-namespace fleetllm::kernels::quant
-{
+namespace fleetllm::kernels::quant {
 
 Layout layout(int64_t type)
 {
@@ -76,8 +74,7 @@ const char *parse(const uint8_t *buf, int64_t nbytes, Weight &w)
     return nullptr;
 }
 
-namespace
-{
+namespace {
 
 inline float half(uint16_t h)
 {
@@ -86,7 +83,7 @@ inline float half(uint16_t h)
         return __builtin_bit_cast(float, sign | 0x7f800000u | (man << 13));
     if (exp)
         return __builtin_bit_cast(float, sign | ((exp + 112) << 23) | (man << 13));
-    const float f = static_cast<float>(man) * (1.0f / 16777216.0f); // subnormal: man * 2^-24
+    const float f = static_cast<float>(man) * (1.0f / 16777216.0f);  // subnormal: man * 2^-24
     return sign ? -f : f;
 }
 inline float half_at(const uint8_t *p)
@@ -138,7 +135,7 @@ bool unpack(int64_t type, const uint8_t *b, int8_t *q, float *s, float *m)
     case Q5_K: {
         const float d = half_at(b), dmin = half_at(b + 2);
         const uint8_t *sc = b + 4, *qh = b + 16, *ql = b + (type == Q5_K ? 48 : 16);
-        for (int j = 0; j < 4; j++) { // 64 elements: low nibbles, then high nibbles
+        for (int j = 0; j < 4; j++) {  // 64 elements: low nibbles, then high nibbles
             for (int half_ = 0; half_ < 2; half_++) {
                 int scale, min;
                 scale_min_k4(2 * j + half_, sc, scale, min);
@@ -199,7 +196,6 @@ inline float plain(int64_t type, const uint8_t *row, long k)
 
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x16u __attribute__((vector_size(16), aligned(1), may_alias));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 inline u8x16 bytes16(const uint8_t *p)
 {
@@ -237,11 +233,11 @@ inline void floats_i8(const uint8_t *p, v16 &out)
 }
 
 struct LinearCtx {
-    const float *x, *xsum; // x [M, K]; its sums per 16 elements [M, K / 16]
+    const float *x, *xsum;  // x [M, K]; its sums per 16 elements [M, K / 16]
     const Weight *w;
     float *y;
     int M;
-    const int8_t *xq; // x quantized for the VNNI path (vnni_quantize), or nullptr
+    const int8_t *xq;  // x quantized for the VNNI path (vnni_quantize), or nullptr
     const float *dxl, *xqsum;
     const int32_t *xls;
 };
@@ -328,7 +324,7 @@ void block_dot(int64_t type, const uint8_t *b, const float *const (&x)[MT],
         const bool five = type == Q5_K;
         const float d = half_at(b), dmin = half_at(b + 2);
         const uint8_t *sc = b + 4, *qh = b + 16, *ql = b + (five ? 48 : 16);
-        for (int j = 0; j < 4; j++) { // 64 elements: 32 low nibbles, then 32 high ones
+        for (int j = 0; j < 4; j++) {  // 64 elements: 32 low nibbles, then 32 high ones
             int s0, m0, s1, m1;
             scale_min_k4(2 * j, sc, s0, m0);
             scale_min_k4(2 * j + 1, sc, s1, m1);
@@ -367,14 +363,14 @@ void block_dot(int64_t type, const uint8_t *b, const float *const (&x)[MT],
         const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192);
         const float d = half_at(b + 208);
         for (int n = 0; n < 2; n++) {
-            for (int h = 0; h < 2; h++) { // l in [16h, 16h + 16)
+            for (int h = 0; h < 2; h++) {  // l in [16h, 16h + 16)
                 const u8x16 l0 = bytes16(ql + 64 * n + 16 * h),
                             l1 = bytes16(ql + 64 * n + 32 + 16 * h);
                 const u8x16 hb = bytes16(qh + 32 * n + 16 * h);
                 const u8x16 q[4] = {
                     (l0 & 0xF) | ((hb & 3) << 4), (l1 & 0xF) | (((hb >> 2) & 3) << 4),
                     (l0 >> 4) | (((hb >> 4) & 3) << 4), (l1 >> 4) | (((hb >> 6) & 3) << 4)};
-                for (int k = 0; k < 4; k++) { // elements 128n + 32k + 16h: granule 8n + 2k + h
+                for (int k = 0; k < 4; k++) {  // elements 128n + 32k + 16h: granule 8n + 2k + h
                     zero();
                     v16 v;
                     floats(q[k], v);
@@ -401,7 +397,7 @@ void rows_dot(const LinearCtx &c, const Part &p, long first, long n0, long n1, i
     for (long n = n0; n < n1; n++) {
         const uint8_t *row = p.data + n * p.row_bytes;
         float out[MT];
-        if (l.elems == 1) { // plain rows
+        if (l.elems == 1) {  // plain rows
             for (int r = 0; r < MT; r++) {
                 const float *xr = c.x + static_cast<long>(m0 + r) * K;
                 float acc = 0;
@@ -486,7 +482,7 @@ void dequant_body(void *arg, long begin, long end, int)
     }
 }
 
-} // namespace
+}  // namespace
 
 void linear(const float *x, int M, const Weight &w, float *y, int nthreads)
 {
@@ -505,7 +501,7 @@ void linear(const float *x, int M, const Weight &w, float *y, int nthreads)
     for (int p = 0; p < w.parts; p++) reads = reads || vnni_reads(w.part[p].type, K);
     vnni = vnni && reads;
     const size_t n = vnni ? static_cast<size_t>(M) * K : 0;
-    std::vector<int8_t> xq(2 * n); // two planes (quant_vnni.cpp)
+    std::vector<int8_t> xq(2 * n);  // two planes (quant_vnni.cpp)
     std::vector<float> dxl(n / 4);
     std::vector<int32_t> xls(n / 4);
     std::vector<float> xqsum(n / 16);
@@ -526,4 +522,4 @@ void dequantize(const Weight &w, long r0, long rows, float *out, int nthreads)
     parallel_run(small ? 1 : nthreads, dequant_body, &c, rows, 8, false);
 }
 
-} // namespace fleetllm::kernels::quant
+}  // namespace fleetllm::kernels::quant

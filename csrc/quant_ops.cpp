@@ -46,8 +46,11 @@ bool is_gguf_packed(const Tensor &t)
     return t.scalar_type() == at::kByte && t.dim() == 1 && !t.is_mkldnn();
 }
 
-int64_t gguf_in_features(const Tensor &packed) { return parsed(packed).K; }
-int64_t gguf_out_features(const Tensor &packed) { return parsed(packed).N; }
+std::pair<int64_t, int64_t> gguf_features(const Tensor &packed)
+{
+    const q::Weight w = parsed(packed);
+    return {w.K, w.N};
+}
 
 Tensor gguf_linear(const Tensor &x, const Tensor &packed, const std::optional<Tensor> &bias)
 {

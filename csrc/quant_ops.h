@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <utility>
 
 namespace fleetllm {
 
@@ -15,9 +16,9 @@ at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &packed,
 // The rows of a packed copy at `ids` (int64 [T]; an embedding's lookup) as `dtype` [T, K].
 at::Tensor gguf_rows(const at::Tensor &packed, const at::Tensor &ids, at::ScalarType dtype);
 
-// Whether t is a packed copy (1-D uint8), and its in features (K) and out features (N).
+// Whether t is a packed copy (1-D uint8), and its (in, out) features (K, N): its header
+// parsed and checked once.
 bool is_gguf_packed(const at::Tensor &t);
-int64_t gguf_in_features(const at::Tensor &packed);
-int64_t gguf_out_features(const at::Tensor &packed);
+std::pair<int64_t, int64_t> gguf_features(const at::Tensor &packed);
 
 }  // namespace fleetllm

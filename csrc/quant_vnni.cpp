@@ -17,10 +17,8 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-namespace fleetllm::kernels::quant
-{
-namespace
-{
+namespace fleetllm::kernels::quant {
+namespace {
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,avx2,fma")))
 
@@ -84,7 +82,7 @@ VNNI void rows(const Part &p, const Rows &x, int m0, long n0, long n1, float *y,
         switch (p.type) {
         case Q8_0:
         case Q4_0:
-            for (int b = 0; b < K / 32; b += 2) { // two blocks: 64 weights
+            for (int b = 0; b < K / 32; b += 2) {  // two blocks: 64 weights
                 const int bytes = p.type == Q8_0 ? 34 : 18;
                 const uint8_t *a = row + static_cast<long>(b) * bytes, *c = a + bytes;
                 __m512i u;
@@ -185,7 +183,7 @@ VNNI void rows(const Part &p, const Rows &x, int m0, long n0, long n1, float *y,
                     const __m256i q3 = _mm256_or_si256(
                         _mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), three), 4));
-                    for (int c = 0; c < 2; c++) { // elements 128n + 64c: granules 8n + 4c ..
+                    for (int c = 0; c < 2; c++) {  // elements 128n + 64c: granules 8n + 4c ..
                         const __m512i idx =
                             _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
                         const __m512 ws = _mm512_permutexvar_ps(
@@ -204,7 +202,7 @@ VNNI void rows(const Part &p, const Rows &x, int m0, long n0, long n1, float *y,
     }
 }
 
-} // namespace
+}  // namespace
 
 bool vnni_available()
 {
@@ -234,7 +232,7 @@ VNNI void vnni_quantize(const float *x, int M, int K, int8_t *xq, float *dxl, in
         __m512i q[2], r[2];
         const __m512 v[2] = {a, b};
         for (int h = 0; h < 2; h++) {
-            const __m512 scaled = _mm512_mul_ps(v[h], s); // in units of dx
+            const __m512 scaled = _mm512_mul_ps(v[h], s);  // in units of dx
             q[h] = _mm512_cvtps_epi32(scaled);
             r[h] = _mm512_cvtps_epi32(
                 _mm512_mul_ps(_mm512_sub_ps(scaled, _mm512_cvtepi32_ps(q[h])), s2));
@@ -269,12 +267,11 @@ VNNI void vnni_rows(const Part &p, const int8_t *xq, const float *dxl, const int
     for (; m0 < M; m0++) rows<1>(p, x, m0, n0, n1, y, N, first);
 }
 
-} // namespace fleetllm::kernels::quant
+}  // namespace fleetllm::kernels::quant
 
-#else // not x86-64: no VNNI path
+#else  // not x86-64: no VNNI path
 
-namespace fleetllm::kernels::quant
-{
+namespace fleetllm::kernels::quant {
 bool vnni_available()
 {
     return false;
@@ -288,6 +285,6 @@ void vnni_rows(const Part &, const int8_t *, const float *, const int32_t *, con
                int, long, long, float *, long, long)
 {
 }
-} // namespace fleetllm::kernels::quant
+}  // namespace fleetllm::kernels::quant
 
 #endif
