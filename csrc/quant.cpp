@@ -47,20 +47,22 @@ Layout layout(int64_t type)
 
 const char *parse(const uint8_t *buf, int64_t nbytes, Weight &w)
 {
+    constexpr int HEAD = 4;  // magic, K, parts, perm offset
     const int64_t words = nbytes / 8;
-    if (words < 3)
+    if (words < HEAD)
         return "shorter than its header";
-    int64_t h[3 + 4 * MAX_PARTS];
-    std::memcpy(h, buf, 8 * std::min<int64_t>(words, 3 + 4 * MAX_PARTS));
+    int64_t h[HEAD + 4 * MAX_PARTS];
+    std::memcpy(h, buf, 8 * std::min<int64_t>(words, HEAD + 4 * MAX_PARTS));
     if (h[0] != QPACK_MAGIC)
         return "not a packed quantized weight (bad magic)";
-    if (h[1] <= 0 || h[1] > (1 << 30) || h[2] <= 0 || h[2] > MAX_PARTS || words < 3 + 4 * h[2])
+    if (h[1] <= 0 || h[1] > (1 << 30) || h[2] <= 0 || h[2] > MAX_PARTS ||
+        words < HEAD + 4 * h[2])
         return "a bad header (K or parts)";
     w.K = static_cast<int>(h[1]);
     w.parts = static_cast<int>(h[2]);
     w.N = 0;
     for (int p = 0; p < w.parts; p++) {
-        const int64_t *d = h + 3 + 4 * p;
+        const int64_t *d = h + HEAD + 4 * p;
         const Layout l = layout(d[0]);
         if (l.elems == 0)
             return "a part of a block type the kernels do not read";
@@ -70,6 +72,20 @@ const char *parse(const uint8_t *buf, int64_t nbytes, Weight &w)
             return "a part that lies outside the buffer";
         w.part[p] = {d[0], d[1], d[2], buf + d[3]};
         w.N += d[1];
+    }
+    // the permutation: K words past the header, inside the buffer, every entry a column
+    w.perm = nullptr;
+    if (h[3] != 0) {
+        if (h[3] < 8 * (HEAD + 4 * h[2]) || h[3] % 8 || h[3] > nbytes ||
+            (nbytes - h[3]) / 8 < w.K)
+            return "a column permutation that lies outside the buffer";
+        for (int k = 0; k < w.K; k++) {
+            int64_t v;
+            std::memcpy(&v, buf + h[3] + 8L * k, 8);
+            if (v < 0 || v >= w.K)
+                return "a column permutation with an entry outside [0, K)";
+        }
+        w.perm = reinterpret_cast<const int64_t *>(buf + h[3]);  // 8-aligned (quant_ops.cpp)
     }
     return nullptr;
 }

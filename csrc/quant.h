@@ -2,8 +2,12 @@
 // block types read as the file stores them, and the packed copy a projection keeps: one uint8
 // buffer that starts with a header of int64 words, then each part's rows (q, k and v of a
 // merged projection may be of different types, as in Q4_K_M files):
-//   [0] QPACK_MAGIC, [1] K (in features), [2] parts, then per part: type, rows, row bytes,
-//   byte offset of its first row; part p's rows are outputs sum(rows of parts < p) + ...
+//   [0] QPACK_MAGIC, [1] K (in features), [2] parts, [3] perm offset, then per part: type,
+//   rows, row bytes, byte offset of its first row; part p's rows are outputs
+//   sum(rows of parts < p) + ...
+// perm offset 0: no permutation; else the byte offset of K int64 entries perm (GPTQ's
+// act-order): stored column i multiplies x's column perm[i] (y = W x[:, perm]^T), so
+// gguf_linear gathers x's columns once and every path then runs on the stored order.
 // Types are ggml's ids; F32, F16 and BF16 parts are plain rows.
 #pragma once
 
@@ -16,7 +20,7 @@ enum Type : int64_t {
     F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
     Q6_K = 14, BF16 = 30
 };
-constexpr int64_t QPACK_MAGIC = 0x314b4341505146LL;  // "FQPACK1"
+constexpr int64_t QPACK_MAGIC = 0x324b4341505146LL;  // "FQPACK2" (FQPACK1: no perm word)
 constexpr int MAX_PARTS = 4;
 
 // Elements and bytes of one block of `type`; {0, 0} for a type fleetllm does not read.
@@ -49,15 +53,17 @@ struct Weight {
     long N = 0;
     int parts = 0;
     Part part[MAX_PARTS];
+    const int64_t *perm = nullptr;  // K entries in [0, K), or none
 };
 const char *parse(const uint8_t *buf, int64_t nbytes, Weight &w);
 
-// y[m, n] = x[m, :] . w[n, :] for M rows of float32 x [M, K]; y float32 [M, N]. Rows of x in
-// groups of up to 8 share each block's unpacking; float32 sums.
+// y[m, n] = x[m, :] . w[n, :] for M rows of float32 x [M, K] in the stored column order (x
+// gathered by w.perm); y float32 [M, N]. Rows of x in groups of up to 8 share each block's
+// unpacking; float32 sums.
 void linear(const float *x, int M, const Weight &w, float *y, int nthreads);
 
-// Rows [r0, r0 + rows) of w as float32 [rows, K] (a prompt's chunk for a GEMM, an embedding's
-// rows).
+// Rows [r0, r0 + rows) of w as float32 [rows, K] in the stored column order (a prompt's chunk
+// for a GEMM, an embedding's rows).
 void dequantize(const Weight &w, long r0, long rows, float *out, int nthreads);
 
 // The AVX-512 VNNI path (quant_vnni.cpp): whether this CPU runs it (FLEETLLM_QUANT_VNNI=0

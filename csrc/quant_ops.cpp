@@ -5,6 +5,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
 #include <torch/library.h>
 
@@ -39,6 +40,29 @@ q::Weight parsed(const Tensor &packed)
     return w;
 }
 
+// x's columns in the weight's stored order, x[:, perm] (GPTQ's act-order): one gather at
+// entry, so that every path after it reads x as it does without a permutation.
+template <typename T> void gather_columns(const T *x, const int64_t *perm, int64_t m, int K,
+                                          T *out)
+{
+    at::parallel_for(0, m, std::max<int64_t>(1, 65536 / K), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; r++)
+            for (int k = 0; k < K; k++) out[r * K + k] = x[r * K + perm[k]];
+    });
+}
+
+Tensor permuted(const Tensor &x, const q::Weight &w)
+{
+    Tensor out = at::empty_like(x);
+    if (x.scalar_type() == at::kFloat)
+        gather_columns(x.const_data_ptr<float>(), w.perm, x.size(0), w.K,
+                       out.mutable_data_ptr<float>());
+    else
+        gather_columns(x.const_data_ptr<at::BFloat16>(), w.perm, x.size(0), w.K,
+                       out.mutable_data_ptr<at::BFloat16>());
+    return out;
+}
+
 }  // namespace
 
 bool is_gguf_packed(const Tensor &t)
@@ -66,7 +90,8 @@ Tensor gguf_linear(const Tensor &x, const Tensor &packed, const std::optional<Te
                     w.N, "], got ", bias->sizes());
     const int64_t m = x.size(0);
     TORCH_CHECK(m <= INT32_MAX, "gguf_linear: too many rows");
-    const Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+    const Tensor xp = w.perm ? permuted(x, w) : x;  // x in the stored column order
+    const Tensor xf = xp.scalar_type() == at::kFloat ? xp : xp.to(at::kFloat);
     Tensor y;
     if (m <= GEMM_ROWS || w.K % 16) {
         y = at::empty({m, w.N}, xf.options());
@@ -75,7 +100,7 @@ Tensor gguf_linear(const Tensor &x, const Tensor &packed, const std::optional<Te
                       y.mutable_data_ptr<float>(), at::get_num_threads());
     } else {  // chunks of the weight dequantized, each a GEMM in x's dtype (bf16: AMX's)
         const bool bf16 = x.scalar_type() == at::kBFloat16;
-        const Tensor &a = bf16 ? x : xf;
+        const Tensor &a = bf16 ? xp : xf;
         y = at::empty({m, w.N}, a.options());
         const int64_t chunk = std::min<int64_t>(CHUNK_ROWS, w.N);
         Tensor dense = at::empty({chunk, w.K}, xf.options());
@@ -97,6 +122,8 @@ Tensor gguf_linear(const Tensor &x, const Tensor &packed, const std::optional<Te
 Tensor gguf_rows(const Tensor &packed, const Tensor &ids, at::ScalarType dtype)
 {
     const q::Weight w = parsed(packed);
+    TORCH_CHECK(w.perm == nullptr, "gguf_rows: this packed copy permutes its columns "
+                "(act-order), which an embedding's rows never do");
     TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1 &&
                     ids.is_contiguous(),
                 "gguf_rows: ids must be a contiguous int64 [T]");

@@ -55,7 +55,7 @@ def _tensor(gguf: GgufFile, info: Any, name: str) -> QuantTensor | torch.Tensor:
         cfg = gguf.config
         heads = cfg["num_attention_heads"] if "q_proj" in name else \
             cfg["num_key_value_heads"]
-        q = QuantTensor(q.raw[_unpermute_rows(rows, heads)], q.qtype, q.shape)
+        q = QuantTensor(q.raw[_unpermute_rows(rows, heads)], q.qtype, q.shape, q.perm)
     return q
 
 

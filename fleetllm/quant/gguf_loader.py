@@ -64,7 +64,8 @@ def finish(model: nn.Module) -> None:
             pad = ordered[0]  # the last shard's padding rows: zero blocks are zero weights
             ordered.append(QuantTensor(np.zeros((module.shard - module.valid,
                                                  pad.raw.shape[1]), np.uint8), pad.qtype,
-                                       (module.shard - module.valid, pad.shape[1])))
+                                       (module.shard - module.valid, pad.shape[1]),
+                                       pad.perm))
         if not any(p.quantized for p in ordered):
             _load_dense(module, ordered)
             continue

@@ -1,11 +1,14 @@
 """A quantized projection's packed copy: GGUF's blocks as the file stores them, behind a small
 header, in one uint8 tensor the C ops read (csrc/quant.h; linear_kernels.Gguf).
 
-Layout: int64 words [magic, K, parts, then per part (ggml type, rows, row bytes, byte offset)],
-then each part's rows, 64-byte aligned. A merged projection (q/k/v, gate/up) is one copy of
-several parts, which may differ in type (Q4_K_M files give some layers' v Q6_K). `QuantTensor`
-is one checkpoint tensor's raw blocks (memory-mapped) with the slicing that tensor
-parallelism needs: whole rows, or whole blocks of columns (a block never straddles ranks).
+Layout: int64 words [magic, K, parts, perm offset, then per part (ggml type, rows, row bytes,
+byte offset)], then the permutation (if any) and each part's rows, 64-byte aligned. perm
+(GPTQ's act-order; perm offset 0: none) is int64 [K]: stored column i multiplies x's column
+perm[i], y = W x[:, perm]^T; every part of a copy shares it. A merged projection (q/k/v,
+gate/up) is one copy of several parts, which may differ in type (Q4_K_M files give some
+layers' v Q6_K). `QuantTensor` is one checkpoint tensor's raw blocks (memory-mapped) with the
+slicing that tensor parallelism needs: whole rows, or whole blocks of columns (a block never
+straddles ranks).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from enum import IntEnum
 import numpy as np
 import torch
 
-MAGIC = 0x314B4341505146  # csrc/quant.h QPACK_MAGIC
+MAGIC = 0x324B4341505146  # "FQPACK2": csrc/quant.h QPACK_MAGIC
+HEAD = 4  # magic, K, parts, perm offset
 MAX_PARTS = 4
 
 
@@ -48,14 +52,22 @@ PLAIN = frozenset({QType.F32, QType.F16, QType.BF16})
 @dataclass
 class QuantTensor:
     """One tensor's blocks: raw uint8 [rows, row bytes] (a view of the memory-mapped file) of
-    ggml type `qtype`, logically float [rows, cols]."""
+    ggml type `qtype`, logically float [rows, cols]; with `perm` (int64 [cols], act-order),
+    stored column i is the logical column perm[i]."""
 
     raw: np.ndarray
     qtype: QType
     shape: tuple[int, int]
+    perm: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.qtype = QType(self.qtype)
+        if self.perm is not None:
+            self.perm = np.asarray(self.perm, dtype=np.int64)
+            cols = self.shape[1]
+            if self.perm.shape != (cols,) or not np.array_equal(np.sort(self.perm),
+                                                                np.arange(cols)):
+                raise ValueError(f"perm must be a permutation of the {cols} columns")
 
     @property
     def block(self) -> tuple[int, int]:
@@ -69,7 +81,11 @@ class QuantTensor:
         """Rows (dim 0) or columns (dim 1) [start, start + length): columns in whole blocks."""
         rows, cols = self.shape
         if dim == 0:
-            return QuantTensor(self.raw[start:start + length], self.qtype, (length, cols))
+            return QuantTensor(self.raw[start:start + length], self.qtype, (length, cols),
+                               self.perm)
+        if self.perm is not None:
+            raise ValueError("columns of a tensor with a column permutation (act-order) "
+                             "cannot be split: its stored columns are not the logical ones")
         elems, nbytes = self.block
         if start % elems or length % elems:
             raise ValueError(f"columns [{start}, {start + length}) of a {self.qtype.name} "
@@ -80,50 +96,68 @@ class QuantTensor:
                            (rows, length))
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [rows, cols]: gguf's reference dequantization (numpy)."""
+        """float32 [rows, cols] in the logical (x's) column order: gguf's reference
+        dequantization (numpy), its columns moved by perm."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
-        return torch.from_numpy(np.array(dequantize(
-            np.ascontiguousarray(self.raw), GGMLQuantizationType(int(self.qtype))),
-            dtype=np.float32).reshape(self.shape))
+        stored = np.array(dequantize(np.ascontiguousarray(self.raw),
+                                     GGMLQuantizationType(int(self.qtype))),
+                          dtype=np.float32).reshape(self.shape)
+        if self.perm is None:
+            return torch.from_numpy(stored)
+        out = np.empty_like(stored)
+        out[:, self.perm] = stored
+        return torch.from_numpy(out)
 
 
 def pack(parts: list[QuantTensor]) -> torch.Tensor:
-    """The packed copy of parts stacked by rows (all of one column count)."""
+    """The packed copy of parts stacked by rows (all of one column count and one perm)."""
     if not 0 < len(parts) <= MAX_PARTS:
         raise ValueError(f"a packed copy holds 1 to {MAX_PARTS} parts, got {len(parts)}")
-    cols = parts[0].shape[1]
+    cols, perm = parts[0].shape[1], parts[0].perm
     if any(p.shape[1] != cols for p in parts):
         raise ValueError(f"parts of one projection differ in columns: {[p.shape for p in parts]}")
-    header = 8 * (3 + 4 * len(parts))
-    offsets, offset = [], -(-header // 64) * 64
+    if any((p.perm is None) != (perm is None) or
+           (perm is not None and not np.array_equal(p.perm, perm)) for p in parts):
+        raise ValueError("parts of one projection differ in their column permutation")
+    offset = -(-8 * (HEAD + 4 * len(parts)) // 64) * 64
+    perm_offset = offset if perm is not None else 0
+    if perm is not None:
+        offset += -(-8 * cols // 64) * 64
+    offsets = []
     for p in parts:
         offsets.append(offset)
         offset += -(-p.raw.size // 64) * 64
     out = torch.zeros(offset, dtype=torch.uint8)
-    words = [MAGIC, cols, len(parts)]
+    buf = out.numpy()
+    words = [MAGIC, cols, len(parts), perm_offset]
     for p, off in zip(parts, offsets, strict=True):
         words += [int(p.qtype), p.shape[0], p.raw.shape[1], off]
-        out.numpy()[off:off + p.raw.size] = p.raw.reshape(-1)  # from the mapping, one copy
-    out[:8 * len(words)] = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+        buf[off:off + p.raw.size] = p.raw.reshape(-1)  # from the mapping, one copy
+    if perm is not None:
+        buf[perm_offset:perm_offset + 8 * cols] = perm.astype("<i8").view(np.uint8)
+    buf[:8 * len(words)] = np.array(words, dtype="<i8").view(np.uint8)
     return out
 
 
 def unpack(packed: torch.Tensor) -> list[QuantTensor]:
-    """The parts of a packed copy (views of it)."""
-    words = packed[:24].view(torch.int64).tolist()
-    if words[0] != MAGIC:
+    """The parts of a packed copy (views of it; each with the copy's perm)."""
+    buf = packed.numpy()
+    words = buf[:8 * HEAD].view("<i8").tolist()
+    if len(words) < HEAD or words[0] != MAGIC:
         raise ValueError("not a packed quantized weight")
-    cols, n = words[1], words[2]
-    head = packed[:8 * (3 + 4 * n)].view(torch.int64).tolist()[3:]
+    cols, n, perm_offset = words[1], words[2], words[3]
+    head = buf[:8 * (HEAD + 4 * n)].view("<i8").tolist()[HEAD:]
+    perm = buf[perm_offset:perm_offset + 8 * cols].view("<i8") if perm_offset else None
     parts = []
     for i in range(n):
         qtype, rows, row_bytes, off = head[4 * i:4 * i + 4]
-        raw = packed[off:off + rows * row_bytes].numpy().reshape(rows, row_bytes)
-        parts.append(QuantTensor(raw, QType(qtype), (rows, cols)))
+        raw = buf[off:off + rows * row_bytes].reshape(rows, row_bytes)
+        parts.append(QuantTensor(raw, QType(qtype), (rows, cols), perm))
     return parts
 
 
 def dequantize_packed(packed: torch.Tensor) -> torch.Tensor:
-    """float32 [N, K] of a packed copy (the PyTorch path, checks, sharded_state's dense form)."""
+    """float32 [N, K] of a packed copy in x's column order (the PyTorch path, checks,
+    sharded_state's dense form)."""
     return torch.cat([p.dequantize() for p in unpack(packed)])

@@ -1,7 +1,9 @@
 """The quantized projections' C ops (csrc/quant*.cpp) against gguf's reference dequantization:
 every block type fleetllm reads, at the row counts of each path (the VNNI GEMV with its two
 int8 planes of x up to 8 rows, float32 unpacking, chunks dequantized for a GEMM past 16), a
-packed copy of parts of mixed types, an embedding's rows, and the header's checks."""
+packed copy of parts of mixed types, a column permutation (act-order), an embedding's rows,
+and the header's checks. Run natively, with FLEETLLM_CPU_ISA=avx2 and with
+FLEETLLM_QUANT_VNNI=0 for every path."""
 
 from __future__ import annotations
 
@@ -13,17 +15,25 @@ import torch
 
 from fleetllm.kernels import cpu_kernels
 from fleetllm.quant.blocks import quantize
-from fleetllm.quant.packed import QType, QuantTensor, dequantize_packed, pack
+from fleetllm.quant.packed import QType, QuantTensor, dequantize_packed, pack, unpack
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="kernels not built")
 TYPES = [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q4_K, QType.Q5_K,
          QType.Q6_K, QType.F16, QType.BF16, QType.F32]
 
 
-def tensor(qtype: QType, rows: int, cols: int, seed: int) -> QuantTensor:
+def tensor(qtype: QType, rows: int, cols: int, seed: int,
+           perm: np.ndarray | None = None) -> QuantTensor:
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     raw = quantize(w, int(qtype)).reshape(rows, -1)
-    return QuantTensor(raw.view(np.uint8), qtype, (rows, cols))
+    return QuantTensor(raw.view(np.uint8), qtype, (rows, cols), perm)
+
+
+def set_word(packed: torch.Tensor, word: int, value: int) -> torch.Tensor:
+    """A copy of packed with int64 word `word` (from the start) set to value."""
+    bad = packed.clone()
+    bad[8 * word:8 * word + 8] = torch.tensor(list(struct.pack("<q", value)), dtype=torch.uint8)
+    return bad
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -60,15 +70,79 @@ def test_parts_of_mixed_types_and_embedding_rows():
 def test_a_corrupted_header_is_an_error_never_a_wild_read():
     packed = pack([tensor(QType.Q8_0, 4, 64, 6)])
     x = torch.randn(1, 64)
-    cases = [(0, 7, "magic"), (1, 96, "row bytes"), (2, 9, "parts"), (3, 11, "block type"),
-             (6, 1 << 40, "outside"), (4, 1 << 40, "outside")]
+    # words: magic, K, parts, perm offset, then the part's type, rows, row bytes, offset
+    cases = [(0, 7, "magic"), (0, 0x314B4341505146, "magic"), (1, 96, "row bytes"),
+             (2, 9, "parts"), (4, 11, "block type"), (7, 1 << 40, "outside"),
+             (5, 1 << 40, "outside"), (3, 1 << 40, "permutation that lies outside"),
+             (3, 8, "permutation that lies outside"), (3, packed.numel() - 8, "permutation")]
     for word, value, needle in cases:
-        bad = packed.clone()
-        bad[8 * word:8 * word + 8] = torch.tensor(list(struct.pack("<q", value)),
-                                                  dtype=torch.uint8)
         with pytest.raises(RuntimeError, match=needle):
-            cpu_kernels.gguf_linear(x, bad, None)
+            cpu_kernels.gguf_linear(x, set_word(packed, word, value), None)
     with pytest.raises(RuntimeError, match="features"):
         cpu_kernels.gguf_linear(torch.randn(1, 32), packed, None)
     with pytest.raises(RuntimeError, match="uint8"):
         cpu_kernels.gguf_linear(x, packed.view(torch.int8), None)
+
+
+PERM_CASES = [[QType.Q4_0], [QType.Q4_1], [QType.Q8_0], [QType.Q4_K], [QType.Q6_K],
+              [QType.Q8_0, QType.Q4_1], [QType.Q4_K, QType.F16]]
+
+
+@pytest.mark.parametrize("types", PERM_CASES, ids=lambda ts: "+".join(t.name for t in ts))
+def test_a_column_permutation_at_every_path(types):
+    """x's columns gathered by perm (act-order) before every path: the result is F.linear with
+    the dequantization in x's order, for float32 and bf16 x, through the GEMV (VNNI where the
+    CPU has it) and the GEMM of dequantized chunks (40 rows)."""
+    k = 512
+    perm = np.random.default_rng(9).permutation(k)
+    parts = [tensor(t, 24 + 8 * i, k, 10 + i, perm) for i, t in enumerate(types)]
+    packed = pack(parts)
+    ref = dequantize_packed(packed)
+    stored = torch.cat([QuantTensor(p.raw, p.qtype, p.shape).dequantize() for p in parts])
+    assert torch.equal(ref[:, torch.from_numpy(perm)], stored)
+    bias = torch.randn(ref.shape[0])
+    for rows in (1, 3, 8, 40):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        want = torch.nn.functional.linear(x.double(), ref.double(), bias.double())
+        for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
+            got = cpu_kernels.gguf_linear(x.to(dtype), packed, bias.to(dtype)).double()
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < tol, (types, rows, dtype, err)
+
+
+def test_a_bad_permutation_is_an_error_and_embeddings_refuse_one():
+    perm = np.arange(64)[::-1].copy()
+    packed = pack([tensor(QType.Q8_0, 4, 64, 6, perm)])
+    assert [p.perm.tolist() for p in unpack(packed)] == [perm.tolist()]
+    offset = struct.unpack("<q", bytes(packed[24:32].tolist()))[0]
+    assert offset % 64 == 0 and offset >= 64
+    x = torch.randn(1, 64)
+    for value in (64, -1):  # one entry outside [0, K)
+        with pytest.raises(RuntimeError, match=r"outside \[0, K\)"):
+            cpu_kernels.gguf_linear(x, set_word(packed, offset // 8 + 5, value), None)
+    with pytest.raises(RuntimeError, match="permutes its columns"):
+        cpu_kernels.gguf_rows(packed, torch.tensor([0]), torch.float32)
+
+
+def test_quant_tensor_permutation():
+    """dequantize() is in x's column order; rows keep the perm, columns cannot be split; a
+    packed copy's parts share one perm."""
+    perm = np.random.default_rng(1).permutation(64)
+    t = tensor(QType.Q4_1, 8, 64, 7, perm)
+    plain = QuantTensor(t.raw, t.qtype, t.shape)
+    out = t.dequantize()
+    assert torch.equal(out[:, torch.from_numpy(perm)], plain.dequantize())
+    assert torch.equal(out, plain.dequantize()[:, torch.from_numpy(np.argsort(perm))])
+    rows = t.narrow(0, 2, 4)
+    assert np.array_equal(rows.perm, perm) and torch.equal(rows.dequantize(), out[2:6])
+    with pytest.raises(ValueError, match="permutation"):
+        t.narrow(1, 0, 32)
+    with pytest.raises(ValueError, match="permutation"):
+        QuantTensor(t.raw, t.qtype, t.shape, np.zeros(64, np.int64))
+    other = tensor(QType.Q8_0, 4, 64, 8, np.roll(perm, 1))
+    for bad in ([t, other], [t, tensor(QType.Q8_0, 4, 64, 8)]):
+        with pytest.raises(ValueError, match="permutation"):
+            pack(bad)
+    both = pack([t, tensor(QType.Q8_0, 4, 64, 8, perm.copy())])
+    assert torch.equal(dequantize_packed(both)[:8], out)
+
