@@ -1,5 +1,5 @@
-// The quantized GEMV on AVX-512 VNNI (quant.h's linear, for Q4_0, Q8_0, Q4_K, Q5_K and Q6_K
-// rows when K is a multiple of 64): as llama.cpp does, the rows of x are quantized once per
+// The quantized GEMV on AVX-512 VNNI (quant.h's linear, for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and
+// Q6_K rows when K is a multiple of 64): as llama.cpp does, the rows of x are quantized once per
 // call to int8 per 32 elements (dx = max |x| / 127), and each 64 weights are a vpdpbusd of
 // their unsigned values u against x's bytes: 16 int32 lanes of 4 products. Unlike llama.cpp,
 // x is two int8 planes, q1 and the rounding left, q2 = round((x - dx q1) * 128 / dx) (|q2| <=
@@ -7,8 +7,8 @@
 // products to ~1/32000 instead of ~1/250: llama.cpp's one plane changed a greedy token in 28%
 // of the demo model's Q4_K_M requests against float32, two planes as often as float32 sums. A type
 // whose values are signed stores u = q + o (o = 8, 32 or 128): its lanes subtract o times x's lane
-// sums. Each lane is then scaled by its weight scale times its dx, in float32; minimums (Q4_K,
-// Q5_K) from the quantized x's sums per 16. Built into every x86 variant with
+// sums. Each lane is then scaled by its weight scale times its dx, in float32; minimums (Q4_1,
+// Q4_K, Q5_K) from the quantized x's sums per 16. Built into every x86 variant with
 // the target attribute and run only where the CPU has VNNI (vnni_available).
 #include "quant.h"
 
@@ -82,28 +82,47 @@ VNNI void rows(const Part &p, const Rows &x, int m0, long n0, long n1, float *y,
         switch (p.type) {
         case Q8_0:
         case Q4_0:
+        case Q4_1: {
+            // Q4_1's minimums: per two blocks, (m_a, m_a, m_c, m_c) times x's sums per 16
+            __m128 minv[MT];
+            for (int r = 0; r < MT; r++) minv[r] = _mm_setzero_ps();
+            const int bytes = p.type == Q8_0 ? 34 : p.type == Q4_0 ? 18 : 20;
             for (int b = 0; b < K / 32; b += 2) {  // two blocks: 64 weights
-                const int bytes = p.type == Q8_0 ? 34 : 18;
                 const uint8_t *a = row + static_cast<long>(b) * bytes, *c = a + bytes;
-                __m512i u;
+                const __m512 ws = two_scales(half_at(a), half_at(c));
                 if (p.type == Q8_0) {
                     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-                    u = join(
+                    const __m512i u = join(
                         _mm256_xor_si256(
                             _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a + 2)), flip),
                         _mm256_xor_si256(
                             _mm256_loadu_si256(reinterpret_cast<const __m256i *>(c + 2)), flip));
-                    chunk<MT, 7>(acc, u, two_scales(half_at(a), half_at(c)), x, m0, 32L * b);
-                } else {
-                    const __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i *>(a + 2));
-                    const __m128i qc = _mm_loadu_si128(reinterpret_cast<const __m128i *>(c + 2));
-                    const __m256i va = _mm256_set_m128i(_mm_srli_epi16(qa, 4), qa);
-                    const __m256i vc = _mm256_set_m128i(_mm_srli_epi16(qc, 4), qc);
-                    u = join(_mm256_and_si256(va, low), _mm256_and_si256(vc, low));
-                    chunk<MT, 3>(acc, u, two_scales(half_at(a), half_at(c)), x, m0, 32L * b);
+                    chunk<MT, 7>(acc, u, ws, x, m0, 32L * b);
+                    continue;
                 }
+                const int qoff = p.type == Q4_0 ? 2 : 4;  // Q4_1: d, then m, then nibbles
+                const __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i *>(a + qoff));
+                const __m128i qc = _mm_loadu_si128(reinterpret_cast<const __m128i *>(c + qoff));
+                const __m256i va = _mm256_set_m128i(_mm_srli_epi16(qa, 4), qa);
+                const __m256i vc = _mm256_set_m128i(_mm_srli_epi16(qc, 4), qc);
+                const __m512i u = join(_mm256_and_si256(va, low), _mm256_and_si256(vc, low));
+                if (p.type == Q4_0) {  // q - 8: u's lanes less 8 times x's lane sums
+                    chunk<MT, 3>(acc, u, ws, x, m0, 32L * b);
+                    continue;
+                }
+                chunk<MT, 0>(acc, u, ws, x, m0, 32L * b);  // Q4_1: w = d q + m, q unsigned
+                const float ma = half_at(a + 2), mc = half_at(c + 2);
+                const __m128 mv = _mm_set_ps(mc, mc, ma, ma);
+                for (int r = 0; r < MT; r++)
+                    minv[r] = _mm_fmadd_ps(
+                        mv, _mm_loadu_ps(x.xqsum + static_cast<long>(m0 + r) * KG + 2L * b),
+                        minv[r]);
             }
+            if (p.type == Q4_1)  // + m sum(x): mins holds what is subtracted
+                for (int r = 0; r < MT; r++)
+                    mins[r] = -_mm512_reduce_add_ps(_mm512_zextps128_ps512(minv[r]));
             break;
+        }
         case Q4_K:
         case Q5_K: {
             const bool five = p.type == Q5_K;
@@ -217,7 +236,8 @@ bool vnni_available()
 bool vnni_reads(int64_t type, int K)
 {
     return K % 64 == 0 &&
-           (type == Q8_0 || type == Q4_0 || type == Q4_K || type == Q5_K || type == Q6_K);
+           (type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q4_K || type == Q5_K ||
+            type == Q6_K);
 }
 
 VNNI void vnni_quantize(const float *x, int M, int K, int8_t *xq, float *dxl, int32_t *xls,

@@ -7,7 +7,11 @@ FLEETLLM_QUANT_VNNI=0 for every path."""
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +24,9 @@ from fleetllm.quant.packed import QType, QuantTensor, dequantize_packed, pack, u
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="kernels not built")
 TYPES = [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q4_K, QType.Q5_K,
          QType.Q6_K, QType.F16, QType.BF16, QType.F32]
+
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def tensor(qtype: QType, rows: int, cols: int, seed: int,
@@ -146,3 +153,32 @@ def test_quant_tensor_permutation():
     both = pack([t, tensor(QType.Q8_0, 4, 64, 8, perm.copy())])
     assert torch.equal(dequantize_packed(both)[:8], out)
 
+
+_FLOAT_PATH = """
+import sys, torch
+from fleetllm.kernels import cpu_kernels
+assert cpu_kernels.available(), "the kernels did not load"
+packed, xs = torch.load(sys.argv[1])
+torch.save([cpu_kernels.gguf_linear(x, packed, None) for x in xs], sys.argv[2])
+"""
+
+
+def test_q4_1_vnni_agrees_with_the_float_path(tmp_path):
+    """Q4_1 on the VNNI GEMV (this process, where the CPU has VNNI) against the float32
+    unpacking (another process, FLEETLLM_QUANT_VNNI=0), with and without a permutation."""
+    perm = np.random.default_rng(2).permutation(512)
+    cases = [pack([tensor(QType.Q4_1, 48, 512, 3)]),
+             pack([tensor(QType.Q4_1, 32, 512, 4, perm), tensor(QType.Q4_0, 16, 512, 5, perm)])]
+    xs = [torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+          for rows in (1, 3, 8)]
+    for i, packed in enumerate(cases):
+        torch.save([packed, xs], tmp_path / "in.pt")
+        env = {**os.environ, "FLEETLLM_QUANT_VNNI": "0",
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        subprocess.run([sys.executable, "-c", _FLOAT_PATH, str(tmp_path / "in.pt"),
+                        str(tmp_path / "out.pt")], env=env, check=True, timeout=300)
+        floats = torch.load(tmp_path / "out.pt")
+        for x, want in zip(xs, floats, strict=True):
+            got = cpu_kernels.gguf_linear(x, packed, None)
+            err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+            assert err < 1e-4, (i, x.shape[0], err)
