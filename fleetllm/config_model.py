@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fleetllm.config_pooler import PoolerConfig, checkpoint_pooler, is_sentence_transformers
+from fleetllm.config_quant import ALIASES, METHODS, QuantConfig, resolve
 from fleetllm.errors import ConfigurationError, InvalidRequestError, ModelLoadError
 from fleetllm.utils import check_field_types
 from fleetllm.utils import check_setting as _check
@@ -167,10 +168,13 @@ class ModelConfig:
     # {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} (or its JSON) over the
     # checkpoint's pooler settings.
     override_pooler_config: dict | str | PoolerConfig | None = None
-    # vLLM's: None (what the checkpoint is), or "gguf" (model: the path of a .gguf file,
-    # fleetllm/quant/; docs/quantization.md).
+    # vLLM's: None (what the checkpoint is), "gguf" (model: the path of a .gguf file), or a
+    # checkpoint's quantization_config method: "awq", "gptq", "compressed-tensors" (or vLLM's
+    # aliases); set to what the checkpoint is (fleetllm/quant/; docs/quantization.md).
     quantization: str | None = None
     arch: ArchConfig = field(init=False, repr=False)
+    # A Hugging Face checkpoint's quantization_config, read (config_quant.py); None for others
+    quant_config: QuantConfig | None = field(init=False, default=None, repr=False)
     pooler_config: PoolerConfig | None = field(init=False, default=None)  # task "embed" only
 
     def __post_init__(self) -> None:
@@ -210,22 +214,34 @@ class ModelConfig:
         """config.json of a checkpoint directory, or a GGUF file's metadata in its form."""
         from fleetllm.config_gguf import is_gguf, open_gguf
 
-        _check(self.quantization in (None, "gguf"), "quantization",
-               f"{self.quantization!r} is not supported (GGUF files are: 'gguf', or None)")
+        names = (None, "gguf", *METHODS, *ALIASES)
+        _check(self.quantization in names, "quantization",
+               f"{self.quantization!r} is not supported (one of "
+               f"{', '.join(map(str, names))})")
         if is_gguf(path):
+            _check(self.quantization in (None, "gguf"), "quantization",
+                   f"{self.model!r} is a GGUF file, not {self.quantization!r}")
             self.quantization = "gguf"
             return open_gguf(str(path)).config
-        _check(self.quantization is None, "quantization",
+        _check(self.quantization != "gguf", "quantization",
                f"'gguf' needs the path of a .gguf file, got {self.model!r}")
         if not path.is_dir():
             raise ModelLoadError(f"model path {self.model!r} is not a directory (nor a GGUF "
                                  "file); pass a local Hugging Face checkpoint directory or a "
                                  ".gguf file (fleetllm never downloads)")
-        return read_json(path / "config.json")
+        cfg = read_json(path / "config.json")
+        self.quant_config = resolve(self.quantization, cfg, str(path / "config.json"))
+        self.quantization = self.quant_config.method if self.quant_config else None
+        return cfg
 
     @property
     def is_gguf(self) -> bool:
         return self.quantization == "gguf"
+
+    @property
+    def quantized(self) -> bool:
+        """Weights kept quantized (a GGUF file, or quantization_config): packed copies."""
+        return self.quantization is not None
 
     def _resolve_task(self, path: Path) -> int:
         """Settle task ("generate" | "embed") and the pooler; returns the model's length

@@ -19,13 +19,17 @@ from fleetllm.distributed.parallel_state import get_tp_group
 from fleetllm.kernels import cpu_kernels
 from fleetllm.lora.layers import lora_delta
 from fleetllm.model.linear_kernels import LinearKernel, TorchLinear
+from fleetllm.quant.groups import GroupQuant
 from fleetllm.quant.packed import QuantTensor, dequantize_packed
+
+# A quantized checkpoint's tensor: kept as blocks, never copied into a dense weight
+Quantized = QuantTensor | GroupQuant
 
 
 def narrow(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
     """Rows (dim 0) or columns (dim 1) [start, start+length) of a tensor, safetensors slice or
-    GGUF tensor (QuantTensor)."""
-    if isinstance(loaded, torch.Tensor | QuantTensor):
+    quantized tensor (a GGUF QuantTensor, a GroupQuant)."""
+    if isinstance(loaded, torch.Tensor | Quantized):
         return loaded.narrow(dim, start, length)
     index = (slice(start, start + length),) if dim == 0 else (slice(None), slice(start,
                                                                                 start + length))
@@ -44,9 +48,11 @@ def default_weight_loader(param: nn.Parameter, loaded: Any, part: int | None = N
     param.data.copy_(tensor)
 
 
-def stash(module: nn.Module, part: int, tensor: QuantTensor) -> None:
-    """Keep a GGUF tensor's blocks for `part` of module's weight, until the loader packs
-    them (quant/gguf_loader.finish)."""
+def stash(module: nn.Module, part: int, tensor: QuantTensor | GroupQuant) -> None:
+    """Keep a quantized tensor's blocks (a GroupQuant's, made now: this rank's shard) for
+    `part` of module's weight, until the loader packs them (quant/gguf_loader.finish)."""
+    if isinstance(tensor, GroupQuant):
+        tensor = tensor.blocks()
     module.__dict__.setdefault("quant_parts", {})[part] = tensor
 
 
@@ -106,7 +112,7 @@ class ColumnParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Any, part: int | None = None) -> None:
         part = part or 0
         full, shard, start = self.parts[part]
-        if isinstance(loaded, QuantTensor):  # GGUF: kept as blocks (quant/gguf_loader.py)
+        if isinstance(loaded, Quantized):  # kept as blocks (quant/gguf_loader.py)
             stash(self, part, loaded.narrow(0, start, shard))
             return
         rows = load_full(narrow(loaded, 0, start, shard))
@@ -131,7 +137,7 @@ class RowParallelLinear(nn.Module):
         self.kernel: LinearKernel = TorchLinear(self)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, part: int | None = None) -> None:
-        if isinstance(loaded, QuantTensor) and param is self.weight:
+        if isinstance(loaded, Quantized) and param is self.weight:
             stash(self, 0, loaded.narrow(1, self.start, self.shard))
             return
         param.data.copy_(load_full(narrow(loaded, 1, self.start, self.shard)))
@@ -160,7 +166,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, part: int | None = None) -> None:
-        if isinstance(loaded, QuantTensor):
+        if isinstance(loaded, Quantized):
             stash(self, 0, loaded.narrow(0, self.start, self.valid))
             return
         if self.valid:

@@ -7,12 +7,15 @@ model.safetensors.index.json. Each rank opens the files lazily and reads only it
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from fleetllm.config import EngineConfig, hf_tensor_shapes, read_json
+from fleetllm.config_quant import QuantConfig
 from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
 from fleetllm.errors import ModelLoadError
 from fleetllm.model import huge_pages
@@ -55,7 +58,7 @@ def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
         torch.set_default_dtype(default_dtype)
     # Before loading (the loaders copy into the parameters in place); not where packing will
     # free the dense weights: the mapping would stay whole while any parameter lives in it.
-    quantized = mc.is_gguf
+    quantized = mc.quantized
     if not quantized and load_format == "sharded_state":  # a GGUF model's, saved
         from fleetllm.model.sharded_state import gguf_source
         quantized = gguf_source(mc.model) is not None
@@ -70,7 +73,7 @@ def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
         from fleetllm.model.sharded_state import load_sharded_state
         load_sharded_state(model, config)
     else:
-        _load_safetensors(model, Path(mc.model))
+        _load_safetensors(model, Path(mc.model), mc.quant_config)
     model.eval().requires_grad_(False)
     # load_weight's name -> Parameter index would keep every dense weight alive after packing
     # frees it (a Llama-1B-shaped bf16 model: 2 GB of the process, measured).
@@ -79,30 +82,49 @@ def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
     return model
 
 
-def _load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
+def _load_safetensors(model: LlamaForCausalLM, model_dir: Path,
+                      quant: QuantConfig | None) -> None:
+    """Fill the model from the directory's safetensors files; a quantized checkpoint's
+    projections as GGUF blocks (quant/hf_checkpoint.py), packed at the end like a GGUF
+    file's."""
     expected = {name for name, _ in model.named_parameters()}
     loaded: set[str] = set()
     files = checkpoint_files(model_dir)
     first_rank = get_tp_group().is_first and get_pp_group().is_first
-    for path in ProgressBar(files, desc="Loading safetensors shards", unit="file",
-                            disable=len(files) < 2 or not first_rank):
+    groups = [files] if quant else [[f] for f in files]  # a projection's parts may span files
+    for group in ProgressBar(groups, desc="Loading safetensors shards", unit="file",
+                             disable=len(groups) < 2 or not first_rank):
+        path = group[0] if len(group) == 1 else model_dir
         try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    try:
-                        filled = model.load_weight(name, f.get_slice(name))
-                    except (KeyError, ValueError, RuntimeError) as e:
-                        raise ModelLoadError(f"{path}: tensor {name!r}: {e}") from e
-                    if filled:
-                        loaded.add(filled)
-        except (SafetensorError, OSError) as e:
+            for name, tensor in _tensors(group, quant):
+                try:
+                    filled = model.load_weight(name, tensor)
+                except (KeyError, ValueError, RuntimeError) as e:
+                    raise ModelLoadError(f"{path}: tensor {name!r}: {e}") from e
+                if filled:
+                    loaded.add(filled)
+        except (SafetensorError, OSError, KeyError, ValueError) as e:
             if isinstance(e, ModelLoadError):
                 raise
-            raise ModelLoadError(f"{path} is not a readable safetensors file: {e}") from e
+            raise ModelLoadError(f"{path}: {e}") from e
+    if quant:
+        from fleetllm.quant.gguf_loader import finish
+        finish(model)
     missing = expected - loaded
     if missing:
         raise ModelLoadError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. "
                              f"{sorted(missing)[:3]}")
+
+
+def _tensors(files: list[Path], quant: QuantConfig | None) -> Iterator[tuple[str, Any]]:
+    if quant:
+        from fleetllm.quant.hf_checkpoint import tensors
+        yield from tensors(files, quant)
+        return
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
 
 
 def dummy_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:

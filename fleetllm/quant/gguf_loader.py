@@ -52,13 +52,13 @@ def load_gguf(model: nn.Module, path: str) -> None:
 def finish(model: nn.Module) -> None:
     """Pack each module's kept blocks (see the module docstring)."""
     dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
-    for module in list(model.modules()):
+    for name, module in list(model.named_modules()):
         parts = module.__dict__.pop("quant_parts", None)
         if not parts:
             continue
         count = len(module.parts) if isinstance(module, ColumnParallelLinear) else 1
         if sorted(parts) != list(range(count)):
-            raise ModelLoadError(f"a projection has parts {sorted(parts)} of {count}")
+            raise ModelLoadError(f"{name} has parts {sorted(parts)} of {count}")
         ordered = [parts[i] for i in range(count)]
         if isinstance(module, VocabParallelEmbedding) and module.valid < module.shard:
             pad = ordered[0]  # the last shard's padding rows: zero blocks are zero weights
@@ -69,7 +69,11 @@ def finish(model: nn.Module) -> None:
         if not any(p.quantized for p in ordered):
             _load_dense(module, ordered)
             continue
-        install(model, module, pack(ordered), dtype)
+        try:
+            packed = pack(ordered)
+        except ValueError as e:  # act-order q/k/v (gate/up) whose g_idx differ
+            raise ModelLoadError(f"{name}: {e}") from e
+        install(model, module, packed, dtype)
 
 
 def install(model: nn.Module, module: nn.Module, packed: torch.Tensor,

@@ -1,0 +1,294 @@
+"""AWQ, GPTQ and compressed-tensors checkpoints (fleetllm quantize --type AWQ|GPTQ|W4A16|W8A8
+writes them): greedy tokens and logprobs against transformers running a float32 model of the
+same weights dequantized by code independent of fleetllm's reader (the formats' arithmetic
+below; compressed-tensors' own decompressor), the layouts' bit orders, tensor parallelism, and
+one clear error for what is not read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import make_checkpoint
+from safetensors import safe_open
+from test_gguf_model import LOGPROB_TOL, PROMPTS, TOKENS
+
+from fleetllm import LLM, SamplingParams
+from fleetllm.errors import ConfigurationError, ModelLoadError
+from fleetllm.quant.groups import GroupQuant
+from fleetllm.quant.hf_checkpoint import unpack
+from fleetllm.quant.hf_export import export_quantized
+from fleetllm.quant.packed import QType
+
+SIZES = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64)
+# name: (format, export options)
+CASES = {
+    "awq-g128": ("AWQ", dict(group_size=128)),
+    "awq-g32": ("AWQ", dict(group_size=32)),
+    "gptq-sym-g128": ("GPTQ", dict(group_size=128)),
+    "gptq-asym-g64": ("GPTQ", dict(group_size=64, sym=False)),
+    "gptq-act-order": ("GPTQ", dict(group_size=64, act_order=True)),
+    "gptq-8bit-channel": ("GPTQ", dict(bits=8, group_size=-1)),
+    "w4a16-g128": ("W4A16", dict(group_size=128)),
+    "w4a16-asym-g32": ("W4A16", dict(group_size=32, sym=False)),
+    "w8a8": ("W8A8", {}),
+}
+# Asymmetric 4-bit weights become Q4_1 blocks, whose minimum -s z is stored in fp16 (rounded
+# by up to 2^-11 of it, a shift shared by the block's 32 weights: ~1% of the rounding to 4
+# bits): logprobs measured within 6.9e-3 of the reference on these cases; the exact
+# conversions (symmetric, 8-bit) within LOGPROB_TOL.
+ASYM_TOL = 1e-2
+ASYM = {"awq-g128", "awq-g32", "gptq-asym-g64", "w4a16-asym-g32"}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("hfq") / "llama", "LlamaForCausalLM",
+                           seed=5, **SIZES)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(source, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hfq-out")
+    made: dict[str, Path] = {}
+
+    def get(case: str) -> Path:
+        if case not in made:
+            fmt, options = CASES[case]
+            made[case] = export_quantized(source, root / case, fmt, **options)
+        return made[case]
+    return get
+
+
+# --- an independent reading of each format: the arithmetic the formats document -------------
+
+def _nibbles(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    per, mask = 32 // bits, (1 << bits) - 1
+    shifts = torch.arange(per, dtype=torch.int32) * bits
+    x = words.unsqueeze(dim + 1) >> shifts.view(*([per] + [1] * (words.dim() - dim - 1)))
+    x = x & mask
+    shape = list(words.shape)
+    shape[dim] *= per
+    return x.reshape(shape)
+
+
+def _awq(words: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ's int32 words [R, C] -> [R, 8 C]: column j of each 8 at these bits."""
+    shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], dtype=torch.int32)
+    return ((words.unsqueeze(-1) >> shifts) & 15).reshape(words.shape[0], -1)
+
+
+def _decompressed(t: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """compressed-tensors' own decompressor, given its scales in float32 (transformers'
+    integration would multiply in the scales' bf16)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    group = config["config_groups"]["group_0"]
+    scheme = QuantizationScheme.model_validate(group)
+    compressor = BaseCompressor.get_value_from_registry(group["format"])
+    out = {}
+    for name in list(t):
+        prefix, _, last = name.rpartition(".")
+        if last in ("weight_packed",) or (last == "weight" and t[name].dtype == torch.int8):
+            local = {k.removeprefix(prefix + "."): v for k, v in t.items()
+                     if k.startswith(prefix + ".weight")}
+            local["weight_scale"] = local["weight_scale"].float()
+            out[f"{prefix}.weight"] = compressor.decompress(local, scheme)["weight"].float()
+    return out
+
+
+def reference_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, projections dequantized to float32 (AWQ, GPTQ: as
+    AutoAWQ / auto-gptq dequantize; compressed-tensors by its own library)."""
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        t = {name: f.get_tensor(name) for name in f.keys()}
+    if config["quant_method"] == "compressed-tensors":
+        out = _decompressed(t, config)
+        return {**{k: v for k, v in t.items() if ".weight_" not in k and k not in out
+                   and v.dtype != torch.int8}, **out}
+    out = {}
+    for name, value in t.items():
+        prefix, _, last = name.rpartition(".")
+        if last == "qweight" and config["quant_method"] == "awq":
+            g = value.shape[0] // t[f"{prefix}.scales"].shape[0]
+            w = (_awq(value) - _awq(t[f"{prefix}.qzeros"]).repeat_interleave(g, 0)) * \
+                t[f"{prefix}.scales"].float().repeat_interleave(g, 0)
+            out[f"{prefix}.weight"] = w.T.contiguous()
+        elif last == "qweight":
+            bits = config["bits"]
+            q = _nibbles(value, bits, 0)
+            z = _nibbles(t[f"{prefix}.qzeros"], bits, 1) + 1
+            g_idx = t[f"{prefix}.g_idx"].long()
+            w = (q - z[g_idx]) * t[f"{prefix}.scales"].float()[g_idx]
+            out[f"{prefix}.weight"] = w.T.contiguous()
+        elif last in ("qzeros", "scales", "g_idx"):
+            continue
+        else:
+            out[name] = value
+    return out
+
+
+def load_reference(path: Path) -> transformers.PreTrainedModel:
+    """transformers' float32 model of the checkpoint's weights dequantized (reference_weights)."""
+    config = transformers.AutoConfig.from_pretrained(path)
+    del config.quantization_config
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(
+        {k: v.float() for k, v in reference_weights(path).items()}, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    return model.eval()
+
+
+def reference(path: Path) -> tuple[list[list[int]], list[torch.Tensor]]:
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = load_reference(path)
+    tokens, logits = [], []
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt").input_ids
+        steps = []
+        with torch.no_grad():
+            for _ in range(TOKENS):
+                steps.append(model(ids).logits[0, -1].float())
+                ids = torch.cat([ids, steps[-1].argmax().view(1, 1)], dim=1)
+        tokens.append(ids[0, -TOKENS:].tolist())
+        logits.append(torch.stack(steps))
+    return tokens, logits
+
+
+def generate(path: Path, **kwargs) -> tuple[list[list[int]], list[list[float]]]:
+    with LLM(str(path), max_model_len=128, dtype="float32", **kwargs) as llm:
+        params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return ([list(o.outputs[0].token_ids) for o in outs],
+            [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
+                                             strict=True)] for o in outs])
+
+
+def check(path: Path, got: list[list[int]], logprobs: list[list[float]],
+          tol: float = LOGPROB_TOL) -> None:
+    """>= 90% of requests equal, each first difference within the reference's top 5, the
+    tokens' logprobs within tol where both agree."""
+    want, logits = reference(path)
+    equal = 0
+    for g, w, lg, lp in zip(got, want, logits, logprobs, strict=True):
+        same = next((j for j, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), len(g))
+        if same:
+            ref = torch.log_softmax(lg[:same].double(), -1)[torch.arange(same), g[:same]]
+            err = (torch.tensor(lp[:same], dtype=torch.float64) - ref).abs().max()
+            assert err < tol, f"{path.name}: logprob off by {err:.2e}"
+        equal += same == len(g)
+        if same < len(g):
+            assert g[same] in lg[same].topk(5).indices.tolist(), f"{path.name}: step {same}"
+    assert equal >= 0.9 * len(got), f"{path.name}: {equal}/{len(got)} equal"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_transformers_on_the_dequantized_weights(checkpoints, case):
+    path = checkpoints(case)
+    check(path, *generate(path), tol=ASYM_TOL if case in ASYM else LOGPROB_TOL)
+
+
+def test_tensor_parallel_matches_and_refuses_split_act_order_groups(checkpoints):
+    path = checkpoints("gptq-sym-g128")
+    assert generate(path, tensor_parallel_size=2)[0] == generate(path)[0]
+    with pytest.raises(ModelLoadError, match=r"(o_proj|down_proj).*whole blocks of 32"):
+        generate(checkpoints("gptq-act-order"), tensor_parallel_size=2)
+
+
+def test_bf16_model_and_the_fused_paths(checkpoints):
+    """dtype bf16 (the CPU default for bf16 checkpoints): the prompt's GEMM path in bf16, the
+    one-call decoder layers; tokens as float32's for most requests."""
+    path = checkpoints("awq-g128")
+    with LLM(str(path), max_model_len=128, dtype="bfloat16") as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0,
+                                                    ignore_eos=True), use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    want = generate(path)[0]
+    assert sum(g == w for g, w in zip(got, want, strict=True)) >= len(PROMPTS) // 2
+
+
+# --- layouts ------------------------------------------------------------------------------
+
+def test_awq_order_and_sequential_packing():
+    # AutoAWQ packs columns 0..7 into a word's nibbles in the order 0 2 4 6 1 3 5 7
+    from fleetllm.quant.hf_checkpoint import AWQ_ORDER
+    word = np.array([[0x75316420]], dtype=np.uint32).view(np.int32)
+    assert unpack(word, 4, 1)[0, list(AWQ_ORDER)].tolist() == list(range(8))
+    # GPTQ / compressed-tensors: the first value in the low bits, along either axis
+    assert unpack(np.array([[0x76543210]], np.uint32).view(np.int32), 4, 1).tolist() == [
+        list(range(8))]
+    assert unpack(np.array([[0x04030201]], np.uint32).view(np.int32), 8, 0)[:, 0].tolist() == [
+        1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("bits,zero,qtype", [(4, 8, QType.Q4_0), (4, None, QType.Q4_1),
+                                             (8, 128, QType.Q8_0)])
+def test_blocks_hold_the_groups_exactly(bits, zero, qtype):
+    rng = np.random.default_rng(0)
+    n, k, groups = 6, 256, 4
+    q = rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
+    scales = rng.uniform(0.01, 0.1, (groups, n)).astype(np.float16).astype(np.float32)
+    zeros = np.full((groups, n), zero, np.int32) if zero is not None else \
+        rng.integers(0, 16, (groups, n), dtype=np.int32)
+    for g_idx in (np.arange(k) // (k // groups), rng.permutation(k) // (k // groups)):
+        gq = GroupQuant(q, scales, zeros, g_idx, bits)
+        blocks = gq.blocks()
+        assert blocks.qtype == qtype
+        assert (blocks.perm is None) == bool(np.all(np.diff(g_idx) >= 0))
+        # Q4_1's minimum -s z is rounded to fp16: within half an fp16 step of it
+        np.testing.assert_allclose(blocks.dequantize().numpy(), gq.dequantize(), rtol=0,
+                                   atol=1e-3 * float(scales.max()) * (16 if zero is None else 1))
+
+
+def test_groups_that_straddle_blocks_are_refused():
+    q = np.zeros((2, 64), np.uint8)
+    gq = GroupQuant(q, np.ones((4, 2), np.float32), np.full((4, 2), 8, np.int32),
+                    np.arange(64) // 16, 4)
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        gq.blocks()
+
+
+# --- what is refused ---------------------------------------------------------------------
+
+def _edit(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"].update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_unsupported_configs_are_one_clear_error(checkpoints, source, tmp_path):
+    import shutil
+    bad = [({"quant_method": "bitsandbytes"}, "bitsandbytes"),
+           ({"version": "gemv"}, "gemv"), ({"group_size": 16}, "group_size 16"),
+           ({"zero_point": False}, "zero points")]
+    for changes, match in bad:
+        path = tmp_path / "awq"
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.copytree(checkpoints("awq-g128"), path)
+        _edit(path, **changes)
+        with pytest.raises(ModelLoadError, match=match):
+            LLM(str(path))
+    with pytest.raises(ConfigurationError, match="quantization_config"):
+        LLM(str(source), quantization="awq")
+    with pytest.raises(ConfigurationError, match="'gptq'"):
+        LLM(str(checkpoints("awq-g128")), quantization="gptq")
+
+
+def test_a_missing_part_names_the_tensor(checkpoints, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    path = tmp_path / "gptq"
+    shutil.copytree(checkpoints("gptq-sym-g128"), path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.qzeros"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"layers\.1\.mlp\.up_proj\.qzeros"):
+        generate(path)
