@@ -118,6 +118,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
     import tempfile
 
     from fleetllm.quant.gguf_export import export_gguf
+    from fleetllm.quant.hf_export import FORMATS, export_quantized
 
     if (args.hf_dir is None) == (args.preset is None):
         raise SystemExit("fleetllm quantize: give HF_DIR or --preset, not both")
@@ -134,7 +135,12 @@ def _run_quantize(args: argparse.Namespace) -> int:
 
             src = write_dummy_checkpoint(preset_dir(args.preset), tmp, 0, torch.bfloat16)
             write_byte_bpe_tokenizer(src, PRESETS[args.preset]["vocab_size"])
-        path = export_gguf(src, args.out, args.type, llama_quantize=args.llama_quantize)
+        if args.type in FORMATS:
+            path = export_quantized(src, args.out, args.type, bits=args.bits,
+                                    group_size=args.group_size, sym=args.sym,
+                                    act_order=args.act_order)
+        else:
+            path = export_gguf(src, args.out, args.type, llama_quantize=args.llama_quantize)
     print(path)
     return 0
 
@@ -142,21 +148,35 @@ def _run_quantize(args: argparse.Namespace) -> int:
 def _add_quantize(sub: Any, common: argparse.ArgumentParser) -> None:
     from fleetllm.benchmarks.presets import PRESETS as BENCH_PRESETS
     from fleetllm.quant.gguf_mix import PRESETS
+    from fleetllm.quant.hf_export import FORMATS
 
     quant = sub.add_parser("quantize", parents=[common], formatter_class=HelpFormatter,
-                           help="write a Hugging Face checkpoint as a GGUF file",
+                           help="write a Hugging Face checkpoint as a GGUF file, or as an "
+                           "AWQ / GPTQ / compressed-tensors checkpoint",
                            description="Write a Hugging Face checkpoint directory (Llama, "
                            "Mistral, Qwen2, Qwen3) as a GGUF file, quantized the way "
-                           "llama-quantize's presets mix types.")
+                           "llama-quantize's presets mix types; or (--type AWQ, GPTQ, W4A16, "
+                           "W8A8) as a checkpoint directory in that format, rounded to its "
+                           "grid (not calibrated).")
     quant.add_argument("hf_dir", metavar="HF_DIR", nargs="?", default=None,
                        help="Hugging Face checkpoint directory")
-    quant.add_argument("out", metavar="OUT.gguf", help="GGUF file to write")
+    quant.add_argument("out", metavar="OUT", help="GGUF file (or, for AWQ, GPTQ, W4A16, "
+                       "W8A8, directory) to write")
     quant.add_argument("--preset", default=None, choices=sorted(BENCH_PRESETS),
                        help="instead of HF_DIR: a benchmark preset's dummy weights (what "
                        "`fleetllm bench --preset` runs), so GGUF figures can be reproduced")
-    quant.add_argument("--type", default="Q8_0", type=str.upper, choices=list(PRESETS),
-                       metavar="TYPE",
-                       help=f"quantization preset: {', '.join(PRESETS)}")
+    quant.add_argument("--type", default="Q8_0", type=str.upper,
+                       choices=[*PRESETS, *FORMATS], metavar="TYPE",
+                       help=f"GGUF preset ({', '.join(PRESETS)}) or checkpoint format "
+                       f"({', '.join(FORMATS)})")
+    quant.add_argument("--bits", type=int, default=4, choices=(4, 8),
+                       help="GPTQ: bits per weight")
+    quant.add_argument("--group-size", type=int, default=128,
+                       help="AWQ, GPTQ, W4A16: weights per scale (-1: one per row)")
+    quant.add_argument("--sym", action=argparse.BooleanOptionalAction, default=None,
+                       help="GPTQ, W4A16: symmetric weights, no zero points (default: yes)")
+    quant.add_argument("--act-order", action="store_true",
+                       help="GPTQ, W4A16: act-order groups (g_idx), as desc_act checkpoints")
     quant.add_argument("--llama-quantize", metavar="PATH", default=None,
                        help="quantize with this llama.cpp llama-quantize binary instead of "
                        "fleetllm's numpy quantizers")

@@ -59,7 +59,7 @@ def resolve(asked: str | None, hf_config: dict[str, Any], where: str) -> QuantCo
         raise ConfigurationError(f"quantization={asked!r}, but {where} is {method!r}")
     try:
         return {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed}[method](raw)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a field of a wrong type
         if isinstance(e, ModelLoadError):
             raise
         raise ModelLoadError(f"{where}: quantization_config: {e}") from e

@@ -48,9 +48,14 @@ def default_weight_loader(param: nn.Parameter, loaded: Any, part: int | None = N
     param.data.copy_(tensor)
 
 
-def stash(module: nn.Module, part: int, tensor: QuantTensor | GroupQuant) -> None:
-    """Keep a quantized tensor's blocks (a GroupQuant's, made now: this rank's shard) for
-    `part` of module's weight, until the loader packs them (quant/gguf_loader.finish)."""
+def stash(module: nn.Module, part: int, tensor: QuantTensor | GroupQuant,
+          shape: tuple[int, int]) -> None:
+    """Keep a quantized tensor's blocks (a GroupQuant's, made now: this rank's shard, of
+    `shape`) for `part` of module's weight, until the loader packs them
+    (quant/gguf_loader.finish)."""
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"this rank's shard has shape {tuple(tensor.shape)}, the model's is "
+                         f"{shape}")
     if isinstance(tensor, GroupQuant):
         tensor = tensor.blocks()
     module.__dict__.setdefault("quant_parts", {})[part] = tensor
@@ -113,7 +118,7 @@ class ColumnParallelLinear(nn.Module):
         part = part or 0
         full, shard, start = self.parts[part]
         if isinstance(loaded, Quantized):  # kept as blocks (quant/gguf_loader.py)
-            stash(self, part, loaded.narrow(0, start, shard))
+            stash(self, part, loaded.narrow(0, start, shard), (shard, self.input_size))
             return
         rows = load_full(narrow(loaded, 0, start, shard))
         param.data.narrow(0, self.part_offsets[part], shard).copy_(rows)
@@ -138,7 +143,8 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, part: int | None = None) -> None:
         if isinstance(loaded, Quantized) and param is self.weight:
-            stash(self, 0, loaded.narrow(1, self.start, self.shard))
+            stash(self, 0, loaded.narrow(1, self.start, self.shard),
+                  (self.output_size, self.shard))
             return
         param.data.copy_(load_full(narrow(loaded, 1, self.start, self.shard)))
 
@@ -167,7 +173,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, part: int | None = None) -> None:
         if isinstance(loaded, Quantized):
-            stash(self, 0, loaded.narrow(0, self.start, self.valid))
+            stash(self, 0, loaded.narrow(0, self.start, self.valid),
+                  (self.valid, self.weight.shape[1]))
             return
         if self.valid:
             param.data[: self.valid].copy_(load_full(narrow(loaded, 0, self.start, self.valid)))

@@ -38,6 +38,10 @@ _PARTS = frozenset({"qweight", "qzeros", "scales", "g_idx", "weight_packed", "we
                     "input_zero_point"})
 
 
+_WORDS = frozenset({"qweight", "qzeros", "weight_packed"})  # int32 words of packed values
+_INDEX = frozenset({"g_idx", "weight_g_idx", "weight_shape", "weight_zero_point"})
+
+
 def tensors(files: list[Path], quant: QuantConfig) -> Iterator[tuple[str, Any]]:
     """(name, tensor) for the model's load_weight, in file order. Raises KeyError/ValueError
     naming the tensor for a missing or misshapen part (the loader makes it a ModelLoadError)."""
@@ -46,7 +50,7 @@ def tensors(files: list[Path], quant: QuantConfig) -> Iterator[tuple[str, Any]]:
         where = {name: h for h in handles for name in h.keys()}
         for name, handle in where.items():
             prefix, _, last = name.rpartition(".")
-            if last == "weight" and handle.get_slice(name).get_dtype() == "I8":
+            if last == "weight" and f"{prefix}.weight_scale" in where:  # int-quantized
                 yield name, _int8(prefix, where)
             elif last in _PRIMARY:
                 read = _awq if quant.method == "awq" else _gptq if quant.method == "gptq" \
@@ -64,6 +68,10 @@ def _get(where: dict[str, Any], prefix: str, last: str, required: bool = True
             raise KeyError(f"{name} is missing (a quantized projection needs it)")
         return None
     t = where[name].get_tensor(name)
+    if (last in _WORDS and t.dtype != torch.int32) or (last in _INDEX and t.is_floating_point()
+                                                        ) or (last not in _WORDS | _INDEX
+                                                              and not t.is_floating_point()):
+        raise ValueError(f"{name} has dtype {t.dtype}, which this format does not store there")
     return (t.float() if t.is_floating_point() else t).numpy()
 
 
@@ -128,6 +136,7 @@ def _packed(prefix: str, where: dict[str, Any], quant: QuantConfig) -> GroupQuan
     packed, scale = _get(where, prefix, "weight_packed"), _get(where, prefix, "weight_scale")
     shape = _get(where, prefix, "weight_shape", required=False)
     q = unpack(packed, bits, 1)  # [N, K'] offset by 2^(bits-1)
+    _check(shape is None or shape.shape == (2,), prefix, "weight_shape must be [out, in]")
     n, k = (int(shape[0]), int(shape[1])) if shape is not None else q.shape
     _check(q.shape[0] == n and q.shape[1] >= k and scale.shape[0] == n, prefix,
            f"weight_packed {packed.shape}, weight_shape {(n, k)} and weight_scale "
@@ -149,7 +158,10 @@ def _packed(prefix: str, where: dict[str, Any], quant: QuantConfig) -> GroupQuan
 
 def _int8(prefix: str, where: dict[str, Any]) -> GroupQuant:
     """compressed-tensors int-quantized: int8 weights, a scale per channel (or group)."""
-    w = where[f"{prefix}.weight"].get_tensor(f"{prefix}.weight").numpy()
+    w = where[f"{prefix}.weight"].get_tensor(f"{prefix}.weight")
+    _check(w.dtype == torch.int8 and w.dim() == 2, prefix, f"weight beside a weight_scale must "
+           f"be int8 [out, in], got {w.dtype} {tuple(w.shape)}")
+    w = w.numpy()
     scale = _get(where, prefix, "weight_scale")
     scale = scale.reshape(w.shape[0], -1)
     zp = _get(where, prefix, "weight_zero_point", required=False)

@@ -292,3 +292,85 @@ def test_a_missing_part_names_the_tensor(checkpoints, tmp_path):
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(ModelLoadError, match=r"layers\.1\.mlp\.up_proj\.qzeros"):
         generate(path)
+
+
+# --- everywhere the engine goes: the packed copies are GGUF's, so a smoke of each path ----
+
+def test_ray_tensor_parallel_matches_uni(checkpoints):
+    pytest.importorskip("ray")
+    path = checkpoints("awq-g128")
+    got = generate(path, tensor_parallel_size=2, distributed_executor_backend="ray",
+                   ray_cpus_per_worker=0.5)[0]
+    assert got == generate(path)[0]
+
+
+def test_sharded_state_keeps_the_act_order_layout(checkpoints, tmp_path):
+    """The packed copies are saved as they are, perm included, and load back."""
+    path, out = checkpoints("gptq-act-order"), tmp_path / "sharded"
+    want = generate(path)[0]
+    with LLM(str(path), max_model_len=128, dtype="float32") as llm:
+        llm.llm_engine.model_executor.save_sharded_state(out)
+    quantized = (path / "model.safetensors").stat().st_size
+    assert sum(f.stat().st_size for f in out.glob("*.safetensors")) < 1.3 * quantized
+    assert generate(out, load_format="sharded_state")[0] == want
+
+
+HOSTILE = [None, "x", -1, 0, 3, 1e9, [], {}, [1], {"a": 1}, True]
+
+
+@pytest.mark.parametrize("case", ["awq-g128", "gptq-act-order", "w4a16-asym-g32", "w8a8"])
+def test_every_config_field_fuzzed_is_read_or_one_typed_error(checkpoints, case):
+    """Each quantization_config field (nested ones too) set to each hostile value: read, or
+    ModelLoadError / ConfigurationError; never another exception."""
+    from fleetllm.config_quant import resolve
+    base = json.loads((checkpoints(case) / "config.json").read_text())
+
+    def paths(node, prefix=()):
+        for key, value in node.items():
+            yield (*prefix, key)
+            if isinstance(value, dict):
+                yield from paths(value, (*prefix, key))
+
+    for where in list(paths(base["quantization_config"])):
+        for value in HOSTILE:
+            config = json.loads(json.dumps(base))
+            node = config["quantization_config"]
+            for key in where[:-1]:
+                node = node[key]
+            node[where[-1]] = value
+            try:
+                resolve(None, config, "config.json")
+            except (ModelLoadError, ConfigurationError):
+                pass
+
+
+@pytest.mark.parametrize("case,tensor", [("awq-g128", "qweight"), ("gptq-act-order", "g_idx"),
+                                         ("gptq-sym-g128", "scales"),
+                                         ("w4a16-asym-g32", "weight_zero_point"),
+                                         ("w4a16-g128", "weight_shape"), ("w8a8", "weight")])
+def test_a_hostile_tensor_is_one_clear_error(checkpoints, tmp_path, case, tensor):
+    """One part of one projection replaced (wrong dtype, wrong shape, values out of range):
+    a ModelLoadError naming the tensor, never a crash or a model that loads garbage silently."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    name = f"model.layers.0.mlp.down_proj.{tensor}"
+    for bad in ("dtype", "shape", "range"):
+        path = tmp_path / f"{case}-{bad}"
+        shutil.copytree(checkpoints(case), path)
+        tensors = load_file(path / "model.safetensors")
+        t = tensors[name]
+        if bad == "dtype":
+            t = t.to(torch.float16) if not t.is_floating_point() else t.to(torch.int32)
+        elif bad == "shape":
+            t = t[:1] if t.dim() == 1 or t.shape[0] > 1 else t[:, :1]
+        elif t.is_floating_point() or t.dtype == torch.int32 and tensor != "weight_shape":
+            continue  # scales, int32 words of packed values: any value is one
+        else:
+            t = torch.full_like(t, 10 ** 6 if tensor != "weight" else 127)
+            if tensor == "weight":  # int8 weights: every value is one; make the shape wrong
+                t = t[:, :-32]
+        tensors[name] = t.contiguous()
+        save_file(tensors, path / "model.safetensors")
+        with pytest.raises(ModelLoadError, match=r"down_proj"):
+            generate(path)
