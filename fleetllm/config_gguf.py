@@ -2,11 +2,13 @@
 checkpoint would have, its tensors' names and shapes checked against that config, and the
 names of the tensors by Hugging Face's naming (config layer: errors only, and the gguf package).
 
-GGUFReader memory-maps the file; nothing here reads a tensor's data (quant/gguf_checkpoint.py
-does). What fails: a missing, truncated or non-GGUF file, an architecture or tensor type
-fleetllm does not read, a tensor whose shape does not match the config or runs past the end of
-the file: ModelLoadError naming the file and the tensor, raised when ModelConfig is built,
-before any worker starts.
+The metadata and tensor infos come from the file's header (config_gguf_reader.py: its arrays,
+the tokenizer's, left unread), so that validating a config costs milliseconds and holds
+nothing; gguf's GGUFReader (`GgufFile.reader`, memory-mapped) is opened for the loader only
+(quant/gguf_checkpoint.py reads the tensors' data). What fails: a missing, truncated or
+non-GGUF file, an architecture or tensor type fleetllm does not read, a tensor whose shape does
+not match the config or runs past the end of the file: ModelLoadError naming the file and the
+tensor, raised when ModelConfig is built, before any worker starts.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from fleetllm.config_gguf_reader import GgufHeader
 from fleetllm.errors import ModelLoadError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -52,34 +55,44 @@ def open_gguf(path: str) -> GgufFile:
 
 
 class GgufFile:
-    def __init__(self, path: str):
-        from gguf import GGUFReader
+    """The file's header (metadata, tensor infos) read at once; `reader` for the loader."""
 
+    def __init__(self, path: str):
         self.path = path
         try:
-            self.reader = GGUFReader(path, "r")
-        except (ValueError, OSError, IndexError, KeyError, TypeError) as e:
-            # gguf raises ValueError for a bad magic or version; a truncated file fails as
-            # its offsets run past the end (ValueError / IndexError from numpy).
+            self.header = GgufHeader(path)
+        except (ValueError, OSError) as e:
+            # a bad magic or version, a header cut short (truncated), an unknown value or
+            # tensor type, a duplicate key or tensor name: the header reader's ValueError
             raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
         self.arch = self.field("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise ModelLoadError(f"{path}: GGUF architecture {self.arch!r} is not supported; "
                                  f"fleetllm reads {', '.join(ARCHITECTURES)}")
-        self.tensor_infos = {t.name: t for t in self.reader.tensors}
-        for t in self.reader.tensors:
+        self.tensor_infos = {t.name: t for t in self.header.tensors}
+        for t in self.header.tensors:
             if t.tensor_type.name not in READABLE:
                 raise ModelLoadError(
                     f"{path}: tensor {t.name!r} is of type {t.tensor_type.name}, which "
                     f"fleetllm does not read (it reads {', '.join(READABLE)})")
 
-    def field(self, key: str, default: Any = None) -> Any:
-        f = self.reader.get_field(key)
-        if f is None:
-            return default
+    @functools.cached_property
+    def reader(self) -> Any:
+        """gguf's GGUFReader over the file's mapping (every field parsed, each tensor's data a
+        view): what the loader reads the tensors from. open_gguf.cache_clear() drops it."""
+        from gguf import GGUFReader
+
         try:
-            return f.contents()
-        except (ValueError, IndexError, UnicodeDecodeError) as e:
+            return GGUFReader(self.path, "r")
+        except (ValueError, OSError, IndexError, KeyError, TypeError) as e:
+            # a file changed since its header was read; its tensors run past the end
+            raise ModelLoadError(f"{self.path} is not a readable GGUF file: {e}") from e
+
+    def field(self, key: str, default: Any = None) -> Any:
+        """key's value (an array read from the file now), or default."""
+        try:
+            return self.header.get(key, default)
+        except (ValueError, OSError) as e:  # UnicodeDecodeError too
             raise ModelLoadError(f"{self.path}: metadata {key!r} is unreadable: {e}") from e
 
     @functools.cached_property
@@ -96,10 +109,10 @@ class GgufFile:
         heads = int(need("attention.head_count"))
         hidden = int(need("embedding_length"))
         vocab = self.field(f"{a}.vocab_size")
-        if vocab is None:
-            tokens = self.reader.get_field("tokenizer.ggml.tokens")
+        if vocab is None:  # the tokens' count, not read
+            tokens = self.header.fields.get("tokenizer.ggml.tokens")
             embd = self.tensor_infos.get("token_embd.weight")
-            vocab = len(tokens.data) if tokens is not None else \
+            vocab = len(tokens) if tokens is not None else \
                 (int(embd.shape[1]) if embd is not None else None)
         if vocab is None:
             raise ModelLoadError(f"{self.path}: no vocabulary size in the metadata")
@@ -129,9 +142,21 @@ class GgufFile:
                                  "(linear is)")
         freqs = self.tensor_infos.get("rope_freqs.weight")
         if freqs is not None:  # llama3's scaling, as llama.cpp applies it: a factor per pair
-            factors = np.asarray(freqs.data, dtype=np.float32).reshape(-1).tolist()
-            cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors}
+            cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": self._floats(freqs)}
         return cfg
+
+    def _floats(self, info: Any) -> list[float]:
+        """A small F32 or F16 tensor's values (as gguf's data, made float32)."""
+        kind = {"F32": "f4", "F16": "f2"}.get(info.tensor_type.name)
+        if kind is None:
+            raise ModelLoadError(f"{self.path}: tensor {info.name!r} is of type "
+                                 f"{info.tensor_type.name} (F32 or F16 expected)")
+        try:
+            raw = self.header.read(info)
+        except (ValueError, OSError) as e:
+            raise ModelLoadError(f"{self.path}: {e}") from e
+        order = self.header.byte_order
+        return np.frombuffer(raw, order + kind).astype(np.float32).tolist()
 
     def hf_name(self, name: str) -> str | None:
         """The Hugging Face name of GGUF tensor `name` (None: not one the model has)."""
@@ -146,13 +171,13 @@ class GgufFile:
     def check_shapes(self, expected: dict[str, tuple[int, ...]]) -> None:
         """Every tensor has the shape the config gives it, every expected tensor is here, and
         the file holds all the bytes its tensors claim (a truncated file fails here)."""
-        size = self.reader.data.shape[0]
+        size = self.header.size
         seen = set()
-        for info in self.reader.tensors:
+        for info in self.header.tensors:
             if info.name == "rope_freqs.weight":
                 continue
             name = self.hf_name(info.name)
-            shape = tuple(int(d) for d in reversed(info.shape.tolist()))
+            shape = tuple(reversed(info.shape))
             if name is None or name not in expected:
                 raise ModelLoadError(f"{self.path}: tensor {info.name!r} has no place in this "
                                      f"{self.arch} model")

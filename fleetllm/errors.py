@@ -161,3 +161,10 @@ class RequestFailedError(FleetLLMError, RuntimeError):
     memory even alone in a step, or its samples outgrew the KV pool). The message says why."""
 
     code = "E010"
+
+
+class PeerError(FleetLLMError, RuntimeError):
+    """A benchmark's peer engine (llama.cpp's tools) is not built, or failed: the message says
+    which, what to build (`make llamacpp`), and the tail of its output."""
+
+    code = "E011"

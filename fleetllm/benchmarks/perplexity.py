@@ -62,11 +62,10 @@ def perplexity(llm, text: str, window: int, max_windows: int | None) -> tuple[fl
 
 def llamacpp_perplexity(path: str, text_file: Path, window: int, max_windows: int | None,
                         threads: int) -> float:
-    from fleetllm.benchmarks.llamacpp_peer import LLAMA_BENCH
+    from fleetllm.benchmarks.llamacpp_peer import llamacpp_tool
+    from fleetllm.errors import PeerError
 
-    binary = LLAMA_BENCH.with_name("llama-perplexity")
-    if not binary.exists():
-        raise SystemExit(f"{binary} is missing: run `make llamacpp` first")
+    binary = llamacpp_tool("llama-perplexity")
     # --no-repack: this build's repacked (AMX) prompt path dies here (SIGILL / SIGSEGV).
     cmd = [str(binary), "-m", path, "-f", str(text_file), "-c", str(window), "-b",
            str(window), "-t", str(threads), "--no-repack"]
@@ -75,7 +74,7 @@ def llamacpp_perplexity(path: str, text_file: Path, window: int, max_windows: in
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     found = re.findall(r"\[\d+\]([\d.]+)", run.stderr + run.stdout)
     if run.returncode != 0 or not found:
-        raise RuntimeError(f"llama-perplexity failed ({run.returncode}): {run.stderr[-2000:]}")
+        raise PeerError(f"llama-perplexity failed ({run.returncode}): {run.stderr[-2000:]}")
     return float(found[-1])  # the running estimate after the last chunk
 
 

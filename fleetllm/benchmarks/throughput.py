@@ -3,13 +3,15 @@ process, next to this machine's roofline.
 
     fleetllm bench throughput --preset llama-125m --compare hf,hf-cb [--repeat 2] [--json F]
     fleetllm bench throughput --preset llama-1b --compare vllm [--vllm-configs all]
+    fleetllm bench throughput --model FILE.gguf [--compare llamacpp]
     fleetllm bench throughput [--model DIR] [--num-prompts N] [--input-len N|LOW:HIGH]
         [--output-len N|LOW:HIGH] [--shared-prefix N] [--lora N] [--task embed] [engine flags]
 
 Engines are loaded and warmed once, then take turns for --repeat rounds, each keeping its best:
-requests/s and tokens/s, fleetllm's ratio to each peer (`hf`, `hf-cb`, vLLM: vllm_peer.py), its
-share of the roofline (the workload's FLOPs at the best matmul rate measured on the model's
-shapes); --shared-prefix, --lora (lora.py) and --task embed (embed.py) add their own figures.
+requests/s and tokens/s, fleetllm's ratio to each peer (`hf`, `hf-cb`, vLLM: vllm_peer.py; a
+GGUF file's: `llamacpp`, llamacpp_peer.py), its share of the roofline (the workload's FLOPs at
+the best matmul rate measured on the model's shapes); --shared-prefix, --lora (lora.py) and
+--task embed (embed.py) add their own figures.
 """
 
 from __future__ import annotations
@@ -27,13 +29,16 @@ from fleetllm.benchmarks.engines import (
     engine_dtype,
     measure,
 )
+from fleetllm.benchmarks.llamacpp_peer import LlamaCppThroughput, llamacpp_tool
 from fleetllm.benchmarks.presets import PRESETS, preset_dir
+from fleetllm.config_gguf import is_gguf
 from fleetllm.engine.arg_utils import (
     HelpFormatter,
     add_engine_args,
     engine_kwargs_from,
     resolve_model,
 )
+from fleetllm.errors import ConfigurationError
 
 PRESET_MAX_MODEL_LEN = 8192
 _PRESET_DEFAULTS = dict(num_prompts=64, input_len=(16, 256), output_len=(16, 64),
@@ -58,8 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", default=None,
                         help="peers: hf (transformers generate), hf-cb (transformers "
                              "continuous batching), both in this process, vllm (vLLM's CPU "
-                             "build from .venv-vllm, `make peers`), comma-separated, or none "
-                             "(default: hf)")
+                             "build from .venv-vllm, `make peers`), comma-separated; with a "
+                             "GGUF --model: llamacpp (llama-batched-bench on the same file, "
+                             "`make llamacpp`); or none (default: hf; llamacpp for a GGUF)")
     add_vllm_args(parser)
     parser.add_argument("--hf-batch-size", type=int, default=None,
                         help="HF generate batch size (left-padded); 0 skips the HF peer "
@@ -124,6 +130,8 @@ def _engines(args: argparse.Namespace, model: str, kwargs: dict, dummy_seed: int
         from fleetllm.benchmarks.vllm_peer import vllm_python
 
         vllm_python()
+    if "llamacpp" in peers:  # likewise a missing build
+        llamacpp_tool("llama-batched-bench")
     engines = [FleetGenerate("fleetllm", model, kwargs)]
     if adapters is not None:
         engines.append(FleetGenerate(adapters.label, model, adapters.engine_kwargs(kwargs),
@@ -144,6 +152,8 @@ def _engines(args: argparse.Namespace, model: str, kwargs: dict, dummy_seed: int
                 engines.append(HFGenerate(hf, args.hf_batch_size, sort=True))
         if "hf-cb" in peers:
             engines.append(HFContinuousBatching(hf))
+    if "llamacpp" in peers:  # after loading fleetllm: its thread count is set by then
+        engines.append(LlamaCppThroughput(model, torch.get_num_threads()))
     return engines
 
 
@@ -155,9 +165,7 @@ def run(args: argparse.Namespace) -> dict:
     for name, value in (_PRESET_DEFAULTS if args.preset else _DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    peers = compare_peers(args.compare, {"hf", "hf-cb", "vllm"}, set() if args.lora else {"hf"})
-    if args.hf_batch_size == 0:
-        peers.discard("hf")
+    peers = _peers(args, model)
     adapters = lora.Adapters(args, model) if args.lora else None
     engines = []
     vllm = None
@@ -198,6 +206,8 @@ def run(args: argparse.Namespace) -> dict:
     n_in = sum(len(r.prompt) for r in requests)
     n_out = sum(r.output_len for r in requests)
     dtype_name = str(dtype).removeprefix("torch.")
+    if is_gguf(model):
+        dtype_name = f"GGUF {workload.gguf_file_type(model)}, activations {dtype_name}"
     figures: dict = {"model": args.preset or model, "dtype": dtype_name, "requests": len(requests),
                      "input_tokens": n_in, "output_tokens": n_out,
                      "torch_threads": torch.get_num_threads(), "repeat": args.repeat,
@@ -208,10 +218,13 @@ def run(args: argparse.Namespace) -> dict:
           f"{args.repeat} rounds, engines taking turns")
     for e in engines:
         seconds, _, _ = results[e.name]
+        # llama.cpp ran the requests' mean lengths: its own token counts
+        shape = e.shape(requests) if isinstance(e, LlamaCppThroughput) else None
+        e_in, e_out = (shape.input_tokens, shape.output_tokens) if shape else (n_in, n_out)
         f = figures["engines"][e.name] = {
             "seconds": seconds, "requests_per_s": len(requests) / seconds,
-            "input_tokens_per_s": n_in / seconds, "output_tokens_per_s": n_out / seconds,
-            "total_tokens_per_s": (n_in + n_out) / seconds}
+            "input_tokens_per_s": e_in / seconds, "output_tokens_per_s": e_out / seconds,
+            "total_tokens_per_s": (e_in + e_out) / seconds}
         print(f"{e.name + ':':32s} {f['requests_per_s']:7.2f} requests/s  input "
               f"{f['input_tokens_per_s']:8.1f}  output {f['output_tokens_per_s']:7.1f}  total "
               f"{f['total_tokens_per_s']:8.1f} tokens/s  ({seconds:.2f} s)")
@@ -221,6 +234,9 @@ def run(args: argparse.Namespace) -> dict:
         lora.report(adapters, results, figures)
     if vllm is not None:
         _vllm_ratio(engines, results, figures)
+    for e in engines:
+        if isinstance(e, LlamaCppThroughput):
+            e.report(requests, figures)
     if args.shared_prefix:
         _prefix_figures(results, figures)
     if args.shared_prefix:  # the cache skips most of the FLOPs a roofline would count
@@ -246,8 +262,8 @@ def _ratios(engines, results: dict, figures: dict, backend: str) -> None:
     ours, our_outputs, _ = results["fleetllm"]
     figures["ratios"] = {}
     for e in engines[1:]:
-        if e.name.startswith("vLLM ("):  # one ratio, to the best configuration: _vllm_ratio
-            continue
+        if e.name.startswith("vLLM (") or isinstance(e, LlamaCppThroughput):
+            continue  # vLLM: one ratio, to its best configuration; llama.cpp: no outputs
         seconds, outputs, _ = results[e.name]
         same = sum(a == b for a, b in zip(our_outputs, outputs, strict=True))
         label = {"HF generate": "HF", "HF generate (sorted)": "HF (sorted)",
@@ -262,6 +278,23 @@ def _ratios(engines, results: dict, figures: dict, backend: str) -> None:
             print(f"ratio fleetllm / {label}: {seconds / ours:.2f}x  (identical outputs "
                   f"{same}/{len(outputs)})")
         figures["ratios"][e.name] = {"speedup": seconds / ours, "identical_outputs": same}
+
+
+def _peers(args: argparse.Namespace, model: str) -> set[str]:
+    """The --compare peers; a GGUF file's peer is llama.cpp, and only it (the others read no
+    GGUF here), on the workload's shape (no shared prefix, no adapters)."""
+    gguf = is_gguf(model)
+    peers = compare_peers(args.compare, {"hf", "hf-cb", "vllm", "llamacpp"},
+                          set() if args.lora else {"llamacpp"} if gguf else {"hf"})
+    if args.hf_batch_size == 0:
+        peers.discard("hf")
+    if ("llamacpp" in peers and not gguf) or (gguf and peers - {"llamacpp"}):
+        raise ConfigurationError("--compare llamacpp is the peer of a GGUF --model, and the "
+                                 "only one")
+    if "llamacpp" in peers and (args.shared_prefix or args.lora):
+        raise ConfigurationError("--compare llamacpp runs neither --shared-prefix (llama-"
+                                 "batched-bench shares a whole prompt or none) nor --lora")
+    return peers
 
 
 def _vllm_ratio(engines, results: dict, figures: dict) -> None:

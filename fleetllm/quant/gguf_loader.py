@@ -50,8 +50,10 @@ def load_gguf(model: nn.Module, path: str) -> None:
 
 
 def finish(model: nn.Module) -> None:
-    """Pack each module's kept blocks (see the module docstring)."""
-    dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+    """Pack each module's kept blocks (see the module docstring). An embedding's rows are
+    looked up in the model's dtype: its norm_dtype (its norms', never quantized; every
+    parameter is made in that dtype, so it is the first floating one's, as before)."""
+    dtype = model.norm_dtype
     for name, module in list(model.named_modules()):
         parts = module.__dict__.pop("quant_parts", None)
         if not parts:
