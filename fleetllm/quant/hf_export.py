@@ -7,7 +7,9 @@ updates): the files are the real formats, not the real methods' accuracy. GPTQ's
 (`act_order=True`) orders columns by their weights' norm, standing in for the Hessian's
 diagonal, so that g_idx is unsorted as a real desc_act checkpoint's.
 
-Every decoder projection is quantized; the embeddings, norms and LM head stay as they are. The
+Every decoder projection is quantized, except one whose columns do not divide into whole
+groups (the demo model's 688-column down_proj; named in the config's exclusions, as GGUF keeps
+such a tensor F16); the embeddings, norms and LM head stay as they are. The
 directory gets config.json (with quantization_config), the tokenizer and generation config
 copied, and one model.safetensors, written beside and renamed into place.
 """
@@ -54,12 +56,18 @@ def export_quantized(hf_dir: str | os.PathLike[str], out_dir: str | os.PathLike[
     config = json.loads((hf / "config.json").read_text())
     tensors: dict[str, torch.Tensor] = {}
     orders: dict[str, np.ndarray] = {}  # act-order: one column order per input
+    kept: list[str] = []  # projections left unquantized
     for f in sorted(hf.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
                 t = st.get_tensor(name)
                 prefix, _, last = name.rpartition(".")
-                if last == "weight" and prefix.rsplit(".", 1)[-1] in _PROJECTIONS:
+                k = t.shape[-1]
+                if last == "weight" and prefix.rsplit(".", 1)[-1] in _PROJECTIONS and (
+                        k % 32 or (group_size != -1 and k % group_size)):
+                    kept.append(prefix)  # no whole groups: stays as it is (GGUF keeps F16)
+                    tensors[name] = t
+                elif last == "weight" and prefix.rsplit(".", 1)[-1] in _PROJECTIONS:
                     w = t.float().numpy()
                     order = None
                     if act_order:  # the projections that share an input share its order
@@ -72,7 +80,7 @@ def export_quantized(hf_dir: str | os.PathLike[str], out_dir: str | os.PathLike[
                     tensors[name] = t
     if not tensors:
         raise ConfigurationError(f"{hf} has no *.safetensors weights")
-    config["quantization_config"] = _config(fmt, bits, group_size, sym, act_order)
+    config["quantization_config"] = _config(fmt, bits, group_size, sym, act_order, kept)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -163,15 +171,20 @@ def _quantize(prefix: str, w: np.ndarray, fmt: str, bits: int, group_size: int, 
     return out
 
 
-def _config(fmt: str, bits: int, group_size: int, sym: bool, act_order: bool
-            ) -> dict[str, Any]:
+def _config(fmt: str, bits: int, group_size: int, sym: bool, act_order: bool,
+            kept: list[str]) -> dict[str, Any]:
+    """quantization_config; kept: the projections left unquantized (AWQ's
+    modules_to_not_convert, compressed-tensors' ignore, GPTQModel's dynamic exclusions)."""
     if fmt == "AWQ":
         return {"quant_method": "awq", "bits": 4, "group_size": group_size,
-                "zero_point": True, "version": "gemm", "modules_to_not_convert": None}
+                "zero_point": True, "version": "gemm", "modules_to_not_convert": kept or None}
     if fmt == "GPTQ":
-        return {"quant_method": "gptq", "bits": bits, "group_size": group_size,
-                "desc_act": act_order, "sym": sym, "checkpoint_format": "gptq",
-                "static_groups": False, "true_sequential": True, "damp_percent": 0.01}
+        out = {"quant_method": "gptq", "bits": bits, "group_size": group_size,
+               "desc_act": act_order, "sym": sym, "checkpoint_format": "gptq",
+               "static_groups": False, "true_sequential": True, "damp_percent": 0.01}
+        if kept:
+            out["dynamic"] = {f"-:{p.replace('.', '[.]')}$": {} for p in kept}
+        return out
     w8 = fmt == "W8A8"
     weights = {"num_bits": bits, "type": "int", "symmetric": sym, "dynamic": False,
                "strategy": "channel" if group_size == -1 else "group",
@@ -181,7 +194,7 @@ def _config(fmt: str, bits: int, group_size: int, sym: bool, act_order: bool
             "strategy": "token", "observer": None} if w8 else None
     fmt_name = "int-quantized" if w8 else "pack-quantized"
     return {"quant_method": "compressed-tensors", "format": fmt_name,
-            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "quantization_status": "compressed", "ignore": ["lm_head", *kept],
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                           "input_activations": acts,
                                           "output_activations": None, "format": fmt_name}}}
