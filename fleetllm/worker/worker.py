@@ -82,9 +82,12 @@ class Worker(WorkerBase):
         before = _peak_bytes(self.device)
         self.model_runner.profile_run()
         activation_peak = max(0, _peak_bytes(self.device) - before)
+        # The profile's peak is in activation_peak: its cached blocks (cuda) and the heap's
+        # free pages (cpu: the trim threshold keeps them, ~0.5 GB for a 1B model) go back
+        # until a step needs them; a worker that is only loaded holds weights and cache.
+        _release_memory(self.device)
         block_bytes = CacheEngine.block_bytes(self.config, *self._kv_shape(), self._kv_dtype())
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the profile's cached blocks are in activation_peak
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * cc.gpu_memory_utilization - (total - free) - activation_peak
         elif cc.kv_cache_memory is None:
