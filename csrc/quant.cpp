@@ -27,6 +27,7 @@ Layout layout(int64_t type)
     case Q4_0:
         return {32, 18};
     case Q4_1:
+    case Q4_ZP:
         return {32, 20};
     case Q5_0:
         return {32, 22};
@@ -34,6 +35,8 @@ Layout layout(int64_t type)
         return {32, 24};
     case Q8_0:
         return {32, 34};
+    case Q8_ZP:
+        return {32, 36};
     case Q4_K:
         return {256, 144};
     case Q5_K:
@@ -110,7 +113,9 @@ inline float half_at(const uint8_t *p)
 }
 
 // One block of `type` into q (elems int8), s and m (elems / 16 each). Returns whether any
-// minimum is nonzero (the types with minimums).
+// minimum is nonzero (the types with minimums). The zero-point types stay exact: Q4_ZP's q - z
+// fits int8; Q8_ZP's does not, so q - 128 with m = d (z - 128): d has 11 significant bits, both
+// products and their difference d (q - z) (9 bits) are exact in float32.
 bool unpack(int64_t type, const uint8_t *b, int8_t *q, float *s, float *m)
 {
     switch (type) {
@@ -118,11 +123,17 @@ bool unpack(int64_t type, const uint8_t *b, int8_t *q, float *s, float *m)
         s[0] = s[1] = half_at(b);
         std::memcpy(q, b + 2, 32);
         return false;
+    case Q8_ZP:
+        s[0] = s[1] = half_at(b);
+        for (int j = 0; j < 32; j++) q[j] = static_cast<int8_t>(b[4 + j] - 128);
+        m[0] = m[1] = s[0] * static_cast<float>(b[2] - 128);
+        return true;
     case Q4_0:
-    case Q4_1: {
-        const bool one = type == Q4_1;
-        const uint8_t *qs = b + (one ? 4 : 2);
-        const int off = one ? 0 : 8;
+    case Q4_1:
+    case Q4_ZP: {
+        const bool one = type == Q4_1, zp = type == Q4_ZP;
+        const uint8_t *qs = b + (one || zp ? 4 : 2);
+        const int off = one ? 0 : zp ? b[2] : 8;
         for (int j = 0; j < 16; j++) {
             q[j] = static_cast<int8_t>((qs[j] & 0xF) - off);
             q[j + 16] = static_cast<int8_t>((qs[j] >> 4) - off);
@@ -286,11 +297,17 @@ void block_dot(int64_t type, const uint8_t *b, const float *const (&x)[MT],
         for (int r = 0; r < MT; r++) t[r] = v16{};
     };
     switch (type) {
-    case Q8_0: {
+    case Q8_0:
+    case Q8_ZP: {  // Q8_ZP: q unsigned, less the block's z
         zero();
         for (int g = 0; g < 2; g++) {
             v16 v;
-            floats_i8(b + 2 + 16 * g, v);
+            if (type == Q8_ZP) {
+                floats(bytes16(b + 4 + 16 * g), v);
+                v -= static_cast<float>(b[2]);
+            } else {
+                floats_i8(b + 2 + 16 * g, v);
+            }
             fma16(t, v, x, 16 * g);
         }
         scaled(acc, t, half_at(b));
@@ -298,10 +315,12 @@ void block_dot(int64_t type, const uint8_t *b, const float *const (&x)[MT],
     }
     case Q4_0:
     case Q4_1:
+    case Q4_ZP:
     case Q5_0:
     case Q5_1: {
         const bool one = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
-        const uint8_t *qs = b + (one ? 4 : 2) + (five ? 4 : 0);
+        const bool zp = type == Q4_ZP;  // Q4_1's layout, offset by the block's z
+        const uint8_t *qs = b + (one || zp ? 4 : 2) + (five ? 4 : 0);
         const u8x16 raw = bytes16(qs);
         u8x16 lo = raw & 0xF, hi = raw >> 4;
         if (five) {
@@ -322,7 +341,7 @@ void block_dot(int64_t type, const uint8_t *b, const float *const (&x)[MT],
             hi |= ((h1 & bit) != 0) & 0x10;
         }
         zero();
-        const float off = one ? 0.0f : (five ? 16.0f : 8.0f);
+        const float off = zp ? static_cast<float>(b[2]) : one ? 0.0f : (five ? 16.0f : 8.0f);
         v16 v;
         floats(lo, v);
         fma16(t, v - off, x, 0);

@@ -8,7 +8,10 @@
 // perm offset 0: no permutation; else the byte offset of K int64 entries perm (GPTQ's
 // act-order): stored column i multiplies x's column perm[i] (y = W x[:, perm]^T), so
 // gguf_linear gathers x's columns once and every path then runs on the stored order.
-// Types are ggml's ids; F32, F16 and BF16 parts are plain rows.
+// Types are ggml's ids, and fleetllm's own zero-point types (200 up; never in a GGUF file):
+// Q4_ZP (fp16 d, uint8 z, a pad byte, Q4_0's nibbles) and Q8_ZP (d, z, pad, 32 uint8 q), both
+// w = d * (q - z) with q unsigned: AWQ / GPTQ zero points exactly (Q4_1's m = -d z rounds to
+// fp16). F32, F16 and BF16 parts are plain rows.
 #pragma once
 
 #include <cstdint>
@@ -18,7 +21,7 @@ namespace fleetllm::kernels::quant {
 
 enum Type : int64_t {
     F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
-    Q6_K = 14, BF16 = 30
+    Q6_K = 14, BF16 = 30, Q4_ZP = 200, Q8_ZP = 201
 };
 constexpr int64_t QPACK_MAGIC = 0x324b4341505146LL;  // "FQPACK2" (FQPACK1: no perm word)
 constexpr int MAX_PARTS = 4;

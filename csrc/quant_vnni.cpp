@@ -1,15 +1,16 @@
-// The quantized GEMV on AVX-512 VNNI (quant.h's linear, for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and
-// Q6_K rows when K is a multiple of 64): as llama.cpp does, the rows of x are quantized once per
-// call to int8 per 32 elements (dx = max |x| / 127), and each 64 weights are a vpdpbusd of
-// their unsigned values u against x's bytes: 16 int32 lanes of 4 products. Unlike llama.cpp,
-// x is two int8 planes, q1 and the rounding left, q2 = round((x - dx q1) * 128 / dx) (|q2| <=
-// 64): lanes (u . q1) * 128 + u . q2 (two vpdpbusd and a shift) times dx / 128 give x's
-// products to ~1/32000 instead of ~1/250: llama.cpp's one plane changed a greedy token in 28%
-// of the demo model's Q4_K_M requests against float32, two planes as often as float32 sums. A type
-// whose values are signed stores u = q + o (o = 8, 32 or 128): its lanes subtract o times x's lane
-// sums. Each lane is then scaled by its weight scale times its dx, in float32; minimums (Q4_1,
-// Q4_K, Q5_K) from the quantized x's sums per 16. Built into every x86 variant with
-// the target attribute and run only where the CPU has VNNI (vnni_available).
+// The quantized GEMV on AVX-512 VNNI (quant.h's linear, for Q4_0, Q4_1, Q4_ZP, Q8_0, Q8_ZP,
+// Q4_K, Q5_K and Q6_K rows when K is a multiple of 64): as llama.cpp does, the rows of x are
+// quantized once per call to int8 per 32 elements (dx = max |x| / 127), and each 64 weights are
+// a vpdpbusd of their unsigned values u against x's bytes: 16 int32 lanes of 4 products. Unlike
+// llama.cpp, x is two int8 planes, q1 and the rounding left, q2 = round((x - dx q1) * 128 / dx)
+// (|q2| <= 64): lanes (u . q1) * 128 + u . q2 (two vpdpbusd and a shift) times dx / 128 give
+// x's products to ~1/32000 instead of ~1/250: llama.cpp's one plane changed a greedy token in
+// 28% of the demo model's Q4_K_M requests against float32, two planes as often as float32 sums.
+// A type whose values are signed stores u = q + o (o = 8, 32 or 128): its lanes subtract o
+// times x's lane sums; a zero-point type (w = d (u - z)) subtracts its block's own z times
+// them. Each lane is then scaled by its weight scale times its dx, in float32; minimums (Q4_1,
+// Q4_K, Q5_K) from the quantized x's sums per 16. Built into every x86 variant with the target
+// attribute and run only where the CPU has VNNI (vnni_available).
 #include "quant.h"
 
 #include <cstdlib>
@@ -39,6 +40,12 @@ VNNI inline __m512 two_scales(float a, float b)
     return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
 }
 
+// Q4_ZP / Q8_ZP: blocks a's and c's zero points (byte 2) in lanes 0-7 and 8-15
+VNNI inline __m512i two_zeros(const uint8_t *a, const uint8_t *c)
+{
+    return _mm512_inserti32x8(_mm512_set1_epi32(a[2]), _mm256_set1_epi32(c[2]), 1);
+}
+
 // Rows of x: their two planes of bytes (q1 at xq, q2 M * K bytes on), dx / 128 per 4
 // elements, (q1 << 7) + q2 summed per 4 bytes, and the quantized rows' float sums per 16 (the
 // minimums' terms must see the same x as the products, or a weight's mean, which the minimum
@@ -51,9 +58,11 @@ struct Rows {
     int K;
 };
 
-// acc[r] += lanes(u . x_r - o * xls_r) * ws * dxl_r for the 64 weights at element e.
+// acc[r] += lanes(u . x_r - o * xls_r) * ws * dxl_r for the 64 weights at element e: o = 2^SHIFT,
+// none (SHIFT 0), or per lane z (SHIFT < 0: zero points).
 template <int MT, int SHIFT>
-VNNI inline void chunk(__m512 (&acc)[MT], __m512i u, __m512 ws, const Rows &x, int m0, long e)
+VNNI inline void chunk(__m512 (&acc)[MT], __m512i u, __m512 ws, const Rows &x, int m0, long e,
+                       __m512i z = __m512i{})
 {
     for (int r = 0; r < MT; r++) {
         const long row = static_cast<long>(m0 + r) * x.K;
@@ -64,6 +73,9 @@ VNNI inline void chunk(__m512 (&acc)[MT], __m512i u, __m512 ws, const Rows &x, i
         if constexpr (SHIFT > 0)
             s = _mm512_sub_epi32(
                 s, _mm512_slli_epi32(_mm512_loadu_si512(x.xls + row / 4 + e / 4), SHIFT));
+        if constexpr (SHIFT < 0)
+            s = _mm512_sub_epi32(
+                s, _mm512_mullo_epi32(_mm512_loadu_si512(x.xls + row / 4 + e / 4), z));
         const __m512 d = _mm512_mul_ps(ws, _mm512_loadu_ps(x.dxl + row / 4 + e / 4));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[r]);
     }
@@ -81,26 +93,31 @@ VNNI void rows(const Part &p, const Rows &x, int m0, long n0, long n1, float *y,
         for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
         switch (p.type) {
         case Q8_0:
+        case Q8_ZP:
         case Q4_0:
-        case Q4_1: {
+        case Q4_1:
+        case Q4_ZP: {
             // Q4_1's minimums: per two blocks, (m_a, m_a, m_c, m_c) times x's sums per 16
             __m128 minv[MT];
             for (int r = 0; r < MT; r++) minv[r] = _mm_setzero_ps();
-            const int bytes = p.type == Q8_0 ? 34 : p.type == Q4_0 ? 18 : 20;
+            const int bytes = layout(p.type).bytes;
+            const bool zp = p.type == Q8_ZP || p.type == Q4_ZP;  // d, z, pad, then q
             for (int b = 0; b < K / 32; b += 2) {  // two blocks: 64 weights
                 const uint8_t *a = row + static_cast<long>(b) * bytes, *c = a + bytes;
                 const __m512 ws = two_scales(half_at(a), half_at(c));
-                if (p.type == Q8_0) {
-                    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-                    const __m512i u = join(
-                        _mm256_xor_si256(
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a + 2)), flip),
-                        _mm256_xor_si256(
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i *>(c + 2)), flip));
-                    chunk<MT, 7>(acc, u, ws, x, m0, 32L * b);
+                if (p.type == Q8_0 || p.type == Q8_ZP) {
+                    const int qoff = zp ? 4 : 2;
+                    const __m512i q =
+                        join(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(a + qoff)),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i *>(c + qoff)));
+                    if (zp)  // q - z
+                        chunk<MT, -1>(acc, q, ws, x, m0, 32L * b, two_zeros(a, c));
+                    else  // Q8_0's signed q: u = q + 128, the sign bit flipped
+                        chunk<MT, 7>(acc, _mm512_xor_si512(q, _mm512_set1_epi8(-128)), ws, x, m0,
+                                     32L * b);
                     continue;
                 }
-                const int qoff = p.type == Q4_0 ? 2 : 4;  // Q4_1: d, then m, then nibbles
+                const int qoff = p.type == Q4_0 ? 2 : 4;  // Q4_1: d, then m; Q4_ZP: d, z, pad
                 const __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i *>(a + qoff));
                 const __m128i qc = _mm_loadu_si128(reinterpret_cast<const __m128i *>(c + qoff));
                 const __m256i va = _mm256_set_m128i(_mm_srli_epi16(qa, 4), qa);
@@ -108,6 +125,10 @@ VNNI void rows(const Part &p, const Rows &x, int m0, long n0, long n1, float *y,
                 const __m512i u = join(_mm256_and_si256(va, low), _mm256_and_si256(vc, low));
                 if (p.type == Q4_0) {  // q - 8: u's lanes less 8 times x's lane sums
                     chunk<MT, 3>(acc, u, ws, x, m0, 32L * b);
+                    continue;
+                }
+                if (zp) {  // q - z
+                    chunk<MT, -1>(acc, u, ws, x, m0, 32L * b, two_zeros(a, c));
                     continue;
                 }
                 chunk<MT, 0>(acc, u, ws, x, m0, 32L * b);  // Q4_1: w = d q + m, q unsigned
@@ -236,8 +257,8 @@ bool vnni_available()
 bool vnni_reads(int64_t type, int K)
 {
     return K % 64 == 0 &&
-           (type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q4_K || type == Q5_K ||
-            type == Q6_K);
+           (type == Q8_0 || type == Q8_ZP || type == Q4_0 || type == Q4_1 || type == Q4_ZP ||
+            type == Q4_K || type == Q5_K || type == Q6_K);
 }
 
 VNNI void vnni_quantize(const float *x, int M, int K, int8_t *xq, float *dxl, int32_t *xls,

@@ -24,7 +24,8 @@ from fleetllm.errors import ModelLoadError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
-# The ggml types the kernels read (quant/packed.py QType, by name)
+# The ggml types the kernels read (quant/packed.py QType, by name): not QType's zero-point types,
+# fleetllm's own ids (200 up), which no GGUF file holds (the header reader refuses them)
 READABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 _LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
           "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",

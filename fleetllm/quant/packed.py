@@ -1,7 +1,7 @@
 """A quantized projection's packed copy: GGUF's blocks as the file stores them, behind a small
 header, in one uint8 tensor the C ops read (csrc/quant.h; linear_kernels.Gguf).
 
-Layout: int64 words [magic, K, parts, perm offset, then per part (ggml type, rows, row bytes,
+Layout: int64 words [magic, K, parts, perm offset, then per part (type id, rows, row bytes,
 byte offset)], then the permutation (if any) and each part's rows, 64-byte aligned. perm
 (GPTQ's act-order; perm offset 0: none) is int64 [K]: stored column i multiplies x's column
 perm[i], y = W x[:, perm]^T; every part of a copy shares it. A merged projection (q/k/v,
@@ -26,7 +26,10 @@ MAX_PARTS = 4
 
 class QType(IntEnum):
     """The ggml tensor types fleetllm reads (gguf.GGMLQuantizationType's ids; gguf itself is
-    imported only where a file is read or written: ~0.2 s)."""
+    imported only where a file is read or written: ~0.2 s), and fleetllm's own zero-point types
+    (ZERO_POINT: never in a GGUF file), which hold AWQ / GPTQ weights exactly: per block of 32,
+    fp16 d, uint8 z, a pad byte, then Q4_0's nibbles (Q4_ZP) or 32 uint8 (Q8_ZP); w = d (q - z)
+    (csrc/quant.h)."""
 
     F32 = 0
     F16 = 1
@@ -39,14 +42,17 @@ class QType(IntEnum):
     Q5_K = 13
     Q6_K = 14
     BF16 = 30
+    Q4_ZP = 200
+    Q8_ZP = 201
 
 
 # (elements, bytes) of a block: gguf.GGML_QUANT_SIZES
 BLOCK = {QType.F32: (1, 4), QType.F16: (1, 2), QType.BF16: (1, 2), QType.Q4_0: (32, 18),
          QType.Q4_1: (32, 20), QType.Q5_0: (32, 22), QType.Q5_1: (32, 24),
          QType.Q8_0: (32, 34), QType.Q4_K: (256, 144), QType.Q5_K: (256, 176),
-         QType.Q6_K: (256, 210)}
+         QType.Q6_K: (256, 210), QType.Q4_ZP: (32, 20), QType.Q8_ZP: (32, 36)}
 PLAIN = frozenset({QType.F32, QType.F16, QType.BF16})
+ZERO_POINT = frozenset({QType.Q4_ZP, QType.Q8_ZP})  # fleetllm's: gguf does not know them
 
 
 @dataclass
@@ -97,17 +103,32 @@ class QuantTensor:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols] in the logical (x's) column order: gguf's reference
-        dequantization (numpy), its columns moved by perm."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-        stored = np.array(dequantize(np.ascontiguousarray(self.raw),
-                                     GGMLQuantizationType(int(self.qtype))),
-                          dtype=np.float32).reshape(self.shape)
+        dequantization (numpy; the zero-point types' here), its columns moved by perm."""
+        raw = np.ascontiguousarray(self.raw)
+        if self.qtype in ZERO_POINT:
+            stored = _dequantize_zero_point(raw, self.qtype).reshape(self.shape)
+        else:
+            from gguf import GGMLQuantizationType
+            from gguf.quants import dequantize
+            stored = np.array(dequantize(raw, GGMLQuantizationType(int(self.qtype))),
+                              dtype=np.float32).reshape(self.shape)
         if self.perm is None:
             return torch.from_numpy(stored)
         out = np.empty_like(stored)
         out[:, self.perm] = stored
         return torch.from_numpy(out)
+
+
+def _dequantize_zero_point(raw: np.ndarray, qtype: QType) -> np.ndarray:
+    """Q4_ZP / Q8_ZP blocks as float32 [blocks, 32]: d * (q - z), exact in float32 (as the
+    kernels compute it)."""
+    blocks = raw.reshape(-1, BLOCK[qtype][1])
+    d = blocks[:, :2].copy().view("<f2").astype(np.float32)
+    z = blocks[:, 2:3].astype(np.float32)
+    q = blocks[:, 4:]
+    if qtype == QType.Q4_ZP:  # byte j: element j low, element j + 16 high
+        q = np.concatenate([q & 0xF, q >> 4], axis=1)
+    return d * (q.astype(np.float32) - z)
 
 
 def pack(parts: list[QuantTensor]) -> torch.Tensor:

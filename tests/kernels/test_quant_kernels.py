@@ -2,8 +2,9 @@
 every block type fleetllm reads, at the row counts of each path (the VNNI GEMV with its two
 int8 planes of x up to 8 rows, float32 unpacking, chunks dequantized for a GEMM past 16), a
 packed copy of parts of mixed types, a column permutation (act-order), an embedding's rows,
-and the header's checks. Run natively, with FLEETLLM_CPU_ISA=avx2 and with
-FLEETLLM_QUANT_VNNI=0 for every path."""
+and the header's checks; fleetllm's zero-point types (Q4_ZP, Q8_ZP) against their exact
+dequantization. Run natively, with FLEETLLM_CPU_ISA=avx2 and with FLEETLLM_QUANT_VNNI=0 for
+every path."""
 
 from __future__ import annotations
 
@@ -19,11 +20,18 @@ import torch
 
 from fleetllm.kernels import cpu_kernels
 from fleetllm.quant.blocks import quantize
-from fleetllm.quant.packed import QType, QuantTensor, dequantize_packed, pack, unpack
+from fleetllm.quant.packed import (
+    ZERO_POINT,
+    QType,
+    QuantTensor,
+    dequantize_packed,
+    pack,
+    unpack,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="kernels not built")
 TYPES = [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q4_K, QType.Q5_K,
-         QType.Q6_K, QType.F16, QType.BF16, QType.F32]
+         QType.Q6_K, QType.F16, QType.BF16, QType.F32, QType.Q4_ZP, QType.Q8_ZP]
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,9 +39,29 @@ REPO = Path(__file__).resolve().parents[2]
 
 def tensor(qtype: QType, rows: int, cols: int, seed: int,
            perm: np.ndarray | None = None) -> QuantTensor:
+    if qtype in ZERO_POINT:
+        return zero_point_tensor(qtype, rows, cols, seed, perm)[0]
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     raw = quantize(w, int(qtype)).reshape(rows, -1)
     return QuantTensor(raw.view(np.uint8), qtype, (rows, cols), perm)
+
+
+def zero_point_tensor(qtype: QType, rows: int, cols: int, seed: int,
+                      perm: np.ndarray | None = None) -> tuple[QuantTensor, torch.Tensor]:
+    """Random Q4_ZP / Q8_ZP blocks (gguf cannot quantize to them): every q and z of the type
+    (Q4_ZP's z 0..16, 16 included; Q8_ZP's 0..255), scales of either sign; with the weight
+    d * (q - z) in the stored column order, computed apart from the code under test."""
+    rng = np.random.default_rng(seed)
+    nb, top = rows * cols // 32, (16 if qtype == QType.Q4_ZP else 256)
+    q = rng.integers(0, top, (nb, 32))
+    z = rng.integers(0, top + (qtype == QType.Q4_ZP), nb)
+    z[:2] = 0, top - (qtype == QType.Q8_ZP)  # both ends
+    d = (rng.uniform(0.5, 2, nb) * rng.choice([-1, 1], nb) / top).astype(np.float16)
+    body = q[:, :16] | (q[:, 16:] << 4) if qtype == QType.Q4_ZP else q
+    raw = np.concatenate([d.view(np.uint8).reshape(nb, 2), z[:, None], np.zeros((nb, 1)), body],
+                         axis=1).astype(np.uint8).reshape(rows, -1)
+    weight = torch.from_numpy(d.astype(np.float32)[:, None] * (q - z[:, None]))
+    return QuantTensor(raw, qtype, (rows, cols), perm), weight.float().reshape(rows, cols)
 
 
 def set_word(packed: torch.Tensor, word: int, value: int) -> torch.Tensor:
@@ -74,12 +102,46 @@ def test_parts_of_mixed_types_and_embedding_rows():
         cpu_kernels.gguf_rows(packed, torch.tensor([64]), torch.float32)
 
 
+@pytest.mark.parametrize("qtype", sorted(ZERO_POINT), ids=lambda t: t.name)
+def test_zero_point_types_are_exact_at_every_path(qtype):
+    """Q4_ZP / Q8_ZP: dequantize_packed and gguf_rows give d * (q - z) exactly, and gguf_linear
+    is F.linear with it for float32 and bf16 x through every path (the GEMV, VNNI where the CPU
+    has it, the GEMM of dequantized chunks), alone and merged with another type, with a column
+    permutation and without; K = 96 (not a multiple of 64) takes the float32 unpacking."""
+    for k, perm in ((512, None), (512, np.random.default_rng(3).permutation(512)), (96, None)):
+        t, stored = zero_point_tensor(qtype, 40, k, 20, perm)
+        weight = stored if perm is None else stored[:, torch.from_numpy(np.argsort(perm))]
+        assert torch.equal(t.dequantize(), weight)
+        if perm is None:  # tensor parallelism's columns, in whole blocks
+            assert torch.equal(t.narrow(1, 32, 64).dequantize(), weight[:, 32:96])
+        other = tensor(QType.Q4_K if k % 256 == 0 else QType.Q8_0, 24, k, 21, perm)
+        for parts in ([t], [t, other], [other, t]):
+            packed = pack(parts)
+            ref = dequantize_packed(packed)
+            assert torch.equal(ref, torch.cat([weight if p is t else p.dequantize()
+                                               for p in parts]))
+            bias = torch.randn(ref.shape[0])
+            for rows in (1, 3, 8, 40):
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+                want = torch.nn.functional.linear(x.double(), ref.double(), bias.double())
+                for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
+                    got = cpu_kernels.gguf_linear(x.to(dtype), packed, bias.to(dtype)).double()
+                    err = ((got - want).norm() / want.norm()).item()
+                    assert err < tol, (k, perm is not None, len(parts), rows, dtype, err)
+            if perm is None:  # an embedding's rows: the C unpacking, exact
+                ids = torch.tensor([0, 1, 39, 23, 63][:3 if len(parts) == 1 else 5])
+                for dtype in (torch.float32, torch.bfloat16):
+                    assert torch.equal(cpu_kernels.gguf_rows(packed, ids, dtype),
+                                       ref[ids].to(dtype))
+
+
 def test_a_corrupted_header_is_an_error_never_a_wild_read():
     packed = pack([tensor(QType.Q8_0, 4, 64, 6)])
     x = torch.randn(1, 64)
     # words: magic, K, parts, perm offset, then the part's type, rows, row bytes, offset
     cases = [(0, 7, "magic"), (0, 0x314B4341505146, "magic"), (1, 96, "row bytes"),
-             (2, 9, "parts"), (4, 11, "block type"), (7, 1 << 40, "outside"),
+             (2, 9, "parts"), (4, 11, "block type"), (4, 202, "block type"),
+             (4, 199, "block type"), (7, 1 << 40, "outside"),
              (5, 1 << 40, "outside"), (3, 1 << 40, "permutation that lies outside"),
              (3, 8, "permutation that lies outside"), (3, packed.numel() - 8, "permutation")]
     for word, value, needle in cases:
@@ -92,7 +154,8 @@ def test_a_corrupted_header_is_an_error_never_a_wild_read():
 
 
 PERM_CASES = [[QType.Q4_0], [QType.Q4_1], [QType.Q8_0], [QType.Q4_K], [QType.Q6_K],
-              [QType.Q8_0, QType.Q4_1], [QType.Q4_K, QType.F16]]
+              [QType.Q8_0, QType.Q4_1], [QType.Q4_K, QType.F16], [QType.Q4_ZP, QType.Q6_K],
+              [QType.Q8_ZP, QType.Q4_0]]
 
 
 @pytest.mark.parametrize("types", PERM_CASES, ids=lambda ts: "+".join(t.name for t in ts))
@@ -158,26 +221,30 @@ _FLOAT_PATH = """
 import sys, torch
 from fleetllm.kernels import cpu_kernels
 assert cpu_kernels.available(), "the kernels did not load"
-packed, xs = torch.load(sys.argv[1])
-torch.save([cpu_kernels.gguf_linear(x, packed, None) for x in xs], sys.argv[2])
+packs, xs = torch.load(sys.argv[1])
+torch.save([[cpu_kernels.gguf_linear(x, p, None) for x in xs] for p in packs], sys.argv[2])
 """
 
 
-def test_q4_1_vnni_agrees_with_the_float_path(tmp_path):
-    """Q4_1 on the VNNI GEMV (this process, where the CPU has VNNI) against the float32
-    unpacking (another process, FLEETLLM_QUANT_VNNI=0), with and without a permutation."""
+def test_vnni_agrees_with_the_float_path(tmp_path):
+    """Q4_1 and the zero-point types (whose VNNI lanes subtract each block's own z) on the VNNI
+    GEMV (this process, where the CPU has VNNI) against the float32 unpacking (another
+    process, FLEETLLM_QUANT_VNNI=0), with and without a permutation, alone and merged."""
     perm = np.random.default_rng(2).permutation(512)
     cases = [pack([tensor(QType.Q4_1, 48, 512, 3)]),
-             pack([tensor(QType.Q4_1, 32, 512, 4, perm), tensor(QType.Q4_0, 16, 512, 5, perm)])]
+             pack([tensor(QType.Q4_1, 32, 512, 4, perm), tensor(QType.Q4_0, 16, 512, 5, perm)]),
+             pack([tensor(QType.Q4_ZP, 48, 512, 6)]), pack([tensor(QType.Q8_ZP, 48, 512, 7)]),
+             pack([tensor(QType.Q4_ZP, 32, 512, 8, perm), tensor(QType.Q8_ZP, 16, 512, 9, perm),
+                   tensor(QType.Q8_0, 16, 512, 10, perm)])]
     xs = [torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
           for rows in (1, 3, 8)]
-    for i, packed in enumerate(cases):
-        torch.save([packed, xs], tmp_path / "in.pt")
-        env = {**os.environ, "FLEETLLM_QUANT_VNNI": "0",
-               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        subprocess.run([sys.executable, "-c", _FLOAT_PATH, str(tmp_path / "in.pt"),
-                        str(tmp_path / "out.pt")], env=env, check=True, timeout=300)
-        floats = torch.load(tmp_path / "out.pt")
+    torch.save([cases, xs], tmp_path / "in.pt")
+    env = {**os.environ, "FLEETLLM_QUANT_VNNI": "0",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", _FLOAT_PATH, str(tmp_path / "in.pt"),
+                    str(tmp_path / "out.pt")], env=env, check=True, timeout=300)
+    for i, (packed, floats) in enumerate(zip(cases, torch.load(tmp_path / "out.pt"),
+                                             strict=True)):
         for x, want in zip(xs, floats, strict=True):
             got = cpu_kernels.gguf_linear(x, packed, None)
             err = ((got.double() - want.double()).norm() / want.double().norm()).item()

@@ -114,6 +114,9 @@ def test_bad_headers_are_one_clear_error(demo, tmp_path):
         _patched(demo, tmp_path / "magic.gguf", 0, b"GGML"): "GGUF magic invalid",
         _patched(demo, tmp_path / "qtype.gguf", norm + 12, struct.pack("<I", 99)):
             "99 is not a valid GGMLQuantizationType",
+        # fleetllm's own zero-point block types (quant/packed.py QType.Q4_ZP): never a file's
+        _patched(demo, tmp_path / "zp.gguf", norm + 12, struct.pack("<I", 200)):
+            "200 is not a valid GGMLQuantizationType",
         _patched(demo, tmp_path / "vtype.gguf", arch, struct.pack("<I", 99)):
             "99 is not a valid GGUFValueType",
         _patched(demo, tmp_path / "utf8.gguf", arch + 12, b"\xff"):
