@@ -3,7 +3,7 @@ GPTQ and compressed-tensors (llm-compressor), the formats vLLM loads (config lay
 only). quant/hf_checkpoint.py reads their tensors into GGUF blocks (quant/groups.py).
 
 What is read: AWQ "gemm" 4-bit, any group size that is a multiple of 32, zero points; GPTQ 4
-and 8-bit, sym and asym (8-bit: sym only), desc_act (g_idx), checkpoint_format "gptq" (zeros
+and 8-bit, sym and asym, desc_act (g_idx), checkpoint_format "gptq" (zeros
 stored minus one) and "gptq_v2"; compressed-tensors "pack-quantized" (int4/int8 weights per
 group or channel) and "int-quantized" (W8A8: int8 weights per channel; the activations'
 int8 quantization, dynamic or static, is not replayed: x stays float and the kernels quantize it
@@ -93,8 +93,6 @@ def _gptq(raw: dict[str, Any]) -> QuantConfig:
     sym = bool(raw.get("sym", True))
     if bits not in (4, 8):
         raise _unsupported(f"{bits}-bit GPTQ (4 and 8-bit are)")
-    if bits == 8 and not sym:
-        raise _unsupported("8-bit asymmetric GPTQ (sym: false)")
     fmt = str(raw.get("checkpoint_format", "gptq")).lower()
     if fmt not in ("gptq", "gptq_v2"):
         raise _unsupported(f"GPTQ checkpoint_format {fmt!r} (\"gptq\" and \"gptq_v2\" are)")
@@ -120,8 +118,6 @@ def _compressed(raw: dict[str, Any]) -> QuantConfig:
         raise _unsupported(f"compressed-tensors weight strategy {strategy!r} (\"group\" and "
                            "\"channel\" are)")
     sym = bool(w.get("symmetric", True))
-    if bits == 8 and not sym:
-        raise _unsupported("8-bit asymmetric compressed-tensors weights")
     acts = scheme.get("input_activations")
     if acts and (acts.get("type") != "int" or int(acts.get("num_bits", 0)) != 8):
         raise _unsupported(f"compressed-tensors input activations {acts.get('type')!r} "

@@ -4,8 +4,10 @@ as GGUF blocks, so that they run on the same packed copies and kernels as a GGUF
 A `GroupQuant` is one projection's weight, unpacked to integers: w[n, k] = s[g, n] * (q[n, k] -
 z[g, n]) with g = g_idx[k]. The layers narrow it for their tensor-parallel shard (rows, or
 columns with their g_idx), then `blocks()` writes 32-column GGUF blocks, exactly where the types
-allow: Q4_0 (4-bit, every zero 8), Q4_1 (4-bit, any zeros: m = -s z, rounded to fp16), Q8_0
-(8-bit, every zero 128). Scales are stored fp16, as GGUF's. Act-order checkpoints (GPTQ
+allow: Q4_0 (4-bit, every zero 8), Q8_0 (8-bit, every zero 128), else fleetllm's own Q4_ZP /
+Q8_ZP (Q4_0's and Q8_0's layouts with the block's integer zero point: w = d (q - z), exact;
+Q4_1 would round its minimum -s z to fp16, shifting logprobs by up to 1e-2). Scales are stored
+fp16, as the formats store them. Act-order checkpoints (GPTQ
 desc_act, whose g_idx is not sorted) have their columns sorted by group and keep the order as
 the packed copy's perm (the kernel gathers x's columns to match).
 """
@@ -66,23 +68,21 @@ class GroupQuant:
         z = self.zeros[g[::32]].T
         nb = k // 32
         q = q.reshape(n, nb, 32)
-        if self.bits == 8:
-            if np.any(z != 128):
-                raise ValueError("8-bit weights with zero points other than 128 (asymmetric) "
-                                 "are not supported")
-            body = (q.astype(np.int16) - 128).astype(np.int8).view(np.uint8)
-            return self._tensor([s], body, QType.Q8_0, perm)
-        if self.bits != 4:
+        if self.bits not in (4, 8):
             raise ValueError(f"{self.bits}-bit weights are not supported (4 and 8 are)")
-        body = q[..., :16] | (q[..., 16:] << 4)
-        if np.all(z == 8):
-            return self._tensor([s], body, QType.Q4_0, perm)
-        m = (-self.scales[g[::32]].T * z).astype(np.float16)
-        return self._tensor([s, m], body, QType.Q4_1, perm)
-
-    def _tensor(self, halves: list[np.ndarray], body: np.ndarray, qtype: QType,
-                perm: np.ndarray | None) -> QuantTensor:
-        n = body.shape[0]
-        heads = [np.ascontiguousarray(h).view(np.uint8).reshape(n, -1, 2) for h in halves]
-        raw = np.concatenate([*heads, body.astype(np.uint8)], axis=2).reshape(n, -1)
+        top = 16 if self.bits == 4 else 255  # GPTQ's format "gptq" can say 16 for 4-bit
+        if np.any(z < 0) or np.any(z > top):
+            raise ValueError(f"zero points outside [0, {top}]")
+        symmetric = np.all(z == (1 << (self.bits - 1)))
+        if self.bits == 8:
+            body = (q.astype(np.int16) - 128).astype(np.int8).view(np.uint8) if symmetric \
+                else q
+            qtype = QType.Q8_0 if symmetric else QType.Q8_ZP
+        else:
+            body = q[..., :16] | (q[..., 16:] << 4)
+            qtype = QType.Q4_0 if symmetric else QType.Q4_ZP
+        head = [np.ascontiguousarray(s).view(np.uint8).reshape(n, nb, 2)]
+        if not symmetric:  # the zero point, then a pad byte
+            head.append(np.stack([z.astype(np.uint8), np.zeros_like(z, np.uint8)], axis=2))
+        raw = np.concatenate([*head, body.astype(np.uint8)], axis=2).reshape(n, -1)
         return QuantTensor(raw, qtype, self.shape, perm=perm)

@@ -48,7 +48,7 @@ def export_quantized(hf_dir: str | os.PathLike[str], out_dir: str | os.PathLike[
     sym = (fmt != "AWQ") if sym is None else sym
     if fmt == "W8A8":
         group_size = -1
-    if bits not in (4, 8) or (bits == 8 and not sym) or (fmt == "AWQ" and sym) or (
+    if bits not in (4, 8) or (fmt == "W8A8" and not sym) or (fmt == "AWQ" and sym) or (
             group_size != -1 and (group_size <= 0 or group_size % 32)):
         raise ConfigurationError(f"{fmt}: bits {bits}, group size {group_size}, sym {sym} is "
                                  "not a combination fleetllm writes")
