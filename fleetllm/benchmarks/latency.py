@@ -283,13 +283,20 @@ def run(args: argparse.Namespace) -> dict:
             vllm.close()
     ctx = args.input_len + args.output_len / 2  # mean context over the decode steps
     kv = args.batch_size * ctx * workload.kv_bytes_per_token(arch, kv_dtype.itemsize)
-    weights = workload.weight_bytes(arch, dtype.itemsize) if not gguf else \
-        workload.gguf_weight_bytes(model)
+    quant = None if gguf else workload.hf_quantization(model)
+    if gguf:
+        weights = workload.gguf_weight_bytes(model)
+    elif quant is not None:  # AWQ, GPTQ, compressed-tensors: the tensors as stored
+        weights = workload.hf_weight_bytes(model)
+    else:
+        weights = workload.weight_bytes(arch, dtype.itemsize)
     step_bytes = weights + kv
     bound = args.batch_size * bandwidth * 1e9 / step_bytes
     dtype_name = str(dtype).removeprefix("torch.")
     if gguf:
         dtype_name = f"GGUF {workload.gguf_file_type(model)}, activations {dtype_name}"
+    elif quant is not None:
+        dtype_name = f"{workload.hf_quant_label(quant)}, activations {dtype_name}"
     figures = {"model": args.preset or model, "dtype": dtype_name,
                "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
                "batch_size": args.batch_size,
@@ -297,6 +304,8 @@ def run(args: argparse.Namespace) -> dict:
                "torch_threads": torch.get_num_threads(), "engines": best,
                "read_bandwidth_gb_s": bandwidth, "decode_step_bytes": step_bytes,
                "bandwidth_bound_tokens_per_s": bound}
+    if quant is not None:
+        figures["quantization"] = workload.hf_quant_label(quant)
     print(f"model: {args.preset or model} ({dtype_name}); batch {args.batch_size}, "
           f"{args.input_len} prompt "
           f"tokens, {args.output_len} output tokens; torch threads {torch.get_num_threads()}; "

@@ -208,11 +208,16 @@ def run(args: argparse.Namespace) -> dict:
     dtype_name = str(dtype).removeprefix("torch.")
     if is_gguf(model):
         dtype_name = f"GGUF {workload.gguf_file_type(model)}, activations {dtype_name}"
+    quant = workload.hf_quantization(model)
+    label = dtype_name if quant is None else \
+        f"{workload.hf_quant_label(quant)}, activations {dtype_name}"
     figures: dict = {"model": args.preset or model, "dtype": dtype_name, "requests": len(requests),
                      "input_tokens": n_in, "output_tokens": n_out,
                      "torch_threads": torch.get_num_threads(), "repeat": args.repeat,
                      "engines": {}}
-    print(f"model: {args.preset or model} ({dtype_name})")
+    if quant is not None:
+        figures["quantization"] = workload.hf_quant_label(quant)
+    print(f"model: {args.preset or model} ({label})")
     print(f"requests: {len(requests)}, {n_in} input + {n_out} output tokens "
           f"({_span(requests)}); torch threads: {torch.get_num_threads()}; best of "
           f"{args.repeat} rounds, engines taking turns")

@@ -7,7 +7,9 @@ vLLM's figure is its best configuration: eager (enforce_eager) or compiled (its 
 each with its CPU threads bound by its own choice (VLLM_CPU_OMP_THREADS_BIND=auto, which on
 x86 keeps one core for its scheduler process) or to the cores fleetllm uses (0-N). Preset
 weights reach it as a checkpoint written to a temporary directory (checkpoint.py): the very
-tensors fleetllm and the transformers peers run.
+tensors fleetllm and the transformers peers run. A quantized checkpoint (AWQ, GPTQ,
+compressed-tensors) is loaded from the same directory by both, each with its own kernels, in
+the same activation dtype, which vLLM's CPU kernels constrain (check_quantized_dtype).
 """
 
 from __future__ import annotations
@@ -56,6 +58,33 @@ def vllm_python() -> Path:
     raise VLLMPeerError(f"--compare vllm needs vLLM's CPU build in {VENV_NAME}: run `make "
                         f"peers` in the fleetllm checkout (or set FLEETLLM_VLLM_PYTHON); "
                         f"not found: {', '.join(map(str, candidates))}")
+
+
+# The activation dtypes vLLM CPU 0.32's kernels run quantized checkpoints in: float32 is
+# refused (AWQ, GPTQ: at its config check; compressed-tensors: by the kernels); its int8
+# GEMM (W8A8) writes bfloat16 only (float16 aborts the process: "scale_C: scalar path not
+# implemented!").
+VLLM_QUANT_DTYPES = {"W8A8": (torch.bfloat16,)}
+VLLM_QUANT_DTYPES_DEFAULT = (torch.bfloat16, torch.float16)
+
+
+def check_quantized_dtype(model: str, dtype: torch.dtype) -> None:
+    """Raise VLLMPeerError, before any vLLM process starts, when `model` is a quantized
+    checkpoint that vLLM's CPU kernels cannot run in fleetllm's dtype (the peer runs in the
+    same one, so the two compute alike: a float16 checkpoint runs in float32 in fleetllm)."""
+    from fleetllm.benchmarks.workload import hf_quant_name, hf_quantization
+
+    q = hf_quantization(model)
+    if q is None:
+        return
+    name = hf_quant_name(q)
+    allowed = VLLM_QUANT_DTYPES.get(name, VLLM_QUANT_DTYPES_DEFAULT)
+    if dtype not in allowed:
+        names = " or ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise VLLMPeerError(
+            f"--compare vllm: vLLM's CPU build runs {name} checkpoints in {names}, not "
+            f"{str(dtype).removeprefix('torch.')} (fleetllm's dtype in this run, which the "
+            f"peer is given): pass --dtype bfloat16 so both engines run the same")
 
 
 @dataclass(frozen=True)
@@ -262,9 +291,10 @@ def _outputs(reply: dict[str, Any], requests: list[Request]) -> list[list[int]]:
 
 class VLLMPeers:
     """Every requested configuration, loaded one after the other (a load compiles, and two at
-    once would share the cores), on the model directory, or for dummy weights (dummy_seed) a
-    checkpoint of them written once to a temporary directory. A context manager: on leaving,
-    every runner is stopped (its process group killed if need be) and the directory removed."""
+    once would share the cores), on the model directory (quantized ones too: vLLM reads their
+    quantization_config itself), or for dummy weights (dummy_seed) a checkpoint of them written
+    once to a temporary directory. A context manager: on leaving, every runner is stopped (its
+    process group killed if need be) and the directory removed."""
 
     def __init__(self, configs: list[VLLMConfig], model: str, dummy_seed: int | None,
                  dtype: torch.dtype, max_model_len: int, kv_cache_gb: int = 1):
@@ -272,9 +302,15 @@ class VLLMPeers:
         self.tmp = Path(tempfile.mkdtemp(prefix="fleetllm-vllm-"))
         try:
             python = vllm_python()
-            if dummy_seed is not None:
+            if dummy_seed is None:
+                check_quantized_dtype(model, dtype)
+            else:
                 from fleetllm.benchmarks.checkpoint import write_dummy_checkpoint
+                from fleetllm.benchmarks.workload import hf_quantization
 
+                if hf_quantization(model) is not None:  # written unquantized, config says not
+                    raise VLLMPeerError("--compare vllm on a quantized checkpoint runs its "
+                                        "files: drop --load-format dummy")
                 model = str(write_dummy_checkpoint(model, self.tmp / "model", dummy_seed,
                                                    dtype))
             for i, config in enumerate(configs):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -66,6 +67,15 @@ def _run(llm: Any, msg: dict[str, Any], round_id: int) -> dict[str, Any]:
             "token_times": [times[i] for i in ids]}
 
 
+def _one_line(e: Exception) -> str:
+    """The error on one line (the CLI prints an error's first): vLLM's config errors are
+    pydantic's, whose first line is only "1 validation error for VllmConfig" and whose reason
+    ("Value error, Unsupported quantization config: ...") follows, with a tail of context."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()
+             and not line.strip().startswith("For further information")]
+    return ": ".join(re.sub(r" \[type=.*$", "", line) for line in lines)
+
+
 def main() -> int:
     # The protocol gets a private copy of stdout; fd 1 then points at stderr, so whatever
     # vLLM (or its engine-core child, which inherits fd 1) prints cannot corrupt it.
@@ -92,7 +102,7 @@ def main() -> int:
             else:
                 raise ValueError(f"unknown op {msg['op']!r}")
         except Exception as e:  # reported to the driver, which raises it there
-            reply = {"ok": False, "error": f"{type(e).__name__}: {e}",
+            reply = {"ok": False, "error": f"{type(e).__name__}: {_one_line(e)}",
                      "traceback": traceback.format_exc()}
         proto.write(json.dumps(reply) + "\n")
     return 0

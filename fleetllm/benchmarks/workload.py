@@ -185,6 +185,70 @@ def gguf_file_type(path: str) -> str:
     return counts.most_common(1)[0][0]
 
 
+def hf_quantization(model: str) -> dict | None:
+    """A Hugging Face checkpoint directory's quantization_config (AWQ, GPTQ,
+    compressed-tensors: config_quant.py); None for others (unquantized, a GGUF file)."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return None
+    raw = json.loads(path.read_text()).get("quantization_config")
+    return raw if isinstance(raw, dict) else None
+
+
+def hf_quant_name(q: dict) -> str:
+    """The checkpoint format's short name: AWQ, GPTQ, or compressed-tensors' W<bits>A<bits>
+    (A16: float activations), as `fleetllm quantize --type` names them."""
+    method = str(q.get("quant_method", "")).lower().replace("_", "-")
+    if method.startswith("awq") or method == "auto-awq":
+        return "AWQ"
+    if "gptq" in method or method == "marlin":
+        return "GPTQ"
+    groups = list((q.get("config_groups") or {}).values()) or [{}]
+    weights = groups[0].get("weights") or {}
+    acts = groups[0].get("input_activations") or {}
+    return f"W{weights.get('num_bits', '?')}A{acts.get('num_bits', 16)}"
+
+
+def hf_quant_label(q: dict) -> str:
+    """The format in words for a benchmark's header: "AWQ 4-bit, group 128", "GPTQ 4-bit,
+    group 128, sym", "W8A8 (compressed-tensors int-quantized, channel)"."""
+    name = hf_quant_name(q)
+    if name in ("AWQ", "GPTQ"):
+        size = q.get("group_size", -1)
+        out = f"{name} {q.get('bits', '?')}-bit, " + \
+            ("per channel" if size in (-1, None) else f"group {size}")
+        if name == "GPTQ":
+            out += ", sym" if q.get("sym", True) else ", asym"
+            out += ", desc_act" if q.get("desc_act") else ""
+        return out
+    groups = list((q.get("config_groups") or {}).values()) or [{}]
+    weights = groups[0].get("weights") or {}
+    strategy = weights.get("strategy") or "?"
+    if strategy == "group":
+        strategy = f"group {weights.get('group_size')}"
+    if weights.get("symmetric") is False:
+        strategy += ", asym"
+    if weights.get("actorder"):
+        strategy += f", actorder {weights['actorder']}"
+    return f"{name} (compressed-tensors {q.get('format', '?')}, {strategy})"
+
+
+def hf_weight_bytes(model: str) -> int:
+    """weight_bytes for a quantized checkpoint directory: its safetensors tensors' bytes as
+    stored (packed weights, scales, zero points), the embedding counted once as above (when
+    the LM head is its own matrix, a step reads a few embedding rows)."""
+    sizes: dict[str, int] = {}
+    for f in sorted(Path(model).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        sizes.update({name: info["data_offsets"][1] - info["data_offsets"][0]
+                      for name, info in header.items() if name != "__metadata__"})
+    total = sum(sizes.values())
+    if "lm_head.weight" in sizes:
+        total -= sizes.get("model.embed_tokens.weight", 0)
+    return total
+
+
 def kv_bytes_per_token(a: ArchConfig, dtype_bytes: int) -> int:
     """Bytes of KV cache one token position holds (keys and values, every layer)."""
     return 2 * a.num_layers * a.num_kv_heads * a.head_dim * dtype_bytes
