@@ -45,8 +45,8 @@ def resolve(asked: str | None, hf_config: dict[str, Any], where: str) -> QuantCo
     raw = hf_config.get("quantization_config")
     if raw is None:
         if asked is not None:
-            raise ConfigurationError(f"quantization={asked!r}, but {where} has no "
-                                     "quantization_config (nothing to dequantize)")
+            raise ConfigurationError(f"quantization: {asked!r} is not supported for {where}: it "
+                                     "has no quantization_config (nothing to dequantize)")
         return None
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{where}: quantization_config must be an object, got {raw!r}")
@@ -56,7 +56,8 @@ def resolve(asked: str | None, hf_config: dict[str, Any], where: str) -> QuantCo
         raise ModelLoadError(f"{where}: quantization method {raw.get('quant_method')!r} is not "
                              f"supported (fleetllm reads {', '.join(METHODS)} and GGUF files)")
     if asked is not None and asked != method:
-        raise ConfigurationError(f"quantization={asked!r}, but {where} is {method!r}")
+        raise ConfigurationError(f"quantization: {asked!r} is not supported for {where}, "
+                                 f"which is {method!r}")
     try:
         return {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed}[method](raw)
     except (KeyError, TypeError, ValueError, AttributeError) as e:  # a field of a wrong type

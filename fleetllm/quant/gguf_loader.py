@@ -27,17 +27,13 @@ from fleetllm.quant.packed import QuantTensor, pack
 
 def load_gguf(model: nn.Module, path: str) -> None:
     ckpt = open_gguf(path)
+    from fleetllm.model.loader import fill  # (the loader imports this module lazily)
+
     expected = {name for name, _ in model.named_parameters()}
-    loaded: set[str] = set()
     first_rank = get_tp_group().is_first and get_pp_group().is_first
-    for name, tensor in ProgressBar(tensors(ckpt), desc="Loading GGUF tensors", unit="tensor",
-                                    total=len(ckpt.reader.tensors), disable=not first_rank):
-        try:
-            filled = model.load_weight(name, tensor)
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise ModelLoadError(f"{path}: tensor {name!r}: {e}") from e
-        if filled:
-            loaded.add(filled)
+    loaded = fill(model, ProgressBar(tensors(ckpt), desc="Loading GGUF tensors", unit="tensor",
+                                     total=len(ckpt.reader.tensors), disable=not first_rank),
+                  path)
     if model.cfg.tie_word_embeddings and getattr(model, "lm_head", None) is not None:
         loaded.add("lm_head.weight")
     finish(model)

@@ -64,7 +64,10 @@ class GroupQuant:
                              f"(in features {k}): fleetllm needs group sizes that are "
                              "multiples of 32, and act-order groups within one "
                              "tensor-parallel shard")
-        s = self.scales[g[::32]].T.astype(np.float16)  # [N, blocks]
+        with np.errstate(over="ignore"):
+            s = self.scales[g[::32]].T.astype(np.float16)  # [N, blocks]
+        if not np.all(np.isfinite(s)):
+            raise ValueError("scales that are not finite in fp16 (GGUF blocks store fp16)")
         z = self.zeros[g[::32]].T
         nb = k // 32
         q = q.reshape(n, nb, 32)

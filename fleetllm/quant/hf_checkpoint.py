@@ -36,10 +36,8 @@ _PRIMARY = ("qweight", "weight_packed")
 _PARTS = frozenset({"qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale",
                     "weight_shape", "weight_zero_point", "weight_g_idx", "input_scale",
                     "input_zero_point"})
-
-
 _WORDS = frozenset({"qweight", "qzeros", "weight_packed"})  # int32 words of packed values
-_INDEX = frozenset({"g_idx", "weight_g_idx", "weight_shape", "weight_zero_point"})
+_INDEX = frozenset({"g_idx", "weight_g_idx", "weight_shape", "weight_zero_point"})  # integers
 
 
 def tensors(files: list[Path], quant: QuantConfig) -> Iterator[tuple[str, Any]]:
@@ -68,9 +66,11 @@ def _get(where: dict[str, Any], prefix: str, last: str, required: bool = True
             raise KeyError(f"{name} is missing (a quantized projection needs it)")
         return None
     t = where[name].get_tensor(name)
-    if (last in _WORDS and t.dtype != torch.int32) or (last in _INDEX and t.is_floating_point()
-                                                        ) or (last not in _WORDS | _INDEX
-                                                              and not t.is_floating_point()):
+    if last in _WORDS:
+        ok = t.dtype == torch.int32
+    else:  # integers where they index or count, floats (scales) elsewhere
+        ok = t.is_floating_point() != (last in _INDEX)
+    if not ok:
         raise ValueError(f"{name} has dtype {t.dtype}, which this format does not store there")
     return (t.float() if t.is_floating_point() else t).numpy()
 
