@@ -368,3 +368,44 @@ def test_a_hostile_tensor_is_one_clear_error(checkpoints, tmp_path, case, tensor
         save_file(tensors, path / "model.safetensors")
         with pytest.raises(ModelLoadError, match=r"down_proj"):
             generate(path)
+
+
+def test_sleep_level_2_reloads_the_checkpoint(checkpoints):
+    """Sleep level 2 drops the packed copies and repacks them from the directory on wake."""
+    path = checkpoints("gptq-act-order")
+    want = generate(path)[0]
+    greedy = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    with LLM(str(path), max_model_len=128, dtype="float32") as llm:
+        llm.sleep(2)
+        llm.wake_up()
+        outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+def test_lora_on_a_quantized_base_matches_peft(checkpoints, source, tmp_path):
+    """An adapter made on the float model, served on its AWQ directory: as transformers + peft
+    run it on the dequantized weights."""
+    from lora_helpers import ATTN, MLP, make_adapter
+    from peft import PeftModel
+
+    from fleetllm.lora.request import LoRARequest
+    path = checkpoints("awq-g128")
+    adapter = make_adapter(source, tmp_path / "adapter", r=8, alpha=16, targets=ATTN + MLP,
+                           seed=3, scale=0.1)
+    greedy = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    with LLM(str(path), max_model_len=128, dtype="float32", enable_lora=True,
+             max_lora_rank=8) as llm:
+        outs = llm.generate(PROMPTS, greedy, lora_request=LoRARequest("a", 1, str(adapter)),
+                            use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    model = PeftModel.from_pretrained(load_reference(path), str(adapter)).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    want = []
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            for _ in range(TOKENS):
+                ids = torch.cat([ids, model(ids).logits[0, -1].argmax().view(1, 1)], dim=1)
+        want.append(ids[0, -TOKENS:].tolist())
+    assert sum(g == w for g, w in zip(got, want, strict=True)) >= 0.9 * len(PROMPTS)
+    assert got != generate(path)[0]  # the delta is applied
