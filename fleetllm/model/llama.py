@@ -7,6 +7,7 @@ first stage embeds, the last normalizes and owns the LM head.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 from fleetllm.attention import AttentionMetadata, TorchAttentionBackend
 from fleetllm.config import ArchConfig
 from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
+from fleetllm.errors import ModelLoadError
 from fleetllm.kernels import cpu_kernels
 from fleetllm.lora import layers as lora_layers
 from fleetllm.model import fused
@@ -190,6 +192,19 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
+
+    def load_weights(self, tensors: Iterable[tuple[str, Any]], where: Any) -> set[str]:
+        """Load each (checkpoint name, tensor); returns the parameters filled. A tensor with
+        no place in the model, or of the wrong shape: ModelLoadError naming it and `where`."""
+        loaded = set()
+        for name, tensor in tensors:
+            try:
+                filled = self.load_weight(name, tensor)
+            except (KeyError, ValueError, RuntimeError) as e:
+                raise ModelLoadError(f"{where}: tensor {name!r}: {e}") from e
+            if filled:
+                loaded.add(filled)
+        return loaded
 
     def load_weight(self, name: str, loaded: Any) -> str | None:
         """Load one checkpoint tensor; returns the parameter name it filled (None: not ours)."""

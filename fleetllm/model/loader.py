@@ -7,7 +7,7 @@ model.safetensors.index.json. Each rank opens the files lazily and reads only it
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +96,7 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path,
                              disable=len(groups) < 2 or not first_rank):
         path = group[0] if len(group) == 1 else model_dir
         try:
-            loaded |= fill(model, _tensors(group, quant), path)
+            loaded |= model.load_weights(_tensors(group, quant), path)
         except (SafetensorError, OSError, KeyError, ValueError) as e:
             if isinstance(e, ModelLoadError):
                 raise
@@ -108,21 +108,6 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path,
     if missing:
         raise ModelLoadError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. "
                              f"{sorted(missing)[:3]}")
-
-
-def fill(model: LlamaForCausalLM, tensors: Iterable[tuple[str, Any]], where: Path | str
-         ) -> set[str]:
-    """Load each (checkpoint name, tensor) into the model; returns the parameters filled. A
-    tensor with no place in the model, or of the wrong shape: ModelLoadError naming it."""
-    loaded = set()
-    for name, tensor in tensors:
-        try:
-            filled = model.load_weight(name, tensor)
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise ModelLoadError(f"{where}: tensor {name!r}: {e}") from e
-        if filled:
-            loaded.add(filled)
-    return loaded
 
 
 def _tensors(files: list[Path], quant: QuantConfig | None) -> Iterator[tuple[str, Any]]:

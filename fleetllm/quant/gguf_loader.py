@@ -27,13 +27,11 @@ from fleetllm.quant.packed import QuantTensor, pack
 
 def load_gguf(model: nn.Module, path: str) -> None:
     ckpt = open_gguf(path)
-    from fleetllm.model.loader import fill  # (the loader imports this module lazily)
-
     expected = {name for name, _ in model.named_parameters()}
     first_rank = get_tp_group().is_first and get_pp_group().is_first
-    loaded = fill(model, ProgressBar(tensors(ckpt), desc="Loading GGUF tensors", unit="tensor",
-                                     total=len(ckpt.reader.tensors), disable=not first_rank),
-                  path)
+    loaded = model.load_weights(ProgressBar(tensors(ckpt), desc="Loading GGUF tensors",
+                                            unit="tensor", total=len(ckpt.reader.tensors),
+                                            disable=not first_rank), path)
     if model.cfg.tie_word_embeddings and getattr(model, "lm_head", None) is not None:
         loaded.add("lm_head.weight")
     finish(model)
