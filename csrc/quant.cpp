@@ -4,7 +4,8 @@
 // vectors; minimums are applied once from x's sums per 16 (sum(w x) = sum(s q x) - sum(m *
 // sum(x))). unpack gives a block as int8 values q and per 16 elements a scale s and minimum m
 // (weight = s * q - m, as ggml's dequantize_row_* computes it): the dequantization a prompt's
-// GEMM and an embedding's lookup read. Compute-bound here, not memory-bound
+// GEMM and an embedding's lookup read where quant_dequant.cpp's AVX-512 one (the same values)
+// does not run. Compute-bound here, not memory-bound
 // (docs/quantization.md).
 #include "quant.h"
 
