@@ -4,7 +4,8 @@
 // vectors; minimums are applied once from x's sums per 16 (sum(w x) = sum(s q x) - sum(m *
 // sum(x))). unpack gives a block as int8 values q and per 16 elements a scale s and minimum m
 // (weight = s * q - m, as ggml's dequantize_row_* computes it): the dequantization a prompt's
-// GEMM and an embedding's lookup read. Compute-bound here, not memory-bound
+// GEMM and an embedding's lookup read where quant_dequant.cpp's AVX-512 one (the same values)
+// does not run. Compute-bound here, not memory-bound
 // (docs/quantization.md).
 #include "quant.h"
 
@@ -488,6 +489,8 @@ struct DequantCtx {
     const Weight *w;
     long r0;
     float *out;
+    uint16_t *bf16;  // instead of out: every part fast_dequant_reads
+    bool fast;       // fast_dequant_available()
 };
 
 void dequant_body(void *arg, long begin, long end, int)
@@ -503,7 +506,15 @@ void dequant_body(void *arg, long begin, long end, int)
         const Part &p = c.w->part[pi];
         const Layout l = layout(p.type);
         const uint8_t *row = p.data + n * p.row_bytes;
+        if (c.bf16) {
+            fast_dequant_row(p.type, row, K, c.bf16 + i * K);
+            continue;
+        }
         float *o = c.out + i * K;
+        if (c.fast && fast_dequant_reads(p.type)) {  // quant_dequant.cpp: the same values
+            fast_dequant_row(p.type, row, K, o);
+            continue;
+        }
         if (l.elems == 1) {
             for (int k = 0; k < K; k++) o[k] = plain(p.type, row, k);
             continue;
@@ -552,7 +563,14 @@ void linear(const float *x, int M, const Weight &w, float *y, int nthreads)
 
 void dequantize(const Weight &w, long r0, long rows, float *out, int nthreads)
 {
-    DequantCtx c{&w, r0, out};
+    DequantCtx c{&w, r0, out, nullptr, fast_dequant_available()};
+    const bool small = rows * w.K < 4 * PAR_MIN;
+    parallel_run(small ? 1 : nthreads, dequant_body, &c, rows, 8, false);
+}
+
+void dequantize_bf16(const Weight &w, long r0, long rows, uint16_t *out, int nthreads)
+{
+    DequantCtx c{&w, r0, nullptr, out, true};
     const bool small = rows * w.K < 4 * PAR_MIN;
     parallel_run(small ? 1 : nthreads, dequant_body, &c, rows, 8, false);
 }

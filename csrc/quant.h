@@ -66,8 +66,18 @@ const char *parse(const uint8_t *buf, int64_t nbytes, Weight &w);
 void linear(const float *x, int M, const Weight &w, float *y, int nthreads);
 
 // Rows [r0, r0 + rows) of w as float32 [rows, K] in the stored column order (a prompt's chunk
-// for a GEMM, an embedding's rows).
+// for a GEMM, an embedding's rows); dequantize_bf16: as bf16 (rounded to nearest even), only
+// where fast_dequant_reads every part.
 void dequantize(const Weight &w, long r0, long rows, float *out, int nthreads);
+void dequantize_bf16(const Weight &w, long r0, long rows, uint16_t *out, int nthreads);
+
+// The AVX-512 dequantizer (quant_dequant.cpp; no VNNI needed): whether this CPU runs it
+// (FLEETLLM_QUANT_FAST_DEQUANT=0 turns it off), whether it reads a part of `type`, and one row
+// of K elements of such a part: the generic unpacking's values, as float32 or bf16.
+bool fast_dequant_available();
+bool fast_dequant_reads(int64_t type);
+void fast_dequant_row(int64_t type, const uint8_t *row, int K, float *out);
+void fast_dequant_row(int64_t type, const uint8_t *row, int K, uint16_t *out);
 
 // The AVX-512 VNNI path (quant_vnni.cpp): whether this CPU runs it (FLEETLLM_QUANT_VNNI=0
 // turns it off), whether it reads a part of `type` with K columns, x's rows quantized for it

@@ -41,6 +41,18 @@ bool vnni_all(const q::Weight &w)
     return true;
 }
 
+// Whether the AVX-512 dequantizer reads every part of w (a bf16 GEMM's chunks are then written
+// as bf16 directly, without a float32 copy to convert).
+bool fast_dequant_all(const q::Weight &w)
+{
+    if (!q::fast_dequant_available())
+        return false;
+    for (int p = 0; p < w.parts; p++)
+        if (!q::fast_dequant_reads(w.part[p].type))
+            return false;
+    return true;
+}
+
 q::Weight parsed(const Tensor &packed)
 {
     TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
@@ -120,13 +132,20 @@ Tensor gguf_linear(const Tensor &x, const Tensor &packed, const std::optional<Te
         const bool bf16 = x.scalar_type() == at::kBFloat16;
         const Tensor &a = bf16 ? xp : xf;
         y = at::empty({m, w.N}, a.options());
+        const bool direct = bf16 && fast_dequant_all(w);  // bf16 chunks, no float32 pass
         const int64_t chunk = std::min<int64_t>(CHUNK_ROWS, w.N);
-        Tensor dense = at::empty({chunk, w.K}, xf.options());
+        Tensor dense = at::empty({chunk, w.K}, direct ? a.options() : xf.options());
         for (int64_t n0 = 0; n0 < w.N; n0 += chunk) {
             const int64_t rows = std::min(chunk, w.N - n0);
             Tensor d = dense.narrow(0, 0, rows);
-            q::dequantize(w, n0, rows, d.mutable_data_ptr<float>(), at::get_num_threads());
-            y.narrow(1, n0, rows).copy_(at::mm(a, (bf16 ? d.to(at::kBFloat16) : d).t()));
+            if (direct)
+                q::dequantize_bf16(w, n0, rows,
+                                   reinterpret_cast<uint16_t *>(d.mutable_data_ptr<at::BFloat16>()),
+                                   at::get_num_threads());
+            else
+                q::dequantize(w, n0, rows, d.mutable_data_ptr<float>(), at::get_num_threads());
+            const Tensor dt = bf16 && !direct ? d.to(at::kBFloat16) : d;
+            y.narrow(1, n0, rows).copy_(at::mm(a, dt.t()));
         }
         if (bias)
             y.add_(bias->to(y.scalar_type()));

@@ -97,6 +97,9 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("FLEETLLM_QUANT_VNNI", "bool", "1",
            "0: quantized (GGUF) projections unpack to float32 instead of AVX-512 VNNI's int8 "
            "dot products", read_by="C++"),
+    EnvVar("FLEETLLM_QUANT_FAST_DEQUANT", "bool", "1",
+           "0: quantized prompts' GEMM chunks dequantize with the generic unpacking instead of "
+           "AVX-512's (the same values, slower)", read_by="C++"),
     # Threads and memory.
     EnvVar("FLEETLLM_NUM_THREADS", "int", "physical cores / ranks on this machine",
            "torch's intra-op threads per worker", parse=_int_or_none),

@@ -3,8 +3,9 @@ every block type fleetllm reads, at the row counts of each path (the VNNI GEMV w
 int8 planes of x up to 8 rows, float32 unpacking, chunks dequantized for a GEMM past 16), a
 packed copy of parts of mixed types, a column permutation (act-order), an embedding's rows,
 and the header's checks; fleetllm's zero-point types (Q4_ZP, Q8_ZP) against their exact
-dequantization. Run natively, with FLEETLLM_CPU_ISA=avx2 and with FLEETLLM_QUANT_VNNI=0 for
-every path."""
+dequantization; the AVX-512 dequantizer (csrc/quant_dequant.cpp, in every x86 variant where the
+CPU has AVX-512) against the generic unpacking. Run natively, with FLEETLLM_CPU_ISA=avx2 and
+portable, and with FLEETLLM_QUANT_VNNI=0 for every path."""
 
 from __future__ import annotations
 
@@ -249,3 +250,47 @@ def test_vnni_agrees_with_the_float_path(tmp_path):
             got = cpu_kernels.gguf_linear(x, packed, None)
             err = ((got.double() - want.double()).norm() / want.double().norm()).item()
             assert err < 1e-4, (i, x.shape[0], err)
+
+
+FAST_TYPES = [QType.Q8_0, QType.Q8_ZP, QType.Q4_0, QType.Q4_1, QType.Q4_ZP, QType.Q5_0,
+              QType.Q5_1, QType.Q4_K, QType.Q5_K, QType.Q6_K]
+_GENERIC = """
+import sys, torch
+from fleetllm.kernels import cpu_kernels
+assert cpu_kernels.available(), "the kernels did not load"
+packs, ids, xs = torch.load(sys.argv[1])
+torch.save([[cpu_kernels.gguf_rows(p, ids, d) for d in (torch.float32, torch.bfloat16)] +
+            [cpu_kernels.gguf_linear(x, p, None) for x in xs] for p in packs], sys.argv[2])
+"""
+
+
+def test_fast_dequantizer_gives_the_generic_bits(tmp_path):
+    """Every type the AVX-512 dequantizer reads (where the CPU has it; else both sides are the
+    generic path), alone and merged with a type it does not read (F16: the float32 chunks),
+    against the generic unpacking (another process, FLEETLLM_QUANT_FAST_DEQUANT=0): an
+    embedding's rows in float32 and bf16, and the GEMM path (40 rows; bf16 x: chunks written as
+    bf16 directly) bit for bit; the rows also equal dequantize_packed's."""
+    cases = [pack([tensor(t, 24, 512, 30 + i), tensor(t, 16, 512, 50 + i)])
+             for i, t in enumerate(FAST_TYPES)]
+    cases.append(pack([tensor(QType.Q4_ZP, 24, 512, 70), tensor(QType.F16, 16, 512, 71)]))
+    ids = torch.arange(40)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(4))
+    xs = [x, x.bfloat16()]
+    torch.save([cases, ids, xs], tmp_path / "in.pt")
+    env = {**os.environ, "FLEETLLM_QUANT_FAST_DEQUANT": "0",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", _GENERIC, str(tmp_path / "in.pt"),
+                    str(tmp_path / "out.pt")], env=env, check=True, timeout=300)
+    names = [t.name for t in FAST_TYPES] + ["Q4_ZP+F16"]
+    for name, packed, want in zip(names, cases, torch.load(tmp_path / "out.pt"), strict=True):
+        rows32 = cpu_kernels.gguf_rows(packed, ids, torch.float32)
+        assert torch.equal(rows32, dequantize_packed(packed)), name
+        got = [rows32, cpu_kernels.gguf_rows(packed, ids, torch.bfloat16)]
+        got += [cpu_kernels.gguf_linear(x, packed, None) for x in xs]
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert g.dtype == w.dtype and torch.equal(bits(g), bits(w)), (name, i)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bits as integers (tells -0.0 from 0.0)."""
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
