@@ -23,9 +23,9 @@ namespace {
 // Rows of x past which a call dequantizes chunks of the weight for a GEMM instead (a prompt:
 // the GEMM's blocking beats re-unpacking each block per 8 rows); in bf16 for a bf16 x (the
 // weights rounded to bf16 as a bf16 model's are: AMX's GEMM, 3x faster here than float32's).
-// Where VNNI reads every part, its 8-row passes win up to 32 rows: dequantizing a weight costs
-// as much as several passes over it (a 4096 x 768 Q4_ZP weight, 32 rows: 2.9 ms in passes,
-// 5.5 ms dequantized into a GEMM).
+// For a float32 x where VNNI reads every part, its 8-row passes win up to 32 rows (a 4096 x 768
+// weight, 32 rows: 2.2 ms in passes, ~2.6 ms dequantized into float32's GEMM); a bf16 x's GEMM
+// (AMX) wins from 17 rows (64 rows: 1.2 ms).
 constexpr int64_t GEMM_ROWS = 16, VNNI_GEMM_ROWS = 32, VNNI_ROWS = 8;
 // Output rows dequantized per GEMM: fewer, larger calls (each costs a thread hand-off)
 constexpr int64_t CHUNK_ROWS = 1024;
@@ -120,7 +120,7 @@ Tensor gguf_linear(const Tensor &x, const Tensor &packed, const std::optional<Te
     const Tensor xp = w.perm ? permuted(x, w) : x;  // x in the stored column order
     const Tensor xf = xp.scalar_type() == at::kFloat ? xp : xp.to(at::kFloat);
     Tensor y;
-    const bool passes = m <= VNNI_GEMM_ROWS && vnni_all(w);
+    const bool passes = m <= VNNI_GEMM_ROWS && x.scalar_type() == at::kFloat && vnni_all(w);
     if (m <= GEMM_ROWS || w.K % 16 || passes) {
         y = at::empty({m, w.N}, xf.options());
         const int64_t step = passes ? VNNI_ROWS : std::max<int64_t>(m, 1);
