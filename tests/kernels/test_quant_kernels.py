@@ -89,6 +89,22 @@ def test_every_type_at_every_row_count(qtype):
             assert err < tol, (qtype.name, rows, dtype, err)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_an_output_does_not_depend_on_the_rows_beside_it(qtype):
+    """The decode GEMV reads weight rows in pairs for 1-2 rows of x (quant_vnni.cpp): each
+    output of an odd number of rows, in parts of odd sizes, is bit for bit the output of its
+    weight row alone."""
+    parts = [tensor(qtype, 13, 512, 2), tensor(qtype, 6, 512, 3)]
+    packed = pack(parts)
+    alone = [pack([QuantTensor(p.raw[r:r + 1], p.qtype, (1, 512))]) for p in parts
+             for r in range(p.shape[0])]
+    for rows in (1, 2, 3, 8):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        got = cpu_kernels.gguf_linear(x, packed, None)
+        each = torch.cat([cpu_kernels.gguf_linear(x, a, None) for a in alone], dim=1)
+        assert torch.equal(got, each), (qtype.name, rows)
+
+
 def test_parts_of_mixed_types_and_embedding_rows():
     parts = [tensor(QType.Q4_K, 32, 256, 2), tensor(QType.Q6_K, 16, 256, 3),
              tensor(QType.Q8_0, 8, 256, 4), tensor(QType.F16, 8, 256, 5)]
