@@ -23,10 +23,11 @@ namespace {
 // Rows of x past which a call dequantizes chunks of the weight for a GEMM instead (a prompt:
 // the GEMM's blocking beats re-unpacking each block per 8 rows); in bf16 for a bf16 x (the
 // weights rounded to bf16 as a bf16 model's are: AMX's GEMM, 3x faster here than float32's).
-// For a float32 x where VNNI reads every part, its 8-row passes win up to 32 rows (a 4096 x 768
-// weight, 32 rows: 2.2 ms in passes, ~2.6 ms dequantized into float32's GEMM); a bf16 x's GEMM
-// (AMX) wins from 17 rows (64 rows: 1.2 ms).
-constexpr int64_t GEMM_ROWS = 16, VNNI_GEMM_ROWS = 32, VNNI_ROWS = 8;
+// Where VNNI reads every part, its 8-row passes win up to 32 rows for a float32 x (a 4096 x 768
+// weight, 32 rows: 2.2 ms in passes, ~2.6 ms dequantized into float32's GEMM) and up to 12 for
+// a bf16 x (one thread: 9-12 rows 1.0-1.4 ms in passes, 1.4-1.6 dequantized for AMX's GEMM,
+// which wins from 13; the float unpacking took 1.5-2.5 ms there).
+constexpr int64_t GEMM_ROWS = 16, VNNI_GEMM_ROWS = 32, VNNI_BF16_GEMM_ROWS = 12, VNNI_ROWS = 8;
 // Output rows dequantized per GEMM: fewer, larger calls (each costs a thread hand-off)
 constexpr int64_t CHUNK_ROWS = 1024;
 
@@ -120,8 +121,10 @@ Tensor gguf_linear(const Tensor &x, const Tensor &packed, const std::optional<Te
     const Tensor xp = w.perm ? permuted(x, w) : x;  // x in the stored column order
     const Tensor xf = xp.scalar_type() == at::kFloat ? xp : xp.to(at::kFloat);
     Tensor y;
-    const bool passes = m <= VNNI_GEMM_ROWS && x.scalar_type() == at::kFloat && vnni_all(w);
-    if (m <= GEMM_ROWS || w.K % 16 || passes) {
+    const bool vnni = vnni_all(w);
+    const bool passes =
+        vnni && m <= (x.scalar_type() == at::kFloat ? VNNI_GEMM_ROWS : VNNI_BF16_GEMM_ROWS);
+    if ((!vnni && m <= GEMM_ROWS) || w.K % 16 || passes) {
         y = at::empty({m, w.N}, xf.options());
         const int64_t step = passes ? VNNI_ROWS : std::max<int64_t>(m, 1);
         for (int64_t m0 = 0; m0 < m; m0 += step)
