@@ -60,9 +60,9 @@ def resolve(asked: str | None, hf_config: dict[str, Any], where: str) -> QuantCo
                                  f"which is {method!r}")
     try:
         return {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed}[method](raw)
+    except ModelLoadError as e:  # what is not supported, said with the checkpoint's name
+        raise ModelLoadError(f"{where}: {e}") from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:  # a field of a wrong type
-        if isinstance(e, ModelLoadError):
-            raise
         raise ModelLoadError(f"{where}: quantization_config: {e}") from e
 
 

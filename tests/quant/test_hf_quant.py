@@ -267,8 +267,9 @@ def test_unsupported_configs_are_one_clear_error(checkpoints, source, tmp_path):
         shutil.rmtree(path, ignore_errors=True)
         shutil.copytree(checkpoints("awq-g128"), path)
         _edit(path, **changes)
-        with pytest.raises(ModelLoadError, match=match):
+        with pytest.raises(ModelLoadError, match=match) as info:
             LLM(str(path))
+        assert str(path / "config.json") in str(info.value)  # which checkpoint
     with pytest.raises(ConfigurationError, match="quantization_config"):
         LLM(str(source), quantization="awq")
     with pytest.raises(ConfigurationError, match="'gptq'"):
