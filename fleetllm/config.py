@@ -256,6 +256,10 @@ class EngineConfig:
         _check(a.num_kv_heads % tp == 0 or tp % a.num_kv_heads == 0, "tensor_parallel_size",
                f"{a.num_kv_heads} KV heads and tensor_parallel_size={tp}: one must divide the "
                "other")
+        for size in (a.moe_intermediate_size, a.shared_expert_intermediate_size):
+            _check(size % tp == 0, "tensor_parallel_size",
+                   f"the experts' intermediate size {size} is not divisible by "
+                   f"tensor_parallel_size={tp}")
         _check(a.intermediate_size % tp == 0, "tensor_parallel_size",
                f"intermediate_size {a.intermediate_size} is not divisible by {tp}")
         _check(pp <= a.num_layers, "pipeline_parallel_size",
