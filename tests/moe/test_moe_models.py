@@ -140,3 +140,31 @@ def test_tensor_parallel_size_must_divide_the_experts(moe_models, tmp_path):
     (path / "config.json").write_text(json.dumps({**cfg, "moe_intermediate_size": 33}))
     with pytest.raises(ConfigurationError, match="experts' intermediate size 33"):
         EngineConfig.from_kwargs(model=str(path), tensor_parallel_size=2)
+
+
+def test_dummy_weights_of_a_moe_preset_are_its_checkpoint_tensors(tmp_path):
+    """load_format="dummy" (the bench presets) fills the experts under the checkpoint names
+    hf_tensor_shapes gives: the same tokens as those tensors written to safetensors."""
+    import torch
+
+    from fleetllm import LLM, SamplingParams
+    from fleetllm.benchmarks.checkpoint import write_dummy_checkpoint
+    from fleetllm.benchmarks.presets import PRESETS
+
+    cfg = {**PRESETS["qwen3-moe-small"], "vocab_size": 512, "hidden_size": 64,
+           "moe_intermediate_size": 32, "num_experts": 16, "num_experts_per_tok": 4,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+           "max_position_embeddings": 1024}
+    (tmp_path / "preset").mkdir()
+    (tmp_path / "preset" / "config.json").write_text(json.dumps(cfg))
+    written = write_dummy_checkpoint(tmp_path / "preset", tmp_path / "ckpt", 3, torch.float32)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 20)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens = []
+    for path, kwargs in ((tmp_path / "preset", dict(load_format="dummy", seed=3)),
+                         (written, {})):
+        with LLM(path, kv_cache_memory=16 << 20, **kwargs) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        tokens.append([o.outputs[0].token_ids for o in outs])
+    assert tokens[0] == tokens[1] and all(len(t) == 6 for t in tokens[0])
