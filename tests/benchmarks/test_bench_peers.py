@@ -80,6 +80,11 @@ def test_presets_have_the_public_models_shapes():
         * moe.moe_intermediate_size * moe.num_layers
     routers = moe.num_experts * moe.hidden_size * moe.num_layers
     assert params["qwen3-moe-small"] - inactive - routers == params["qwen3-dense-small"]
+    # a batch-1 step reads the 8 experts picked; a large batch every one of them
+    dense = ArchConfig.from_dict(PRESETS["qwen3-dense-small"])
+    assert workload.weight_bytes(moe, 2) - workload.weight_bytes(dense, 2) == 2 * routers
+    assert workload.weight_bytes(moe, 2, batch=10_000) == pytest.approx(
+        workload.weight_bytes(dense, 2) + 2 * (routers + inactive), rel=1e-6)
     qwen, llama = (ArchConfig.from_dict(PRESETS[n]) for n in ("qwen2-0.5b", "llama-1b"))
     assert qwen.qkv_bias and not qwen.o_bias and qwen.tie_word_embeddings
     assert qwen.sliding_window is None and qwen.rope_theta == 1e6
