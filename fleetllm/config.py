@@ -266,6 +266,9 @@ class EngineConfig:
                f"{pp} stages for a model of {a.num_layers} layers: use at most {a.num_layers}")
         _check(self.lora_config is None or not m.is_pooling, "enable_lora",
                "LoRA adapters apply to generating models only (task='generate')")
+        _check(self.lora_config is None or not a.num_experts, "enable_lora",
+               f"LoRA adapters on mixture-of-experts models ({a.architecture}) are not "
+               "supported")
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         spec = self.speculative_config
         _check(spec is None or not m.is_pooling, "speculative_config",

@@ -133,6 +133,19 @@ def test_unsupported_router_refused_before_any_worker(moe_models, tmp_path, chan
         EngineConfig.from_kwargs(model=str(path), kv_cache_memory=32 << 20)
 
 
+def test_quantized_experts_and_lora_refused(moe_models, tmp_path):
+    path = tmp_path / "ckpt"
+    shutil.copytree(moe_models["qwen3_moe"], path)
+    with pytest.raises(ConfigurationError, match="LoRA adapters on mixture-of-experts"):
+        EngineConfig.from_kwargs(model=str(path), enable_lora=True)
+    cfg = json.loads((path / "config.json").read_text())
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+           "version": "gemm"}
+    (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": awq}))
+    with pytest.raises(ModelLoadError, match="quantized experts"):
+        EngineConfig.from_kwargs(model=str(path))
+
+
 def test_tensor_parallel_size_must_divide_the_experts(moe_models, tmp_path):
     path = tmp_path / "ckpt"
     shutil.copytree(moe_models["qwen3_moe"], path)
