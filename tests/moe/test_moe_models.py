@@ -181,3 +181,26 @@ def test_dummy_weights_of_a_moe_preset_are_its_checkpoint_tensors(tmp_path):
             outs = llm.generate(prompts, params, use_tqdm=False)
         tokens.append([o.outputs[0].token_ids for o in outs])
     assert tokens[0] == tokens[1] and all(len(t) == 6 for t in tokens[0])
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_dummy_weights_match_the_transformers_peer(moe_models, name, tmp_path):
+    """`bench --compare hf` on a MoE preset: transformers given the dummy tensors (stacked as
+    its experts are, hf_peers) computes what fleetllm's load_format="dummy" does."""
+    import torch
+
+    from fleetllm import LLM, SamplingParams
+    from fleetllm.benchmarks.hf_peers import HFGenerate, load_hf_model
+    from fleetllm.benchmarks.workload import Request
+
+    (tmp_path / "config.json").write_text((moe_models[name] / "config.json").read_text())
+    g = torch.Generator().manual_seed(5)
+    requests = [Request(torch.randint(3, 512, (n,), generator=g).tolist(), 5)
+                for n in (3, 17, 30)]
+    with LLM(tmp_path, kv_cache_memory=16 << 20, load_format="dummy", seed=3) as llm:
+        outs = llm.generate([{"prompt_token_ids": r.prompt} for r in requests],
+                            SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                            use_tqdm=False)
+    ours = [list(o.outputs[0].token_ids) for o in outs]
+    hf = HFGenerate(load_hf_model(str(tmp_path), 3), batch_size=1).run(requests)
+    assert ours == [list(t) for t in hf]
