@@ -204,3 +204,20 @@ def test_dummy_weights_match_the_transformers_peer(moe_models, name, tmp_path):
     ours = [list(o.outputs[0].token_ids) for o in outs]
     hf = HFGenerate(load_hf_model(str(tmp_path), 3), batch_size=1).run(requests)
     assert ours == [list(t) for t in hf]
+
+
+def test_multi_step_and_speculative_decoding_run_the_experts(moe_models):
+    """The one-call decode paths (model/fused.py: greedy passes) do not apply to MoE layers;
+    multi-step and n-gram drafts fall back to the modules and give the same tokens."""
+    from fleetllm import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 20, 40)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    results = []
+    for kwargs in ({}, {"num_scheduler_steps": 4},
+                   {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                           "prompt_lookup_max": 3}}):
+        with LLM(moe_models["qwen2_moe"], kv_cache_memory=16 << 20, **kwargs) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([list(o.outputs[0].token_ids) for o in outs])
+    assert results[0] == results[1] == results[2]
