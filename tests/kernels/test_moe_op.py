@@ -36,7 +36,7 @@ def _case(tokens: int, experts: int, hidden: int, inter: int, k: int, dtype: tor
     (1, 16, 96, 48, 8),      # top-8, odd multiples of the GEMV's tiles
     (5, 5, 64, 40, 4),       # every expert (but the NaN one) picked by several rows
     (37, 32, 128, 64, 3),    # a prompt: many experts, shared among the threads
-    (200, 8, 48, 24, 2),     # many rows per expert
+    (200, 8, 48, 24, 2),     # many rows per expert: ATen's matmul
 ])
 def test_op_matches_pytorch_path(dtype, tokens, experts, hidden, inter, k):
     x, ids, weights, w13, w2 = _case(tokens, experts, hidden, inter, k, dtype, seed=tokens,
@@ -47,6 +47,21 @@ def test_op_matches_pytorch_path(dtype, tokens, experts, hidden, inter, k):
     assert torch.isfinite(got).all()  # the unpicked expert's NaN weights were never read
     # float32: sums in another order; bf16: identical (each product and add rounded alike)
     # except where the GEMV's float32 sums round the other way: a few ulps on a few values
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_op_mixes_matmul_and_gemv_experts(dtype):
+    """Every token picks expert 0 (40 rows: ATen's matmul) and one other (a few rows each: the
+    GEMV kernel); the NaN expert is picked by nobody."""
+    x, ids, weights, w13, w2 = _case(40, 12, 64, 32, 2, dtype, seed=7, unpicked=1)
+    ids[:, 0] = 0
+    ids[:, 1] = 1 + torch.arange(40) % 10
+    got = cpu_kernels.fused_moe(x, ids, weights, w13, w2)
+    want = torch_experts(x, ids, weights, w13, w2)
+    assert torch.isfinite(got).all()
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
