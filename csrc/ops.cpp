@@ -20,6 +20,7 @@
 
 #include "kernels.h"
 #include "parallel.h"
+#include "moe.h"
 #include "quant_ops.h"
 
 namespace fleetllm {
@@ -913,6 +914,7 @@ TORCH_LIBRARY(fleetllm, m)
     m.def("mkl_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
     m.def("mkl_available() -> bool", &fleetllm::mkl_available);
     m.def("build_info() -> str", &fleetllm::build_info);
+    m.def("fused_moe(Tensor x, Tensor ids, Tensor weights, Tensor w13, Tensor w2) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fleetllm, CPU, m)
@@ -931,6 +933,7 @@ TORCH_LIBRARY_IMPL(fleetllm, CPU, m)
     m.impl("gemm_amx", &fleetllm::gemm_amx);
     m.impl("mkl_pack", &fleetllm::mkl_pack);
     m.impl("mkl_linear", &fleetllm::mkl_linear);
+    m.impl("fused_moe", &fleetllm::fused_moe);
 }
 
 // oneDNN's packed float32 weights are opaque MkldnnCPU tensors; given as decoder_layer's

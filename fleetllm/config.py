@@ -256,12 +256,19 @@ class EngineConfig:
         _check(a.num_kv_heads % tp == 0 or tp % a.num_kv_heads == 0, "tensor_parallel_size",
                f"{a.num_kv_heads} KV heads and tensor_parallel_size={tp}: one must divide the "
                "other")
+        for size in (a.moe_intermediate_size, a.shared_expert_intermediate_size):
+            _check(size % tp == 0, "tensor_parallel_size",
+                   f"the experts' intermediate size {size} is not divisible by "
+                   f"tensor_parallel_size={tp}")
         _check(a.intermediate_size % tp == 0, "tensor_parallel_size",
                f"intermediate_size {a.intermediate_size} is not divisible by {tp}")
         _check(pp <= a.num_layers, "pipeline_parallel_size",
                f"{pp} stages for a model of {a.num_layers} layers: use at most {a.num_layers}")
         _check(self.lora_config is None or not m.is_pooling, "enable_lora",
                "LoRA adapters apply to generating models only (task='generate')")
+        _check(self.lora_config is None or not a.num_experts, "enable_lora",
+               f"LoRA adapters on mixture-of-experts models ({a.architecture}) are not "
+               "supported")
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         spec = self.speculative_config
         _check(spec is None or not m.is_pooling, "speculative_config",

@@ -27,8 +27,10 @@ from fleetllm.utils import check_setting as _check
 _FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
 # XForCausalLM generates; the bare XModel (an embedding checkpoint: e5-mistral, gte-Qwen2,
 # Qwen3-Embedding) has no LM head and pools (task "embed").
+# Mixtures of experts (model/moe.py): generation only, bf16/float32 safetensors.
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(f"{f}{kind}" for kind in ("ForCausalLM", "Model")
-                                for f in _FAMILIES)
+                                for f in _FAMILIES) + MOE_ARCHITECTURES
 TASKS = ("auto", "generate", "embed", "embedding")  # "embedding": vLLM's older name
 RUNNERS = ("auto", "generate", "pooling")  # vLLM v1's name for the same choice
 DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
@@ -63,6 +65,16 @@ class ArchConfig:
     # Matryoshka embeddings: the truncations the model was trained for (PoolingParams.dimensions)
     matryoshka_dimensions: list[int] | None = None
     is_matryoshka: bool = False
+    # Mixture of experts (0 experts: a dense model): each MoE layer routes a token to
+    # experts_per_token of num_experts experts (softmax top-k; renormalized when
+    # norm_topk_prob), each an MLP of moe_intermediate_size; Qwen2-MoE adds a shared expert
+    # (shared_expert_intermediate_size) behind a sigmoid gate. moe_layers: which layers.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -70,7 +82,7 @@ class ArchConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(f"architecture {arch!r} is not supported; fleetllm runs "
                                  f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        family = arch.removesuffix("ForCausalLM").removesuffix("Model")
+        family = arch.removesuffix("ForCausalLM").removesuffix("Model").removesuffix("Moe")
         # transformers 5 moved rope_theta/rope_scaling into rope_parameters.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
@@ -105,11 +117,55 @@ class ArchConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             matryoshka_dimensions=cfg.get("matryoshka_dimensions"),
             is_matryoshka=bool(cfg.get("is_matryoshka", False)),
+            **(_moe_fields(arch, cfg) if arch in MOE_ARCHITECTURES else {}),
         )
 
     @property
     def has_lm_head(self) -> bool:
         return self.architecture.endswith("ForCausalLM")
+
+
+# Router settings of other MoE families (DeepSeek's grouped top-k, sigmoid scoring, a
+# bias on the router's scores), refused rather than silently routed by plain softmax top-k.
+_UNSUPPORTED_ROUTER = {
+    "n_group": "grouped top-k", "topk_group": "grouped top-k", "topk_method": "top-k method",
+    "scoring_func": "router scoring function", "e_score_correction_bias": "router score bias",
+    "router_bias": "router bias", "moe_router_bias": "router bias",
+    "routed_scaling_factor": "routed scaling factor"}
+_HARMLESS = {"topk_method": ("greedy",), "scoring_func": ("softmax",), "n_group": (1,),
+             "topk_group": (1,), "routed_scaling_factor": (1, 1.0)}
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """ArchConfig's mixture-of-experts fields from an MoE checkpoint's config.json, as
+    transformers reads them; a router this engine does not compute: ModelLoadError naming
+    the field."""
+    for key, what in _UNSUPPORTED_ROUTER.items():
+        value = cfg.get(key)
+        if value not in (None, False) and value not in _HARMLESS.get(key, ()):
+            raise ModelLoadError(f"{arch}: {what} ({key}={value!r}) is not supported; fleetllm "
+                                 "routes by softmax top-k only")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{arch}: hidden_act={cfg['hidden_act']!r} is not supported "
+                             "(silu is)")
+    num_layers = cfg["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":  # every layer sparse, top-k always renormalized
+        experts, size, layers = cfg["num_local_experts"], cfg["intermediate_size"], \
+            tuple(range(num_layers))
+        renormalize, shared = True, 0
+    else:  # Qwen: dense layers by mlp_only_layers and decoder_sparse_step
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        size, renormalize = cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob"))
+        step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+        layers = tuple(i for i in range(num_layers)
+                       if i not in dense and experts > 0 and (i + 1) % step == 0)
+        shared = cfg.get("shared_expert_intermediate_size", 0) if "Qwen2" in arch else 0
+    top_k = cfg["num_experts_per_tok"]
+    if not 0 < top_k <= experts:
+        raise ModelLoadError(f"{arch}: num_experts_per_tok={top_k} is not in 1..{experts}")
+    return dict(num_experts=experts, experts_per_token=top_k, moe_intermediate_size=size,
+                norm_topk_prob=renormalize, shared_expert_intermediate_size=shared,
+                moe_layers=layers)
 
 
 def hf_tensor_shapes(a: ArchConfig) -> dict[str, tuple[int, ...]]:
@@ -129,9 +185,13 @@ def hf_tensor_shapes(a: ArchConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{pre}self_attn.o_proj.bias"] = (hid,)
         if a.qk_norm:
             shapes[f"{pre}self_attn.q_norm.weight"] = shapes[f"{pre}self_attn.k_norm.weight"] = (d,)
+        if i in a.moe_layers:
+            shapes.update(_moe_tensor_shapes(a, pre))
         for name, shape in (("gate", (a.intermediate_size, hid)),
                             ("up", (a.intermediate_size, hid)),
                             ("down", (hid, a.intermediate_size))):
+            if i in a.moe_layers:
+                break
             shapes[f"{pre}mlp.{name}_proj.weight"] = shape
             if a.mlp_bias:
                 shapes[f"{pre}mlp.{name}_proj.bias"] = (shape[0],)
@@ -140,6 +200,24 @@ def hf_tensor_shapes(a: ArchConfig) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (hid,)
     if not a.tie_word_embeddings:
         shapes["lm_head.weight"] = (a.vocab_size, hid)
+    return shapes
+
+
+def _moe_tensor_shapes(a: ArchConfig, pre: str) -> dict[str, tuple[int, ...]]:
+    """One MoE layer's router, experts and shared expert, by checkpoint name."""
+    hid, inter = a.hidden_size, a.moe_intermediate_size
+    mixtral = a.architecture == "MixtralForCausalLM"
+    block = f"{pre}block_sparse_moe." if mixtral else f"{pre}mlp."
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    shapes = {f"{block}gate.weight": (a.num_experts, hid)}
+    for e in range(a.num_experts):
+        for name, shape in zip(names, ((inter, hid), (inter, hid), (hid, inter)), strict=True):
+            shapes[f"{block}experts.{e}.{name}.weight"] = shape
+    if a.shared_expert_intermediate_size:
+        size = a.shared_expert_intermediate_size
+        for name, shape in (("gate", (size, hid)), ("up", (size, hid)), ("down", (hid, size))):
+            shapes[f"{block}shared_expert.{name}_proj.weight"] = shape
+        shapes[f"{block}shared_expert_gate.weight"] = (1, hid)
     return shapes
 
 
@@ -189,6 +267,10 @@ class ModelConfig:
             self.arch = ArchConfig.from_dict(cfg)
         except KeyError as e:
             raise ModelLoadError(f"{path / 'config.json'} lacks the field {e}") from e
+        if self.arch.num_experts and self.quantization:  # experts load bf16/float32 only
+            raise ModelLoadError(f"{self.arch.architecture}: quantized experts "
+                                 f"({self.quantization}) are not supported; load a bf16 or "
+                                 "float32 checkpoint")
         if self.is_gguf:  # every tensor's name, shape and bytes, before any worker starts
             from fleetllm.config_gguf import open_gguf
             open_gguf(self.model).check_shapes(hf_tensor_shapes(self.arch))

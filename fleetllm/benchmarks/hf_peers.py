@@ -14,6 +14,7 @@ The generating peers produce exactly each request's output length (EOS disabled)
 from __future__ import annotations
 
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,10 @@ from typing import Any
 import torch
 
 from fleetllm.benchmarks.workload import Request
+
+# A mixture of experts' expert tensor: (layer, expert, name) (fleetllm/model/moe.py's names)
+_EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                            r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
 
 
 def load_hf_model(model_dir: str, dummy_seed: int | None,
@@ -62,10 +67,26 @@ def load_hf_model(model_dir: str, dummy_seed: int | None,
     names = {n: n for n in shapes}
     if base:
         names = {n.removeprefix("model."): n for n in shapes if n != "lm_head.weight"}
+    # A mixture of experts: transformers stacks the experts (mlp.experts.gate_up_proj
+    # [E, 2I, H], down_proj [E, H, I]) and calls Mixtral's block_sparse_moe mlp.
+    experts = {}  # checkpoint name -> (stacked parameter, expert, first row or None: down)
+    for param, ckpt in list(names.items()):
+        match = _EXPERT_TENSOR.fullmatch(ckpt)
+        if ".block_sparse_moe." in ckpt or match:
+            del names[param]
+        if match is None:
+            names[param.replace(".block_sparse_moe.", ".mlp.")] = ckpt
+            continue
+        stacked = f"model.layers.{match[1]}.mlp.experts."
+        rows = shapes[ckpt][0]
+        experts[ckpt] = (stacked + "down_proj", int(match[2]), None) if match[3] in (
+            "down_proj", "w2") else (stacked + "gate_up_proj", int(match[2]),
+                                     0 if match[3] in ("gate_proj", "w1") else rows)
     # One tensor at a time (load_state_dict of them all would hold a float32 copy of the
     # whole model); copy_ rounds to the model's dtype as fleetllm's loader does.
     params = dict(model.named_parameters())
-    missing = set(params) - set(names) - {"lm_head.weight"}
+    missing = set(params) - set(names) - {"lm_head.weight"} - {p for p, _, _ in
+                                                                 experts.values()}
     unexpected = set(names) - set(params)
     if unexpected or missing:
         raise RuntimeError(f"dummy weights do not fit the model: {sorted(missing)[:3]} "
@@ -73,6 +94,12 @@ def load_hf_model(model_dir: str, dummy_seed: int | None,
     with torch.no_grad():
         for name, ckpt_name in names.items():
             params[name].copy_(dummy_tensor(ckpt_name, shapes[ckpt_name], dummy_seed))
+        for ckpt_name, (name, expert, first) in experts.items():
+            tensor = dummy_tensor(ckpt_name, shapes[ckpt_name], dummy_seed)
+            target = params[name][expert]
+            if first is not None:
+                target = target[first:first + tensor.shape[0]]
+            target.copy_(tensor)
     if config.tie_word_embeddings and not base:
         model.tie_weights()
     return model.eval()

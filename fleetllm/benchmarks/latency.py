@@ -289,7 +289,7 @@ def run(args: argparse.Namespace) -> dict:
     elif quant is not None:  # AWQ, GPTQ, compressed-tensors: the tensors as stored
         weights = workload.hf_weight_bytes(model)
     else:
-        weights = workload.weight_bytes(arch, dtype.itemsize)
+        weights = workload.weight_bytes(arch, dtype.itemsize, args.batch_size)
     step_bytes = weights + kv
     bound = args.batch_size * bandwidth * 1e9 / step_bytes
     dtype_name = str(dtype).removeprefix("torch.")

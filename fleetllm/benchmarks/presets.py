@@ -46,6 +46,31 @@ PRESETS: dict[str, dict[str, Any]] = {
         "bos_token_id": 128000, "eos_token_id": 128001, "tie_word_embeddings": True,
         "torch_dtype": "bfloat16",
     },
+    # Qwen3-30B-A3B's layers (128 experts of 768, top-8 renormalized, q/k norm, 32 heads of
+    # 128, 4 KV heads) but 4 of its 48 and a 32K vocabulary, so that the layers, not the LM
+    # head, weigh on a decode step and the weights (5 GB in bf16) fit a small machine.
+    "qwen3-moe-small": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "hidden_act": "silu", "use_sliding_window": False,
+        "bos_token_id": 151643, "eos_token_id": 151645, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+    # The same with one dense MLP of the 8 active experts' width (8 x 768 = 6144): the
+    # active parameters of qwen3-moe-small but for its routers (0.7% of an MLP).
+    "qwen3-dense-small": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 6144,
+        "num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "hidden_act": "silu", "use_sliding_window": False,
+        "bos_token_id": 151643, "eos_token_id": 151645, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
 }
 
 

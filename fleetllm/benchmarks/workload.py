@@ -139,17 +139,28 @@ def copy_edit_prompts(tokenizer, count: int, max_len: int, seed: int = 0,
     return [candidates[i % len(candidates)] for i in range(count)]
 
 
-def linear_params(a: ArchConfig) -> int:
-    """Weights multiplied per token through the decoder layers (no embedding, no LM head)."""
+def linear_params(a: ArchConfig, experts_read: float | None = None) -> int:
+    """Weights multiplied per token through the decoder layers (no embedding, no LM head).
+    A mixture of experts' layer counts its router, shared expert and `experts_read` experts
+    (default: the experts_per_token a token goes through)."""
     d = a.head_dim
-    per_layer = a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * d + \
-        a.num_heads * d * a.hidden_size + 3 * a.hidden_size * a.intermediate_size
-    return per_layer * a.num_layers
+    attention = a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * d + \
+        a.num_heads * d * a.hidden_size
+    dense = 3 * a.hidden_size * a.intermediate_size
+    experts = a.experts_per_token if experts_read is None else experts_read
+    sparse = a.num_experts * a.hidden_size + 3 * a.hidden_size * (
+        experts * a.moe_intermediate_size + a.shared_expert_intermediate_size)
+    if a.shared_expert_intermediate_size:
+        sparse += a.hidden_size  # the shared expert's gate
+    moe = len(a.moe_layers)
+    return int(attention * a.num_layers + dense * (a.num_layers - moe) + sparse * moe)
 
 
-def weight_bytes(a: ArchConfig, dtype_bytes: int) -> int:
-    """Bytes a decode step reads from the weights stored with dtype_bytes per element: every
-    projection and its bias, the norms and the LM head. The embedding table is read only at
+def weight_bytes(a: ArchConfig, dtype_bytes: int, batch: int = 1) -> int:
+    """Bytes a decode step of `batch` rows reads from the weights stored with dtype_bytes per
+    element: every projection and its bias, the norms and the LM head; of a mixture of
+    experts, the experts expected to be picked by some row (E (1 - (1 - k/E)^batch) of E,
+    routing taken as uniform). The embedding table is read only at
     the batch's rows, so it counts once, as the LM head: the same matrix when the embeddings
     are tied, and a table of which a step touches a few rows when not."""
     norms = (2 * a.num_layers + 1) * a.hidden_size
@@ -158,7 +169,11 @@ def weight_bytes(a: ArchConfig, dtype_bytes: int) -> int:
     qkv = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
     biases = a.num_layers * ((qkv if a.qkv_bias else 0) + (a.hidden_size if a.o_bias else 0)
                              + ((2 * a.intermediate_size + a.hidden_size) if a.mlp_bias else 0))
-    return (linear_params(a) + a.vocab_size * a.hidden_size + norms + biases) * dtype_bytes
+    read = None
+    if a.num_experts:
+        read = a.num_experts * (1 - (1 - a.experts_per_token / a.num_experts) ** batch)
+    return (linear_params(a, read) + a.vocab_size * a.hidden_size + norms + biases) \
+        * dtype_bytes
 
 
 def gguf_weight_bytes(path: str) -> int:

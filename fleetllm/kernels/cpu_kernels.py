@@ -2,7 +2,7 @@
 (float32 math; bf16 rounds where transformers rounds): paged decode and prompt attention read
 in place from the KV blocks; the GEMV, the bf16 GEMMs (by pairs, AMX tiles), MKL's packed
 sgemm; fused norm, SiLU * up, RoPE + cache write; a decode step's layers and greedy passes in
-one call; the sampler's argmax.
+one call; the sampler's argmax; the fused mixture-of-experts layer (csrc/moe.cpp).
 How: `build.load()` compiles this CPU's variant at first use. Every op checks its arguments in
 C++ (RuntimeError) and allocates through torch (OutOfMemoryError, not a crash); the ops run on
 the kernels' thread pool (csrc/pool.cpp), or torch's with FLEETLLM_KERNEL_THREADS=torch.
@@ -29,7 +29,7 @@ _lock = threading.Lock()
 _OPS = ("paged_decode", "prefill_attention", "add_rmsnorm", "silu_mul", "rope_qk_kv", "gemv",
         "decoder_layer", "decoder_layers", "greedy_passes", "argmax", "build_info", "gemm_pairs",
         "gemm_pairs_available", "gemm_amx", "amx_available", "mkl_pack", "mkl_linear",
-        "mkl_available", "gguf_linear", "gguf_rows")
+        "mkl_available", "gguf_linear", "gguf_rows", "fused_moe")
 
 
 def _load() -> SimpleNamespace | None:
@@ -263,3 +263,10 @@ def gguf_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 def gguf_rows(packed: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The rows of a quantized packed copy at ids (int64 [T]): an embedding's lookup."""
     return _ops.gguf_rows(packed, ids, dtype)
+
+
+def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+              w2: torch.Tensor) -> torch.Tensor:
+    """The routed experts' weighted sum for x [T, H]: ids int64 [T, k], weights float32
+    [T, k], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I] (csrc/moe.cpp)."""
+    return _ops.fused_moe(x, ids, weights, w13, w2)

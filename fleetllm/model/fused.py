@@ -3,8 +3,9 @@ the kernels the modules use (fused norm, RoPE + cache write, paged attention, Si
 projection's copy as its kernel reads it: linear_kernels.py), plus the embedding lookup (first
 pipeline stage) and the final norm (last stage): Python and the dispatcher are crossed once a
 step, not once a layer. Used only where it computes exactly what the modules would: CPU
-float32 or bfloat16, no tensor parallelism, no q/k norm, the dense weights kept or all
-projections packed, a step of decode tokens only; otherwise the modules run."""
+float32 or bfloat16, no tensor parallelism, no q/k norm, no mixture of experts, the dense
+weights kept or all projections packed, a step of decode tokens only; otherwise the modules
+run."""
 
 from __future__ import annotations
 
@@ -63,6 +64,9 @@ def _stack(model) -> _Stack | None:
     if cached is not False:
         return cached
     layers = list(model.layers.values())
+    if not all(hasattr(layer.mlp, "gate_up_proj") for layer in layers):  # experts: moe.py
+        model._fused_stack = None
+        return None
     kernels = tuple(m.kernel for layer in layers for m in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
         layer.mlp.down_proj))

@@ -29,6 +29,7 @@ from fleetllm.model.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from fleetllm.model.moe_experts import FusedExperts
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,9 @@ def select_kernels(model: nn.Module) -> int:
     the dense weight, `module.weight` becomes None (unless the embedding shares it). Returns
     the number of modules packed (0: none, the model unchanged but for TorchLinear/Gemv)."""
     linears, shared, packable, keep_dense, by_pairs = _plan(model)
+    for module in model.modules():  # a mixture of experts' stacked weights: C++ op or PyTorch
+        if isinstance(module, FusedExperts):
+            module.choose_kernel()
     # A GGUF model's unquantized projections keep their dense weights: the one-call decode
     # paths read them beside the quantized ones (LinearKind.GGUF).
     gguf = any(isinstance(m.kernel, lk.Gguf) for m in linears)

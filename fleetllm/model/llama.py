@@ -112,10 +112,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = Attention(cfg, rotary)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if mlp is None else mlp  # another: a mixture of experts (moe.py)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -147,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta,
                                                cfg.rope_scaling)
         # Keyed by the global layer index so checkpoint names map directly.
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, rotary)
+        self.layers = nn.ModuleDict({str(i): self.make_layer(cfg, rotary, i)
                                      for i in range(self.start_layer, self.end_layer)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last_stage else None
         self.lm_head = None
@@ -155,6 +155,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
             if cfg.tie_word_embeddings:
                 self.lm_head.weight = self.embed_tokens.weight
+
+    def make_layer(self, cfg: ArchConfig, rotary: RotaryEmbedding, index: int) -> nn.Module:
+        """Decoder layer `index` (a subclass may build another kind: model/moe.py)."""
+        return DecoderLayer(cfg, rotary)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor] | None, meta: AttentionMetadata,

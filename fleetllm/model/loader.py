@@ -52,8 +52,12 @@ def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(mc.arch, max_position=mc.max_model_len,
-                                     lm_head=not mc.is_pooling)
+            model_class = LlamaForCausalLM
+            if mc.arch.num_experts:  # a mixture of experts (bf16/float32 safetensors)
+                from fleetllm.model.moe import MoeForCausalLM
+                model_class = MoeForCausalLM
+            model = model_class(mc.arch, max_position=mc.max_model_len,
+                                lm_head=not mc.is_pooling)
     finally:
         torch.set_default_dtype(default_dtype)
     # Before loading (the loaders copy into the parameters in place); not where packing will

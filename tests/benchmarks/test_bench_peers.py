@@ -71,7 +71,20 @@ def test_presets_have_the_public_models_shapes():
     params = {name: sum(math.prod(s) for s in hf_tensor_shapes(ArchConfig.from_dict(c)).values())
               for name, c in PRESETS.items()}
     assert params == {"llama-125m": 124_668_672, "qwen2-0.5b": 494_032_768,
-                      "llama-1b": 1_235_814_400}  # Qwen2-0.5B's and Llama-3.2-1B's counts
+                      "llama-1b": 1_235_814_400,  # Qwen2-0.5B's and Llama-3.2-1B's counts
+                      "qwen3-moe-small": 2_623_556_608, "qwen3-dense-small": 357_583_872}
+    moe = ArchConfig.from_dict(PRESETS["qwen3-moe-small"])
+    # the dense preset's parameters are the MoE one's active ones (8 of 128 experts) but for
+    # the routers
+    inactive = (moe.num_experts - moe.experts_per_token) * 3 * moe.hidden_size \
+        * moe.moe_intermediate_size * moe.num_layers
+    routers = moe.num_experts * moe.hidden_size * moe.num_layers
+    assert params["qwen3-moe-small"] - inactive - routers == params["qwen3-dense-small"]
+    # a batch-1 step reads the 8 experts picked; a large batch every one of them
+    dense = ArchConfig.from_dict(PRESETS["qwen3-dense-small"])
+    assert workload.weight_bytes(moe, 2) - workload.weight_bytes(dense, 2) == 2 * routers
+    assert workload.weight_bytes(moe, 2, batch=10_000) == pytest.approx(
+        workload.weight_bytes(dense, 2) + 2 * (routers + inactive), rel=1e-6)
     qwen, llama = (ArchConfig.from_dict(PRESETS[n]) for n in ("qwen2-0.5b", "llama-1b"))
     assert qwen.qkv_bias and not qwen.o_bias and qwen.tie_word_embeddings
     assert qwen.sliding_window is None and qwen.rope_theta == 1e6

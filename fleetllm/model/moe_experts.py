@@ -1,0 +1,110 @@
+"""A mixture-of-experts layer's experts as two stacked tensors, and the two ways to run them.
+
+What: `FusedExperts` holds this rank's share of every expert: w13 [E, 2I, H] (each expert's
+gate rows, then its up rows) and w2 [E, H, I], I being the intermediate size over the
+tensor-parallel ranks (each rank keeps the same slice of every expert: w13's rows, w2's
+columns; the block all-reduces the partial sums as the dense MLP does).
+How: `forward(x, ids, weights)` runs the chosen kernel, picked once after loading by
+`choose_kernel` (called by kernel_choice.select_kernels): the C++ op `fused_moe`
+(csrc/moe.cpp: pairs grouped by expert, GEMV kernels, no Python loop) on the CPU with the
+kernels built, else `torch_experts` (sort by expert, one F.linear pair per expert picked:
+CUDA, no kernels, and the tests' reference). Both add each token's experts in ascending
+expert order, rounding as transformers' index_add_ loop does.
+What fails: a checkpoint expert tensor of the wrong shape is a ValueError, a quantized one
+(not supported yet) a ValueError too; the loader turns both into a ModelLoadError naming
+the tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fleetllm.distributed.parallel_state import get_tp_group
+from fleetllm.kernels import cpu_kernels
+from fleetllm.model.layers import Quantized, load_full, narrow
+
+ExpertsKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                          torch.Tensor], torch.Tensor]
+GATE, UP, DOWN = 0, 1, 2  # an expert tensor's part
+
+
+def torch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The routed experts' weighted sum in PyTorch: x [T, H], ids [T, k], weights float32
+    [T, k]; only the experts some token picked are computed."""
+    k, num_experts = ids.shape[1], w13.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order inside
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    tokens = order // k
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, rows in enumerate(counts):
+        if not rows:
+            continue
+        pairs = order[start:start + rows]
+        token = tokens[start:start + rows]
+        gate, up = F.linear(x[token], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert])
+        # float32 product rounded to x's dtype, then added: transformers' index_add_ loop
+        out.index_add_(0, token, (y * weights.reshape(-1)[pairs, None]).to(x.dtype))
+        start += rows
+    return out
+
+
+def cpu_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return cpu_kernels.fused_moe(x.contiguous(), ids.contiguous(), weights.contiguous(),
+                                 w13, w2)
+
+
+class FusedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        tp = get_tp_group()
+        self.num_experts = num_experts
+        self.shard = intermediate_size // tp.world_size
+        self.start = tp.rank_in_group * self.shard
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.shard, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard))
+        self.kernel: ExpertsKernel = torch_experts
+        self._loaded: set[tuple[int, int]] = set()  # (expert, part) filled so far
+
+    def choose_kernel(self) -> None:
+        """Once, after loading: the C++ op where it runs these weights, else PyTorch's."""
+        usable = cpu_kernels.usable(self.w13, self.w2) and self.w13.is_contiguous() \
+            and self.w2.is_contiguous()
+        self.kernel = cpu_experts if usable else torch_experts
+
+    def load_expert(self, expert: int, part: int, loaded: Any) -> bool:
+        """Copy this rank's slice of one checkpoint expert tensor (GATE, UP: rows [I, H];
+        DOWN: columns [H, I]) into the stacked weights; True once every expert's gate and up
+        (part < DOWN) or down tensor is in."""
+        if isinstance(loaded, Quantized):
+            raise ValueError("quantized expert weights are not supported (bf16 and float32 "
+                             "safetensors are)")
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is not in 0..{self.num_experts - 1}")
+        if part == DOWN:
+            target = self.w2.data[expert]
+            piece = load_full(narrow(loaded, 1, self.start, self.shard))
+        else:
+            target = self.w13.data[expert, part * self.shard:(part + 1) * self.shard]
+            piece = load_full(narrow(loaded, 0, self.start, self.shard))
+        if tuple(piece.shape) != tuple(target.shape):
+            raise ValueError(f"this rank's slice has shape {tuple(piece.shape)}, the "
+                             f"model's is {tuple(target.shape)}")
+        target.copy_(piece)
+        self._loaded.add((expert, part))
+        parts = (DOWN,) if part == DOWN else (GATE, UP)
+        return all((e, p) in self._loaded for e in range(self.num_experts) for p in parts)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+                ) -> torch.Tensor:
+        """This rank's partial sum of the routed experts for x [T, H]."""
+        return self.kernel(x, ids, weights, self.w13, self.w2)
