@@ -121,12 +121,12 @@ Tensor gguf_linear(const Tensor &x, const Tensor &packed, const std::optional<Te
     const int64_t m = x.size(0);
     TORCH_CHECK(m <= INT32_MAX, "gguf_linear: too many rows");
     const Tensor xp = w.perm ? permuted(x, w) : x;  // x in the stored column order
-    const Tensor xf = xp.scalar_type() == at::kFloat ? xp : xp.to(at::kFloat);
     Tensor y;
     const bool vnni = vnni_all(w);
     const bool passes =
         vnni && m <= (x.scalar_type() == at::kFloat ? VNNI_GEMM_ROWS : VNNI_BF16_GEMM_ROWS);
-    if ((!vnni && m <= GEMM_ROWS) || w.K % 16 || passes) {
+    if ((!vnni && m <= GEMM_ROWS) || w.K % 16 || passes) {  // float32 x for the GEMV
+        const Tensor xf = xp.scalar_type() == at::kFloat ? xp : xp.to(at::kFloat);
         y = at::empty({m, w.N}, xf.options());
         const int64_t step = passes ? VNNI_ROWS : std::max<int64_t>(m, 1);
         for (int64_t m0 = 0; m0 < m; m0 += step)
@@ -135,13 +135,14 @@ Tensor gguf_linear(const Tensor &x, const Tensor &packed, const std::optional<Te
                       y.mutable_data_ptr<float>() + m0 * w.N, at::get_num_threads());
     } else {  // chunks of the weight dequantized, each a GEMM in x's dtype (bf16: AMX's)
         const bool bf16 = x.scalar_type() == at::kBFloat16;
-        const Tensor &a = bf16 ? xp : xf;
+        const Tensor &a = xp;  // float32 or bf16: the GEMM's dtype (no float32 copy of a bf16 x)
         const bool direct = bf16 && fast_dequant_all(w);  // bf16 chunks, no float32 pass
         const int64_t chunk =
             std::min<int64_t>(std::max<int64_t>(CHUNK_ELEMS / w.K, CHUNK_MIN_ROWS), w.N);
         if (chunk < w.N)
             y = at::empty({m, w.N}, a.options());
-        Tensor dense = at::empty({chunk, w.K}, direct ? a.options() : xf.options());
+        Tensor dense = at::empty({chunk, w.K}, a.options().dtype(direct ? a.scalar_type()
+                                                                        : at::kFloat));
         for (int64_t n0 = 0; n0 < w.N; n0 += chunk) {
             const int64_t rows = std::min(chunk, w.N - n0);
             Tensor d = dense.narrow(0, 0, rows);
