@@ -9,6 +9,10 @@ for drafts or multi-step passes (`advance_computed`).
 `schedule()` only plans; the engine calls `complete_step()` after the workers ran, or
 `requeue_after_failed_step()` after a failure, which leaves every group as before the step
 except those whose blocks it copied or swapped (they are recomputed): no token is lost.
+With a KV connector (fleetllm/kv_transfer), a waiting group's prefix may also come from an
+external store past its local prefix-cache hit (`get_num_new_matched_tokens`): those blocks
+are allocated and count as computed; the workers load them before the step's forward. A load
+that failed (`drop_failed_loads`) is recomputed or ends the request (kv_load_failure_policy).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from fleetllm.config import CacheConfig, SchedulerConfig
 from fleetllm.config_lora import LoRAConfig
 from fleetllm.core.block_manager import BlockManager
 from fleetllm.core.scheduler_output import ScheduledSequenceGroup, SchedulerOutputs
+from fleetllm.errors import ConfigurationError
+from fleetllm.kv_transfer.base import KVConnectorBase_V1
 from fleetllm.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
 
 
@@ -55,7 +61,9 @@ def _by_arrival(queue: Iterable[SequenceGroup]) -> deque[SequenceGroup]:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 lora_config: LoRAConfig | None = None):
+                 lora_config: LoRAConfig | None = None,
+                 kv_connector: KVConnectorBase_V1 | None = None,
+                 kv_load_failure_policy: str = "recompute"):
         if cache_config.num_gpu_blocks is None:
             raise ValueError("cache_config.num_gpu_blocks must be measured before the "
                              "scheduler is built")
@@ -70,6 +78,13 @@ class Scheduler:
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = 0
         self._finished_ids: list[str] = []  # finished while running; see free_finished_...
+        # KV transfer: the connector's scheduler half, and what it did.
+        self.kv_connector = kv_connector
+        self.kv_load_failure_policy = kv_load_failure_policy
+        if kv_connector is not None:
+            kv_connector.block_manager = self.block_manager
+        self.num_kv_load_failures = 0  # requests whose external load failed
+        self.num_prompt_tokens_computed = 0  # prefill tokens the workers computed
 
     # ------------------------------------------------------------------ queue API
 
@@ -81,6 +96,7 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped):
             for group in [g for g in queue if g.request_id in ids]:
                 queue.remove(group)
+                self._connector_finished(group)
                 for seq in group.seqs:
                     if not seq.is_finished():
                         seq.status = SequenceStatus.FINISHED_ABORTED
@@ -117,6 +133,8 @@ class Scheduler:
         prefill stage. (Call before appending the sampled tokens.)"""
         for scheduled in out.scheduled_seq_groups:
             group = scheduled.seq_group
+            if group.is_prefill():
+                self.num_prompt_tokens_computed += scheduled.token_chunk_size
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 seq.data.num_computed_tokens += scheduled.token_chunk_size
                 self.block_manager.mark_computed(seq)  # full blocks become findable
@@ -153,6 +171,50 @@ class Scheduler:
                 queue.remove(group)
         self._ignore(group, SchedulerOutputs(), why)
 
+    def drop_failed_loads(self, out: SchedulerOutputs, invalid_block_ids: set[int]
+                          ) -> tuple[list[int], list[SequenceGroup]]:
+        """The step `out` ran, but the workers could not load `invalid_block_ids` from the KV
+        connector's store. Each scheduled group holding one is taken out of `out` (its step
+        results are garbage; call before complete_step) and, by kv_load_failure_policy,
+        waits to be recomputed from its tokens without the store, or ends with
+        finish_reason "error". Its blocks are freed unregistered: none enters the prefix
+        cache. Returns (the indices of those groups in out.scheduled_seq_groups before the
+        call, the groups that ended)."""
+        bm = self.block_manager
+        indices = [i for i, s in enumerate(out.scheduled_seq_groups)
+                   if any(b in invalid_block_ids for seq in s.seq_group.unfinished_seqs()
+                          for b in bm.block_tables.get(seq.seq_id, ()))]
+        ended = []
+        for i in indices:
+            group = out.scheduled_seq_groups[i].seq_group
+            self.num_kv_load_failures += 1
+            group.kv_load_failed = True  # never asks the store again
+            if group in self.running:
+                self.running.remove(group)
+            if self.kv_load_failure_policy == "fail":
+                self._ignore(group, SchedulerOutputs(), "its KV blocks could not be loaded "
+                             "from the KV connector's store (kv_load_failure_policy='fail')")
+                ended.append(group)
+            else:
+                self._reset_for_recompute(group)
+                self.waiting.append(group)
+        self.waiting = _by_arrival(self.waiting)
+        keep = set(indices)
+        out.scheduled_seq_groups = [s for i, s in enumerate(out.scheduled_seq_groups)
+                                    if i not in keep]
+        return indices, ended
+
+    def _connector_finished(self, group: SequenceGroup) -> None:
+        if self.kv_connector is None:
+            return
+        blocks = next((self.block_manager.block_tables.get(s.seq_id, []) for s in group.seqs
+                       if s.seq_id in self.block_manager.block_tables), [])
+        delay_free, _ = self.kv_connector.request_finished(group, list(blocks))
+        if delay_free:  # asynchronous sends: a later part of issue 74
+            raise ConfigurationError("kv_transfer_config: the connector asked to keep a "
+                                     "finished request's blocks (delay_free=True); fleetllm "
+                                     "does not support asynchronous KV sends yet")
+
     def _reset_for_recompute(self, group: SequenceGroup) -> None:
         for seq in group.unfinished_seqs():
             self.block_manager.free(seq)
@@ -167,6 +229,7 @@ class Scheduler:
                 if seq.is_finished():  # free_seq is idempotent; catch any the engine missed
                     self.block_manager.free(seq)
             if group.is_finished():
+                self._connector_finished(group)
                 self._finished_ids.append(group.request_id)
             else:
                 kept.append(group)
@@ -187,6 +250,8 @@ class Scheduler:
                 self._schedule_waiting(out, budget, metadata)
         out.num_batched_tokens = budget.tokens
         out.running_queue_size = len(self.running)
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
         return metadata, out
 
     def _schedule_running(self, out: SchedulerOutputs, budget: _Budget,
@@ -282,20 +347,42 @@ class Scheduler:
                 continue
             # Its longest cached prefix counts as computed; not for prompt logprobs or pooling,
             # which need every prompt position's logits (hidden states).
-            hits = [] if group.sampling_params.prompt_logprobs is not None or \
-                group.pooling_params is not None else bm.prefix_hits(group)
-            uncomputed = self._uncomputed(group) - len(hits) * bm.block_size
+            reuse = group.sampling_params.prompt_logprobs is None and \
+                group.pooling_params is None
+            hits = bm.prefix_hits(group) if reuse else []
+            external = self._external_tokens(group, len(hits)) if reuse else 0
+            uncomputed = self._uncomputed(group) - len(hits) * bm.block_size - external
             chunk = self._whole(group, min(uncomputed, budget.tokens_left // len(seqs)))
             if chunk <= 0 or not budget.fits_seqs(width) or \
-                    not bm.can_take_prefix(group, hits, chunk):
+                    not bm.can_take_prefix(group, hits, chunk, external):
                 break  # FCFS: nothing overtakes the head of the queue
             self.waiting.popleft()
-            bm.take_prefix(group, hits)
+            bm.take_prefix(group, hits, external)
+            if external:  # loaded before the forward: a failed step leaves them unknown
+                out.kv_moved.append(group)
+            if self.kv_connector is not None:
+                self.kv_connector.update_state_after_alloc(
+                    group, list(bm.get_block_table(seqs[0])), external)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             self._schedule_group(group, chunk, width, out, budget, metadata)
             self.running.append(group)
         self.waiting.extendleft(reversed(passed))
+
+    def _external_tokens(self, group: SequenceGroup, num_hits: int) -> int:
+        """Tokens past the local hit of `num_hits` blocks the KV connector's store holds (0
+        without one, for a group that failed to load before, or one that started)."""
+        seqs = group.unfinished_seqs()
+        if self.kv_connector is None or group.kv_load_failed or \
+                len(seqs) != 1 or seqs[0].data.num_computed_tokens or \
+                seqs[0].seq_id in self.block_manager.block_tables:
+            return 0
+        tokens, is_async = self.kv_connector.get_num_new_matched_tokens(
+            group, num_hits * self.block_manager.block_size)
+        if is_async:
+            raise ConfigurationError("kv_transfer_config: the connector loads asynchronously; "
+                                     "fleetllm supports synchronous loads only so far")
+        return tokens
 
     def waiting_for_grammars(self) -> list[SequenceGroup]:
         return [g for g in self.waiting if g.grammar is not None and not g.grammar.ready]
@@ -372,6 +459,7 @@ class Scheduler:
 
     def _ignore(self, group: SequenceGroup, out: SchedulerOutputs, why: str) -> None:
         group.error = f"request {group.request_id} cannot be scheduled: {why}"
+        self._connector_finished(group)
         for seq in group.seqs:
             if not seq.is_finished():
                 seq.status = SequenceStatus.FINISHED_IGNORED
