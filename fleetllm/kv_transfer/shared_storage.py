@@ -122,6 +122,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self._loads = {}
         if not self.can_save:
             return meta
+        planned: set[bytes] = set()  # two prompts of the step may complete the same block
         for scheduled in scheduler_output.scheduled_seq_groups:
             group = scheduled.seq_group
             rid = group.request_id
@@ -136,8 +137,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
                 continue
             table = self.block_manager.get_block_table(seq)
             hashes = self.block_manager.block_hashes(seq, full)
-            saves = [(table[i], hashes[i]) for i in range(start, full)
-                     if not self.store.has_block(hashes[i], self.world_size)]
+            saves = [(table[i], hashes[i]) for i in range(start, full) if hashes[i] not in
+                     planned and not self.store.has_block(hashes[i], self.world_size)]
+            planned.update(h for _, h in saves)
             self._saved_upto[rid] = full
             if saves:
                 meta.saves[rid] = saves
