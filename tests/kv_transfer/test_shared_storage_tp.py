@@ -1,0 +1,52 @@
+"""SharedStorageConnector with tensor parallelism on mp: each rank stores and loads its own
+shard, and a load that fails on rank 1 only is seen (the executor merges every rank's
+KVConnectorOutput) (issue 74)."""
+
+from __future__ import annotations
+
+import pytest
+from kv_transfer_helpers import (
+    KV,
+    assert_no_leak,
+    block_files,
+    damage,
+    greedy_tokens,
+    prompts_sharing_prefixes,
+    store_config,
+)
+
+from fleetllm import LLM
+
+TP2 = dict(tensor_parallel_size=2, distributed_executor_backend="mp")
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_tp2_ranks_store_their_shards_and_a_rank_1_failure_is_seen(tiny_models, tmp_path,
+                                                                   policy):
+    model = tiny_models["llama_gqa"]
+    prompts = prompts_sharing_prefixes(6, seed=7)
+    with LLM(model, kv_cache_memory=KV, **TP2) as llm:
+        reference = greedy_tokens(llm, prompts)
+    kt = store_config(tmp_path, policy)
+    with LLM(model, kv_cache_memory=KV, kv_transfer_config=kt, **TP2) as llm:
+        assert greedy_tokens(llm, prompts) == reference
+    rank0, rank1 = block_files(tmp_path, 0), block_files(tmp_path, 1)
+    assert len(rank0) == len(rank1) > 0
+    assert [p.name.replace(".r0.", ".r1.") for p in rank0] == [p.name for p in rank1]
+    # No local prefix cache: the second run below loads from the store again.
+    with LLM(model, kv_cache_memory=KV, kv_transfer_config=kt, enable_prefix_caching=False,
+             **TP2) as llm:
+        assert greedy_tokens(llm, prompts) == reference  # every block from the store
+        stats = llm.llm_engine.kv_transfer_stats
+        assert stats["blocks_loaded"] > 0 and stats["load_failures"] == 0
+        for path in rank1:  # rank 0's halves stay good: only rank 1 can tell
+            damage(path, "flip")
+        got = greedy_tokens(llm, prompts)
+        stats = llm.llm_engine.kv_transfer_stats
+        assert_no_leak(llm)
+    assert stats["load_failures"] > 0
+    if policy == "recompute":
+        assert got == reference
+    else:
+        assert got.count(None) == stats["load_failures"]
+        assert all(g == r for g, r in zip(got, reference, strict=True) if g is not None)
