@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from fleetllm.config import CacheConfig, SchedulerConfig
 from fleetllm.config_lora import LoRAConfig
 from fleetllm.core.block_manager import BlockManager
+from fleetllm.core.scheduler_kv import KVTransferMixin
 from fleetllm.core.scheduler_output import ScheduledSequenceGroup, SchedulerOutputs
-from fleetllm.errors import ConfigurationError
 from fleetllm.kv_transfer.base import KVConnectorBase_V1
 from fleetllm.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
 
@@ -59,7 +59,7 @@ def _by_arrival(queue: Iterable[SequenceGroup]) -> deque[SequenceGroup]:
     return deque(sorted(queue, key=lambda g: g.arrival_time))  # stable: ties keep order
 
 
-class Scheduler:
+class Scheduler(KVTransferMixin):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  lora_config: LoRAConfig | None = None,
                  kv_connector: KVConnectorBase_V1 | None = None,
@@ -170,50 +170,6 @@ class Scheduler:
             if group in queue:
                 queue.remove(group)
         self._ignore(group, SchedulerOutputs(), why)
-
-    def drop_failed_loads(self, out: SchedulerOutputs, invalid_block_ids: set[int]
-                          ) -> tuple[list[int], list[SequenceGroup]]:
-        """The step `out` ran, but the workers could not load `invalid_block_ids` from the KV
-        connector's store. Each scheduled group holding one is taken out of `out` (its step
-        results are garbage; call before complete_step) and, by kv_load_failure_policy,
-        waits to be recomputed from its tokens without the store, or ends with
-        finish_reason "error". Its blocks are freed unregistered: none enters the prefix
-        cache. Returns (the indices of those groups in out.scheduled_seq_groups before the
-        call, the groups that ended)."""
-        bm = self.block_manager
-        indices = [i for i, s in enumerate(out.scheduled_seq_groups)
-                   if any(b in invalid_block_ids for seq in s.seq_group.unfinished_seqs()
-                          for b in bm.block_tables.get(seq.seq_id, ()))]
-        ended = []
-        for i in indices:
-            group = out.scheduled_seq_groups[i].seq_group
-            self.num_kv_load_failures += 1
-            group.kv_load_failed = True  # never asks the store again
-            if group in self.running:
-                self.running.remove(group)
-            if self.kv_load_failure_policy == "fail":
-                self._ignore(group, SchedulerOutputs(), "its KV blocks could not be loaded "
-                             "from the KV connector's store (kv_load_failure_policy='fail')")
-                ended.append(group)
-            else:
-                self._reset_for_recompute(group)
-                self.waiting.append(group)
-        self.waiting = _by_arrival(self.waiting)
-        keep = set(indices)
-        out.scheduled_seq_groups = [s for i, s in enumerate(out.scheduled_seq_groups)
-                                    if i not in keep]
-        return indices, ended
-
-    def _connector_finished(self, group: SequenceGroup) -> None:
-        if self.kv_connector is None:
-            return
-        blocks = next((self.block_manager.block_tables.get(s.seq_id, []) for s in group.seqs
-                       if s.seq_id in self.block_manager.block_tables), [])
-        delay_free, _ = self.kv_connector.request_finished(group, list(blocks))
-        if delay_free:  # asynchronous sends: a later part of issue 74
-            raise ConfigurationError("kv_transfer_config: the connector asked to keep a "
-                                     "finished request's blocks (delay_free=True); fleetllm "
-                                     "does not support asynchronous KV sends yet")
 
     def _reset_for_recompute(self, group: SequenceGroup) -> None:
         for seq in group.unfinished_seqs():
@@ -368,21 +324,6 @@ class Scheduler:
             self._schedule_group(group, chunk, width, out, budget, metadata)
             self.running.append(group)
         self.waiting.extendleft(reversed(passed))
-
-    def _external_tokens(self, group: SequenceGroup, num_hits: int) -> int:
-        """Tokens past the local hit of `num_hits` blocks the KV connector's store holds (0
-        without one, for a group that failed to load before, or one that started)."""
-        seqs = group.unfinished_seqs()
-        if self.kv_connector is None or group.kv_load_failed or \
-                len(seqs) != 1 or seqs[0].data.num_computed_tokens or \
-                seqs[0].seq_id in self.block_manager.block_tables:
-            return 0
-        tokens, is_async = self.kv_connector.get_num_new_matched_tokens(
-            group, num_hits * self.block_manager.block_size)
-        if is_async:
-            raise ConfigurationError("kv_transfer_config: the connector loads asynchronously; "
-                                     "fleetllm supports synchronous loads only so far")
-        return tokens
 
     def waiting_for_grammars(self) -> list[SequenceGroup]:
         return [g for g in self.waiting if g.grammar is not None and not g.grammar.ready]
