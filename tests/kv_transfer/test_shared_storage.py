@@ -132,3 +132,23 @@ def test_the_store_stays_under_its_cap(model, tmp_path):
             greedy_tokens(llm, [prompt])
             assert sum(p.stat().st_size for p in block_files(tmp_path)) <= cap
         assert llm.llm_engine.kv_transfer_stats["blocks_saved"] > 5
+
+
+def test_a_producer_only_writes_and_a_consumer_only_reads(model, prompts, reference,
+                                                          tmp_path):
+    def role(name: str) -> dict:
+        return {**store_config(tmp_path), "kv_role": name}
+
+    with LLM(model, kv_cache_memory=KV, kv_transfer_config=role("kv_consumer")) as llm:
+        assert greedy_tokens(llm, prompts) == reference
+    assert block_files(tmp_path) == []
+    with LLM(model, kv_cache_memory=KV, kv_transfer_config=role("kv_producer")) as llm:
+        greedy_tokens(llm, prompts)
+        greedy_tokens(llm, prompts)  # its own blocks: local prefix-cache hits, never the store
+        assert llm.llm_engine.kv_transfer_stats["blocks_loaded"] == 0
+    written = block_files(tmp_path)
+    with LLM(model, kv_cache_memory=KV, kv_transfer_config=role("kv_consumer"),
+             enable_prefix_caching=False) as llm:
+        assert greedy_tokens(llm, prompts) == reference
+        assert llm.llm_engine.kv_transfer_stats["blocks_loaded"] > 0
+    assert block_files(tmp_path) == written
