@@ -129,9 +129,12 @@ class KVConnectorOutput:
     finished_sending: set[str] | None = None
     finished_recving: set[str] | None = None
     invalid_block_ids: set[int] = field(default_factory=set)
+    # The connector's counters of the step ({name: count}); summed over ranks.
+    kv_connector_stats: dict[str, int] | None = None
 
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
+                    or self.kv_connector_stats)
 
 
 @dataclass

@@ -284,7 +284,8 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin, OutputsMixin):
     @property
     def kv_transfer_stats(self) -> dict[str, int]:
         """KV transfer counters since the start: the connector's (SharedStorageConnector:
-        blocks_loaded, tokens_loaded, blocks_saved), requests whose load failed, and the
+        blocks_loaded, tokens_loaded, blocks_saved, and the KV bytes the ranks read and
+        wrote: bytes_loaded, bytes_saved), requests whose load failed, and the
         prompt tokens the workers computed (what a store hit saves). {} without one."""
         connector = self.scheduler.kv_connector
         if connector is None:

@@ -6,7 +6,8 @@ does not sample). A request's send (receive) is finished when the LAST rank has 
 ranks may report it in different steps, so the aggregator counts reports per request across
 steps and emits the request once, in the step its count reaches world_size. Failed loads
 (invalid_block_ids) are the union over ranks: a block is unusable if any rank's shard of it is.
-A rank that reports nothing in a step (None) simply adds nothing.
+A rank that reports nothing in a step (None) simply adds nothing. Counters
+(kv_connector_stats) are summed.
 """
 
 from __future__ import annotations
@@ -43,13 +44,17 @@ class KVOutputAggregator:
     def aggregate(self, outputs: list[KVConnectorOutput | None]) -> KVConnectorOutput:
         """Merge one step's per-rank outputs (in rank order; None: nothing from that rank)."""
         invalid: set[int] = set()
+        stats: dict[str, int] = {}
         for out in outputs:
             if out is None:
                 continue
             self._count(self._sending, out.finished_sending)
             self._count(self._recving, out.finished_recving)
             invalid |= out.invalid_block_ids
-        return KVConnectorOutput(self._done(self._sending), self._done(self._recving), invalid)
+            for name, value in (out.kv_connector_stats or {}).items():
+                stats[name] = stats.get(name, 0) + value
+        return KVConnectorOutput(self._done(self._sending), self._done(self._recving), invalid,
+                                 stats or None)
 
     def merge_step(self, results: list[Any], output_rank: int) -> list[SamplerOutput]:
         """The output rank's step result, its last SamplerOutput carrying the merged

@@ -115,3 +115,9 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Device blocks whose load failed since the last call (then forgotten)."""
         return set()
+
+    def get_kv_connector_stats(self) -> dict[str, int] | None:
+        """This rank's counters since the last call (then reset), e.g. bytes moved; the
+        executor sums the ranks' and the scheduler half gets them in
+        update_connector_output (KVConnectorOutput.kv_connector_stats)."""
+        return None

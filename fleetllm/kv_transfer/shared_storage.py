@@ -80,9 +80,11 @@ class SharedStorageConnector(KVConnectorBase_V1):
         # scheduler half
         self._loads: dict[str, list[BlockRef]] = {}  # admitted this step, to load
         self._saved_upto: dict[str, int] = {}  # per request: blocks stored or known stored
-        self.stats = {"blocks_loaded": 0, "tokens_loaded": 0, "blocks_saved": 0}
+        self.stats = {"blocks_loaded": 0, "tokens_loaded": 0, "blocks_saved": 0,
+                      "bytes_loaded": 0, "bytes_saved": 0}  # bytes: KV payload, all ranks
         # worker half
         self._failed_blocks: set[int] = set()
+        self._moved = {"bytes_loaded": 0, "bytes_saved": 0}  # since the last report
 
     # ---------------------------------------------------------------- scheduler side
 
@@ -154,7 +156,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
         return False, None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        pass  # synchronous: nothing finishes later; failed loads are the engine's to apply
+        # Synchronous: nothing finishes later; failed loads are the engine's to apply.
+        for name, value in (connector_output.kv_connector_stats or {}).items():
+            self.stats[name] = self.stats.get(name, 0) + value
 
     # ---------------------------------------------------------------- worker side
 
@@ -178,6 +182,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
                     logger.warning("KV block load failed (rank %d): %s", self.rank, e)
                     self._failed_blocks.add(block_id)
                     continue
+                self._moved["bytes_loaded"] += len(payload)
                 data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
                 block = data.view(dtype).view(shape)
                 for layer, cache in enumerate(self.kv_caches):
@@ -196,6 +201,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
                 payload = block.view(torch.uint8).numpy().tobytes()
                 try:
                     written += self.store.write(digest, self.rank, layout, payload)
+                    self._moved["bytes_saved"] += len(payload)
                 except OSError as e:
                     logger.warning("KV block save failed (rank %d): %s", self.rank, e)
         if self.rank == 0:
@@ -204,3 +210,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+    def get_kv_connector_stats(self) -> dict[str, int] | None:
+        moved, self._moved = self._moved, {"bytes_loaded": 0, "bytes_saved": 0}
+        return moved if any(moved.values()) else None

@@ -158,7 +158,8 @@ class Worker(WorkerBase):
             connector.clear_connector_metadata()
         sending, recving = connector.get_finished(set(req.finished_requests_ids))
         kv_output = KVConnectorOutput(sending, recving,
-                                      connector.get_block_ids_with_load_errors())
+                                      connector.get_block_ids_with_load_errors(),
+                                      connector.get_kv_connector_stats())
         if output is None:  # not the output rank: the executor still needs its news
             output = [SamplerOutput([])]
         output[-1].kv_connector_output = kv_output

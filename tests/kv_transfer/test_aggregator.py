@@ -25,11 +25,17 @@ def test_a_request_finishes_when_its_last_rank_reports_it_even_steps_later():
     assert agg._sending == {"c": 2}
 
 
-def test_invalid_blocks_are_the_union_over_ranks():
+def test_invalid_blocks_are_the_union_over_ranks_and_counters_are_summed():
     agg = KVOutputAggregator(world_size=2)
     out = agg.aggregate([KVConnectorOutput(invalid_block_ids={3}),
                          KVConnectorOutput(invalid_block_ids={3, 7})])
     assert out.invalid_block_ids == {3, 7}
+    out = agg.aggregate([KVConnectorOutput(kv_connector_stats={"bytes_loaded": 5}), None])
+    assert out.kv_connector_stats == {"bytes_loaded": 5}
+    out = agg.aggregate([KVConnectorOutput(kv_connector_stats={"bytes_loaded": 5}),
+                         KVConnectorOutput(kv_connector_stats={"bytes_loaded": 7,
+                                                               "bytes_saved": 1})])
+    assert out.kv_connector_stats == {"bytes_loaded": 12, "bytes_saved": 1}  # summed
     assert agg.aggregate([None, None]).invalid_block_ids == set()
 
 

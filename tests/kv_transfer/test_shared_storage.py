@@ -59,6 +59,8 @@ def test_a_restarted_instance_computes_only_what_the_store_lacks(model, prompts,
         assert_no_leak(second)
     loaded = sum(stored_blocks(p) for p in prompts)
     assert stats["blocks_loaded"] == loaded and stats["blocks_saved"] == 0
+    # 2 layers x (K, V) x 16 slots x 2 KV heads x 16 dims, float32
+    assert stats["bytes_loaded"] == loaded * 2 * 2 * BS * 2 * 16 * 4
     assert stats["prompt_tokens_computed"] == sum(map(len, prompts)) - loaded * BS
     assert stats["load_failures"] == 0
 

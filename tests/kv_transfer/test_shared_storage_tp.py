@@ -49,6 +49,8 @@ def test_ranks_store_their_shards_and_a_non_output_ranks_failure_is_seen(
         assert greedy_tokens(llm, prompts) == reference  # every block from the store
         stats = llm.llm_engine.kv_transfer_stats
         assert stats["blocks_loaded"] > 0 and stats["load_failures"] == 0
+        # every rank's half counted: the whole model's 2 layers x 2 KV heads, float32
+        assert stats["bytes_loaded"] == stats["blocks_loaded"] * 2 * 2 * 16 * 2 * 16 * 4
         for path in (rank0, rank1)[quiet]:  # the other rank's halves stay good
             damage(path, "flip")
         got = greedy_tokens(llm, prompts)
