@@ -154,3 +154,21 @@ def test_a_producer_only_writes_and_a_consumer_only_reads(model, prompts, refere
         assert greedy_tokens(llm, prompts) == reference
         assert llm.llm_engine.kv_transfer_stats["blocks_loaded"] > 0
     assert block_files(tmp_path) == written
+
+
+def test_a_step_that_fails_before_its_loads_loads_them_again(model, prompts, reference,
+                                                            tmp_path):
+    from fleetllm.worker.faults import inject_fault
+
+    kt = store_config(tmp_path)
+    with LLM(model, kv_cache_memory=KV, kv_transfer_config=kt) as llm:
+        greedy_tokens(llm, prompts)
+    with LLM(model, kv_cache_memory=KV, kv_transfer_config=kt) as llm:
+        # out of memory in the first step, before the workers load anything: the engine
+        # retries with a smaller budget, and the groups admitted with loads load again
+        inject_fault(llm.llm_engine.model_executor, rank=0, kind="oom", at_call=1)
+        assert greedy_tokens(llm, prompts) == reference
+        stats = llm.llm_engine.kv_transfer_stats
+        assert stats["load_failures"] == 0
+        assert stats["blocks_loaded"] > sum((len(p) - 1) // 16 for p in prompts[:1])
+        assert_no_leak(llm)
