@@ -112,7 +112,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
         rid = request.request_id
         end = request.unfinished_seqs()[0].data.num_computed_tokens // self.block_size
         start = end - num_external_tokens // self.block_size
-        self._saved_upto[rid] = end  # what it holds is stored already (or was local)
+        # Its blocks are checked against the store from the first: a local hit may be
+        # missing there (evicted by the cap, or written by no one).
+        self._saved_upto[rid] = 0
         if num_external_tokens:
             hashes = self._prompt_hashes(request, end * self.block_size)
             self._loads[rid] = [(block_ids[i], hashes[i]) for i in range(start, end)]
