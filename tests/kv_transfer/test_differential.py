@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from conftest import series_size
 from kv_transfer_helpers import (
     KV,
@@ -21,10 +22,12 @@ from kv_transfer_helpers import (
 
 from fleetllm import LLM
 
+pytestmark = [pytest.mark.soak, pytest.mark.timeout(600)]
+
 
 def test_random_store_damage_never_changes_a_completed_answer(tiny_models, tmp_path, soak):
     model = tiny_models["llama_tied"]
-    rounds = series_size(soak, 4, 12)
+    rounds = series_size(soak, 4, 12, "FLEETLLM_KV_TRANSFER_ROUNDS")
     rng = random.Random(2026)
     prompts = prompts_sharing_prefixes(10 * rounds, seed=11, prefixes=4)
     with LLM(model, kv_cache_memory=KV) as llm:
