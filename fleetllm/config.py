@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from fleetllm.config_kv_transfer import KVTransferConfig
 from fleetllm.config_lora import LoRAConfig
 from fleetllm.config_model import (  # noqa: F401 - re-exported: their old import path
     DTYPES,
@@ -246,6 +247,8 @@ class EngineConfig:
     # Speculative decoding (fleetllm/spec_decode): a dict with vLLM's keys becomes this.
     speculative_config: SpeculativeConfig | None = None
     decoding_config: DecodingConfig = field(default_factory=DecodingConfig)
+    # KV transfer (fleetllm/kv_transfer): a dict with vLLM's keys becomes this.
+    kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         m, s, p = self.model_config, self.scheduler_config, self.parallel_config
@@ -287,6 +290,15 @@ class EngineConfig:
         # tokens of a multi-step call's later steps.
         s.num_lookahead_slots = spec.num_speculative_tokens if spec is not None else \
             s.num_scheduler_steps - 1
+        self.kv_transfer_config = kt = KVTransferConfig.from_value(self.kv_transfer_config)
+        if kt is not None:  # the connector's hooks wrap one plain forward per step
+            _check(not m.is_pooling, "kv_transfer_config",
+                   "KV transfer applies to generating models only (task='generate')")
+            _check(spec is None, "kv_transfer_config",
+                   "KV transfer and speculative decoding cannot be combined yet")
+            _check(s.num_scheduler_steps == 1, "kv_transfer_config",
+                   "KV transfer and multi-step decoding (num_scheduler_steps > 1) cannot be "
+                   "combined yet")
 
     @classmethod
     def from_kwargs(cls, model: str | os.PathLike, **kwargs: Any) -> EngineConfig:
@@ -310,7 +322,7 @@ class EngineConfig:
                 key, value = "structured_outputs_backend", backend
             if key in section_of:
                 parts[section_of[key]][key] = value
-            elif key in ("lora_config", "speculative_config"):
+            elif key in ("lora_config", "speculative_config", "kv_transfer_config"):
                 extras[key] = value
             elif key in SPEC_FLAT_ARGS:
                 spec_flat[SPEC_FLAT_ARGS[key]] = value

@@ -89,6 +89,9 @@ class ExecuteModelRequest:
     # Multi-step decoding: forward passes the workers run in this call (a decode-only batch),
     # returning one SamplerOutput per pass.
     num_steps: int = 1
+    # KV transfer (fleetllm/kv_transfer): the scheduler-side connector's plan for this step
+    # (what each worker loads and saves); None without a connector.
+    kv_connector_metadata: Any = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -117,11 +120,32 @@ class PoolingSequenceGroupOutput:
 
 
 @dataclass
+class KVConnectorOutput:
+    """A step's KV-transfer news from a worker (vLLM's names): requests whose asynchronous
+    send / receive finished, and device blocks whose load failed. The executor's
+    KVOutputAggregator merges every rank's into one (a request is finished once all ranks
+    have reported it; invalid blocks are the union)."""
+
+    finished_sending: set[str] | None = None
+    finished_recving: set[str] | None = None
+    invalid_block_ids: set[int] = field(default_factory=set)
+    # The connector's counters of the step ({name: count}); summed over ranks.
+    kv_connector_stats: dict[str, int] | None = None
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
+                    or self.kv_connector_stats)
+
+
+@dataclass
 class SamplerOutput:
     outputs: list[CompletionSequenceGroupOutput] | list[PoolingSequenceGroupOutput]
     sampled_token_ids: Any = None  # tensor [num_samples] when available
     sampled_token_probs: Any = None
     spec_decode_worker_metrics: Any = None
+    # With a KV connector: this rank's (after the executor: all ranks') KVConnectorOutput,
+    # on the last SamplerOutput of a step.
+    kv_connector_output: KVConnectorOutput | None = None
 
     def __len__(self) -> int:
         return len(self.outputs)
@@ -252,6 +276,8 @@ class SequenceGroup:
         # Structured outputs: the compiled constraint (structured_outputs.manager.Grammar);
         # the group waits in the scheduler until it is ready.
         self.grammar: Any = None
+        # KV transfer: a load from the connector's store failed once; never load again.
+        self.kv_load_failed = False
 
     @property
     def prompt(self) -> str | None:

@@ -244,6 +244,11 @@ class BlockManager:
             hashes.append(block_hash(hashes[-1] if hashes else seq.cache_salt, tokens))
         return hashes
 
+    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The prefix-cache hashes of seq's first num_blocks full blocks (the KV connector
+        names stored blocks by them)."""
+        return list(self._hashes(seq, num_blocks))
+
     def prefix_hits(self, seq_group: SequenceGroup) -> list[int]:
         """Cached blocks holding the longest cached prefix of the group's sequences, in full
         blocks, leaving at least the last token to compute (its logits are needed). No side
@@ -265,26 +270,33 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def take_prefix(self, seq_group: SequenceGroup, hits: list[int]) -> None:
-        """Admit the group with `hits` (from prefix_hits) as its sequences' first blocks:
-        they count as computed."""
+    def take_prefix(self, seq_group: SequenceGroup, hits: list[int],
+                    num_external_tokens: int = 0) -> None:
+        """Admit the group with `hits` (from prefix_hits) as its sequences' first blocks,
+        then new blocks for `num_external_tokens` (whole blocks a KV connector loads before
+        the step runs): all count as computed. The loaded blocks become findable only once a
+        step has completed (mark_computed), never if their load fails."""
         cache = self.prefix_cache
+        external = self.num_blocks_for(num_external_tokens)
         for seq in seq_group.unfinished_seqs():
             for block in hits:
                 self.gpu.incref(block)  # revives a parked block
-            self.block_tables[seq.seq_id] = list(hits)
+            self.block_tables[seq.seq_id] = list(hits) + \
+                [self.gpu.allocate() for _ in range(external)]
             self.registered[seq.seq_id] = len(hits)
-            seq.data.num_computed_tokens = len(hits) * self.block_size
+            seq.data.num_computed_tokens = len(hits) * self.block_size + num_external_tokens
             if cache is not None:
                 cache.queried_tokens += seq.get_len()
                 cache.hit_tokens += len(hits) * self.block_size
 
     def can_take_prefix(self, seq_group: SequenceGroup, hits: list[int],
-                        num_new_tokens: int) -> bool:
-        """Room to admit the group with `hits` and compute num_new_tokens more per sequence:
-        new blocks past the hits, plus the parked hits (they stop counting as free)."""
+                        num_new_tokens: int, num_external_tokens: int = 0) -> bool:
+        """Room to admit the group with `hits` (and `num_external_tokens` to load) and compute
+        num_new_tokens more per sequence: new blocks past the hits, plus the parked hits
+        (they stop counting as free)."""
         seqs = seq_group.unfinished_seqs()
-        past = self.num_blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
+        past = self.num_blocks_for(len(hits) * self.block_size + num_external_tokens
+                                   + num_new_tokens) - len(hits)
         parked = sum(1 for b in hits if self.gpu.ref[b] == 0)
         return len(seqs) * past + parked <= self.num_free_gpu_blocks
 

@@ -9,6 +9,10 @@ for drafts or multi-step passes (`advance_computed`).
 `schedule()` only plans; the engine calls `complete_step()` after the workers ran, or
 `requeue_after_failed_step()` after a failure, which leaves every group as before the step
 except those whose blocks it copied or swapped (they are recomputed): no token is lost.
+With a KV connector (fleetllm/kv_transfer), a waiting group's prefix may also come from an
+external store past its local prefix-cache hit (`get_num_new_matched_tokens`): those blocks
+are allocated and count as computed; the workers load them before the step's forward. A load
+that failed (`drop_failed_loads`) is recomputed or ends the request (kv_load_failure_policy).
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from dataclasses import dataclass, field
 from fleetllm.config import CacheConfig, SchedulerConfig
 from fleetllm.config_lora import LoRAConfig
 from fleetllm.core.block_manager import BlockManager
+from fleetllm.core.scheduler_kv import KVTransferMixin
 from fleetllm.core.scheduler_output import ScheduledSequenceGroup, SchedulerOutputs
+from fleetllm.kv_transfer.base import KVConnectorBase_V1
 from fleetllm.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
 
 
@@ -53,9 +59,11 @@ def _by_arrival(queue: Iterable[SequenceGroup]) -> deque[SequenceGroup]:
     return deque(sorted(queue, key=lambda g: g.arrival_time))  # stable: ties keep order
 
 
-class Scheduler:
+class Scheduler(KVTransferMixin):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 lora_config: LoRAConfig | None = None):
+                 lora_config: LoRAConfig | None = None,
+                 kv_connector: KVConnectorBase_V1 | None = None,
+                 kv_load_failure_policy: str = "recompute"):
         if cache_config.num_gpu_blocks is None:
             raise ValueError("cache_config.num_gpu_blocks must be measured before the "
                              "scheduler is built")
@@ -70,6 +78,13 @@ class Scheduler:
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = 0
         self._finished_ids: list[str] = []  # finished while running; see free_finished_...
+        # KV transfer: the connector's scheduler half, and what it did.
+        self.kv_connector = kv_connector
+        self.kv_load_failure_policy = kv_load_failure_policy
+        if kv_connector is not None:
+            kv_connector.block_manager = self.block_manager
+        self.num_kv_load_failures = 0  # requests whose external load failed
+        self.num_prompt_tokens_computed = 0  # prefill tokens the workers computed
 
     # ------------------------------------------------------------------ queue API
 
@@ -81,6 +96,7 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped):
             for group in [g for g in queue if g.request_id in ids]:
                 queue.remove(group)
+                self._connector_finished(group)
                 for seq in group.seqs:
                     if not seq.is_finished():
                         seq.status = SequenceStatus.FINISHED_ABORTED
@@ -117,6 +133,8 @@ class Scheduler:
         prefill stage. (Call before appending the sampled tokens.)"""
         for scheduled in out.scheduled_seq_groups:
             group = scheduled.seq_group
+            if group.is_prefill():
+                self.num_prompt_tokens_computed += scheduled.token_chunk_size
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 seq.data.num_computed_tokens += scheduled.token_chunk_size
                 self.block_manager.mark_computed(seq)  # full blocks become findable
@@ -167,6 +185,7 @@ class Scheduler:
                 if seq.is_finished():  # free_seq is idempotent; catch any the engine missed
                     self.block_manager.free(seq)
             if group.is_finished():
+                self._connector_finished(group)
                 self._finished_ids.append(group.request_id)
             else:
                 kept.append(group)
@@ -187,6 +206,8 @@ class Scheduler:
                 self._schedule_waiting(out, budget, metadata)
         out.num_batched_tokens = budget.tokens
         out.running_queue_size = len(self.running)
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
         return metadata, out
 
     def _schedule_running(self, out: SchedulerOutputs, budget: _Budget,
@@ -282,15 +303,22 @@ class Scheduler:
                 continue
             # Its longest cached prefix counts as computed; not for prompt logprobs or pooling,
             # which need every prompt position's logits (hidden states).
-            hits = [] if group.sampling_params.prompt_logprobs is not None or \
-                group.pooling_params is not None else bm.prefix_hits(group)
-            uncomputed = self._uncomputed(group) - len(hits) * bm.block_size
+            reuse = group.sampling_params.prompt_logprobs is None and \
+                group.pooling_params is None
+            hits = bm.prefix_hits(group) if reuse else []
+            external = self._external_tokens(group, len(hits)) if reuse else 0
+            uncomputed = self._uncomputed(group) - len(hits) * bm.block_size - external
             chunk = self._whole(group, min(uncomputed, budget.tokens_left // len(seqs)))
             if chunk <= 0 or not budget.fits_seqs(width) or \
-                    not bm.can_take_prefix(group, hits, chunk):
+                    not bm.can_take_prefix(group, hits, chunk, external):
                 break  # FCFS: nothing overtakes the head of the queue
             self.waiting.popleft()
-            bm.take_prefix(group, hits)
+            bm.take_prefix(group, hits, external)
+            if external:  # loaded before the forward: a failed step leaves them unknown
+                out.kv_moved.append(group)
+            if self.kv_connector is not None:
+                self.kv_connector.update_state_after_alloc(
+                    group, list(bm.get_block_table(seqs[0])), external)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             self._schedule_group(group, chunk, width, out, budget, metadata)
@@ -372,6 +400,7 @@ class Scheduler:
 
     def _ignore(self, group: SequenceGroup, out: SchedulerOutputs, why: str) -> None:
         group.error = f"request {group.request_id} cannot be scheduled: {why}"
+        self._connector_finished(group)
         for seq in group.seqs:
             if not seq.is_finished():
                 seq.status = SequenceStatus.FINISHED_IGNORED

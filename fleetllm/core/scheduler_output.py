@@ -7,6 +7,7 @@ the plan to the workers, then to Scheduler.complete_step() (or requeue_after_fai
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from fleetllm.sequence import SequenceGroup
 
@@ -31,6 +32,8 @@ class SchedulerOutputs:
     kv_moved: list[SequenceGroup] = field(default_factory=list)
     preempted: int = 0  # groups preempted this step
     running_queue_size: int = 0
+    # KV transfer: the connector's plan for the step (what the workers load and save).
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:

@@ -151,6 +151,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4}' (prompt_lookup_max / _min: the n-gram lengths "
         "matched; default: off)"))
+    actions.append(_add_flag(
+        group, "kv_transfer_config", str,
+        "KV transfer, vLLM's JSON: '{\"kv_connector\": \"SharedStorageConnector\", "
+        "\"kv_role\": \"kv_both\", \"kv_connector_extra_config\": "
+        "{\"shared_storage_path\": \"/path\"}}' (docs/kv_transfer.md; default: off)"))
     for name, arg in VLLM_ARGS.items():
         actions.append(_add_flag(compat, name, _arg_type(Any, arg.default), argparse.SUPPRESS))
     for name in SPEC_FLAT_ARGS:  # vLLM's older spelling of --speculative-config

@@ -5,6 +5,9 @@ sampled tokens, fork n>1 samples, detokenize, check stop conditions (output_proc
 -> RequestOutputs.
 A pooling model (task "embed") takes PoolingParams instead: each request runs its prompt in
 one step and finishes with its vector (PoolingRequestOutput).
+With kv_transfer_config, the connector's scheduler half is built (and checked) before any
+worker starts; each step's merged KVConnectorOutput goes back to it, and requests whose KV
+load failed are taken out of the step (Scheduler.drop_failed_loads) before it is applied.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from fleetllm.errors import (
     InvalidRequestError,
 )
 from fleetllm.executor import Executor
+from fleetllm.kv_transfer.base import KVConnectorRole
+from fleetllm.kv_transfer.factory import create_connector
 from fleetllm.lora.request import LoRARequest
 from fleetllm.pooling_params import PoolingParams
 from fleetllm.sampling_params import SamplingParams
@@ -60,6 +65,8 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin, OutputsMixin):
         self.structured_outputs = StructuredOutputManager(
             self.tokenizer, self.model_config.arch.vocab_size, self.eos_token_ids,
             config.decoding_config.structured_outputs_backend)
+        # Before any worker starts: a bad connector name or setting raises here.
+        kv_connector = create_connector(config, KVConnectorRole.SCHEDULER)
         self.model_executor: Executor = Executor.get_class(config)(config)
         try:
             num_gpu, num_cpu = self.model_executor.determine_num_available_blocks()
@@ -67,8 +74,10 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin, OutputsMixin):
         except BaseException:
             self.model_executor.shutdown()
             raise
+        kt = config.kv_transfer_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
-                                   config.lora_config)
+                                   config.lora_config, kv_connector,
+                                   kt.kv_load_failure_policy if kt else "recompute")
         self.lora_requests = LoRARequests(config)
         self.seq_groups: dict[str, SequenceGroup] = {}
         self._seq_ids = itertools.count()
@@ -231,7 +240,8 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin, OutputsMixin):
                 blocks_to_copy=sched.blocks_to_copy, running_queue_size=sched.running_queue_size,
                 finished_requests_ids=finished_ids,
                 num_lookahead_slots=self.config.scheduler_config.num_lookahead_slots,
-                num_steps=self._num_steps(metadata))
+                num_steps=self._num_steps(metadata),
+                kv_connector_metadata=sched.kv_connector_metadata)
             try:
                 results = self._execute(request)
             except BaseException as error:
@@ -240,6 +250,7 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin, OutputsMixin):
                     raise
             else:
                 del self._finished_since_last_step[:len(finished_ids)]  # the workers have them
+                self._apply_kv_connector_output(sched, results)
                 self.scheduler.complete_step(sched)
                 self._regrow_token_budget()
                 outputs = self._process(sched, results, finished_only)
@@ -248,6 +259,40 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin, OutputsMixin):
         self._finished_since_last_step += self.scheduler.free_finished_seq_groups()
         self.model_executor.record_outputs(outputs)  # requests completed / failed (metrics)
         return outputs
+
+    def _apply_kv_connector_output(self, sched: SchedulerOutputs,
+                                   results: list[SamplerOutput]) -> None:
+        """The step's merged KVConnectorOutput to the connector; requests whose blocks failed
+        to load leave the step (their results are dropped) and are recomputed or end with
+        an error (kv_load_failure_policy), reported once like ignored requests."""
+        connector = self.scheduler.kv_connector
+        kv_out = results[-1].kv_connector_output if connector is not None and results else None
+        if kv_out is None:
+            return
+        connector.update_connector_output(kv_out)
+        if not kv_out.invalid_block_ids:
+            return
+        dropped, ended = self.scheduler.drop_failed_loads(sched, kv_out.invalid_block_ids)
+        gone = set(dropped)
+        for result in results:
+            result.outputs = [o for i, o in enumerate(result.outputs) if i not in gone]
+        for group in ended:
+            self.seq_groups.pop(group.request_id, None)
+            self._finished_since_last_step.append(group.request_id)
+            self._unreported.append(group)
+
+    @property
+    def kv_transfer_stats(self) -> dict[str, int]:
+        """KV transfer counters since the start: the connector's (SharedStorageConnector:
+        blocks_loaded, tokens_loaded, blocks_saved, and the KV bytes the ranks read and
+        wrote: bytes_loaded, bytes_saved), requests whose load failed, and the
+        prompt tokens the workers computed (what a store hit saves). {} without one."""
+        connector = self.scheduler.kv_connector
+        if connector is None:
+            return {}
+        return {**getattr(connector, "stats", {}),
+                "load_failures": self.scheduler.num_kv_load_failures,
+                "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed}
 
     def _num_steps(self, metadata: list[SequenceGroupMetadata]) -> int:
         """Multi-step decoding (num_scheduler_steps): the workers run several passes only for

@@ -31,6 +31,7 @@ from fleetllm.errors import (
     WorkerCrashedError,
 )
 from fleetllm.executor.health import WorkerAccess
+from fleetllm.executor.kv_output import KVOutputAggregator
 from fleetllm.executor.loras import ResidentLoRAs
 from fleetllm.executor.metrics import MetricsRecorder, performance_metrics
 from fleetllm.executor.sleep import SleepState
@@ -89,6 +90,9 @@ class Executor(ABC):
         # The adapters the workers hold, restored on new workers after a restart.
         self.loras = None if lora is None else ResidentLoRAs(lora.max_cpu_loras)
         self._is_shutdown = False
+        # KV transfer: every rank's KVConnectorOutput of a step, merged (kv_output.py).
+        self.kv_output_aggregator = None if config.kv_transfer_config is None else \
+            KVOutputAggregator(config.parallel_config.world_size)
         # Set when restart_failed_workers could not start new workers: calls raise it (the
         # executor is not shut down: another restart may work once the cause is gone).
         self._restart_failure: WorkerCrashedError | None = None
@@ -149,7 +153,14 @@ class Executor(ABC):
         return output
 
     def _execute_model(self, execute_model_req: ExecuteModelRequest) -> list[SamplerOutput]:
-        return self.collective_rpc("execute_model", args=(execute_model_req,))[self.output_rank]
+        return self.step_output(self.collective_rpc("execute_model", args=(execute_model_req,)))
+
+    def step_output(self, results: list[Any]) -> list[SamplerOutput]:
+        """A step's output from every rank's reply: the output rank's; with a KV connector,
+        carrying every rank's KVConnectorOutput merged (KVOutputAggregator)."""
+        if self.kv_output_aggregator is None:
+            return results[self.output_rank]
+        return self.kv_output_aggregator.merge_step(results, self.output_rank)
 
     def interrupt_step(self) -> None:
         """Ask a multi-step call under way (num_scheduler_steps > 1) to end after its current

@@ -136,8 +136,7 @@ class DistributedExecutor(Executor):
         timeout = self.parallel_config.execute_model_timeout
         deadline = time.monotonic() + timeout
         handle = self._send("execute_model", (request,), None, True, deadline)
-        result = self._collect(handle, deadline, False, step=True)
-        return result[self.output_rank]
+        return self.step_output(self._collect(handle, deadline, False, step=True))
 
     def _wait_timed_out_step(self) -> list[SamplerOutput]:
         handle, state = self.access.outstanding
@@ -148,7 +147,7 @@ class DistributedExecutor(Executor):
         except BaseException:
             self._encoder.need_reset = True
             raise
-        return result[self.output_rank]
+        return self.step_output(result)
 
     def _give_up_outstanding_step(self) -> None:
         """The caller made another call instead of waiting for the timed-out step again."""

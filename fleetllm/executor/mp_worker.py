@@ -22,6 +22,7 @@ import torch
 
 from fleetllm.distributed import parallel_state
 from fleetllm.executor import mp_transport as tr
+from fleetllm.executor.kv_output import kv_connector_news
 from fleetllm.worker.delta import DeltaDesync
 from fleetllm.worker.worker_base import (
     StepInterrupts,
@@ -126,6 +127,8 @@ def worker_main(rank: int, world_size: int, config_bytes: bytes, sock_path: str,
                 continue
             if unique < 0 or unique == rank:
                 reply(call_id, tr.OK, result)
+            elif (news := kv_connector_news(result)) is not None:
+                reply(call_id, tr.OK, news)  # a KV connector's: the executor merges all ranks'
             else:
                 reply(call_id, tr.ACK, None)
     finally:

@@ -15,6 +15,7 @@ from typing import Any
 from fleetllm.config import EngineConfig
 from fleetllm.distributed import parallel_state
 from fleetllm.executor.failures import error_payload
+from fleetllm.executor.kv_output import kv_connector_news
 from fleetllm.worker.delta import DeltaDesync, EncodedRequest
 from fleetllm.worker.worker_base import WorkerWrapperBase
 
@@ -84,4 +85,4 @@ class RayWorkerWrapper(WorkerWrapperBase):
             return STEP_RESYNC, None
         except BaseException as e:  # reported to the driver, which decides
             return STEP_ERR, (error_payload(e), parallel_state.collective_count() != before)
-        return STEP_OK, output if reply else None
+        return STEP_OK, output if reply else kv_connector_news(output)

@@ -13,6 +13,7 @@ fleetllm.worker because workers decode it and must not import the executors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from fleetllm.lora.request import LoRARequest
 from fleetllm.sampling_params import SamplingParams
@@ -41,12 +42,13 @@ class EncodedRequest:
     finished_requests_ids: list[str] = field(default_factory=list)
     reset: bool = False  # workers clear their whole cache before decoding
     num_steps: int = 1
+    kv_connector_metadata: Any = None  # passed through as is (fleetllm/kv_transfer)
 
     def __reduce__(self):  # positional: no field names on the wire
         return (EncodedRequest, (self.groups, self.blocks_to_swap_in, self.blocks_to_swap_out,
                                  self.blocks_to_copy, self.num_lookahead_slots,
                                  self.running_queue_size, self.finished_requests_ids,
-                                 self.reset, self.num_steps))
+                                 self.reset, self.num_steps, self.kv_connector_metadata))
 
 
 class DeltaDesync(Exception):
@@ -112,7 +114,7 @@ class DeltaEncoder:
         return EncodedRequest(groups, req.blocks_to_swap_in, req.blocks_to_swap_out,
                               req.blocks_to_copy, req.num_lookahead_slots,
                               req.running_queue_size, list(req.finished_requests_ids), reset,
-                              req.num_steps)
+                              req.num_steps, req.kv_connector_metadata)
 
 
 class DeltaDecoder:
@@ -176,5 +178,5 @@ class DeltaDecoder:
         return ExecuteModelRequest(groups, enc.blocks_to_swap_in, enc.blocks_to_swap_out,
                                    enc.blocks_to_copy, enc.num_lookahead_slots,
                                    enc.running_queue_size, enc.finished_requests_ids,
-                                   enc.num_steps)
+                                   enc.num_steps, enc.kv_connector_metadata)
 

@@ -2,7 +2,12 @@
 
 The model runner follows the task: ModelRunner generates; a pooling model (task "embed") gets
 an EmbeddingModelRunner and no KV cache (its prompts run whole, one step each): the block
-counts it reports only bound how many prompts the scheduler admits at once."""
+counts it reports only bound how many prompts the scheduler admits at once.
+
+With a KV connector (kv_transfer_config), each step loads the blocks the scheduler planned
+(every layer, before the forward: the fused layers have no per-layer hook) and saves after it;
+every rank, output rank or not, returns its KVConnectorOutput (failed loads) on the step's
+last SamplerOutput."""
 
 from __future__ import annotations
 
@@ -19,9 +24,11 @@ import torch
 from fleetllm.config import EngineConfig, GiB
 from fleetllm.distributed import parallel_state
 from fleetllm.errors import ConfigurationError, EngineSleepingError, OutOfMemoryError
+from fleetllm.kv_transfer.base import KVConnectorBase_V1, KVConnectorRole
+from fleetllm.kv_transfer.factory import create_connector
 from fleetllm.lora.request import LoRARequest
 from fleetllm.model import fused
-from fleetllm.sequence import ExecuteModelRequest, SamplerOutput
+from fleetllm.sequence import ExecuteModelRequest, KVConnectorOutput, SamplerOutput
 from fleetllm.worker.cache_engine import CacheEngine
 from fleetllm.worker.embedding_model_runner import EmbeddingModelRunner
 from fleetllm.worker.model_runner import ModelRunner
@@ -40,6 +47,7 @@ class Worker(WorkerBase):
         self.is_driver_worker = is_driver_worker
         self.model_runner: ModelRunner | None = None
         self.cache_engine: CacheEngine | None = None
+        self.kv_connector: KVConnectorBase_V1 | None = None
 
     def init_device(self) -> None:
         device = self.config.device_config.device
@@ -113,6 +121,14 @@ class Worker(WorkerBase):
             return
         self.cache_engine = CacheEngine(self.config, *self._kv_shape(), self._kv_dtype(),
                                         self.device, num_gpu_blocks, num_cpu_blocks)
+        self._register_kv_caches()
+
+    def _register_kv_caches(self) -> None:
+        if self.config.kv_transfer_config is None:
+            return
+        if self.kv_connector is None:
+            self.kv_connector = create_connector(self.config, KVConnectorRole.WORKER, self.rank)
+        self.kv_connector.register_kv_caches(self.cache_engine.gpu_cache)
 
     def execute_model(self, execute_model_req: ExecuteModelRequest,
                       drafts: dict[int, list[int]] | None = None) -> list[SamplerOutput] | None:
@@ -128,7 +144,26 @@ class Worker(WorkerBase):
         cache.swap_out(req.blocks_to_swap_out)
         cache.swap_in(req.blocks_to_swap_in)
         cache.copy(req.blocks_to_copy)
-        return self.model_runner.execute_model(req, cache.gpu_cache, drafts)
+        connector = self.kv_connector
+        if connector is None:
+            return self.model_runner.execute_model(req, cache.gpu_cache, drafts)
+        connector.bind_connector_metadata(req.kv_connector_metadata)
+        try:
+            connector.start_load_kv()
+            connector.wait_for_layer_load(None)
+            output = self.model_runner.execute_model(req, cache.gpu_cache, drafts)
+            connector.save_kv_layer(None)
+            connector.wait_for_save()
+        finally:
+            connector.clear_connector_metadata()
+        sending, recving = connector.get_finished(set(req.finished_requests_ids))
+        kv_output = KVConnectorOutput(sending, recving,
+                                      connector.get_block_ids_with_load_errors(),
+                                      connector.get_kv_connector_stats())
+        if output is None:  # not the output rank: the executor still needs its news
+            output = [SamplerOutput([])]
+        output[-1].kv_connector_output = kv_output
+        return output
 
     # ------------------------------------------------------------ LoRA adapters (vLLM's names)
 
@@ -237,6 +272,7 @@ class Worker(WorkerBase):
                 _release_memory(self.device)
         if "kv_cache" in tags and "kv_cache" in state:
             self.cache_engine = CacheEngine(self.config, *state.pop("kv_cache"))
+            self._register_kv_caches()
 
     def save_sharded_state(self, path: str, pattern: str | None = None,
                            max_size: int | None = None) -> list[str]:
