@@ -106,7 +106,10 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
 
     cfg_cls = {"LlamaForCausalLM": transformers.LlamaConfig,
                "Qwen2ForCausalLM": transformers.Qwen2Config,
-               "Qwen3ForCausalLM": transformers.Qwen3Config}[arch]
+               "Qwen3ForCausalLM": transformers.Qwen3Config,
+               "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,  # tests/moe/moe_checkpoints
+               "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
+               "MixtralForCausalLM": transformers.MixtralConfig}[arch]
     kwargs = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 # name -> (architecture, config overrides): each covers one routing feature
 MOE_CONFIGS = {
     # softmax top-2 of 8, no renormalization; layer 1 dense (mlp_only_layers); q/k norm
@@ -24,30 +22,11 @@ MOE_CONFIGS = {
 
 
 def make_moe_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
-    """Save a tiny MoE checkpoint (config.json, model.safetensors, a tokenizer) at path."""
-    import transformers
-    from conftest import make_tokenizer
+    """Save a tiny MoE checkpoint (config.json, model.safetensors, a tokenizer) at path: the
+    dense checkpoints' sizes (conftest.make_checkpoint), top-2 routing, experts of width 32."""
+    from conftest import make_checkpoint
 
-    cfg_cls = {"Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
-               "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
-               "MixtralForCausalLM": transformers.MixtralConfig}[arch]
-    kwargs = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-                  head_dim=16, num_experts_per_tok=2)
+    moe = dict(num_experts_per_tok=2)
     if arch != "MixtralForCausalLM":
-        kwargs["moe_intermediate_size"] = 32
-    kwargs.update(overrides)
-    config = cfg_cls(**kwargs)
-    config.architectures = [arch]
-    torch.manual_seed(seed)
-    model = getattr(transformers, arch)(config)
-    with torch.no_grad():  # random init is tiny; widen it so logits are not all near-equal
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.08)
-            if name.endswith("bias"):
-                p.normal_(0, 0.3)
-    model.save_pretrained(path, safe_serialization=True)
-    make_tokenizer(path, kwargs["vocab_size"])
-    return path
+        moe["moe_intermediate_size"] = 32
+    return make_checkpoint(path, arch, seed, **{**moe, **overrides})
