@@ -107,7 +107,7 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     cfg_cls = {"LlamaForCausalLM": transformers.LlamaConfig,
                "Qwen2ForCausalLM": transformers.Qwen2Config,
                "Qwen3ForCausalLM": transformers.Qwen3Config,
-               "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,  # tests/moe/moe_checkpoints
+               "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,  # tests/moe/moe_checkpoints.py
                "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
                "MixtralForCausalLM": transformers.MixtralConfig}[arch]
     kwargs = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
