@@ -10,7 +10,7 @@
 // times x's lane sums; a zero-point type (w = d (u - z)) subtracts its block's own z times
 // them. Each lane is then scaled by its weight scale times its dx, in float32; minimums (Q4_1,
 // Q4_K, Q5_K) from the quantized x's sums per 16. For 1 (2) rows of x, 4 (2) weight rows
-// share each load of x; the weight stream is prefetched 4 KiB ahead; the block type is a
+// share each load of x; the weight stream is prefetched 8 KiB ahead; the block type is a
 // template argument. Built into every x86 variant with the target attribute and run only where
 // the CPU has VNNI (vnni_available).
 #include "quant.h"
@@ -34,8 +34,10 @@ VNNI inline float half_at(const uint8_t *p)
 
 // The weight stream AHEAD bytes on, into L1, one request a line of the `bytes` about to be
 // read: the hardware prefetcher alone kept one core at 6 GB/s from memory on Q8_0 rows (a
-// 125M model's projections, tools/quant_gemv_ab.cpp), 12.5 with this; 1-2 KiB ahead gave 9-10.
-constexpr int AHEAD = 4096;
+// 125M model's projections, tools/quant_gemv_ab.cpp), 12.5 with 4 KiB; 1-2 KiB ahead gave
+// 9-10; with 4 weight rows a pass, 8 KiB beat 4 on 2 threads (Q8_0 31-32 -> 38 GB/s, the
+// others the same).
+constexpr int AHEAD = 8192;
 VNNI inline void ahead(const uint8_t *p, int bytes)
 {
     for (int o = 0; o < bytes; o += 64)
