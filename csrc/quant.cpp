@@ -452,7 +452,7 @@ void rows_dot(const LinearCtx &c, const Part &p, long first, long n0, long n1, i
                     xs[r] = c.xsum + static_cast<long>(m0 + r) * KG + base / 16;
                 }
                 const uint8_t *blk = row + static_cast<long>(b) * l.bytes;
-                for (int o = 0; o < l.bytes; o += 64)  // the stream 4 KiB on (quant_vnni.cpp)
+                for (int o = 0; o < l.bytes; o += 64)  // the stream 4 KiB on (one row at a time)
                     __builtin_prefetch(blk + 4096 + o);
                 block_dot<MT>(p.type, blk, x, xs, acc, mins);
             }

@@ -17,6 +17,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace fleetllm::kernels::quant {
 
 enum Type : int64_t {
@@ -90,5 +94,16 @@ void vnni_quantize(const float *x, int M, int K, int8_t *xq, float *dxl, int32_t
                    float *xqsum);
 void vnni_rows(const Part &p, const int8_t *xq, const float *dxl, const int32_t *xls,
                const float *xqsum, int K, int M, long n0, long n1, float *y, long N, long first);
+
+#if defined(__x86_64__)
+// An fp16 at p as float32 by F16C: the x86 kernels' block scales (quant_vnni.cpp,
+// quant_dequant.cpp, each built for a target with F16C; quant.cpp converts portably).
+__attribute__((target("f16c"), always_inline)) inline float f16c_half_at(const uint8_t *p)
+{
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+#endif
 
 }  // namespace fleetllm::kernels::quant

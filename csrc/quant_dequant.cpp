@@ -23,13 +23,6 @@ namespace {
 
 #define DEQ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,avx2,fma")))
 
-DEQ inline float half_at(const uint8_t *p)
-{
-    uint16_t h;
-    std::memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
 // 16 bytes at p, zero- or sign-extended to int32 lanes
 DEQ inline __m512i u8(const uint8_t *p)
 {
@@ -85,13 +78,13 @@ DEQ __attribute__((always_inline)) inline void block(int64_t type, const uint8_t
 {
     switch (type) {
     case Q8_0: {
-        const __m512 d = _mm512_set1_ps(half_at(b));
+        const __m512 d = _mm512_set1_ps(f16c_half_at(b));
         put(o, i8(b + 2), d);
         put(o + 16, i8(b + 18), d);
         return;
     }
     case Q8_ZP: {  // as unpack(): (q - 128) d - (z - 128) d
-        const float dz = half_at(b);
+        const float dz = f16c_half_at(b);
         const __m512 d = _mm512_set1_ps(dz);
         const __m512 m = _mm512_set1_ps(dz * static_cast<float>(b[2] - 128));
         const __m512i off = _mm512_set1_epi32(128);
@@ -106,7 +99,7 @@ DEQ __attribute__((always_inline)) inline void block(int64_t type, const uint8_t
     case Q5_1: {
         const bool one = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
         const bool zp = type == Q4_ZP;
-        const __m512 d = _mm512_set1_ps(half_at(b));
+        const __m512 d = _mm512_set1_ps(f16c_half_at(b));
         const __m512i v = u8(b + (one || zp ? 4 : 2) + (five ? 4 : 0));
         __m512i lo = low4(v), hi = _mm512_srli_epi32(v, 4);
         if (five) {  // element j's fifth bit: qh bit j (low nibbles), j + 16 (high)
@@ -119,7 +112,7 @@ DEQ __attribute__((always_inline)) inline void block(int64_t type, const uint8_t
             hi = _mm512_or_si512(hi, bit4(h, _mm512_add_epi32(j, _mm512_set1_epi32(16))));
         }
         if (one) {  // w = d q + m: less unpack()'s m = -(fp16 m)
-            const __m512 m = _mm512_set1_ps(-half_at(b + 2));
+            const __m512 m = _mm512_set1_ps(-f16c_half_at(b + 2));
             put(o, lo, d, m);
             put(o + 16, hi, d, m);
             return;
@@ -132,7 +125,7 @@ DEQ __attribute__((always_inline)) inline void block(int64_t type, const uint8_t
     case Q4_K:
     case Q5_K: {
         const bool five = type == Q5_K;
-        const float d = half_at(b), dmin = half_at(b + 2);
+        const float d = f16c_half_at(b), dmin = f16c_half_at(b + 2);
         const uint8_t *sc = b + 4, *ql = b + (five ? 48 : 16);
         __m512i qh[2] = {};
         if (five)
@@ -161,7 +154,7 @@ DEQ __attribute__((always_inline)) inline void block(int64_t type, const uint8_t
     case Q6_K: {
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192);
-        const float d = half_at(b + 208);
+        const float d = f16c_half_at(b + 208);
         const __m512i three = _mm512_set1_epi32(3), off = _mm512_set1_epi32(32);
         for (int n = 0; n < 2; n++) {
             for (int h = 0; h < 2; h++) {  // l in [16h, 16h + 16)

@@ -33,27 +33,23 @@ constexpr int64_t GEMM_ROWS = 16, VNNI_GEMM_ROWS = 32, VNNI_BF16_GEMM_ROWS = 12,
 // ms more than in one (one thread, 17-64 rows of bf16 x; one mm: 0.6-0.85 ms).
 constexpr int64_t CHUNK_ELEMS = 4 << 20, CHUNK_MIN_ROWS = 1024;
 
-// Whether the VNNI GEMV reads every part of w (its passes then serve up to VNNI_GEMM_ROWS).
+// Whether a kernel this CPU runs (`available`) reads every part of w: the VNNI GEMV (its
+// passes then serve up to VNNI_GEMM_ROWS), the AVX-512 dequantizer (a bf16 GEMM's chunks are
+// then written as bf16 directly, without a float32 copy to convert).
+bool reads_all(const q::Weight &w, bool available, bool (*reads)(int64_t type, int K))
+{
+    for (int p = 0; p < w.parts && available; p++)
+        available = reads(w.part[p].type, w.K);
+    return available;
+}
 bool vnni_all(const q::Weight &w)
 {
-    if (!q::vnni_available())
-        return false;
-    for (int p = 0; p < w.parts; p++)
-        if (!q::vnni_reads(w.part[p].type, w.K))
-            return false;
-    return true;
+    return reads_all(w, q::vnni_available(), q::vnni_reads);
 }
-
-// Whether the AVX-512 dequantizer reads every part of w (a bf16 GEMM's chunks are then written
-// as bf16 directly, without a float32 copy to convert).
 bool fast_dequant_all(const q::Weight &w)
 {
-    if (!q::fast_dequant_available())
-        return false;
-    for (int p = 0; p < w.parts; p++)
-        if (!q::fast_dequant_reads(w.part[p].type))
-            return false;
-    return true;
+    return reads_all(w, q::fast_dequant_available(),
+                     [](int64_t type, int) { return q::fast_dequant_reads(type); });
 }
 
 q::Weight parsed(const Tensor &packed)
@@ -135,14 +131,13 @@ Tensor gguf_linear(const Tensor &x, const Tensor &packed, const std::optional<Te
                       y.mutable_data_ptr<float>() + m0 * w.N, at::get_num_threads());
     } else {  // chunks of the weight dequantized, each a GEMM in x's dtype (bf16: AMX's)
         const bool bf16 = x.scalar_type() == at::kBFloat16;
-        const Tensor &a = xp;  // float32 or bf16: the GEMM's dtype (no float32 copy of a bf16 x)
         const bool direct = bf16 && fast_dequant_all(w);  // bf16 chunks, no float32 pass
         const int64_t chunk =
             std::min<int64_t>(std::max<int64_t>(CHUNK_ELEMS / w.K, CHUNK_MIN_ROWS), w.N);
         if (chunk < w.N)
-            y = at::empty({m, w.N}, a.options());
-        Tensor dense = at::empty({chunk, w.K}, a.options().dtype(direct ? a.scalar_type()
-                                                                        : at::kFloat));
+            y = at::empty({m, w.N}, xp.options());
+        Tensor dense = at::empty({chunk, w.K}, xp.options().dtype(direct ? at::kBFloat16
+                                                                          : at::kFloat));
         for (int64_t n0 = 0; n0 < w.N; n0 += chunk) {
             const int64_t rows = std::min(chunk, w.N - n0);
             Tensor d = dense.narrow(0, 0, rows);
@@ -153,7 +148,7 @@ Tensor gguf_linear(const Tensor &x, const Tensor &packed, const std::optional<Te
             else
                 q::dequantize(w, n0, rows, d.mutable_data_ptr<float>(), at::get_num_threads());
             const Tensor dt = bf16 && !direct ? d.to(at::kBFloat16) : d;
-            Tensor part = at::mm(a, dt.t());
+            Tensor part = at::mm(xp, dt.t());  // x as it is, float32 or bf16
             if (rows == w.N)  // one chunk: the product is y
                 y = part;
             else

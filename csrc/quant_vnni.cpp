@@ -25,13 +25,6 @@ namespace {
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,avx2,fma")))
 
-VNNI inline float half_at(const uint8_t *p)
-{
-    uint16_t h;
-    std::memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
 // The weight stream AHEAD bytes on, into L1, one request a line of the `bytes` about to be
 // read: the hardware prefetcher alone kept one core at 6 GB/s from memory on Q8_0 rows (a
 // 125M model's projections, tools/quant_gemv_ab.cpp), 12.5 with 4 KiB; 1-2 KiB ahead gave
@@ -144,7 +137,7 @@ VNNI void rows(const Part &p, const Rows &x, int m0, long n0, long n1, float *y,
                 for (int i = 0; i < NR; i++) {
                     const uint8_t *a = rowp[i] + static_cast<long>(b) * bytes, *c = a + bytes;
                     ahead(a, 2 * bytes);
-                    ws[i] = two_scales(half_at(a), half_at(c));
+                    ws[i] = two_scales(f16c_half_at(a), f16c_half_at(c));
                     if constexpr (zp)
                         z[i] = two_zeros(a, c);
                     if constexpr (eight) {
@@ -159,7 +152,7 @@ VNNI void rows(const Part &p, const Rows &x, int m0, long n0, long n1, float *y,
                     u[i] = nibbles(join(both_halves(a + qoff), both_halves(c + qoff)),
                                    _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0));
                     if constexpr (T == Q4_1) {
-                        const float ma = half_at(a + 2), mc = half_at(c + 2);
+                        const float ma = f16c_half_at(a + 2), mc = f16c_half_at(c + 2);
                         const __m128 mv = _mm_set_ps(mc, mc, ma, ma);
                         for (int r = 0; r < MT; r++)
                             minv[i][r] = _mm_fmadd_ps(
@@ -213,7 +206,7 @@ VNNI void rows(const Part &p, const Rows &x, int m0, long n0, long n1, float *y,
                     const __m512 f =
                         _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(bits, top)));
                     // lanes 0-7 scales times d, 8-15 mins times dmin
-                    const __m512 dd = two_scales(half_at(blk), half_at(blk + 2));
+                    const __m512 dd = two_scales(f16c_half_at(blk), f16c_half_at(blk + 2));
                     scale8[i] = _mm512_mul_ps(f, dd);
                     mv[i] = _mm512_permutexvar_ps(  // each min for its two granules of 16
                         _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8,
@@ -282,7 +275,7 @@ VNNI void rows(const Part &p, const Rows &x, int m0, long n0, long n1, float *y,
                     ahead(blk[i], 210);
                     // the 16 scales as floats times d, one per 16 elements
                     scales[i] = _mm512_mul_ps(
-                        _mm512_set1_ps(half_at(blk[i] + 208)),
+                        _mm512_set1_ps(f16c_half_at(blk[i] + 208)),
                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                             _mm_loadu_si128(reinterpret_cast<const __m128i *>(blk[i] + 192)))));
                 }
