@@ -9,7 +9,7 @@
 // A type whose values are signed stores u = q + o (o = 8, 32 or 128): its lanes subtract o
 // times x's lane sums; a zero-point type (w = d (u - z)) subtracts its block's own z times
 // them. Each lane is then scaled by its weight scale times its dx, in float32; minimums (Q4_1,
-// Q4_K, Q5_K) from the quantized x's sums per 16. For 1 (2) rows of x, 4 (2) weight rows
+// Q4_K, Q5_K) from the quantized x's sums per 16. For 1 or 2 (4) rows of x, 4 (2) weight rows
 // share each load of x; the weight stream is prefetched 8 KiB ahead; the block type is a
 // template argument. Built into every x86 variant with the target attribute and run only where
 // the CPU has VNNI (vnni_available).
@@ -329,14 +329,16 @@ VNNI void rows(const Part &p, const Rows &x, int m0, long n0, long n1, float *y,
     }
 }
 
-// Rows [m0, m0 + MT) of x over outputs [n0, n1): 4 weight rows a pass for 1 row of x, 2 for 2
-// (loads of x are then a pass's larger cost; 4 rows: Q4_K in cache 9.1 -> 10.9 GB/s a core),
-// the rows left over one at a time.
+// Rows [m0, m0 + MT) of x over outputs [n0, n1): 4 weight rows a pass for 1 or 2 rows of x, 2
+// for 4 (loads of x are then a pass's larger cost; 4 rows: Q4_K in cache 9.1 -> 10.9 GB/s a
+// core; on a Zen 5 core, one thread, a 125M step: 2 rows of x 0.79-0.97x the time of 2 weight
+// rows, 4 and 8 rows 0.77-0.97x that of 1, Q8_0 and Q4_0/ZP gaining most, Q4_K least; 8 a
+// pass lost), the rows left over one at a time.
 template <int MT>
 VNNI void rows_all(const Part &p, const Rows &x, int m0, long n0, long n1, float *y, long N,
                    long first)
 {
-    constexpr int NR = MT == 1 ? 4 : MT == 2 ? 2 : 1;
+    constexpr int NR = MT == 4 ? 2 : 4;
     const long paired = n0 + (n1 - n0) / NR * NR;
     switch (p.type) {
 #define FLEETLLM_ROWS(T)                                                                           \
