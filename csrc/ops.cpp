@@ -486,16 +486,6 @@ struct PackedProjections {
     int64_t kind;
 };
 
-Tensor linear_pointwise(const Tensor &x, const Tensor &w, const optional<Tensor> &b)
-{
-    static const c10::OperatorHandle op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-    torch::jit::Stack stack{x, w, b, std::string("none"),
-                            c10::List<optional<at::Scalar>>({std::nullopt}), std::string()};
-    op.callBoxed(&stack);
-    return stack[0].toTensor();
-}
-
 const void *project_packed(void *ctx, int which, const void *x)
 {
     PackedProjections &p = *static_cast<PackedProjections *>(ctx);
@@ -512,7 +502,7 @@ const void *project_packed(void *ctx, int which, const void *x)
     }
     Tensor out = p.kind == MKL    ? mkl_linear(in, w, bias, p.out[which])
                  : p.kind == GGUF ? gguf_or_dense(in, w, bias)
-                                  : linear_pointwise(in, w, bias);
+                                  : onednn_linear(in, w, bias);
     if (widen)
         out = out.to(p.type);
     if (bias_after && p.bias[which]->has_value())
@@ -748,8 +738,8 @@ Tensor head_logits(const Tensor &h, const Tensor &head, int64_t kind, int64_t n)
     case ONEDNN:
         TORCH_CHECK(head.is_mkldnn(), "greedy_passes: a oneDNN head must be oneDNN's copy");
         return head.scalar_type() == h.scalar_type()
-                   ? linear_pointwise(h, head, none)
-                   : linear_pointwise(h.to(at::kFloat), head, none).to(h.scalar_type());
+                   ? onednn_linear(h, head, none)
+                   : onednn_linear(h.to(at::kFloat), head, none).to(h.scalar_type());
     case MKL: return mkl_linear(h, head, none, n);
     case PAIRS: return gemm_pairs(h, head, none, n);
     case GGUF: return gguf_or_dense(h, head, none);

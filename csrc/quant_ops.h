@@ -16,6 +16,11 @@ at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &packed,
 // The rows of a packed copy at `ids` (int64 [T]; an embedding's lookup) as `dtype` [T, K].
 at::Tensor gguf_rows(const at::Tensor &packed, const at::Tensor &ids, at::ScalarType dtype);
 
+// x @ w^T (+ b) by oneDNN's matmul (mkldnn::_linear_pointwise; w dense or oneDNN's packed
+// copy): ops.cpp's packed projections and LM head, and a dequantized chunk's GEMM in float32.
+at::Tensor onednn_linear(const at::Tensor &x, const at::Tensor &w,
+                         const std::optional<at::Tensor> &b);
+
 // Whether t is a packed copy (1-D uint8), and its (in, out) features (K, N): its header
 // parsed and checked once.
 bool is_gguf_packed(const at::Tensor &t);
