@@ -59,6 +59,8 @@ const char *parse(const uint8_t *buf, int64_t nbytes, Weight &w)
     std::memcpy(h, buf, 8 * std::min<int64_t>(words, HEAD + 4 * MAX_PARTS));
     if (h[0] != QPACK_MAGIC)
         return "not a packed quantized weight (bad magic)";
+    w.int8_acts = (h[2] & QPACK_INT8_ACTS) != 0;
+    h[2] &= ~QPACK_INT8_ACTS;
     if (h[1] <= 0 || h[1] > (1 << 30) || h[2] <= 0 || h[2] > MAX_PARTS ||
         words < HEAD + 4 * h[2])
         return "a bad header (K or parts)";
@@ -70,6 +72,8 @@ const char *parse(const uint8_t *buf, int64_t nbytes, Weight &w)
         const Layout l = layout(d[0]);
         if (l.elems == 0)
             return "a part of a block type the kernels do not read";
+        if (w.int8_acts && d[0] != Q8_0)
+            return "int8 activations (W8A8) with a part that is not Q8_0";
         if (w.K % l.elems || d[2] != w.K / l.elems * l.bytes)
             return "a part whose row bytes do not match K and its block type";
         if (d[1] <= 0 || d[3] < 0 || d[3] % 8 || d[3] > nbytes || (nbytes - d[3]) / d[2] < d[1])
@@ -555,7 +559,7 @@ void linear(const float *x, int M, const Weight &w, float *y, int nthreads)
     std::vector<int32_t> xls(n / 4);
     std::vector<float> xqsum(n / 16);
     if (vnni)
-        vnni_quantize(x, M, K, xq.data(), dxl.data(), xls.data(), xqsum.data());
+        vnni_quantize(x, M, K, xq.data(), dxl.data(), xls.data(), xqsum.data(), w.int8_acts);
     LinearCtx c{x,          xsum.data(),  &w,        y, M, vnni ? xq.data() : nullptr,
                 dxl.data(), xqsum.data(), xls.data()};
     // Chunks of outputs claimed by the threads: ~16 a thread, at least 4 rows.

@@ -2,7 +2,8 @@
 // block types read as the file stores them, and the packed copy a projection keeps: one uint8
 // buffer that starts with a header of int64 words, then each part's rows (q, k and v of a
 // merged projection may be of different types, as in Q4_K_M files):
-//   [0] QPACK_MAGIC, [1] K (in features), [2] parts, [3] perm offset, then per part: type,
+//   [0] QPACK_MAGIC, [1] K (in features), [2] parts (| QPACK_INT8_ACTS), [3] perm offset, then
+//   per part: type,
 //   rows, row bytes, byte offset of its first row; part p's rows are outputs
 //   sum(rows of parts < p) + ...
 // perm offset 0: no permutation; else the byte offset of K int64 entries perm (GPTQ's
@@ -29,6 +30,9 @@ enum Type : int64_t {
 };
 constexpr int64_t QPACK_MAGIC = 0x324b4341505146LL;  // "FQPACK2" (FQPACK1: no perm word)
 constexpr int MAX_PARTS = 4;
+// A flag in the parts word (bit 32): W8A8 (compressed-tensors int-quantized, quant/groups.py):
+// every part Q8_0 with one scale a row, whose GEMMs quantize x per row to int8 as the format does.
+constexpr int64_t QPACK_INT8_ACTS = 1LL << 32;
 
 // Elements and bytes of one block of `type`; {0, 0} for a type fleetllm does not read.
 struct Layout {
@@ -61,6 +65,7 @@ struct Weight {
     int parts = 0;
     Part part[MAX_PARTS];
     const int64_t *perm = nullptr;  // K entries in [0, K), or none
+    bool int8_acts = false;         // QPACK_INT8_ACTS
 };
 const char *parse(const uint8_t *buf, int64_t nbytes, Weight &w);
 
@@ -86,12 +91,12 @@ void fast_dequant_row(int64_t type, const uint8_t *row, int K, uint16_t *out);
 // The AVX-512 VNNI path (quant_vnni.cpp): whether this CPU runs it (FLEETLLM_QUANT_VNNI=0
 // turns it off), whether it reads a part of `type` with K columns, x's rows quantized for it
 // (xq int8 [2, M, K]: two planes; dxl, xls: per 4 elements; xqsum: each 16
-// elements' sum as quantized), and outputs [n0, n1) of one part for every row of x (y [M, N],
+// elements' sum as quantized; per_row: W8A8's int8 per row, one plane), and outputs [n0, n1) of one part for every row of x (y [M, N],
 // the part's first output at `first`).
 bool vnni_available();
 bool vnni_reads(int64_t type, int K);
 void vnni_quantize(const float *x, int M, int K, int8_t *xq, float *dxl, int32_t *xls,
-                   float *xqsum);
+                   float *xqsum, bool per_row);
 void vnni_rows(const Part &p, const int8_t *xq, const float *dxl, const int32_t *xls,
                const float *xqsum, int K, int M, long n0, long n1, float *y, long N, long first);
 

@@ -7,10 +7,14 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/_int_mm.h>
 #include <ATen/ops/mm.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cfloat>
+#include <cstring>
 #include <string>
 
 #include "quant.h"
@@ -91,6 +95,55 @@ Tensor permuted(const Tensor &x, const q::Weight &w)
     return out;
 }
 
+// Rows [r0, r0 + rows) of a W8A8 weight (every part Q8_0, one scale a row) as int8 [rows, K]
+// and each row's scale (its first block's).
+void int8_rows(const q::Weight &w, int64_t r0, int64_t rows, int8_t *out, float *scale)
+{
+    at::parallel_for(0, rows, 16, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; i++) {
+            int64_t n = r0 + i;
+            int pi = 0;
+            while (n >= w.part[pi].rows) n -= w.part[pi++].rows;
+            const uint8_t *row = w.part[pi].data + n * w.part[pi].row_bytes;
+            uint16_t d;
+            std::memcpy(&d, row, 2);
+            scale[i] = static_cast<float>(c10::Half(d, c10::Half::from_bits()));
+            for (int b = 0; b < w.K / 32; b++)
+                std::memcpy(out + i * w.K + 32 * b, row + 34 * b + 2, 32);
+        }
+    });
+}
+
+// W8A8's activations, as vLLM quantizes them: each row of x (float32) to int8 with the scale
+// max |x| / 127; returns the levels (float32, integers in [-127, 127]) and the scales [m, 1].
+std::pair<Tensor, Tensor> int8_levels(const Tensor &xf)
+{
+    Tensor sx = xf.abs().amax(1, true).div_(127.0f);
+    return {xf.div(sx.clamp_min(FLT_MIN)).round_(), sx};
+}
+
+// W8A8's GEMM: x's int8 levels, the weights' int8 values, oneDNN's int8 GEMM (at::_int_mm:
+// VNNI, or AMX-INT8 where the CPU has it; about twice bf16's GEMM on a Zen 5), the int32 sums
+// scaled by both scales. float32 [m, N].
+Tensor int8_linear(const Tensor &xp, const q::Weight &w)
+{
+    const Tensor xf = xp.to(at::kFloat);
+    const auto [levels, sx] = int8_levels(xf);
+    const Tensor xq = levels.to(at::kChar);
+    const int64_t chunk =
+        std::min<int64_t>(std::max<int64_t>(CHUNK_ELEMS / w.K, CHUNK_MIN_ROWS), w.N);
+    Tensor wq = at::empty({chunk, w.K}, xf.options().dtype(at::kChar));
+    Tensor sw = at::empty({chunk}, xf.options());
+    Tensor y = at::empty({xf.size(0), w.N}, xf.options());
+    for (int64_t n0 = 0; n0 < w.N; n0 += chunk) {
+        const int64_t rows = std::min(chunk, w.N - n0);
+        int8_rows(w, n0, rows, wq.mutable_data_ptr<int8_t>(), sw.mutable_data_ptr<float>());
+        const Tensor acc = at::_int_mm(xq, wq.narrow(0, 0, rows).t());
+        y.narrow(1, n0, rows).copy_(acc.to(at::kFloat).mul_(sx).mul_(sw.narrow(0, 0, rows)));
+    }
+    return y;
+}
+
 }  // namespace
 
 Tensor onednn_linear(const Tensor &x, const Tensor &w, const std::optional<Tensor> &b)
@@ -133,8 +186,16 @@ Tensor gguf_linear(const Tensor &x, const Tensor &packed, const std::optional<Te
     const bool vnni = vnni_all(w);
     const bool passes =
         vnni && m <= (x.scalar_type() == at::kFloat ? VNNI_GEMM_ROWS : VNNI_BF16_GEMM_ROWS);
-    if ((!vnni && m <= GEMM_ROWS) || w.K % 16 || passes) {  // float32 x for the GEMV
-        const Tensor xf = xp.scalar_type() == at::kFloat ? xp : xp.to(at::kFloat);
+    const bool gemv = (!vnni && m <= GEMM_ROWS) || w.K % 16 || passes;
+    if (w.int8_acts && !gemv) {
+        y = int8_linear(xp, w);
+    } else if (gemv) {  // float32 x for the GEMV (W8A8: its VNNI path quantizes x per row;
+                        // elsewhere x's int8 levels times their scales)
+        Tensor xf = xp.scalar_type() == at::kFloat ? xp : xp.to(at::kFloat);
+        if (w.int8_acts && !vnni) {
+            const auto [levels, sx] = int8_levels(xf);
+            xf = levels.mul_(sx);
+        }
         y = at::empty({m, w.N}, xf.options());
         const int64_t step = passes ? VNNI_ROWS : std::max<int64_t>(m, 1);
         for (int64_t m0 = 0; m0 < m; m0 += step)

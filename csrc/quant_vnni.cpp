@@ -15,6 +15,8 @@
 // the CPU has VNNI (vnni_available).
 #include "quant.h"
 
+#include <algorithm>
+#include <cfloat>
 #include <cstdlib>
 
 #if defined(__x86_64__)
@@ -380,22 +382,34 @@ bool vnni_reads(int64_t type, int K)
             type == Q4_K || type == Q5_K || type == Q6_K);
 }
 
+// per_row (W8A8, quant.h): each row's one int8 plane with the scale max |x| / 127 and x / scale
+// rounded to nearest even, the arithmetic of quant_ops.cpp's int8_levels bit for bit, and no
+// second plane: the GEMV's sums are then the format's exactly, as its GEMM's are.
 VNNI void vnni_quantize(const float *x, int M, int K, int8_t *xq, float *dxl, int32_t *xls,
-                        float *xqsum)
+                        float *xqsum, bool per_row)
 {
     const long n = static_cast<long>(M) * K;
+    float row_scale = 0.0f;
     for (long i = 0; i < n; i += 32) {
         const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+        if (per_row && i % K == 0) {
+            __m512 m = _mm512_setzero_ps();
+            for (long k = i; k < i + K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+            row_scale = std::max(_mm512_reduce_max_ps(m) / 127.0f, FLT_MIN);
+        }
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-        const float dx = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+        const float dx = per_row ? row_scale : amax / 127.0f;
+        const float inv = amax > 0 ? 127.0f / amax : 0.0f;
         const __m512 s = _mm512_set1_ps(inv), s2 = _mm512_set1_ps(128.0f);
         __m512i q[2], r[2];
         const __m512 v[2] = {a, b};
         for (int h = 0; h < 2; h++) {
-            const __m512 scaled = _mm512_mul_ps(v[h], s);  // in units of dx
+            const __m512 scaled = per_row ? _mm512_div_ps(v[h], _mm512_set1_ps(row_scale))
+                                          : _mm512_mul_ps(v[h], s);  // in units of dx
             q[h] = _mm512_cvtps_epi32(scaled);
-            r[h] = _mm512_cvtps_epi32(
-                _mm512_mul_ps(_mm512_sub_ps(scaled, _mm512_cvtepi32_ps(q[h])), s2));
+            r[h] = per_row ? _mm512_setzero_si512()
+                           : _mm512_cvtps_epi32(_mm512_mul_ps(
+                                 _mm512_sub_ps(scaled, _mm512_cvtepi32_ps(q[h])), s2));
             _mm_storeu_si128(reinterpret_cast<__m128i *>(xq + i + 16 * h),
                              _mm512_cvtsepi32_epi8(q[h]));
             _mm_storeu_si128(reinterpret_cast<__m128i *>(xq + n + i + 16 * h),
@@ -440,7 +454,7 @@ bool vnni_reads(int64_t, int)
 {
     return false;
 }
-void vnni_quantize(const float *, int, int, int8_t *, float *, int32_t *, float *) {}
+void vnni_quantize(const float *, int, int, int8_t *, float *, int32_t *, float *, bool) {}
 void vnni_rows(const Part &, const int8_t *, const float *, const int32_t *, const float *, int,
                int, long, long, float *, long, long)
 {

@@ -5,9 +5,9 @@ only). quant/hf_checkpoint.py reads their tensors into GGUF blocks (quant/groups
 What is read: AWQ "gemm" 4-bit, any group size that is a multiple of 32, zero points; GPTQ 4
 and 8-bit, sym and asym, desc_act (g_idx), checkpoint_format "gptq" (zeros
 stored minus one) and "gptq_v2"; compressed-tensors "pack-quantized" (int4/int8 weights per
-group or channel) and "int-quantized" (W8A8: int8 weights per channel; the activations'
-int8 quantization, dynamic or static, is not replayed: x stays float and the kernels quantize it
-per 32 elements, more finely). Anything else is a ModelLoadError naming the field, raised
+group or channel) and "int-quantized" (W8A8: int8 weights per channel; with int8 input
+activations, dynamic or static, a GEMM (prompts, batches past the GEMV's rows) quantizes x per
+row to int8, as vLLM's dynamic per-token W8A8 does, and the decode GEMV per 32 elements). Anything else is a ModelLoadError naming the field, raised
 when ModelConfig is built, before any worker starts.
 """
 
@@ -36,6 +36,7 @@ class QuantConfig:
     zero_point: bool = True
     gptq_v1_zeros: bool = False
     ignore: tuple[str, ...] = field(default=())
+    int8_activations: bool = False  # W8A8: x quantized to int8 per row for the GEMMs
 
 
 def resolve(asked: str | None, hf_config: dict[str, Any], where: str) -> QuantConfig | None:
@@ -128,4 +129,4 @@ def _compressed(raw: dict[str, Any]) -> QuantConfig:
         raise _unsupported(f"compressed-tensors targets {targets!r} ([\"Linear\"] is)")
     group = _group(w.get("group_size") or -1) if strategy == "group" else -1
     return QuantConfig("compressed-tensors", bits, group, zero_point=not sym,
-                       ignore=tuple(raw.get("ignore") or ()))
+                       ignore=tuple(raw.get("ignore") or ()), int8_activations=bool(acts))

@@ -304,8 +304,10 @@ class Gguf(LinearKernel):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if cpu_kernels.usable(x):
             return cpu_kernels.gguf_linear(x.contiguous(), self.tensor, bias)
-        from fleetllm.quant.packed import dequantize_packed
+        from fleetllm.quant.packed import dequantize_packed, int8_activations, int8_rounded
         w = dequantize_packed(self.tensor).to(device=x.device, dtype=x.dtype)
+        if int8_activations(self.tensor):  # W8A8: x as the format quantizes it
+            x = int8_rounded(x).to(x.dtype)
         return F.linear(x, w, bias)
 
     def to_dense(self) -> torch.Tensor:

@@ -31,6 +31,7 @@ class GroupQuant:
     zeros: np.ndarray
     g_idx: np.ndarray
     bits: int
+    int8_activations: bool = False  # W8A8: its GEMMs quantize x per row (packed.QuantTensor)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -41,9 +42,10 @@ class GroupQuant:
         end = start + length
         if dim == 0:
             return GroupQuant(self.q[start:end], self.scales[:, start:end],
-                              self.zeros[:, start:end], self.g_idx, self.bits)
+                              self.zeros[:, start:end], self.g_idx, self.bits,
+                              self.int8_activations)
         return GroupQuant(self.q[:, start:end], self.scales, self.zeros, self.g_idx[start:end],
-                          self.bits)
+                          self.bits, self.int8_activations)
 
     def dequantize(self) -> np.ndarray:
         """float32 [N, K]: the checkpoint's own arithmetic (for checks and references)."""
@@ -88,4 +90,6 @@ class GroupQuant:
         if not symmetric:  # the zero point, then a pad byte
             head.append(np.stack([z.astype(np.uint8), np.zeros_like(z, np.uint8)], axis=2))
         raw = np.concatenate([*head, body.astype(np.uint8)], axis=2).reshape(n, -1)
-        return QuantTensor(raw, qtype, self.shape, perm=perm)
+        per_row = bool(np.all(s == s[:, :1]))  # one scale a row: an int8 GEMM can use it
+        int8_acts = self.int8_activations and qtype == QType.Q8_0 and per_row
+        return QuantTensor(raw, qtype, self.shape, perm=perm, int8_activations=int8_acts)

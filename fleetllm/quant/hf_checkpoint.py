@@ -49,7 +49,7 @@ def tensors(files: list[Path], quant: QuantConfig) -> Iterator[tuple[str, Any]]:
         for name, handle in where.items():
             prefix, _, last = name.rpartition(".")
             if last == "weight" and f"{prefix}.weight_scale" in where:  # int-quantized
-                yield name, _int8(prefix, where)
+                yield name, _int8(prefix, where, quant.int8_activations)
             elif last in _PRIMARY:
                 read = _awq if quant.method == "awq" else _gptq if quant.method == "gptq" \
                     else _packed
@@ -156,8 +156,9 @@ def _packed(prefix: str, where: dict[str, Any], quant: QuantConfig) -> GroupQuan
     return GroupQuant(np.ascontiguousarray(q), scale.T.copy(), z.T.copy(), g, bits)
 
 
-def _int8(prefix: str, where: dict[str, Any]) -> GroupQuant:
-    """compressed-tensors int-quantized: int8 weights, a scale per channel (or group)."""
+def _int8(prefix: str, where: dict[str, Any], int8_activations: bool) -> GroupQuant:
+    """compressed-tensors int-quantized: int8 weights, a scale per channel (or group);
+    int8_activations (W8A8): the GEMMs quantize x per row, as the format does."""
     w = where[f"{prefix}.weight"].get_tensor(f"{prefix}.weight")
     _check(w.dtype == torch.int8 and w.dim() == 2, prefix, f"weight beside a weight_scale must "
            f"be int8 [out, in], got {w.dtype} {tuple(w.shape)}")
@@ -169,7 +170,8 @@ def _int8(prefix: str, where: dict[str, Any]) -> GroupQuant:
            "(asymmetric) are not supported")
     q = (w.astype(np.int16) + 128).astype(np.uint8)
     g = _groups(w.shape[1], scale.shape[1], None, prefix)
-    return GroupQuant(q, scale.T.copy(), np.full(scale.T.shape, 128, np.int32), g, 8)
+    return GroupQuant(q, scale.T.copy(), np.full(scale.T.shape, 128, np.int32), g, 8,
+                      int8_activations)
 
 
 def dequantized(tensor: Any) -> torch.Tensor:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 MAGIC = 0x324B4341505146  # "FQPACK2": csrc/quant.h QPACK_MAGIC
+INT8_ACTS = 1 << 32  # in the parts word: W8A8 (csrc/quant.h QPACK_INT8_ACTS)
 HEAD = 4  # magic, K, parts, perm offset
 MAX_PARTS = 4
 
@@ -65,6 +66,9 @@ class QuantTensor:
     qtype: QType
     shape: tuple[int, int]
     perm: np.ndarray | None = None
+    # W8A8: Q8_0 with one scale a row, whose GEMMs quantize x per row to int8 as the format
+    # does (quant_ops.cpp's int8_linear); a copy is flagged when all its parts are
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         self.qtype = QType(self.qtype)
@@ -88,7 +92,7 @@ class QuantTensor:
         rows, cols = self.shape
         if dim == 0:
             return QuantTensor(self.raw[start:start + length], self.qtype, (length, cols),
-                               self.perm)
+                               self.perm, self.int8_activations)
         if self.perm is not None:
             raise ValueError("columns of a tensor with a column permutation (act-order) "
                              "cannot be split: its stored columns are not the logical ones")
@@ -99,7 +103,7 @@ class QuantTensor:
                              "does not divide its blocks")
         b0, nb = start // elems, length // elems
         return QuantTensor(self.raw[:, b0 * nbytes:(b0 + nb) * nbytes], self.qtype,
-                           (rows, length))
+                           (rows, length), None, self.int8_activations)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols] in the logical (x's) column order: gguf's reference
@@ -151,7 +155,8 @@ def pack(parts: list[QuantTensor]) -> torch.Tensor:
         offset += -(-p.raw.size // 64) * 64
     out = torch.zeros(offset, dtype=torch.uint8)
     buf = out.numpy()
-    words = [MAGIC, cols, len(parts), perm_offset]
+    int8_acts = all(p.int8_activations and p.qtype == QType.Q8_0 for p in parts)
+    words = [MAGIC, cols, len(parts) | (INT8_ACTS if int8_acts else 0), perm_offset]
     for p, off in zip(parts, offsets, strict=True):
         words += [int(p.qtype), p.shape[0], p.raw.shape[1], off]
         buf[off:off + p.raw.size] = p.raw.reshape(-1)  # from the mapping, one copy
@@ -167,15 +172,29 @@ def unpack(packed: torch.Tensor) -> list[QuantTensor]:
     words = buf[:8 * HEAD].view("<i8").tolist()
     if len(words) < HEAD or words[0] != MAGIC:
         raise ValueError("not a packed quantized weight")
-    cols, n, perm_offset = words[1], words[2], words[3]
+    cols, n, perm_offset = words[1], words[2] & (INT8_ACTS - 1), words[3]
+    int8_acts = bool(words[2] & INT8_ACTS)
     head = buf[:8 * (HEAD + 4 * n)].view("<i8").tolist()[HEAD:]
     perm = buf[perm_offset:perm_offset + 8 * cols].view("<i8") if perm_offset else None
     parts = []
     for i in range(n):
         qtype, rows, row_bytes, off = head[4 * i:4 * i + 4]
         raw = buf[off:off + rows * row_bytes].reshape(rows, row_bytes)
-        parts.append(QuantTensor(raw, QType(qtype), (rows, cols), perm))
+        parts.append(QuantTensor(raw, QType(qtype), (rows, cols), perm, int8_acts))
     return parts
+
+
+def int8_activations(packed: torch.Tensor) -> bool:
+    """Whether a packed copy is flagged W8A8 (its x quantized to int8 per row)."""
+    return bool(int(packed[16:24].numpy().view("<i8")[0]) & INT8_ACTS)
+
+
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as W8A8 quantizes it (csrc/quant_ops.cpp's int8_levels): each row's int8 levels
+    (scale max |x| / 127) times its scale, in float32."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / 127
+    return torch.round(xf / scale.clamp_min(torch.finfo(torch.float32).tiny)) * scale
 
 
 def dequantize_packed(packed: torch.Tensor) -> torch.Tensor:

@@ -310,3 +310,45 @@ def test_fast_dequantizer_gives_the_generic_bits(tmp_path):
 def bits(t: torch.Tensor) -> torch.Tensor:
     """t's bits as integers (tells -0.0 from 0.0)."""
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def w8a8_tensor(rows: int, cols: int, seed: int) -> tuple[QuantTensor, torch.Tensor]:
+    """W8A8 (quant/groups.py): Q8_0 blocks of one fp16 scale a row, flagged for int8
+    activations; with the weight, computed apart from the code under test."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-127, 128, (rows, cols)).astype(np.int8)
+    d = (rng.uniform(0.5, 2, rows) / 127).astype(np.float16)
+    blocks = np.concatenate([np.repeat(d.view(np.uint8).reshape(rows, 1, 2), cols // 32, 1),
+                             q.view(np.uint8).reshape(rows, cols // 32, 32)], axis=2)
+    w = torch.from_numpy(d.astype(np.float32))[:, None] * torch.from_numpy(q.astype(np.float32))
+    return QuantTensor(blocks.reshape(rows, -1), QType.Q8_0, (rows, cols), None, True), w
+
+
+def int8_per_row(x: torch.Tensor) -> torch.Tensor:
+    scale = x.float().abs().amax(1, keepdim=True) / 127
+    return torch.round(x.float() / scale.clamp_min(torch.finfo(torch.float32).tiny)) * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_rounds_x_to_int8_per_row_at_every_path(dtype):
+    """A W8A8 copy's x is rounded to int8 per row (scale max |x| / 127), as the format does, on
+    the GEMV (VNNI: one int8 plane, integer sums; elsewhere float) and the int8 GEMM past it
+    (at::_int_mm), merged parts included; a zero row stays zero. The flag survives
+    pack/unpack; on a part that is not Q8_0 it is an error."""
+    (a, wa), (b, wb) = w8a8_tensor(96, 512, 1), w8a8_tensor(32, 512, 2)
+    packed, w = pack([a, b]), torch.cat([wa, wb])
+    assert all(p.int8_activations for p in unpack(packed))
+    assert not any(p.int8_activations for p in unpack(pack([a, tensor(QType.Q8_0, 8, 512, 3)])))
+    for rows in (1, 3, 8, 12, 13, 33, 70):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        x[-1] = 0 if rows > 1 else x[-1]
+        got = cpu_kernels.gguf_linear(x, packed, None).double()
+        want = int8_per_row(x).double() @ w.double().T
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < (4e-3 if dtype == torch.bfloat16 else 1e-6), (rows, err)
+        assert rows == 1 or torch.all(got[-1] == 0)
+    words = bytearray(packed.numpy().tobytes())
+    struct.pack_into("<q", words, 32, int(QType.Q4_0))  # part 0's type, the flag still set
+    with pytest.raises(RuntimeError, match="W8A8"):
+        cpu_kernels.gguf_linear(torch.ones(1, 512),
+                                torch.frombuffer(words, dtype=torch.uint8).clone(), None)
