@@ -6,9 +6,9 @@ What is read: AWQ "gemm" 4-bit, any group size that is a multiple of 32, zero po
 and 8-bit, sym and asym, desc_act (g_idx), checkpoint_format "gptq" (zeros
 stored minus one) and "gptq_v2"; compressed-tensors "pack-quantized" (int4/int8 weights per
 group or channel) and "int-quantized" (W8A8: int8 weights per channel; with int8 input
-activations, dynamic or static, a GEMM (prompts, batches past the GEMV's rows) quantizes x per
-row to int8, as vLLM's dynamic per-token W8A8 does, and the decode GEMV per 32 elements). Anything else is a ModelLoadError naming the field, raised
-when ModelConfig is built, before any worker starts.
+activations, dynamic or static, every projection rounds x to int8 per row, as vLLM's dynamic
+per-token W8A8 does: int8_activations). Anything else is a ModelLoadError naming the field,
+raised when ModelConfig is built, before any worker starts.
 """
 
 from __future__ import annotations
