@@ -2,8 +2,9 @@
 embedding's) blocks for this rank (layers.stash: whole rows, whole blocks of columns), then
 `finish` packs each module's parts into one copy (packed.py) and gives the module its Gguf
 kernel; the dense parameter, never written, is dropped. A module whose parts are all F32/F16/
-BF16 gets its dense weight instead, and the usual kernels. Nothing dequantized is kept: the
-embedding's rows are dequantized as they are looked up.
+BF16 gets its dense weight instead, and the usual kernels. An MoE layer's experts are packed
+by their own module (model/moe_experts.FusedExperts.finish_quantized). Nothing dequantized is
+kept: the embedding's rows are dequantized as they are looked up.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from fleetllm.model.layers import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
+from fleetllm.model.moe_experts import FusedExperts
 from fleetllm.progress import ProgressBar
 from fleetllm.quant.gguf_checkpoint import open_gguf, tensors
 from fleetllm.quant.packed import QuantTensor, pack
@@ -49,6 +51,12 @@ def finish(model: nn.Module) -> None:
     parameter is made in that dtype, so it is the first floating one's, as before)."""
     dtype = model.norm_dtype
     for name, module in list(model.named_modules()):
+        if isinstance(module, FusedExperts):  # an MoE layer's experts: their own packing
+            try:
+                module.finish_quantized()
+            except ValueError as e:
+                raise ModelLoadError(f"{name}: {e}") from e
+            continue
         parts = module.__dict__.pop("quant_parts", None)
         if not parts:
             continue
