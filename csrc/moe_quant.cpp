@@ -8,9 +8,11 @@
 // the file does (Q4_K_M: Q4_K gate/up, Q6_K down on some layers).
 // How: the (token, slot) pairs are grouped by expert with a stable counting sort (token order
 // within an expert), each pair's x row gathered as float32; each active expert's rows run
-// through q::linear (quant.cpp: the GEMV for every block type, VNNI where the CPU has it, in
-// passes of 8 rows as gguf_linear's) for gate/up, SiLU(gate) * up in float32, q::linear for
-// down; the experts one after another, each product parallel over the weight's rows. The
+// through q::linear (quant.cpp: the GEMV for every block type, VNNI where the CPU has it; one
+// call for up to 8 rows, a decode step's) or, for more rows (a prompt's), gguf_linear (passes
+// of 8, or chunks of the weight dequantized for a float32 GEMM) for gate/up, SiLU(gate) * up
+// in float32, the same for down; the experts one after another, each product parallel over
+// the weight's rows. The
 // weighted sum adds each token's experts in ascending expert order, each expert's output
 // rounded to x's dtype first, then rounding as x's dtype adds (moe.cpp's order, and
 // transformers' index_add_ loop). Only the active experts' copies are parsed or read.
@@ -28,6 +30,7 @@
 
 #include "kernels.h"
 #include "quant.h"
+#include "quant_ops.h"
 
 namespace fleetllm {
 namespace {
@@ -52,18 +55,28 @@ q::Weight parse_copy(const uint8_t *base, const int64_t *bounds, int64_t j, int6
     return w;
 }
 
-// y [rows, N] = x [rows, K] . w^T in passes of PASS_ROWS rows, float32.
-void linear_rows(const float *x, long rows, const q::Weight &w, float *y, int nthreads)
+// y [rows, N] = x [rows, K] . w^T, float32: up to PASS_ROWS rows (a decode step's expert)
+// one q::linear call; more (a prompt's) through gguf_linear on copy j, which runs passes or
+// dequantizes chunks of the weight for a GEMM as it does for a dense projection.
+void linear_rows(const Tensor &xs, long r0, long rows, const q::Weight &w, const Tensor &packed,
+                 const int64_t *bounds, int64_t j, const Tensor &y, int nthreads)
 {
-    for (long r = 0; r < rows; r += PASS_ROWS)
-        q::linear(x + r * w.K, static_cast<int>(std::min<long>(PASS_ROWS, rows - r)), w,
-                  y + r * w.N, nthreads);
+    const float *x = xs.const_data_ptr<float>() + r0 * w.K;
+    float *yp = y.mutable_data_ptr<float>() + r0 * w.N;
+    if (rows <= PASS_ROWS) {
+        q::linear(x, static_cast<int>(rows), w, yp, nthreads);
+        return;
+    }
+    const Tensor copy = packed.narrow(0, bounds[j], bounds[j + 1] - bounds[j]);
+    y.narrow(0, r0, rows).copy_(gguf_linear(xs.narrow(0, r0, rows), copy, std::nullopt));
 }
 
 template <class T>
-void run(const Tensor &x, const Tensor &ids, const Tensor &weights, const uint8_t *base,
-         const int64_t *bounds, int64_t total, int E, Tensor &out)
+void run(const Tensor &x, const Tensor &ids, const Tensor &weights, const Tensor &packed,
+         const int64_t *bounds, int E, Tensor &out)
 {
+    const uint8_t *base = packed.const_data_ptr<uint8_t>();
+    const int64_t total = packed.numel();
     const long T_ = x.size(0), pairs = T_ * ids.size(1);
     const int H = static_cast<int>(x.size(1)), k = static_cast<int>(ids.size(1));
     const int64_t *id = ids.const_data_ptr<int64_t>();
@@ -109,13 +122,13 @@ void run(const Tensor &x, const Tensor &ids, const Tensor &weights, const uint8_
     for (size_t a = 0; a < active.size(); a++) {
         const int e = active[a];
         const long r0 = row_start[e], rows = counts[e];
-        linear_rows(xsp + r0 * H, rows, w13[a], gup + r0 * 2 * I, nthreads);
+        linear_rows(xs, r0, rows, w13[a], packed, bounds, 2L * e, gu, nthreads);
         for (long r = r0; r < r0 + rows; r++) {
             const float *g = gup + r * 2 * I;
             float *o = actp + r * I;
             for (int i = 0; i < I; i++) o[i] = g[i] / (1.0f + std::exp(-g[i])) * g[I + i];
         }
-        linear_rows(actp + r0 * I, rows, w2[a], ysp + r0 * H, nthreads);
+        linear_rows(act, r0, rows, w2[a], packed, bounds, 2L * e + 1, ys, nthreads);
     }
     const float *wp = weights.const_data_ptr<float>();
     T *outp = reinterpret_cast<T *>(out.mutable_data_ptr());
@@ -182,12 +195,11 @@ Tensor gguf_fused_moe(const Tensor &x, const Tensor &ids, const Tensor &weights,
     }
     Tensor out = at::empty({t, h}, x.options());
     if (t == 0) return out;
-    const uint8_t *base = packed.const_data_ptr<uint8_t>();
     const int64_t *b = bounds.const_data_ptr<int64_t>();
     if (x.scalar_type() == at::kFloat)
-        run<float>(x, ids, weights, base, b, packed.numel(), static_cast<int>(e), out);
+        run<float>(x, ids, weights, packed, b, static_cast<int>(e), out);
     else
-        run<bf16>(x, ids, weights, base, b, packed.numel(), static_cast<int>(e), out);
+        run<bf16>(x, ids, weights, packed, b, static_cast<int>(e), out);
     return out;
 }
 

@@ -17,7 +17,7 @@ from helpers import check_logprobs_close, greedy_run, hf_greedy
 from moe_checkpoints import make_moe_checkpoint
 
 from fleetllm.config import EngineConfig
-from fleetllm.errors import ModelLoadError
+from fleetllm.errors import ConfigurationError, ModelLoadError
 from fleetllm.executor import Executor
 from fleetllm.kernels import cpu_kernels
 from fleetllm.model import moe_experts, moe_quant
@@ -122,11 +122,12 @@ def _random_experts(num_experts: int, hidden: int, inter: int, types: tuple[QTyp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("types", [(QType.Q8_0, QType.Q8_0), (QType.Q4_K, QType.Q6_K),
                                    (QType.Q5_K, QType.Q4_0)])
-@pytest.mark.parametrize("tokens", [1, 3, 40])
+@pytest.mark.parametrize("tokens", [1, 3, 40, 150])
 def test_quantized_op_matches_pytorch(types, dtype, tokens):
     """The C++ op against the PyTorch path on random packed experts: decode (1 token: k
-    experts of one row), a small batch, a prompt (40 tokens: experts of many rows, past one
-    pass of 8); experts 6 and 7 never picked, their copies made unreadable to prove it."""
+    experts of one row), a small batch, prompts (40 tokens: experts of ~13 rows, gguf_linear's
+    passes; 150: ~50 rows, its dequantized GEMM); experts 6 and 7 never picked, their copies
+    made unreadable to prove they are not read."""
     num_experts, hidden, inter, k = 8, 256, 512, 2
     packed, bounds = moe_quant.pack_experts(_random_experts(num_experts, hidden, inter,
                                                             types, seed=tokens))
@@ -176,3 +177,12 @@ def test_unsupported_expert_type_refused_by_name(gguf_files, tmp_path):
     bad.write_bytes(bytes(data))
     with pytest.raises(ModelLoadError, match="blk.1.ffn_down_exps.weight.*IQ2_XXS"):
         EngineConfig.from_kwargs(model=str(bad), kv_cache_memory=32 << 20)
+
+
+def test_sharded_state_save_refused(gguf_files, tmp_path):
+    """Quantized experts have no sharded-state form yet: saving says so, writes no part."""
+    _, path = gguf_files("qwen3moe-Q8_0")
+    with make_executor(path) as executor, \
+            pytest.raises(ConfigurationError, match="quantized experts cannot be saved"):
+        executor.save_sharded_state(tmp_path / "state")
+    assert not list((tmp_path / "state").glob("*.safetensors"))
