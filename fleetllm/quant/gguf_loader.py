@@ -23,7 +23,7 @@ from fleetllm.model.layers import (
 )
 from fleetllm.model.moe_experts import FusedExperts
 from fleetllm.progress import ProgressBar
-from fleetllm.quant.gguf_checkpoint import open_gguf, tensors
+from fleetllm.quant.gguf_checkpoint import GgufFile, open_gguf, tensors
 from fleetllm.quant.packed import QuantTensor, pack
 
 
@@ -32,7 +32,7 @@ def load_gguf(model: nn.Module, path: str) -> None:
     expected = {name for name, _ in model.named_parameters()}
     first_rank = get_tp_group().is_first and get_pp_group().is_first
     loaded = model.load_weights(ProgressBar(tensors(ckpt), desc="Loading GGUF tensors",
-                                            unit="tensor", total=len(ckpt.reader.tensors),
+                                            unit="tensor", total=_count(ckpt),
                                             disable=not first_rank), path)
     if model.cfg.tie_word_embeddings and getattr(model, "lm_head", None) is not None:
         loaded.add("lm_head.weight")
@@ -43,6 +43,11 @@ def load_gguf(model: nn.Module, path: str) -> None:
     missing = expected - loaded
     if missing:
         raise ModelLoadError(f"{path}: lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def _count(ckpt: GgufFile) -> int:
+    """The tensors the loader is given: an MoE layer's 3-D expert tensor is one an expert."""
+    return sum(int(t.shape[-1]) if len(t.shape) == 3 else 1 for t in ckpt.reader.tensors)
 
 
 def finish(model: nn.Module) -> None:
