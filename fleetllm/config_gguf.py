@@ -14,6 +14,7 @@ tensor, raised when ModelConfig is built, before any worker starts.
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,11 @@ _LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
 # The 3-D expert tensors [experts, rows, cols]: each expert's matrix is a checkpoint tensor
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
             "ffn_down_exps": "down_proj"}
+# Mixtral (arch "llama" with llama.expert_count): its experts' Hugging Face names, from the
+# 3-D tensors or the older files' one tensor an expert (blk.N.ffn_gate.E.weight)
+_MIXTRAL = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2",
+            "ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}
+_OLD_EXPERT = re.compile(r"(ffn_gate|ffn_up|ffn_down)\.(\d+)")
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -155,6 +161,10 @@ class GgufFile:
                                  "(linear is)")
         if a in _NORM_TOPK:
             cfg.update(self._moe_config(need))
+        elif self.mixtral:  # every layer sparse, top-k renormalized; experts of the FFN width
+            cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
+                       num_local_experts=int(need("expert_count")),
+                       num_experts_per_tok=int(need("expert_used_count")))
         freqs = self.tensor_infos.get("rope_freqs.weight")
         if freqs is not None:  # llama3's scaling, as llama.cpp applies it: a factor per pair
             cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": self._floats(freqs)}
@@ -195,6 +205,8 @@ class GgufFile:
         base, _, suffix = name.rpartition(".")
         if base.startswith("blk."):
             _, index, kind = base.split(".", 2)
+            if self.mixtral:
+                return self._mixtral_name(index, kind, suffix, expert)
             if kind in _EXPERTS:
                 return None if expert is None else \
                     f"model.layers.{index}.mlp.experts.{expert}.{_EXPERTS[kind]}.{suffix}"
@@ -202,6 +214,26 @@ class GgufFile:
             return None if mapped is None else f"model.layers.{index}.{mapped}.{suffix}"
         mapped = _TOP.get(base)
         return None if mapped is None else f"{mapped}.{suffix}"
+
+    @functools.cached_property
+    def mixtral(self) -> bool:
+        """An arch "llama" file with experts: Mixtral, as llama.cpp writes it."""
+        return self.arch == "llama" and bool(self.field("llama.expert_count"))
+
+    @staticmethod
+    def _mixtral_name(index: str, kind: str, suffix: str, expert: int | None) -> str | None:
+        """A Mixtral layer tensor's Hugging Face name (block_sparse_moe's router and experts)."""
+        pre = f"model.layers.{index}.block_sparse_moe"
+        if (old := _OLD_EXPERT.fullmatch(kind)) is not None:  # one tensor an expert
+            return f"{pre}.experts.{old[2]}.{_MIXTRAL[old[1]]}.{suffix}"
+        if kind in _EXPERTS:
+            return None if expert is None else \
+                f"{pre}.experts.{expert}.{_MIXTRAL[kind]}.{suffix}"
+        if kind == "ffn_gate_inp":
+            return f"{pre}.gate.{suffix}"
+        mapped = _LAYER.get(kind)
+        return None if mapped is None or mapped.startswith("mlp.") else \
+            f"model.layers.{index}.{mapped}.{suffix}"
 
     def check_shapes(self, expected: dict[str, tuple[int, ...]]) -> None:
         """Every tensor has the shape the config gives it, every expected tensor is here, and

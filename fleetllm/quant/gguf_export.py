@@ -3,7 +3,8 @@
 What: export_gguf(hf_dir, out_path, qtype) writes a .gguf the way llama.cpp's
 convert_hf_to_gguf.py followed by llama-quantize would: LlamaForCausalLM / MistralForCausalLM
 as arch "llama", Qwen2ForCausalLM as "qwen2", Qwen3ForCausalLM as "qwen3", Qwen3MoeForCausalLM /
-Qwen2MoeForCausalLM as "qwen3moe" / "qwen2moe" (each layer's experts stacked into 3-D
+Qwen2MoeForCausalLM as "qwen3moe" / "qwen2moe", MixtralForCausalLM as "llama" with
+llama.expert_count (each layer's experts stacked into 3-D
 ffn_{gate,up,down}_exps tensors, the router F32, the shared expert's gate 1-D; a dense layer of
 mlp_only_layers has no GGUF name there and is refused); tensor names from
 gguf's TensorNameMap (token_embd, blk.N.attn_q ..., output_norm, output); for "llama" the q/k
@@ -54,11 +55,13 @@ ARCHITECTURES: dict[str, gguf.MODEL_ARCH] = {
     "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
     "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
     "Qwen2MoeForCausalLM": gguf.MODEL_ARCH.QWEN2MOE,
+    "MixtralForCausalLM": gguf.MODEL_ARCH.LLAMA,  # with llama.expert_count, as llama.cpp's
 }
 _MOE = (gguf.MODEL_ARCH.QWEN3MOE, gguf.MODEL_ARCH.QWEN2MOE)
 _SKIPPED = (".rotary_emb.inv_freq",)
 # an MoE checkpoint's per-expert tensor: stacked into one 3-D GGUF tensor per layer and part
-_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+_proj\.weight)")
+_EXPERT = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\."
+                     r"(\w+\.weight)")
 
 
 @dataclass
@@ -347,9 +350,10 @@ def _add_metadata(w: gguf.GGUFWriter, hf: Path, config: dict[str, Any],
     w.add_vocab_size(n_vocab)  # the embedding rows, as the token list is padded to
     if arch == gguf.MODEL_ARCH.LLAMA:
         w.add_rope_dimension_count(_head_dim(config))
-    if arch in _MOE:
+    if arch in _MOE or config.get("num_local_experts"):  # Mixtral: experts of the FFN width
         w.add_expert_count(config.get("num_experts") or config["num_local_experts"])
         w.add_expert_used_count(config["num_experts_per_tok"])
+    if arch in _MOE:
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
         # llama.cpp does not read it (qwen3moe always renormalizes, qwen2moe never): written
         # so that a checkpoint whose norm_topk_prob differs runs as trained in fleetllm

@@ -35,6 +35,8 @@ FILES = {
         head_dim=64), "Q4_K_M"),
     "qwen2moe-Q8_0": ("Qwen2MoeForCausalLM", dict(
         num_experts=8, norm_topk_prob=False, shared_expert_intermediate_size=96), "Q8_0"),
+    # arch "llama" with llama.expert_count; experts of the FFN width (128)
+    "mixtral-Q8_0": ("MixtralForCausalLM", dict(num_local_experts=8), "Q8_0"),
     # experts of width 64: each of 2 tensor-parallel ranks keeps whole Q8_0 blocks of down
     "qwen3moe-Q8_0-wide": ("Qwen3MoeForCausalLM", dict(
         num_experts=8, norm_topk_prob=True, moe_intermediate_size=64), "Q8_0"),
@@ -67,13 +69,55 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 2, 5, 7, 12, 16, 20, 27, 33, 48)]
 
 
+def dequantized_mixtral(hf_dir, gguf_path):
+    """transformers' float32 Mixtral with every weight the file's, dequantized by gguf
+    (transformers reads no Mixtral GGUF): each checkpoint tensor's GGUF name by gguf's own
+    name map (an expert's: its part's 3-D tensor), llama.cpp's q/k row permutation undone."""
+    from gguf import MODEL_ARCH, GGUFReader, get_tensor_name_map
+    from gguf.quants import dequantize
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    names = get_tensor_name_map(MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    reader = GGUFReader(str(gguf_path))
+    data = {t.name: dequantize(t.data, t.tensor_type).reshape(
+        tuple(int(d) for d in reversed(t.shape.tolist()))) for t in reader.tensors}
+    state = {}
+    with safe_open(str(hf_dir / "model.safetensors"), framework="pt") as st:
+        for key in st.keys():
+            parts = key.split(".")
+            expert = None
+            if "experts" in parts:  # ...experts.E.w1.weight -> ...experts.w1.weight
+                i = parts.index("experts") + 1
+                expert = int(parts.pop(i))
+            w = data[names.get_name(".".join(parts), try_suffixes=(".weight",))]
+            w = w[expert] if expert is not None else w
+            if ".q_proj." in key or ".k_proj." in key:
+                heads = config.num_attention_heads if ".q_proj." in key else \
+                    config.num_key_value_heads
+                w = w.reshape(heads, w.shape[0] // heads // 2, 2, -1).swapaxes(1, 2) \
+                    .reshape(w.shape)
+            state[key] = torch.from_numpy(np.array(w, dtype=np.float32))
+            assert tuple(state[key].shape) == tuple(st.get_slice(key).get_shape()), key
+    out = hf_dir.with_name(f"{hf_dir.name}-dequantized")
+    out.mkdir(exist_ok=True)
+    config.save_pretrained(out)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
 def check_against_transformers(hf_dir, gguf_path, ours) -> None:
     """>= 90% of the requests give the greedy tokens of transformers' float32 model of the
     dequantized file (the checkpoint's config.json: transformers' GGUF config reads no expert
     width); every one within the other's top-5 at its first difference."""
     config = transformers.AutoConfig.from_pretrained(hf_dir)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, config=config, dtype=torch.float32).eval()
+    if config.model_type == "mixtral":
+        hf = dequantized_mixtral(hf_dir, gguf_path)
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, config=config,
+            dtype=torch.float32).eval()
     same = 0
     for prompt, (tokens, lps) in zip(_prompts(), ours, strict=True):
         ref_tokens, ref_rows = hf_greedy(hf, prompt, MAX_TOKENS)
@@ -87,7 +131,8 @@ def _experts(executor) -> list[moe_experts.FusedExperts]:
 
 
 @pytest.mark.parametrize("kernel", ["chosen", "pytorch"])
-@pytest.mark.parametrize("name", ["qwen3moe-Q8_0", "qwen3moe-Q4_K_M", "qwen2moe-Q8_0"])
+@pytest.mark.parametrize("name", ["qwen3moe-Q8_0", "qwen3moe-Q4_K_M", "qwen2moe-Q8_0",
+                                  "mixtral-Q8_0"])
 def test_gguf_moe_matches_transformers(gguf_files, name, kernel, monkeypatch):
     if kernel == "pytorch":  # the path without the kernels: picked experts dequantized
         monkeypatch.setattr(moe_experts.FusedExperts, "choose_kernel", lambda self: setattr(
