@@ -149,6 +149,45 @@ def test_gguf_moe_matches_transformers(gguf_files, name, kernel, monkeypatch):
     check_against_transformers(hf_dir, path, ours)
 
 
+def _one_tensor_an_expert(path, out):
+    """The file rewritten as older Mixtral files are: blk.N.ffn_gate.E.weight for each expert
+    E in place of blk.N.ffn_gate_exps.weight (the same blocks, the same metadata)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(out), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub)
+    for t in reader.tensors:
+        if t.name.endswith("_exps.weight"):
+            base = t.name.removesuffix("_exps.weight")
+            for e in range(t.data.shape[0]):
+                writer.add_tensor(f"{base}.{e}.weight", np.ascontiguousarray(t.data[e]),
+                                  raw_dtype=t.tensor_type)
+        else:
+            writer.add_tensor(t.name, np.ascontiguousarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_mixtral_one_tensor_an_expert(gguf_files, tmp_path):
+    """Older Mixtral files (a tensor an expert) give the same tokens as the 3-D layout."""
+    _, path = gguf_files("mixtral-Q8_0")
+    old = _one_tensor_an_expert(path, tmp_path / "old.gguf")
+    with make_executor(path) as executor:
+        want = greedy_run(executor, _prompts()[:4], MAX_TOKENS)
+    with make_executor(old) as executor:
+        assert all(m.packed is not None for m in _experts(executor))
+        got = greedy_run(executor, _prompts()[:4], MAX_TOKENS)
+    assert [t for t, _ in got] == [t for t, _ in want]
+
+
 def _random_experts(num_experts: int, hidden: int, inter: int, types: tuple[QType, QType],
                     seed: int) -> list[tuple[QuantTensor, QuantTensor, QuantTensor]]:
     rng = np.random.default_rng(seed)
