@@ -6,8 +6,10 @@ expert tensor of a type fleetllm does not read refused by name."""
 
 from __future__ import annotations
 
+import gc
 import random
 import struct
+import weakref
 
 import numpy as np
 import pytest
@@ -288,3 +290,19 @@ def test_bfloat16_model(gguf_files, monkeypatch):
         ref = greedy_run(executor, _prompts(), MAX_TOKENS)
     same = sum(a == b for (a, _), (b, _) in zip(ours, ref, strict=True))
     assert same >= 0.9 * len(ref), f"{same} of {len(ref)} requests identical"
+
+
+def test_sleep_and_wake(gguf_files):
+    """Sleep level 2 frees the packed experts (sleeping once failed on the experts' kernel, a
+    function); waking loads them again, to the same tokens."""
+    _, path = gguf_files("qwen2moe-Q8_0")
+    with make_executor(path) as executor:
+        want = greedy_run(executor, _prompts()[:4], MAX_TOKENS)
+        copies = [weakref.ref(m.packed) for m in _experts(executor)]
+        executor.sleep(2)
+        gc.collect()
+        assert all(ref() is None for ref in copies)
+        executor.wake_up()
+        assert all(m.packed is not None for m in _experts(executor))
+        got = greedy_run(executor, _prompts()[:4], MAX_TOKENS)
+    assert [t for t, _ in got] == [t for t, _ in want]
