@@ -234,11 +234,13 @@ def test_quantized_op_matches_pytorch(types, dtype, tokens):
         moe_quant.cpu_quant_experts(x, torch.full_like(ids, 6), weights, packed, bounds)
 
 
-def test_tensor_parallel_on_mp(gguf_files):
-    """TP=2 splits each quantized expert (gate/up rows, down's blocks of columns): the same
-    tokens as transformers."""
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
+                                    dict(pipeline_parallel_size=2)])
+def test_parallel_on_mp(gguf_files, layout):
+    """TP=2 splits each quantized expert (gate/up rows, down's blocks of columns); PP=2 gives
+    each stage its layers' experts: the same tokens as transformers."""
     hf_dir, path = gguf_files("qwen3moe-Q8_0-wide")
-    with make_executor(path, tensor_parallel_size=2, distributed_executor_backend="mp") as ex:
+    with make_executor(path, distributed_executor_backend="mp", **layout) as ex:
         ours = greedy_run(ex, _prompts(), MAX_TOKENS)
     check_against_transformers(hf_dir, path, ours)
 
