@@ -99,8 +99,9 @@ class FusedExperts(nn.Module):
 
     def load_expert(self, expert: int, part: int, loaded: Any) -> bool:
         """Copy this rank's slice of one checkpoint expert tensor (GATE, UP: rows [I, H];
-        DOWN: columns [H, I]) into the stacked weights; True once every expert's gate and up
-        (part < DOWN) or down tensor is in."""
+        DOWN: columns [H, I]) into the stacked weights, or keep a GGUF tensor's blocks of it
+        for finish_quantized; True once every expert's gate and up (part < DOWN) or down
+        tensor is in."""
         if isinstance(loaded, Quantized) and not isinstance(loaded, QuantTensor):
             raise ValueError("quantized expert weights are supported from GGUF files only "
                              "(and bf16 / float32 safetensors)")
@@ -130,6 +131,11 @@ class FusedExperts(nn.Module):
         if not self._blocks:
             return
         blocks, self._blocks = self._blocks, {}
+        missing = [(e, p) for e in range(self.num_experts) for p in (GATE, UP, DOWN)
+                   if (e, p) not in blocks]
+        if missing:
+            raise ValueError(f"lacks expert tensors (expert, part 0 gate / 1 up / 2 down): "
+                             f"{missing[:4]}")
         parts = [(blocks[(e, GATE)], blocks[(e, UP)], blocks[(e, DOWN)])
                  for e in range(self.num_experts)]
         if not any(t.quantized for trio in parts for t in trio):

@@ -37,6 +37,8 @@ FILES = {
         head_dim=64), "Q4_K_M"),
     "qwen2moe-Q8_0": ("Qwen2MoeForCausalLM", dict(
         num_experts=8, norm_topk_prob=False, shared_expert_intermediate_size=96), "Q8_0"),
+    # every tensor F16: the experts fill the dense stacked weights instead
+    "qwen3moe-F16": ("Qwen3MoeForCausalLM", dict(num_experts=8, norm_topk_prob=True), "F16"),
     # arch "llama" with llama.expert_count; experts of the FFN width (128)
     "mixtral-Q8_0": ("MixtralForCausalLM", dict(num_local_experts=8), "Q8_0"),
     # experts of width 64: each of 2 tensor-parallel ranks keeps whole Q8_0 blocks of down
@@ -147,6 +149,18 @@ def test_gguf_moe_matches_transformers(gguf_files, name, kernel, monkeypatch):
             assert m.packed is not None and m.w13 is None and m.w2 is None
         if kernel == "chosen" and cpu_kernels.available():
             assert all(m.kernel is moe_quant.cpu_quant_experts for m in experts)
+        ours = greedy_run(executor, _prompts(), MAX_TOKENS)
+    check_against_transformers(hf_dir, path, ours)
+
+
+def test_unquantized_experts_load_dense(gguf_files):
+    """An F16 file's experts are dequantized into w13 / w2 and run by the bf16/float32 op."""
+    hf_dir, path = gguf_files("qwen3moe-F16")
+    with make_executor(path) as executor:
+        experts = _experts(executor)
+        assert experts and all(m.packed is None and m.w13 is not None for m in experts)
+        if cpu_kernels.available():
+            assert all(m.kernel is moe_experts.cpu_experts for m in experts)
         ours = greedy_run(executor, _prompts(), MAX_TOKENS)
     check_against_transformers(hf_dir, path, ours)
 
