@@ -249,7 +249,8 @@ class GgufFile:
                 shape = shape[1:]
             else:
                 names = [self.hf_name(info.name)]
-                if names[0] is not None and names[0].endswith("shared_expert_gate.weight"):
+                if len(shape) == 1 and names[0] is not None and \
+                        names[0].endswith("shared_expert_gate.weight"):
                     shape = (1, *shape)  # stored 1-D [H] (convert_hf_to_gguf squeezes it)
             for name in names:
                 if name is None or name not in expected:
