@@ -10,9 +10,12 @@
 // within an expert), each pair's x row gathered as float32; each active expert's rows run
 // through q::linear (quant.cpp: the GEMV for every block type, VNNI where the CPU has it; one
 // call for up to 8 rows, a decode step's) or, for more rows (a prompt's), gguf_linear (passes
-// of 8, or chunks of the weight dequantized for a float32 GEMM) for gate/up, SiLU(gate) * up
-// in float32, the same for down; the experts one after another, each product parallel over
-// the weight's rows. The
+// of 8, or chunks of the weight dequantized for a GEMM in x's dtype: bf16's rounds gate/up and
+// the activation to bf16, as moe.cpp does) for gate/up, SiLU(gate) * up in float32, the same
+// for down. The larger experts run one after another, each product
+// parallel over the weight's rows; the small ones too where they are few (a decode step's k),
+// or shared among the threads, an expert a thread, where there are at least two a thread (a
+// batch of decodes): either way each output is one thread's sum, so the bits are the same. The
 // weighted sum adds each token's experts in ascending expert order, each expert's output
 // rounded to x's dtype first, then rounding as x's dtype adds (moe.cpp's order, and
 // transformers' index_add_ loop). Only the active experts' copies are parsed or read.
@@ -26,9 +29,11 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
+#include "parallel.h"
 #include "quant.h"
 #include "quant_ops.h"
 
@@ -55,20 +60,62 @@ q::Weight parse_copy(const uint8_t *base, const int64_t *bounds, int64_t j, int6
     return w;
 }
 
-// y [rows, N] = x [rows, K] . w^T, float32: up to PASS_ROWS rows (a decode step's expert)
-// one q::linear call; more (a prompt's) through gguf_linear on copy j, which runs passes or
-// dequantizes chunks of the weight for a GEMM as it does for a dense projection.
-void linear_rows(const Tensor &xs, long r0, long rows, const q::Weight &w, const Tensor &packed,
-                 const int64_t *bounds, int64_t j, const Tensor &y, int nthreads)
+// SiLU(gate) * up of rows [r0, r0 + rows) of gu [., 2I] into act [., I], float32.
+void silu_mul_rows(const float *gu, float *act, long r0, long rows, int I)
 {
-    const float *x = xs.const_data_ptr<float>() + r0 * w.K;
-    float *yp = y.mutable_data_ptr<float>() + r0 * w.N;
-    if (rows <= PASS_ROWS) {
-        q::linear(x, static_cast<int>(rows), w, yp, nthreads);
-        return;
+    for (long r = r0; r < r0 + rows; r++) {
+        const float *g = gu + r * 2 * I;
+        float *o = act + r * I;
+        for (int i = 0; i < I; i++) o[i] = g[i] / (1.0f + std::exp(-g[i])) * g[I + i];
     }
-    const Tensor copy = packed.narrow(0, bounds[j], bounds[j + 1] - bounds[j]);
-    y.narrow(0, r0, rows).copy_(gguf_linear(xs.narrow(0, r0, rows), copy, std::nullopt));
+}
+
+// The experts of up to PASS_ROWS rows (a decode step's): one q::linear call a product.
+struct SmallCtx {
+    const float *xs;
+    float *gu, *act, *ys;
+    const long *row_start;  // by expert
+    const int *counts;      // by expert
+    const int *experts;     // by index a: the expert
+    const int *list;        // the indices a to run
+    const q::Weight *w13, *w2;  // by index a
+    int H, I;
+};
+
+void small_expert(const SmallCtx &c, int a, int nthreads)
+{
+    const int e = c.experts[a];
+    const long r0 = c.row_start[e];
+    const int rows = c.counts[e];
+    q::linear(c.xs + r0 * c.H, rows, c.w13[a], c.gu + r0 * 2 * c.I, nthreads);
+    silu_mul_rows(c.gu, c.act, r0, rows, c.I);
+    q::linear(c.act + r0 * c.I, rows, c.w2[a], c.ys + r0 * c.H, nthreads);
+}
+
+void small_body(void *arg, long begin, long end, int)
+{
+    const auto *c = static_cast<const SmallCtx *>(arg);
+    for (long i = begin; i < end; i++) small_expert(*c, c->list[i], 1);
+}
+
+// An expert of more rows (a prompt's): gguf_linear on its copies, which runs passes of 8 rows
+// or dequantizes chunks of the weight for a GEMM, as for a dense projection. In a bf16 model
+// the rows go in as bf16 (exactly: x was bf16), so that the GEMM is bf16's (AMX where the CPU
+// has it), and gate/up and the activation are rounded to bf16 as moe.cpp's bf16 op rounds them.
+void large_expert(const Tensor &xs, const Tensor &gu, const Tensor &act, const Tensor &ys,
+                  const Tensor &packed, const int64_t *bounds, int e, long r0, long rows, int I,
+                  bool bf16_rows)
+{
+    const auto copy = [&](int64_t j) {
+        return packed.narrow(0, bounds[j], bounds[j + 1] - bounds[j]);
+    };
+    const auto rows_of = [&](const Tensor &t) {
+        const Tensor r = t.narrow(0, r0, rows);
+        return bf16_rows ? r.to(at::kBFloat16) : r;
+    };
+    gu.narrow(0, r0, rows).copy_(gguf_linear(rows_of(xs), copy(2L * e), std::nullopt));
+    silu_mul_rows(gu.const_data_ptr<float>(), act.mutable_data_ptr<float>(), r0, rows, I);
+    ys.narrow(0, r0, rows).copy_(gguf_linear(rows_of(act), copy(2L * e + 1), std::nullopt));
 }
 
 template <class T>
@@ -119,17 +166,22 @@ void run(const Tensor &x, const Tensor &ids, const Tensor &weights, const Tensor
         for (int h = 0; h < H; h++) xsp[r * H + h] = kernels::to_f32(src[h]);
     }
     const int nthreads = at::get_num_threads();
-    for (size_t a = 0; a < active.size(); a++) {
+    std::vector<int> small;
+    for (int a = 0; a < static_cast<int>(active.size()); a++) {
         const int e = active[a];
-        const long r0 = row_start[e], rows = counts[e];
-        linear_rows(xs, r0, rows, w13[a], packed, bounds, 2L * e, gu, nthreads);
-        for (long r = r0; r < r0 + rows; r++) {
-            const float *g = gup + r * 2 * I;
-            float *o = actp + r * I;
-            for (int i = 0; i < I; i++) o[i] = g[i] / (1.0f + std::exp(-g[i])) * g[I + i];
-        }
-        linear_rows(act, r0, rows, w2[a], packed, bounds, 2L * e + 1, ys, nthreads);
+        if (counts[e] > PASS_ROWS)
+            large_expert(xs, gu, act, ys, packed, bounds, e, row_start[e], counts[e], I,
+                         std::is_same_v<T, bf16>);
+        else
+            small.push_back(a);
     }
+    SmallCtx c{xsp, gup, actp, ysp, row_start.data(), counts.data(), active.data(),
+               small.data(), w13.data(), w2.data(), H, I};
+    const long n_small = static_cast<long>(small.size());
+    if (n_small >= 2L * nthreads && nthreads > 1)  // enough experts to share the threads
+        parallel_run(nthreads, small_body, &c, n_small, 1, false);
+    else
+        for (int a : small) small_expert(c, a, nthreads);
     const float *wp = weights.const_data_ptr<float>();
     T *outp = reinterpret_cast<T *>(out.mutable_data_ptr());
     at::parallel_for(0, T_, std::max(1L, kernels::PAR_MIN / (static_cast<long>(H) * k)),

@@ -322,3 +322,24 @@ def test_sleep_and_wake(gguf_files):
         assert all(m.packed is not None for m in _experts(executor))
         got = greedy_run(executor, _prompts()[:4], MAX_TOKENS)
     assert [t for t, _ in got] == [t for t, _ in want]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels are not built")
+def test_quantized_op_same_bits_on_any_thread_count():
+    """A batch of decodes (16 tokens, ~4 rows an expert: the experts shared among the threads)
+    gives the bits one thread gives, each output being one thread's sum either way."""
+    packed, bounds = moe_quant.pack_experts(_random_experts(8, 256, 512,
+                                                            (QType.Q4_K, QType.Q6_K), seed=7))
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(16, 256, generator=gen)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(16)])
+    weights = torch.softmax(torch.randn(16, 2, generator=gen), -1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        shared = moe_quant.cpu_quant_experts(x, ids, weights, packed, bounds)
+        torch.set_num_threads(1)
+        alone = moe_quant.cpu_quant_experts(x, ids, weights, packed, bounds)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(shared, alone)
