@@ -5,7 +5,10 @@ names of the tensors by Hugging Face's naming (config layer: errors only, and th
 The metadata and tensor infos come from the file's header (config_gguf_reader.py: its arrays,
 the tokenizer's, left unread), so that validating a config costs milliseconds and holds
 nothing; gguf's GGUFReader (`GgufFile.reader`, memory-mapped) is opened for the loader only
-(quant/gguf_checkpoint.py reads the tensors' data). What fails: a missing, truncated or
+(quant/gguf_checkpoint.py reads the tensors' data). Mixtures of experts (qwen3moe, qwen2moe,
+and Mixtral as arch "llama" with llama.expert_count): the expert_* metadata become config.json's
+MoE fields, and a 3-D ffn_{gate,up,down}_exps tensor names one checkpoint tensor an expert
+(each of shape [rows, cols]). What fails: a missing, truncated or
 non-GGUF file, an architecture or tensor type fleetllm does not read, a tensor whose shape does
 not match the config or runs past the end of the file: ModelLoadError naming the file and the
 tensor, raised when ModelConfig is built, before any worker starts.
