@@ -37,6 +37,10 @@ FILES = {
         head_dim=64), "Q4_K_M"),
     "qwen2moe-Q8_0": ("Qwen2MoeForCausalLM", dict(
         num_experts=8, norm_topk_prob=False, shared_expert_intermediate_size=96), "Q8_0"),
+    # the shared expert in K-quants too (its down 256 wide: Q4_K / Q6_K)
+    "qwen2moe-Q4_K_M": ("Qwen2MoeForCausalLM", dict(
+        num_experts=8, norm_topk_prob=False, hidden_size=256, moe_intermediate_size=256,
+        shared_expert_intermediate_size=256, head_dim=64), "Q4_K_M"),
     # every tensor F16: the experts fill the dense stacked weights instead
     "qwen3moe-F16": ("Qwen3MoeForCausalLM", dict(num_experts=8, norm_topk_prob=True), "F16"),
     # arch "llama" with llama.expert_count; experts of the FFN width (128)
@@ -136,7 +140,7 @@ def _experts(executor) -> list[moe_experts.FusedExperts]:
 
 @pytest.mark.parametrize("kernel", ["chosen", "pytorch"])
 @pytest.mark.parametrize("name", ["qwen3moe-Q8_0", "qwen3moe-Q4_K_M", "qwen2moe-Q8_0",
-                                  "mixtral-Q8_0"])
+                                  "qwen2moe-Q4_K_M", "mixtral-Q8_0"])
 def test_gguf_moe_matches_transformers(gguf_files, name, kernel, monkeypatch):
     if kernel == "pytorch":  # the path without the kernels: picked experts dequantized
         monkeypatch.setattr(moe_experts.FusedExperts, "choose_kernel", lambda self: setattr(
