@@ -267,10 +267,11 @@ class ModelConfig:
             self.arch = ArchConfig.from_dict(cfg)
         except KeyError as e:
             raise ModelLoadError(f"{path / 'config.json'} lacks the field {e}") from e
-        if self.arch.num_experts and self.quantization:  # experts load bf16/float32 only
+        if self.arch.num_experts and self.quantization not in (None, "gguf"):
+            # experts load bf16/float32 or from GGUF files only
             raise ModelLoadError(f"{self.arch.architecture}: quantized experts "
                                  f"({self.quantization}) are not supported; load a bf16 or "
-                                 "float32 checkpoint")
+                                 "float32 checkpoint, or a GGUF file")
         if self.is_gguf:  # every tensor's name, shape and bytes, before any worker starts
             from fleetllm.config_gguf import open_gguf
             open_gguf(self.model).check_shapes(hf_tensor_shapes(self.arch))

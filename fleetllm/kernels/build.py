@@ -36,7 +36,7 @@ _SOURCE_DIRS = (PACKAGE / "_csrc", PACKAGE.parent / "csrc")
 SOURCES = ("ops.cpp", "paged_decode.cpp", "prefill_attention.cpp", "fused_ops.cpp", "gemv.cpp",
            "gemm.cpp", "gemm_amx.cpp", "argmax.cpp", "parallel.cpp", "pool.cpp",
            "mkl_sgemm.cpp", "quant.cpp", "quant_ops.cpp", "quant_vnni.cpp",
-           "quant_dequant.cpp", "moe.cpp")
+           "quant_dequant.cpp", "moe.cpp", "moe_quant.cpp")
 
 # -O3 with vectorization hints (`omp simd`, without an OpenMP runtime: -fopenmp-simd), and
 # no errno or trap semantics for float math, which otherwise keep sqrt and the exp loops

@@ -29,7 +29,7 @@ _lock = threading.Lock()
 _OPS = ("paged_decode", "prefill_attention", "add_rmsnorm", "silu_mul", "rope_qk_kv", "gemv",
         "decoder_layer", "decoder_layers", "greedy_passes", "argmax", "build_info", "gemm_pairs",
         "gemm_pairs_available", "gemm_amx", "amx_available", "mkl_pack", "mkl_linear",
-        "mkl_available", "gguf_linear", "gguf_rows", "fused_moe")
+        "mkl_available", "gguf_linear", "gguf_rows", "fused_moe", "gguf_fused_moe")
 
 
 def _load() -> SimpleNamespace | None:
@@ -270,3 +270,10 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     """The routed experts' weighted sum for x [T, H]: ids int64 [T, k], weights float32
     [T, k], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I] (csrc/moe.cpp)."""
     return _ops.fused_moe(x, ids, weights, w13, w2)
+
+
+def gguf_fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                   packed: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """fused_moe over quantized experts (csrc/moe_quant.cpp): packed holds 2E packed copies
+    (expert e's gate/up [2I, H], then its down [H, I]), copy j at bytes bounds[j]..[j + 1]."""
+    return _ops.gguf_fused_moe(x, ids, weights, packed, bounds)

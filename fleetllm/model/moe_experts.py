@@ -10,9 +10,15 @@ How: `forward(x, ids, weights)` runs the chosen kernel, picked once after loadin
 kernels built, else `torch_experts` (sort by expert, one F.linear pair per expert picked:
 CUDA, no kernels, and the tests' reference). Both add each token's experts in ascending
 expert order, rounding as transformers' index_add_ loop does.
+Quantized experts (a GGUF file's, quant/packed.QuantTensor): each expert's blocks are kept as
+they load, then `finish_quantized` (called by quant/gguf_loader.finish) packs them
+(moe_quant.pack_experts: one buffer, no dequantized copy) and drops w13 / w2; the kernels are
+then moe_quant's (the C++ op gguf_fused_moe, else PyTorch over the picked experts
+dequantized per call). Experts stored unquantized (F32 / F16 / BF16) fill w13 / w2 instead.
 What fails: a checkpoint expert tensor of the wrong shape is a ValueError, a quantized one
-(not supported yet) a ValueError too; the loader turns both into a ModelLoadError naming
-the tensor.
+other than a GGUF file's (AWQ / GPTQ groups) a ValueError too, and so is a GGUF tensor
+whose blocks this rank's share of the intermediate size would split (tensor parallelism);
+the loader turns each into a ModelLoadError naming the tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from torch import nn
 from fleetllm.distributed.parallel_state import get_tp_group
 from fleetllm.kernels import cpu_kernels
 from fleetllm.model.layers import Quantized, load_full, narrow
+from fleetllm.model.moe_quant import cpu_quant_experts, pack_experts, torch_quant_experts
+from fleetllm.quant.packed import QuantTensor
 
 ExpertsKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                           torch.Tensor], torch.Tensor]
@@ -74,37 +82,73 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard))
         self.kernel: ExpertsKernel = torch_experts
         self._loaded: set[tuple[int, int]] = set()  # (expert, part) filled so far
+        self._blocks: dict[tuple[int, int], QuantTensor] = {}  # a GGUF file's, until packed
+        # the quantized experts (moe_quant.pack_experts), in place of w13 / w2
+        self.packed: torch.Tensor | None = None
+        self.bounds: torch.Tensor | None = None
 
     def choose_kernel(self) -> None:
         """Once, after loading: the C++ op where it runs these weights, else PyTorch's."""
+        if self.packed is not None:
+            usable = cpu_kernels.available() and self.packed.device.type == "cpu"
+            self.kernel = cpu_quant_experts if usable else torch_quant_experts
+            return
         usable = cpu_kernels.usable(self.w13, self.w2) and self.w13.is_contiguous() \
             and self.w2.is_contiguous()
         self.kernel = cpu_experts if usable else torch_experts
 
     def load_expert(self, expert: int, part: int, loaded: Any) -> bool:
         """Copy this rank's slice of one checkpoint expert tensor (GATE, UP: rows [I, H];
-        DOWN: columns [H, I]) into the stacked weights; True once every expert's gate and up
-        (part < DOWN) or down tensor is in."""
-        if isinstance(loaded, Quantized):
-            raise ValueError("quantized expert weights are not supported (bf16 and float32 "
-                             "safetensors are)")
+        DOWN: columns [H, I]) into the stacked weights, or keep a GGUF tensor's blocks of it
+        for finish_quantized; True once every expert's gate and up (part < DOWN) or down
+        tensor is in."""
+        if isinstance(loaded, Quantized) and not isinstance(loaded, QuantTensor):
+            raise ValueError("quantized expert weights are supported from GGUF files only "
+                             "(and bf16 / float32 safetensors)")
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is not in 0..{self.num_experts - 1}")
+        dim = 1 if part == DOWN else 0  # down's columns, gate's and up's rows
+        piece = narrow(loaded, dim, self.start, self.shard)
         if part == DOWN:
             target = self.w2.data[expert]
-            piece = load_full(narrow(loaded, 1, self.start, self.shard))
         else:
             target = self.w13.data[expert, part * self.shard:(part + 1) * self.shard]
-            piece = load_full(narrow(loaded, 0, self.start, self.shard))
         if tuple(piece.shape) != tuple(target.shape):
             raise ValueError(f"this rank's slice has shape {tuple(piece.shape)}, the "
                              f"model's is {tuple(target.shape)}")
-        target.copy_(piece)
+        if isinstance(piece, QuantTensor):  # kept as blocks until finish_quantized
+            self._blocks[(expert, part)] = piece
+        else:
+            target.copy_(load_full(piece))
         self._loaded.add((expert, part))
         parts = (DOWN,) if part == DOWN else (GATE, UP)
         return all((e, p) in self._loaded for e in range(self.num_experts) for p in parts)
 
+    def finish_quantized(self) -> None:
+        """After loading a GGUF file: its experts' blocks packed into one buffer in place of
+        w13 / w2 (dropped, never written), or, where every expert tensor is stored unquantized,
+        dequantized into w13 / w2."""
+        if not self._blocks:
+            return
+        blocks, self._blocks = self._blocks, {}
+        missing = [(e, p) for e in range(self.num_experts) for p in (GATE, UP, DOWN)
+                   if (e, p) not in blocks]
+        if missing:
+            raise ValueError(f"lacks expert tensors (expert, part 0 gate / 1 up / 2 down): "
+                             f"{missing[:4]}")
+        parts = [(blocks[(e, GATE)], blocks[(e, UP)], blocks[(e, DOWN)])
+                 for e in range(self.num_experts)]
+        if not any(t.quantized for trio in parts for t in trio):
+            for e, (gate, up, down) in enumerate(parts):
+                self.w13.data[e].copy_(torch.cat([gate.dequantize(), up.dequantize()]))
+                self.w2.data[e].copy_(down.dequantize())
+            return
+        self.packed, self.bounds = pack_experts(parts)
+        self.w13 = self.w2 = None
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                 ) -> torch.Tensor:
         """This rank's partial sum of the routed experts for x [T, H]."""
+        if self.packed is not None:
+            return self.kernel(x, ids, weights, self.packed, self.bounds)
         return self.kernel(x, ids, weights, self.w13, self.w2)

@@ -34,6 +34,7 @@ from fleetllm.config import EngineConfig, ModelConfig
 from fleetllm.distributed.parallel_state import get_pp_group, get_tp_group
 from fleetllm.errors import ConfigurationError, ModelLoadError
 from fleetllm.kernels.cpu_kernels import LinearKind
+from fleetllm.model.moe_experts import FusedExperts
 
 DEFAULT_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 METADATA_FILE = "fleetllm_sharded_state.json"
@@ -84,12 +85,16 @@ def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     held: set[int] = set()
     for prefix, module in modules:
         packed = getattr(module, "packed", None)
+        if isinstance(module, FusedExperts) and packed is not None:
+            raise ConfigurationError(f"{prefix}: a GGUF MoE model's quantized experts cannot "
+                                     "be saved as sharded state yet; load the .gguf file")
         if packed is not None:
             out[f"{prefix}.packed"] = packed
             held.add(id(packed))
     for prefix, module in modules:
         kernel = getattr(module, "kernel", None)
-        if kernel is None or getattr(module, "weight", None) is not None:
+        if kernel is None or getattr(module, "weight", None) is not None or \
+                isinstance(module, FusedExperts):  # the experts' w13 / w2 are parameters
             continue
         if kernel.kind != LinearKind.GGUF:
             out[f"{prefix}.weight"] = kernel.to_dense()

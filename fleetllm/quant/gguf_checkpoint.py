@@ -1,6 +1,7 @@
 """A GGUF file's tensors for the loader (config_gguf.py reads its metadata): each 2-D weight
 as a QuantTensor (the raw blocks, a view of the mapping, whatever its type: F32/F16/BF16 too,
-so that a merged projection can mix them), 1-D tensors (norms, biases) as float32 tensors; and
+so that a merged projection can mix them; a 3-D MoE expert tensor as one per expert, views of
+its blocks), 1-D tensors (norms, biases) as float32 tensors; and
 the tokenizer transformers builds from the metadata. Arch "llama" files store q and k with
 their rows permuted for llama.cpp's RoPE (convert_hf_to_gguf.py's permute); they are put back,
 rows being whole blocks.
@@ -28,11 +29,30 @@ def tensors(gguf: GgufFile) -> Iterator[tuple[str, QuantTensor | torch.Tensor]]:
     for info in gguf.reader.tensors:
         if info.name == "rope_freqs.weight":  # in the config (rope_scaling)
             continue
+        if len(info.shape) == 3:  # an MoE layer's experts: each one's matrix, a view
+            yield from _experts(gguf, info)
+            continue
         name = gguf.hf_name(info.name)
         if name is None:
             raise ModelLoadError(f"{gguf.path}: tensor {info.name!r} has no place in a "
                                  f"{gguf.arch} model")
         yield name, _tensor(gguf, info, name)
+
+
+def _experts(gguf: GgufFile, info: Any) -> Iterator[tuple[str, QuantTensor]]:
+    """(expert e's Hugging Face name, its [rows, cols] blocks) of a 3-D expert tensor."""
+    experts, rows, cols = (int(d) for d in reversed(info.shape.tolist()))
+    try:
+        raw = np.asarray(info.data).view(np.uint8).reshape(experts, rows, -1)
+    except (ValueError, TypeError) as e:
+        raise ModelLoadError(f"{gguf.path}: tensor {info.name!r} is unreadable (a "
+                             f"truncated file?): {e}") from e
+    for e in range(experts):
+        name = gguf.hf_name(info.name, e)
+        if name is None:
+            raise ModelLoadError(f"{gguf.path}: tensor {info.name!r} has no place in a "
+                                 f"{gguf.arch} model")
+        yield name, QuantTensor(raw[e], info.tensor_type, (rows, cols))
 
 
 def _tensor(gguf: GgufFile, info: Any, name: str) -> QuantTensor | torch.Tensor:
@@ -42,6 +62,8 @@ def _tensor(gguf: GgufFile, info: Any, name: str) -> QuantTensor | torch.Tensor:
         if len(shape) == 1:
             t = QuantTensor(np.asarray(raw).view(np.uint8).reshape(1, -1), info.tensor_type,
                             (1, shape[0]))
+            if name.endswith("shared_expert_gate.weight"):  # [H] in the file, [1, H] here
+                return t.dequantize()
             return t.dequantize().reshape(shape[0])
         if len(shape) != 2:
             raise ModelLoadError(f"{gguf.path}: tensor {info.name!r} has shape {shape}")

@@ -2,7 +2,11 @@
 
 What: export_gguf(hf_dir, out_path, qtype) writes a .gguf the way llama.cpp's
 convert_hf_to_gguf.py followed by llama-quantize would: LlamaForCausalLM / MistralForCausalLM
-as arch "llama", Qwen2ForCausalLM as "qwen2", Qwen3ForCausalLM as "qwen3"; tensor names from
+as arch "llama", Qwen2ForCausalLM as "qwen2", Qwen3ForCausalLM as "qwen3", Qwen3MoeForCausalLM /
+Qwen2MoeForCausalLM as "qwen3moe" / "qwen2moe", MixtralForCausalLM as "llama" with
+llama.expert_count (each layer's experts stacked into 3-D
+ffn_{gate,up,down}_exps tensors, the router F32, the shared expert's gate 1-D; a dense layer of
+mlp_only_layers has no GGUF name there and is refused); tensor names from
 gguf's TensorNameMap (token_embd, blk.N.attn_q ..., output_norm, output); for "llama" the q/k
 rows permuted into llama.cpp's rope layout (LlamaModel.permute); no output tensor when the
 embeddings are tied; the {arch}.* hyperparameters, rope scaling (linear, yarn; llama3 as a
@@ -29,6 +33,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -48,8 +53,15 @@ ARCHITECTURES: dict[str, gguf.MODEL_ARCH] = {
     "MistralForCausalLM": gguf.MODEL_ARCH.LLAMA,
     "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2,
     "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
+    "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
+    "Qwen2MoeForCausalLM": gguf.MODEL_ARCH.QWEN2MOE,
+    "MixtralForCausalLM": gguf.MODEL_ARCH.LLAMA,  # with llama.expert_count, as llama.cpp's
 }
+_MOE = (gguf.MODEL_ARCH.QWEN3MOE, gguf.MODEL_ARCH.QWEN2MOE)
 _SKIPPED = (".rotary_emb.inv_freq",)
+# an MoE checkpoint's per-expert tensor: stacked into one 3-D GGUF tensor per layer and part
+_EXPERT = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\."
+                     r"(\w+\.weight)")
 
 
 @dataclass
@@ -200,6 +212,8 @@ def _loader(path: Path, name: str, permute: tuple[int, int] | None) -> Callable[
 
         with safe_open(str(path), framework="pt") as st:
             w = st.get_tensor(name).to(torch.float32).numpy()
+        if w.ndim == 2 and w.shape[0] == 1 and name.endswith("shared_expert_gate.weight"):
+            w = w[0]
         if permute is not None:  # LlamaModel.permute: rope pairs (i, i + d/2) -> (2i, 2i + 1)
             heads = permute[1]
             w = (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
@@ -221,8 +235,12 @@ def _plan(hf: Path, config: dict[str, Any], arch: gguf.MODEL_ARCH,
     name_map = gguf.get_tensor_name_map(arch, n_layers)
     found: list[tuple[str, str, tuple[int, ...], tuple[int, int] | None]] = []
     unknown = []
+    experts: dict[str, dict[int, str]] = {}  # merged name -> expert -> checkpoint name
     for hf_name, path in names.items():
         if hf_name.endswith(_SKIPPED) or (tied and hf_name == "lm_head.weight"):
+            continue
+        if (m := _EXPERT.fullmatch(hf_name)) is not None:
+            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = hf_name
             continue
         new = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if new is None:
@@ -230,6 +248,8 @@ def _plan(hf: Path, config: dict[str, Any], arch: gguf.MODEL_ARCH,
             continue
         with safe_open(str(path), framework="pt") as st:
             shape = tuple(st.get_slice(hf_name).get_shape())
+        if new.endswith("ffn_gate_inp_shexp.weight"):  # [1, H] -> [H], as llama.cpp reads it
+            shape = shape[1:]
         permute = None
         if arch == gguf.MODEL_ARCH.LLAMA and ".attn_q." in new:
             permute = (n_head, n_head)
@@ -245,11 +265,40 @@ def _plan(hf: Path, config: dict[str, Any], arch: gguf.MODEL_ARCH,
     tensors = [_Tensor(new, shape, tensor_type(new, shape, preset, n_layers, tied),
                        _loader(names[hf_name], hf_name, permute))
                for new, hf_name, shape, permute in found]
+    tensors += _expert_tensors(hf, experts, names, name_map, preset, n_layers, tied)
     if (freqs := _llama3_rope_factors(config, arch)) is not None:
         tensors.append(_Tensor("rope_freqs.weight", freqs.shape, gguf.GGMLQuantizationType.F32,
                                lambda: freqs))
     tensors.sort(key=_file_order)
     return tensors, embed[0]
+
+
+def _expert_tensors(hf: Path, experts: dict[str, dict[int, str]], names: dict[str, Path],
+                    name_map: Any, preset: str, n_layers: int, tied: bool) -> list[_Tensor]:
+    """An MoE layer's experts as convert_hf_to_gguf writes them: each part's matrices stacked
+    into one [experts, rows, cols] tensor (blk.N.ffn_{gate,up,down}_exps), typed as a 2-D
+    tensor of its rows would be (ffn_down's more bits on the _M mixes' layers)."""
+    from safetensors import safe_open
+
+    out = []
+    for merged, by_expert in experts.items():
+        new = name_map.get_name(merged, try_suffixes=(".weight",))
+        if new is None or sorted(by_expert) != list(range(len(by_expert))):
+            raise ConfigurationError(f"{hf}: experts {sorted(by_expert)[:8]} of {merged} "
+                                     "cannot be written as one GGUF expert tensor")
+        order = [by_expert[e] for e in range(len(by_expert))]
+        with safe_open(str(names[order[0]]), framework="pt") as st:
+            rows, cols = st.get_slice(order[0]).get_shape()
+        shape = (len(order), rows, cols)
+        out.append(_Tensor(new, shape, tensor_type(new, shape[1:], preset, n_layers, tied),
+                           _stacked_loader([(names[n], n) for n in order])))
+    return out
+
+
+def _stacked_loader(parts: list[tuple[Path, str]]) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        return np.stack([_loader(path, name, None)() for path, name in parts])
+    return load
 
 
 def _file_order(t: _Tensor) -> tuple[int, int, str]:
@@ -301,6 +350,16 @@ def _add_metadata(w: gguf.GGUFWriter, hf: Path, config: dict[str, Any],
     w.add_vocab_size(n_vocab)  # the embedding rows, as the token list is padded to
     if arch == gguf.MODEL_ARCH.LLAMA:
         w.add_rope_dimension_count(_head_dim(config))
+    if arch in _MOE or config.get("num_local_experts"):  # Mixtral: experts of the FFN width
+        w.add_expert_count(config.get("num_experts") or config["num_local_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
+    if arch in _MOE:
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        # llama.cpp does not read it (qwen3moe always renormalizes, qwen2moe never): written
+        # so that a checkpoint whose norm_topk_prob differs runs as trained in fleetllm
+        w.add_expert_weights_norm(bool(config.get("norm_topk_prob")))
+        if config.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     window = config.get("sliding_window")
     uses_window = config.get("use_sliding_window", arch == gguf.MODEL_ARCH.LLAMA)
     if isinstance(window, int) and window > 0 and uses_window:

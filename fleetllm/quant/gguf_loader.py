@@ -2,8 +2,9 @@
 embedding's) blocks for this rank (layers.stash: whole rows, whole blocks of columns), then
 `finish` packs each module's parts into one copy (packed.py) and gives the module its Gguf
 kernel; the dense parameter, never written, is dropped. A module whose parts are all F32/F16/
-BF16 gets its dense weight instead, and the usual kernels. Nothing dequantized is kept: the
-embedding's rows are dequantized as they are looked up.
+BF16 gets its dense weight instead, and the usual kernels. An MoE layer's experts are packed
+by their own module (model/moe_experts.FusedExperts.finish_quantized). Nothing dequantized is
+kept: the embedding's rows are dequantized as they are looked up.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from fleetllm.model.layers import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
+from fleetllm.model.moe_experts import FusedExperts
 from fleetllm.progress import ProgressBar
-from fleetllm.quant.gguf_checkpoint import open_gguf, tensors
+from fleetllm.quant.gguf_checkpoint import GgufFile, open_gguf, tensors
 from fleetllm.quant.packed import QuantTensor, pack
 
 
@@ -30,7 +32,7 @@ def load_gguf(model: nn.Module, path: str) -> None:
     expected = {name for name, _ in model.named_parameters()}
     first_rank = get_tp_group().is_first and get_pp_group().is_first
     loaded = model.load_weights(ProgressBar(tensors(ckpt), desc="Loading GGUF tensors",
-                                            unit="tensor", total=len(ckpt.reader.tensors),
+                                            unit="tensor", total=_count(ckpt),
                                             disable=not first_rank), path)
     if model.cfg.tie_word_embeddings and getattr(model, "lm_head", None) is not None:
         loaded.add("lm_head.weight")
@@ -43,12 +45,23 @@ def load_gguf(model: nn.Module, path: str) -> None:
         raise ModelLoadError(f"{path}: lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
 
+def _count(ckpt: GgufFile) -> int:
+    """The tensors the loader is given: an MoE layer's 3-D expert tensor is one an expert."""
+    return sum(int(t.shape[-1]) if len(t.shape) == 3 else 1 for t in ckpt.reader.tensors)
+
+
 def finish(model: nn.Module) -> None:
     """Pack each module's kept blocks (see the module docstring). An embedding's rows are
     looked up in the model's dtype: its norm_dtype (its norms', never quantized; every
     parameter is made in that dtype, so it is the first floating one's, as before)."""
     dtype = model.norm_dtype
     for name, module in list(model.named_modules()):
+        if isinstance(module, FusedExperts):  # an MoE layer's experts: their own packing
+            try:
+                module.finish_quantized()
+            except ValueError as e:
+                raise ModelLoadError(f"{name}: {e}") from e
+            continue
         parts = module.__dict__.pop("quant_parts", None)
         if not parts:
             continue

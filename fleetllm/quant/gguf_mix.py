@@ -5,7 +5,8 @@ type written as general.file_type and the preset's default tensor type; tensor_t
 tensor's type.
 How: as convert_hf_to_gguf.py and llama.cpp's src/llama-quant.cpp (llama_tensor_get_type,
 tensor_type_fallback) decide for a dense Llama / Qwen model without an imatrix:
-- 1-D tensors, norms and anything not named *.weight: F32 (convert_hf_to_gguf).
+- 1-D tensors, norms, MoE routers (ffn_gate_inp) and anything not named *.weight: F32
+  (convert_hf_to_gguf, llama-quant.cpp).
 - F32 / F16 / BF16 presets: every other tensor in that type.
 - Quantized presets start from the default type, then output.weight (and token_embd.weight
   when the embeddings are tied, i.e. there is no output.weight) becomes Q6_K, or Q8_0 when its
@@ -78,7 +79,8 @@ def tensor_type(name: str, shape: tuple[int, ...], preset: str, n_layers: int,
     """The type GGUF tensor `name` (numpy `shape`, rows last) gets in `preset`. `tied`: the
     file has no output.weight (token_embd serves as the output too)."""
     ftype, qtype = PRESETS[preset_name(preset)]
-    if len(shape) < 2 or not name.endswith(".weight") or name.endswith("_norm.weight"):
+    if len(shape) < 2 or not name.endswith(".weight") or name.endswith("_norm.weight") \
+            or ".ffn_gate_inp" in name:  # MoE routers: llama-quantize keeps them F32
         return T.F32
     if qtype in _FLOAT:
         return qtype

@@ -236,7 +236,9 @@ class Worker(WorkerBase):
                 for module in model.modules():  # the kernels' packed copies go too
                     kernel = getattr(module, "kernel", None)
                     if kernel is not None:
-                        freed += kernel.nbytes
+                        # an MoE layer's experts' kernel is a function: its weights are its
+                        # parameters, or `packed` (a GGUF file's, below)
+                        freed += getattr(kernel, "nbytes", 0)
                         module.kernel = None
                     # A GGUF embedding's quantized rows (a tied LM head's kernel shares them:
                     # counted there)
