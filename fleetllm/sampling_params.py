@@ -161,6 +161,10 @@ class SamplingParams:
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name, folded in
     # Set by the engine from the tokenizer/generation config; enforced with min_tokens.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
+    # KV transfer (vLLM's kv_transfer_params; docs/kv_transfer.md): {"do_remote_decode": True}
+    # asks a kv_producer to keep the prompt's KV for a decode instance; the params its output
+    # returns (RequestOutput.kv_transfer_params) tell a kv_consumer what to load.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:
@@ -187,6 +191,11 @@ class SamplingParams:
             check(value is None or (isinstance(value, list | tuple) and all(
                 _is_int(t) and t >= 0 for t in value)), name,
                 "must be a list of non-negative ints")
+
+        check(self.kv_transfer_params is None or (isinstance(self.kv_transfer_params, dict)
+                                                   and all(isinstance(k, str) for k in
+                                                           self.kv_transfer_params)),
+              "kv_transfer_params", "must be None or a JSON object")
 
         check(self.n >= 1, "n", "must be >= 1")
         check(0 <= self.temperature < math.inf, "temperature", "must be finite and >= 0")
