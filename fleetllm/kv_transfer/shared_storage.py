@@ -93,8 +93,10 @@ class SharedStorageConnector(KVConnectorBase_V1):
         # per request: its device blocks known stored (the engine frees a finished request's
         # blocks before request_finished, which reports them as remote_block_ids)
         self._stored_ids: dict[str, list[int]] = {}
-        self.stats = {"blocks_loaded": 0, "tokens_loaded": 0, "blocks_saved": 0,
-                      "bytes_loaded": 0, "bytes_saved": 0}  # bytes: KV payload, all ranks
+        self.stats = {"requests_loaded": 0, "blocks_loaded": 0, "tokens_loaded": 0,
+                      "requests_saved": 0, "blocks_saved": 0, "bytes_loaded": 0,
+                      "bytes_saved": 0}  # bytes: KV payload, all ranks
+        self._saving: set[str] = set()  # requests that wrote a block (requests_saved)
         # worker half
         self._failed_blocks: set[int] = set()
         self._moved = {"bytes_loaded": 0, "bytes_saved": 0}  # since the last report
@@ -138,6 +140,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         if num_external_tokens:
             hashes = self._prompt_hashes(request, end * self.block_size)
             self._loads[rid] = [(block_ids[i], hashes[i]) for i in range(start, end)]
+            self.stats["requests_loaded"] += 1
             self.stats["blocks_loaded"] += end - start
             self.stats["tokens_loaded"] += num_external_tokens
 
@@ -169,6 +172,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
             if saves:
                 meta.saves[rid] = saves
                 self.stats["blocks_saved"] += len(saves)
+                if rid not in self._saving:
+                    self._saving.add(rid)
+                    self.stats["requests_saved"] += 1
         return meta
 
     def request_finished(self, request: SequenceGroup, block_ids: list[int]
@@ -180,6 +186,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         blocks themselves are already in the files: nothing is held."""
         rid = request.request_id
         self._saved_upto.pop(rid, None)
+        self._saving.discard(rid)
         stored = self._stored_ids.pop(rid, [])
         self._loads.pop(rid, None)
         params = request.sampling_params.kv_transfer_params if request.sampling_params \

@@ -11,8 +11,8 @@ import sys
 
 import httpx
 import pytest
-from kv_transfer_helpers import block_files, store_config
-from serving_helpers import CHAT_TEMPLATE, KV, server_env, serving
+from kv_transfer_helpers import store_config
+from serving_helpers import CHAT_TEMPLATE, KV, metric, metric_values, server_env, serving
 
 from fleetllm.entrypoints.openai.local_server import LocalServer
 
@@ -89,15 +89,34 @@ def streamed_tokens(url: str, **kw) -> list[str]:
     return out
 
 
+def kv_counters(srv: LocalServer) -> dict[str, float]:
+    values = metric_values(httpx.get(f"{srv.url}/metrics", timeout=TIMEOUT).text)
+    return {key: metric(values, f"fleetllm:kv_transfer_{key}_total") for key in
+            ("requests_loaded", "blocks_loaded", "bytes_loaded", "requests_saved",
+             "blocks_saved", "bytes_saved", "load_failures")}
+
+
 @pytest.mark.parametrize("seed", [None, 11], ids=["greedy", "seeded"])
 def test_the_proxy_gives_one_instances_tokens(servers, front, seed):
-    before = set(block_files(servers["store"]))
-    reference = tokens(servers["one"].url, seed=seed)
-    assert tokens(front.url, seed=seed) == reference
-    assert streamed_tokens(front.url, seed=seed) == reference
-    # the prefill leg stored the prompt's whole blocks, the decode leg read them
-    assert len(set(block_files(servers["store"])) - before) in (0, len(PROMPT) // BS)
-    assert len(block_files(servers["store"])) == len(PROMPT) // BS
+    prompt = [t + (seed or 0) for t in PROMPT]  # new to both instances' caches
+    before = {name: kv_counters(servers[name]) for name in ("producer", "consumer")}
+    reference = tokens(servers["one"].url, seed=seed, prompt=prompt)
+    assert tokens(front.url, seed=seed, prompt=prompt) == reference
+    assert streamed_tokens(front.url, seed=seed, prompt=prompt) == reference
+    after = {name: kv_counters(servers[name]) for name in ("producer", "consumer")}
+    moved = {name: {k: after[name][k] - before[name][k] for k in after[name]}
+             for name in after}
+    # The first prefill leg wrote the prompt's whole blocks, the first decode leg read them;
+    # the second legs found them in the store and the local prefix cache.
+    blocks = len(prompt) // BS
+    assert moved["producer"]["requests_saved"] == 1
+    assert moved["producer"]["blocks_saved"] == blocks
+    assert moved["consumer"]["requests_loaded"] == 1
+    assert moved["consumer"]["blocks_loaded"] == (len(prompt) - 1) // BS
+    assert moved["consumer"]["bytes_loaded"] == \
+        moved["producer"]["bytes_saved"] * ((len(prompt) - 1) // BS) / blocks > 0
+    assert moved["consumer"]["load_failures"] == 0
+    assert moved["consumer"]["blocks_saved"] == 0  # a kv_consumer writes nothing
 
 
 def test_the_legs_report_their_kv_transfer_params(servers):
@@ -130,6 +149,7 @@ def test_a_load_failure_on_the_decode_leg(servers):
         r = httpx.post(f"{srv.url}/v1/completions", json=completion(srv.url), timeout=TIMEOUT)
     assert r.status_code == 500
     assert "could not be loaded" in r.json()["error"]["message"]
+    assert kv_counters(servers["failing"])["load_failures"] == 1
     missing = {"do_remote_prefill": True, "remote_block_ids": list(range(6))}
     prompt = list(range(200, 300))  # never stored
     reference = tokens(servers["one"].url, prompt=prompt)
