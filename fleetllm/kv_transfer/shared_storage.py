@@ -115,14 +115,13 @@ class SharedStorageConnector(KVConnectorBase_V1):
         limit = (len(request.prompt_token_ids) - 1) // self.block_size * self.block_size
         hashes = self._prompt_hashes(request, limit)
         first = num_computed_tokens // self.block_size
-        remote = remote_prefill_blocks(request)
-        if remote is not None:
-            # A decode leg: the producer stored `remote` blocks; they are loaded whether or
-            # not their files are there now (a missing one fails its load, and
-            # kv_load_failure_policy applies), never silently recomputed.
-            return max(0, min(remote, len(hashes)) - first) * self.block_size, False
-        found = 0
-        for digest in hashes[first:]:
+        # A decode leg: the producer stored its first `remote` blocks; they are loaded
+        # whether or not their files are there now (a missing one fails its load, and
+        # kv_load_failure_policy applies), never silently recomputed. Past them, as for any
+        # prompt, the consecutive blocks the store holds.
+        remote = remote_prefill_blocks(request) or 0
+        found = max(0, min(remote, len(hashes)) - first)
+        for digest in hashes[first + found:]:
             if not self.store.has_block(digest, self.world_size):
                 break
             found += 1

@@ -98,3 +98,15 @@ def test_the_decode_leg_loads_required_blocks_even_when_absent_at_admission(mode
     assert out.outputs[0].finish_reason == "error"
     [plain], _ = decode(model, tmp_path, PROMPTS[:1], [None], "fail")
     assert plain.outputs[0].finish_reason == "length"
+
+
+def test_past_the_producers_blocks_the_decode_leg_takes_what_the_store_holds(model, tmp_path):
+    """A producer that stored fewer blocks than the store holds (a kv_both prefill leg that
+    loaded its prefix lists none): the rest is looked up as for any prompt."""
+    answers = prefill(model, tmp_path, PROMPTS[:1])
+    fewer = {**answers[0], "remote_block_ids": answers[0]["remote_block_ids"][:2]}
+    with LLM(model, kv_cache_memory=KV) as one:
+        [ref] = one.generate([{"prompt_token_ids": PROMPTS[0]}], params(8))
+    [out], stats = decode(model, tmp_path, PROMPTS[:1], [fewer])
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert stats["blocks_loaded"] == (len(PROMPTS[0]) - 1) // BS
