@@ -59,6 +59,8 @@ class StandIn:
         await asyncio.sleep(self.delay)
         if body.get("stream"):
             return StreamingResponse(self._events(raw), media_type="text/event-stream")
+        if body.get("refuse"):
+            return JSONResponse({"error": {"message": f"{self.name} refuses"}}, 400)
         params = {"do_remote_prefill": True, PARAMS_FROM: self.name, "remote_block_ids": [1]}
         return JSONResponse({"choices": [{"text": self.name}], "kv_transfer_params": params}
                             if body.get("kv_transfer_params", {}).get("do_remote_decode")
@@ -108,8 +110,22 @@ def test_the_legs_round_robin_with_one_request_id(stand_ins):
         chat = httpx.post(f"{srv.url}/v1/chat/completions", timeout=TIMEOUT,
                           headers={"X-Request-Id": "mine"},
                           json={"messages": [], "max_completion_tokens": 5})
+        models = httpx.get(f"{srv.url}/v1/models", timeout=TIMEOUT)
+        health = httpx.get(f"{srv.url}/health", timeout=TIMEOUT)
+        refused = httpx.post(f"{srv.url}/v1/completions", json={"refuse": True},
+                             timeout=TIMEOUT)
+        too_big = httpx.post(f"{srv.url}/v1/completions", content=b" " * (17 << 20),
+                             timeout=TIMEOUT)
+        not_json = httpx.post(f"{srv.url}/v1/completions", content=b"{", timeout=TIMEOUT)
+    assert models.json()["data"][0]["id"] in ("d1", "d2")
+    assert health.status_code == 200
+    assert health.json() == {"prefill": {p1.url: "ok", p2.url: "ok"},
+                             "decode": {d1.url: "ok", d2.url: "ok"}}
+    # a prefill instance's own error is the client's, as it came; no decode leg follows
+    assert refused.status_code == 400 and refused.json()["error"]["message"] == "p2 refuses"
+    assert [too_big.status_code, not_json.status_code] == [413, 400]
     assert [a.json()["choices"][0]["text"] for a in answers] == ["d1", "d2", "d1", "d2"]
-    assert [len(s.seen) for s in (p1, p2, d1, d2)] == [3, 2, 3, 2]
+    assert [len(s.seen) for s in (p1, p2, d1, d2)] == [3, 3, 3, 2]
     prefill = p1.seen[0]["body"]
     assert prefill["max_tokens"] == 1 and prefill["stream"] is False
     assert "min_tokens" not in prefill and "stream_options" not in prefill
@@ -122,8 +138,8 @@ def test_the_legs_round_robin_with_one_request_id(stand_ins):
     assert d2.seen[0]["body"]["kv_transfer_params"][PARAMS_FROM] == "p2"
     ids = [s.seen[0]["request_id"] for s in (p1, d1)]
     assert ids[0] and ids[0] == ids[1] == answers[0].headers["x-request-id"]
-    assert p1.seen[-1]["request_id"] == d1.seen[-1]["request_id"] == "mine"
-    assert p1.seen[-1]["body"]["max_completion_tokens"] == 1
+    assert p1.seen[2]["request_id"] == d1.seen[-1]["request_id"] == "mine"
+    assert p1.seen[2]["body"]["max_completion_tokens"] == 1
     assert d1.seen[-1]["body"]["max_completion_tokens"] == 5
     assert chat.headers["x-request-id"] == "mine"
 

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fleetllm.entrypoints.openai.body_checks import ClientDisconnected, until_disconnected
 from fleetllm.entrypoints.openai.errors import error_body, error_response
+from fleetllm.entrypoints.openai.serving_engine import MAX_BODY_BYTES
 from fleetllm.entrypoints.proxy.upstreams import Upstreams
 from fleetllm.errors import UpstreamError
 
@@ -54,6 +55,23 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     leg["stream"] = False
     leg["kv_transfer_params"] = dict(PREFILL_PARAMS)
     return leg
+
+
+async def _json_body(raw: Request) -> dict[str, Any] | Response:
+    """The request's JSON object, or the 400 / 413 (past the server's own MAX_BODY_BYTES)
+    the client gets instead; the instances check the rest."""
+    data = bytearray()
+    async for chunk in raw.stream():
+        data += chunk
+        if len(data) > MAX_BODY_BYTES:
+            return error_response(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        return error_response(400, f"malformed JSON body: {str(e)[:200]}")
+    if not isinstance(body, dict):
+        return error_response(400, "the body must be a JSON object")
+    return body
 
 
 class _Relayed(StreamingResponse):
@@ -82,12 +100,9 @@ class DisaggProxy:
     # ---------------------------------------------------------------- the two legs
 
     async def relay(self, raw: Request, path: str) -> Response:
-        try:
-            body = json.loads(await raw.body())
-        except (ValueError, UnicodeDecodeError) as e:
-            return error_response(400, f"the body is not JSON: {e}")
-        if not isinstance(body, dict):
-            return error_response(400, "the body must be a JSON object")
+        body = await _json_body(raw)
+        if isinstance(body, Response):
+            return body
         request_id = raw.headers.get("x-request-id") or uuid.uuid4().hex
         headers = {"X-Request-Id": request_id}
         headers.update({k: raw.headers[k] for k in _FORWARDED_HEADERS if k in raw.headers})
