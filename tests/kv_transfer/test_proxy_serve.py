@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import httpx
 import pytest
@@ -21,9 +22,13 @@ BS = 16
 TIMEOUT = httpx.Timeout(60.0)
 
 
-def serve(model, template, *extra: str) -> LocalServer:
+def serve(model, template, *extra: str, slow: bool = False) -> LocalServer:
+    """`slow`: steps of at least 3 ms, so a long request is still running when its client
+    hangs up."""
+    slow_args = ["--worker-cls", "serving_helpers.SlowWorker"] if slow else []
     return LocalServer([str(model), "--kv-cache-memory", str(KV), "--served-model-name", "m",
-                        "--chat-template", str(template), *extra], env=server_env())
+                        "--chat-template", str(template), *slow_args, *extra],
+                       env=server_env(FLEETLLM_TEST_STEP_DELAY="0.003"))
 
 
 def kv_args(store, role: str, policy: str = "recompute") -> list[str]:
@@ -50,7 +55,8 @@ def servers(tiny_models, tmp_path_factory):
     try:
         started["one"] = serve(model, template)
         started["producer"] = serve(model, template, *kv_args(store_a, "kv_producer"))
-        started["consumer"] = serve(model, template, *kv_args(store_a, "kv_consumer"))
+        started["consumer"] = serve(model, template, *kv_args(store_a, "kv_consumer"),
+                                    slow=True)
         started["failing"] = serve(model, template, *kv_args(store_b, "kv_consumer", "fail"))
         yield {**started, "store": store_a}
     finally:
@@ -181,3 +187,39 @@ def test_round_robin_and_a_decode_instance_that_dies(servers, tiny_models, tmp_p
             assert doomed.url in health.json()["decode"][doomed.url]  # the error names it
     finally:
         doomed.kill()
+
+
+def running(srv: LocalServer) -> float:
+    values = metric_values(httpx.get(f"{srv.url}/metrics", timeout=TIMEOUT).text)
+    return metric(values, "fleetllm:num_requests_running")
+
+
+def aborted(srv: LocalServer) -> float:
+    values = metric_values(httpx.get(f"{srv.url}/metrics", timeout=TIMEOUT).text)
+    return metric(values, "fleetllm:request_success_total", finished_reason="abort")
+
+
+def wait_idle(srv: LocalServer, within: float) -> None:
+    deadline = time.monotonic() + within
+    while running(srv):
+        assert time.monotonic() < deadline, "the decode leg still runs"
+        time.sleep(0.05)
+
+
+def test_a_client_that_leaves_aborts_the_decode_leg(servers, front):
+    consumer = servers["consumer"]
+    before = aborted(consumer)
+    body = completion(front.url, stream=True, max_tokens=500)
+    with httpx.Client(timeout=TIMEOUT) as client:
+        with client.stream("POST", f"{front.url}/v1/completions", json=body) as r:
+            lines = r.iter_lines()  # held: abandoning it closes the connection
+            events = 0
+            while events < 4:
+                events += next(lines).startswith("data: ")
+            assert running(consumer) == 1
+    wait_idle(consumer, 2.0)
+    with pytest.raises(httpx.ReadTimeout):  # a plain request the client gives up on
+        httpx.post(f"{front.url}/v1/completions", timeout=1.5,
+                   json=completion(front.url, max_tokens=500))
+    wait_idle(consumer, 2.0)
+    assert aborted(consumer) == before + 2
