@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from fleetllm.entrypoints.openai.launcher import _bind, _is_loopback, _url_host
+from fleetllm.entrypoints.openai.launcher import bind_socket, is_loopback, url_host
 from fleetllm.entrypoints.proxy.app import DisaggProxy, build_proxy_app
 
 logger = logging.getLogger("fleetllm.proxy")
@@ -79,12 +79,12 @@ def run_proxy(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     proxy = DisaggProxy(args.prefill, args.decode, args.timeout, args.connect_timeout)
-    if not _is_loopback(args.host):
+    if not is_loopback(args.host):
         logger.warning("listening on %s: anyone who can reach this address can use the "
                        "instances behind the proxy", args.host)
-    sock = _bind(args.host, args.port)
+    sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    print(f"fleetllm proxy: listening on http://{_url_host(host)}:{port}", flush=True)
+    print(f"fleetllm proxy: listening on http://{url_host(host)}:{port}", flush=True)
     config = uvicorn.Config(build_proxy_app(proxy), log_level=args.log_level,
                             access_log=False, lifespan="off",
                             timeout_graceful_shutdown=int(args.shutdown_timeout),
