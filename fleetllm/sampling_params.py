@@ -126,6 +126,8 @@ FAST_PATH_FIELDS: dict[str, str] = {
     "logprobs": ARGMAX, "prompt_logprobs": NOTHING,
     "include_stop_str_in_output": NOTHING, "skip_special_tokens": NOTHING,
     "structured_outputs": EVERY, "guided_decoding": EVERY,
+    # what the KV connector loads or keeps (kv_transfer_config rules out multi-step and drafts)
+    "kv_transfer_params": NOTHING,
 }
 
 

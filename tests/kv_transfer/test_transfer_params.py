@@ -110,3 +110,11 @@ def test_past_the_producers_blocks_the_decode_leg_takes_what_the_store_holds(mod
     [out], stats = decode(model, tmp_path, PROMPTS[:1], [fewer])
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
     assert stats["blocks_loaded"] == (len(PROMPTS[0]) - 1) // BS
+
+
+def test_kv_transfer_params_must_be_an_object():
+    from fleetllm.errors import ConfigurationError
+
+    for bad in ([1], "do_remote_decode", {1: True}):
+        with pytest.raises(ConfigurationError, match="kv_transfer_params"):
+            SamplingParams(kv_transfer_params=bad)
