@@ -157,7 +157,7 @@ class DisaggProxy:
 
         async def chunks() -> AsyncIterator[bytes]:
             try:
-                async for chunk in upstream.aiter_raw():
+                async for chunk in upstream.aiter_bytes():  # content-encoding undone
                     yield chunk
             except httpx.HTTPError as e:
                 err = self.decode.error(url, e)
