@@ -55,7 +55,8 @@ class StandIn:
     async def _answer(self, raw: Request):
         body = await raw.json()
         self.seen.append({"path": raw.url.path, "body": body,
-                          "request_id": raw.headers.get("x-request-id")})
+                          "request_id": raw.headers.get("x-request-id"),
+                          "auth": raw.headers.get("authorization")})
         await asyncio.sleep(self.delay)
         if body.get("stream"):
             return StreamingResponse(self._events(raw), media_type="text/event-stream")
@@ -108,7 +109,7 @@ def test_the_legs_round_robin_with_one_request_id(stand_ins):
                                     "stream_options": {"include_usage": True}})
                    for _ in range(4)]
         chat = httpx.post(f"{srv.url}/v1/chat/completions", timeout=TIMEOUT,
-                          headers={"X-Request-Id": "mine"},
+                          headers={"X-Request-Id": "mine", "Authorization": "Bearer k"},
                           json={"messages": [], "max_completion_tokens": 5})
         models = httpx.get(f"{srv.url}/v1/models", timeout=TIMEOUT)
         health = httpx.get(f"{srv.url}/health", timeout=TIMEOUT)
@@ -142,6 +143,8 @@ def test_the_legs_round_robin_with_one_request_id(stand_ins):
     assert p1.seen[2]["body"]["max_completion_tokens"] == 1
     assert d1.seen[-1]["body"]["max_completion_tokens"] == 5
     assert chat.headers["x-request-id"] == "mine"
+    # an instance's --api-key: the client's key goes with both legs
+    assert p1.seen[2]["auth"] == d1.seen[-1]["auth"] == "Bearer k"
 
 
 def test_unreachable_and_silent_instances_are_clear_errors(stand_ins):
