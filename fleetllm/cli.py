@@ -87,6 +87,25 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
     serve.set_defaults(run=_run_serve)
 
 
+def _run_proxy(args: argparse.Namespace) -> int:
+    from fleetllm.entrypoints.proxy.launcher import run_proxy  # the web stack, only here
+
+    return run_proxy(args)
+
+
+def _add_proxy(sub: Any, common: argparse.ArgumentParser) -> None:
+    from fleetllm.entrypoints.proxy.launcher import add_proxy_args
+
+    proxy = sub.add_parser("proxy", parents=[common], formatter_class=HelpFormatter,
+                           help="one OpenAI API over prefill and decode instances",
+                           description="Disaggregated prefill and decode: an OpenAI-compatible "
+                           "front that sends each request's prompt to a prefill instance and "
+                           "its decoding to a decode instance (vLLM's toy-proxy protocol; "
+                           "docs/kv_transfer.md).")
+    add_proxy_args(proxy)
+    proxy.set_defaults(run=_run_proxy)
+
+
 def _run_bench_serve(args: argparse.Namespace) -> int | dict:
     from fleetllm.benchmarks import serve
 
@@ -197,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub, common)
     _add_serve(sub, common)
+    _add_proxy(sub, common)
     _add_bench(sub, common)
     _add_quantize(sub, common)
     return parser

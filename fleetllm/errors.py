@@ -168,3 +168,15 @@ class PeerError(FleetLLMError, RuntimeError):
     which, what to build (`make llamacpp`), and the tail of its output."""
 
     code = "E011"
+
+
+class UpstreamError(FleetLLMError, RuntimeError):
+    """`fleetllm proxy`: a prefill or decode instance could not be reached, timed out, or
+    broke off its answer. `status` is the HTTP status the proxy answers with (502: unreachable
+    or a broken answer, 504: timed out); the message names the instance's URL and leg."""
+
+    code = "E012"
+
+    def __init__(self, message: str, status: int = 502):
+        super().__init__(message)
+        self.status = status

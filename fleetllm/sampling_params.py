@@ -126,6 +126,8 @@ FAST_PATH_FIELDS: dict[str, str] = {
     "logprobs": ARGMAX, "prompt_logprobs": NOTHING,
     "include_stop_str_in_output": NOTHING, "skip_special_tokens": NOTHING,
     "structured_outputs": EVERY, "guided_decoding": EVERY,
+    # what the KV connector loads or keeps (kv_transfer_config rules out multi-step and drafts)
+    "kv_transfer_params": NOTHING,
 }
 
 
@@ -161,6 +163,10 @@ class SamplingParams:
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name, folded in
     # Set by the engine from the tokenizer/generation config; enforced with min_tokens.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
+    # KV transfer (vLLM's kv_transfer_params; docs/kv_transfer.md): {"do_remote_decode": True}
+    # asks a kv_producer to keep the prompt's KV for a decode instance; the params its output
+    # returns (RequestOutput.kv_transfer_params) tell a kv_consumer what to load.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:
@@ -187,6 +193,11 @@ class SamplingParams:
             check(value is None or (isinstance(value, list | tuple) and all(
                 _is_int(t) and t >= 0 for t in value)), name,
                 "must be a list of non-negative ints")
+
+        check(self.kv_transfer_params is None or (isinstance(self.kv_transfer_params, dict)
+                                                   and all(isinstance(k, str) for k in
+                                                           self.kv_transfer_params)),
+              "kv_transfer_params", "must be None or a JSON object")
 
         check(self.n >= 1, "n", "must be >= 1")
         check(0 <= self.temperature < math.inf, "temperature", "must be finite and >= 0")

@@ -84,6 +84,7 @@ class Scheduler(KVTransferMixin):
         if kv_connector is not None:
             kv_connector.block_manager = self.block_manager
         self.num_kv_load_failures = 0  # requests whose external load failed
+        self.finished_kv_transfer_params: dict[str, dict] = {}  # scheduler_kv.py
         self.num_prompt_tokens_computed = 0  # prefill tokens the workers computed
 
     # ------------------------------------------------------------------ queue API

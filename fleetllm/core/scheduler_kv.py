@@ -32,6 +32,9 @@ class KVTransferMixin:
     kv_connector: KVConnectorBase_V1 | None
     kv_load_failure_policy: str
     num_kv_load_failures: int
+    # request id -> the kv_transfer_params the connector returned when it finished; the
+    # engine moves them onto the request's final output (take_kv_transfer_params).
+    finished_kv_transfer_params: dict[str, dict[str, Any]]
 
     def drop_failed_loads(self, out: SchedulerOutputs, invalid_block_ids: set[int]
                           ) -> tuple[list[int], list[SequenceGroup]]:
@@ -71,11 +74,18 @@ class KVTransferMixin:
             return
         blocks = next((self.block_manager.block_tables.get(s.seq_id, []) for s in group.seqs
                        if s.seq_id in self.block_manager.block_tables), [])
-        delay_free, _ = self.kv_connector.request_finished(group, list(blocks))
+        delay_free, params = self.kv_connector.request_finished(group, list(blocks))
+        if params is not None:
+            self.finished_kv_transfer_params[group.request_id] = params
         if delay_free:  # asynchronous sends: a later part of issue 74
             raise ConfigurationError("kv_transfer_config: the connector asked to keep a "
                                      "finished request's blocks (delay_free=True); fleetllm "
                                      "does not support asynchronous KV sends yet")
+
+    def take_kv_transfer_params(self) -> dict[str, dict[str, Any]]:
+        """The kv_transfer_params of the requests that finished since the last call."""
+        params, self.finished_kv_transfer_params = self.finished_kv_transfer_params, {}
+        return params
 
     def _external_tokens(self, group: SequenceGroup, num_hits: int) -> int:
         """Tokens past the local hit of `num_hits` blocks the KV connector's store holds (0

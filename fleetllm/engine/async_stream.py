@@ -89,7 +89,7 @@ class RequestStream:
                 delta_logprobs=None if c.logprobs is None else c.logprobs[sent_tokens:]))
         return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids,
                              out.prompt_logprobs, completions, out.finished, out.metrics,
-                             out.error)
+                             out.error, out.kv_transfer_params)
 
     def close(self) -> None:
         """Abort the request unless it finished. Synchronous, so that it is safe in a `finally`

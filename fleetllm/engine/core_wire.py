@@ -211,7 +211,8 @@ class DeltaEncoder:
         prompt_lp = out.prompt_logprobs if first else None
         return [out.request_id, out.finished, out.error, metrics,
                 None if prompt_lp is None else [None if e is None else _logprobs_msg([e])[0]
-                                                for e in prompt_lp], seqs]
+                                                for e in prompt_lp], seqs,
+                out.kv_transfer_params]
 
     def resumed(self, request_id: str, sent: dict[int, tuple[int, int]]) -> None:
         """A resumed request: the API process already has `sent` (index -> (characters,
@@ -249,7 +250,7 @@ class RequestState:
                   s.stop_reason] for _, s in sorted(self.seqs.items())]]
 
     def apply(self, delta: list[Any]) -> RequestOutput:
-        _, finished, error, metrics, prompt_lp, seqs = delta
+        _, finished, error, metrics, prompt_lp, seqs, kv_params = delta
         if prompt_lp is not None:
             self.prompt_logprobs = [None if e is None else _load_logprobs([e])[0]
                                     for e in prompt_lp]
@@ -270,7 +271,8 @@ class RequestState:
                    for _, s in sorted(self.seqs.items())]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              self.prompt_logprobs, outputs, finished,
-                             None if metrics is None else RequestMetrics(*metrics), error)
+                             None if metrics is None else RequestMetrics(*metrics), error,
+                             kv_params)
 
 
 class PoolingState:

@@ -27,7 +27,7 @@ from fleetllm.core.scheduler import Scheduler, SchedulerOutputs
 from fleetllm.engine.detokenizer import Detokenizer
 from fleetllm.engine.lora_requests import LoRAMixin, LoRARequests
 from fleetllm.engine.output_processing import Output, OutputsMixin
-from fleetllm.engine.outputs import request_output
+from fleetllm.engine.outputs import RequestOutput, request_output
 from fleetllm.engine.recovery import RecoveryMixin, RestartBudget
 from fleetllm.engine.request_checks import PromptType, RequestChecksMixin
 from fleetllm.engine.tokenizer import load_tokenizer
@@ -257,6 +257,7 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin, OutputsMixin):
         outputs += [request_output(g) for g in self._unreported]
         self._unreported = []
         self._finished_since_last_step += self.scheduler.free_finished_seq_groups()
+        self._attach_kv_transfer_params(outputs)
         self.model_executor.record_outputs(outputs)  # requests completed / failed (metrics)
         return outputs
 
@@ -280,6 +281,17 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin, OutputsMixin):
             self.seq_groups.pop(group.request_id, None)
             self._finished_since_last_step.append(group.request_id)
             self._unreported.append(group)
+
+    def _attach_kv_transfer_params(self, outputs: list[Output]) -> None:
+        """The connector's kv_transfer_params of each request that finished (it answers when
+        the request's blocks are freed, after its output was built) onto that final output;
+        those of requests with no output here (aborted) are dropped."""
+        if self.scheduler.kv_connector is None:
+            return
+        params = self.scheduler.take_kv_transfer_params()
+        for out in outputs if params else ():
+            if out.finished and out.request_id in params and isinstance(out, RequestOutput):
+                out.kv_transfer_params = params[out.request_id]
 
     @property
     def kv_transfer_stats(self) -> dict[str, int]:

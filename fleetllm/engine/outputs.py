@@ -33,6 +33,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None  # why the request was rejected, when finish_reason is "error"
+    # KV transfer: what the KV connector returned for a peer when the request finished (a
+    # kv_producer's answer to do_remote_decode: the decode leg sends it back); else None.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @classmethod
     def from_seq_group(cls, group: SequenceGroup) -> RequestOutput:

@@ -68,6 +68,9 @@ class EngineLoad:
     # Times the API process started a new engine core after the core process died
     # (core_client; 0 in the core itself and without one).
     engine_core_restarts: int = 0
+    # KV transfer (LLMEngine.kv_transfer_stats: blocks, bytes, requests loaded and saved,
+    # load failures; running totals); {} without a KV connector.
+    kv_transfer_stats: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, engine: Any) -> EngineLoad:
@@ -82,7 +85,8 @@ class EngineLoad:
                    _adapter_names(sched.running),
                    _adapter_names([*sched.waiting, *sched.swapped]),
                    spec.accepted_tokens if spec else 0, spec.draft_tokens if spec else 0,
-                   spec.emitted_tokens if spec else 0, time.time())
+                   spec.emitted_tokens if spec else 0, time.time(),
+                   kv_transfer_stats=getattr(engine, "kv_transfer_stats", {}))
 
     @property
     def kv_cache_usage(self) -> float:

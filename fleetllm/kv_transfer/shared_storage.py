@@ -69,6 +69,16 @@ def _store_from(config: EngineConfig) -> BlockStore:
     return BlockStore(path, compat_digest(config), max_bytes)
 
 
+def remote_prefill_blocks(request: SequenceGroup) -> int | None:
+    """How many blocks a decode leg's producer stored (its kv_transfer_params with
+    do_remote_prefill), or None for a request that is not one."""
+    params = request.sampling_params.kv_transfer_params if request.sampling_params else None
+    if not params or not params.get("do_remote_prefill"):
+        return None
+    ids = params.get("remote_block_ids")
+    return len(ids) if isinstance(ids, list) else 0
+
+
 class SharedStorageConnector(KVConnectorBase_V1):
     def __init__(self, config: EngineConfig, role: KVConnectorRole, rank: int = 0):
         super().__init__(config, role, rank)
@@ -80,8 +90,13 @@ class SharedStorageConnector(KVConnectorBase_V1):
         # scheduler half
         self._loads: dict[str, list[BlockRef]] = {}  # admitted this step, to load
         self._saved_upto: dict[str, int] = {}  # per request: blocks stored or known stored
-        self.stats = {"blocks_loaded": 0, "tokens_loaded": 0, "blocks_saved": 0,
-                      "bytes_loaded": 0, "bytes_saved": 0}  # bytes: KV payload, all ranks
+        # per request: its device blocks known stored (the engine frees a finished request's
+        # blocks before request_finished, which reports them as remote_block_ids)
+        self._stored_ids: dict[str, list[int]] = {}
+        self.stats = {"requests_loaded": 0, "blocks_loaded": 0, "tokens_loaded": 0,
+                      "requests_saved": 0, "blocks_saved": 0, "bytes_loaded": 0,
+                      "bytes_saved": 0}  # bytes: KV payload, all ranks
+        self._saving: set[str] = set()  # requests that wrote a block (requests_saved)
         # worker half
         self._failed_blocks: set[int] = set()
         self._moved = {"bytes_loaded": 0, "bytes_saved": 0}  # since the last report
@@ -100,8 +115,13 @@ class SharedStorageConnector(KVConnectorBase_V1):
         limit = (len(request.prompt_token_ids) - 1) // self.block_size * self.block_size
         hashes = self._prompt_hashes(request, limit)
         first = num_computed_tokens // self.block_size
-        found = 0
-        for digest in hashes[first:]:
+        # A decode leg: the producer stored its first `remote` blocks; they are loaded
+        # whether or not their files are there now (a missing one fails its load, and
+        # kv_load_failure_policy applies), never silently recomputed. Past them, as for any
+        # prompt, the consecutive blocks the store holds.
+        remote = remote_prefill_blocks(request) or 0
+        found = max(0, min(remote, len(hashes)) - first)
+        for digest in hashes[first + found:]:
             if not self.store.has_block(digest, self.world_size):
                 break
             found += 1
@@ -115,9 +135,11 @@ class SharedStorageConnector(KVConnectorBase_V1):
         # Its blocks are checked against the store from the first: a local hit may be
         # missing there (evicted by the cap, or written by no one).
         self._saved_upto[rid] = 0
+        self._stored_ids.pop(rid, None)
         if num_external_tokens:
             hashes = self._prompt_hashes(request, end * self.block_size)
             self._loads[rid] = [(block_ids[i], hashes[i]) for i in range(start, end)]
+            self.stats["requests_loaded"] += 1
             self.stats["blocks_loaded"] += end - start
             self.stats["tokens_loaded"] += num_external_tokens
 
@@ -145,17 +167,36 @@ class SharedStorageConnector(KVConnectorBase_V1):
                      planned and not self.store.has_block(hashes[i], self.world_size)]
             planned.update(h for _, h in saves)
             self._saved_upto[rid] = full
+            self._stored_ids[rid] = list(table[:full])
             if saves:
                 meta.saves[rid] = saves
                 self.stats["blocks_saved"] += len(saves)
+                if rid not in self._saving:
+                    self._saving.add(rid)
+                    self.stats["requests_saved"] += 1
         return meta
 
     def request_finished(self, request: SequenceGroup, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
+        """A prefill leg (kv_transfer_params do_remote_decode) that completed on a producer
+        answers with the params its decode leg sends to a consumer: vLLM's keys, with
+        remote_block_ids this instance's blocks of the stored prompt (their count is what
+        the consumer loads) and remote_engine_id the store's compatibility digest. The
+        blocks themselves are already in the files: nothing is held."""
         rid = request.request_id
         self._saved_upto.pop(rid, None)
+        self._saving.discard(rid)
+        stored = self._stored_ids.pop(rid, [])
         self._loads.pop(rid, None)
-        return False, None
+        params = request.sampling_params.kv_transfer_params if request.sampling_params \
+            else None
+        done = all(s.status.finish_reason in ("stop", "length") for s in request.seqs)
+        if not (self.can_save and params and params.get("do_remote_decode") and done):
+            return False, None
+        return False, {"do_remote_decode": False, "do_remote_prefill": True,
+                       "remote_engine_id": self.store.compat.hex(),
+                       "remote_block_ids": stored,
+                       "remote_host": None, "remote_port": None}
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         # Synchronous: nothing finishes later; failed loads are the engine's to apply.

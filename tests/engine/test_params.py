@@ -101,6 +101,7 @@ FIELD_EXAMPLES = {
     "ignore_eos": True, "eos_token_ids": [2], "logprobs": 1, "prompt_logprobs": 1,
     "include_stop_str_in_output": True, "skip_special_tokens": False,
     "structured_outputs": {"regex": "[ab]+"}, "guided_decoding": {"choice": ["a", "b"]},
+    "kv_transfer_params": {"do_remote_decode": True},
 }
 
 

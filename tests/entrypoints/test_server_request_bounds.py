@@ -301,9 +301,9 @@ def test_the_listening_socket_sets_tcp_nodelay_for_kept_alive_connections():
     latency test against a real server is in test_server_fuzz_core.py)."""
     import socket
 
-    from fleetllm.entrypoints.openai.launcher import _bind
+    from fleetllm.entrypoints.openai.launcher import bind_socket
 
-    sock = _bind("127.0.0.1", 0)
+    sock = bind_socket("127.0.0.1", 0)
     try:
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
         sock.listen()

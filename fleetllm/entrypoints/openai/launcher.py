@@ -130,10 +130,10 @@ def run_serve(args: argparse.Namespace) -> int:
                         tool_call_parser=args.tool_call_parser, lora_modules=args.lora_modules,
                         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                         max_prompts_per_request=args.max_prompts_per_request)
-        sock = _bind(args.host, args.port)
+        sock = bind_socket(args.host, args.port)
         host, port = sock.getsockname()[:2]
         # Tests and scripts wait for this line to learn the port (--port 0).
-        print(f"fleetllm serve: listening on http://{_url_host(host)}:{port}", flush=True)
+        print(f"fleetllm serve: listening on http://{url_host(host)}:{port}", flush=True)
         config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
                                 lifespan="off", timeout_graceful_shutdown=5,
                                 timeout_keep_alive=5)
@@ -212,7 +212,7 @@ def raise_open_file_limit() -> tuple[int, int]:
 
 def warn_if_exposed(host: str, api_key: str | None) -> bool:
     """Log a warning (and return True) for a non-loopback address without an API key."""
-    if api_key or _is_loopback(host):
+    if api_key or is_loopback(host):
         return False
     logger.warning("listening on %s without --api-key: anyone who can reach this address can "
                    "use the model", host)
@@ -231,7 +231,7 @@ def load_chat_template(value: str | None) -> str | None:
     raise ConfigurationError(f"chat_template: no such file: {value}")
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family, backlog=2048)
     # asyncio sets TCP_NODELAY only on sockets made with proto=IPPROTO_TCP, and this one has
@@ -242,7 +242,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
@@ -251,5 +251,5 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _url_host(host: str) -> str:
+def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host

@@ -32,9 +32,12 @@ class ServerStartError(RuntimeError):
 class LocalServer:
     def __init__(self, args: list[str], env: Mapping[str, str] | None = None,
                  startup_timeout: float = 180.0, command: list[str] | None = None,
-                 url: str | None = None):
+                 url: str | None = None, ready_prefix: str = _READY_PREFIX):
         """`fleetllm serve ARGS` on a free port; or another server (a peer): `command` (with
-        its args), listening at `url`, ready once its /health answers 200."""
+        its args), listening at `url`, ready once its /health answers 200 (or, without
+        `url`, at the URL its stdout line starting with `ready_prefix` names: `fleetllm
+        proxy`'s)."""
+        self._ready_prefix = ready_prefix
         self._dir = tempfile.mkdtemp(prefix="fleetllm-serve-")
         self.log_path = Path(self._dir) / "server.log"
         self._log = open(self.log_path, "w")  # lives as long as the server
@@ -73,9 +76,9 @@ class LocalServer:
             ready, _, _ = select.select([out], [], [], 0.2)
             if ready:
                 line = out.readline()
-                if line.startswith(_READY_PREFIX):
+                if line.startswith(self._ready_prefix):
                     threading.Thread(target=self._copy_stdout, daemon=True).start()
-                    return line[len(_READY_PREFIX):].strip()
+                    return line[len(self._ready_prefix):].strip()
                 if line:
                     self._log.write(line)
                     continue

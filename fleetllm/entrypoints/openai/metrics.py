@@ -18,6 +18,16 @@ _ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
 _REQUEST_BUCKETS = [0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                     30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 FINISH_REASONS = ("stop", "length", "abort")
+# LLMEngine.kv_transfer_stats's keys, each a counter fleetllm:kv_transfer_<key>.
+_KV_TRANSFER_COUNTERS = {
+    "requests_loaded": "Requests that loaded KV blocks through the KV connector.",
+    "blocks_loaded": "KV blocks loaded through the KV connector (loads that failed too).",
+    "bytes_loaded": "KV bytes the ranks read through the KV connector (summed over ranks).",
+    "requests_saved": "Requests that saved KV blocks through the KV connector.",
+    "blocks_saved": "KV blocks saved through the KV connector.",
+    "bytes_saved": "KV bytes the ranks wrote through the KV connector (summed over ranks).",
+    "load_failures": "Requests whose KV load failed (kv_load_failure_policy applied).",
+}
 
 
 class PrometheusMetrics:
@@ -75,9 +85,13 @@ class PrometheusMetrics:
         self.spec_draft = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.spec_emitted = counter("spec_decode_num_emitted_tokens", "Tokens emitted by "
                                     "sequences that had drafts (accepted + one each).")
+        # KV transfer (docs/kv_transfer.md), 0 without a KV connector.
+        self.kv_transfer = {key: counter(f"kv_transfer_{key}", doc)
+                            for key, doc in _KV_TRANSFER_COUNTERS.items()}
         # The engine's counts are running totals; the Prometheus counters move by the change.
         self._seen = {"restarts": 0, "core_restarts": 0, "queries": 0, "hits": 0,
-                      "accepted": 0, "draft": 0, "emitted": 0}
+                      "accepted": 0, "draft": 0, "emitted": 0,
+                      **{f"kv_{key}": 0 for key in _KV_TRANSFER_COUNTERS}}
         self._render_lock = threading.Lock()  # two scrapes at once must not count twice
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first "
                                     "scheduled.", _REQUEST_BUCKETS)
@@ -134,7 +148,10 @@ class PrometheusMetrics:
                                     load.spec_decode_num_accepted_tokens),
                                    ("draft", self.spec_draft, load.spec_decode_num_draft_tokens),
                                    ("emitted", self.spec_emitted,
-                                    load.spec_decode_num_emitted_tokens)):
+                                    load.spec_decode_num_emitted_tokens),
+                                   *((f"kv_{key}", metric,
+                                      load.kv_transfer_stats.get(key, 0))
+                                     for key, metric in self.kv_transfer.items())):
             if total > self._seen[key]:
                 metric.inc(total - self._seen[key])
                 self._seen[key] = total

@@ -119,6 +119,8 @@ class SamplingRequest(RequestModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    # KV transfer between a prefill and a decode instance (vLLM's; docs/kv_transfer.md).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -216,13 +218,14 @@ class CompletionChoice(ResponseModel):
 
 
 class CompletionResponse(OmitWhenNone):  # a stream chunk too
-    omit_when_none = ("usage",)
+    omit_when_none = ("usage", "kv_transfer_params")
     id: str
     object: str = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill leg's answer (vLLM's)
 
 
 class TopLogprob(ResponseModel):
@@ -276,13 +279,15 @@ class ChatChoice(ResponseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(ResponseModel):
+class ChatCompletionResponse(OmitWhenNone):
+    omit_when_none = ("kv_transfer_params",)
     id: str
     object: str = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill leg's answer (vLLM's)
 
 
 class DeltaMessage(OmitWhenNone):

@@ -106,7 +106,8 @@ class ServingChat(OpenAIServing):
                 finish_reason=reason, stop_reason=c.stop_reason))
         return json_response(ChatCompletionResponse(
             id=request_id, created=int(arrival), model=model, choices=choices,
-            usage=_usage(len(ids), final.outputs)))
+            usage=_usage(len(ids), final.outputs),
+            kv_transfer_params=final.kv_transfer_params))
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, created: int,
                       prompt_tokens: int, streams: list[RequestStream],

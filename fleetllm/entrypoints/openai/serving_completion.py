@@ -120,7 +120,8 @@ class ServingCompletion(OpenAIServing):
                 choices.append(self._choice(req, i * req.n + c.index, part, fmt))
         return json_response(CompletionResponse(id=response_id, created=int(arrival),
                                                 model=model, choices=choices,
-                                                usage=_usage(prompts, generated)))
+                                                usage=_usage(prompts, generated),
+                                                kv_transfer_params=finals[0].kv_transfer_params))
 
     async def _prepare(self, req: CompletionRequest, engine_id: str, arrival: float,
                        lora_request: LoRARequest | None,

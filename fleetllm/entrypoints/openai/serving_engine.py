@@ -253,7 +253,7 @@ class OpenAIServing:
                 skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None
                 else skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                structured_outputs=structured,
+                structured_outputs=structured, kv_transfer_params=req.kv_transfer_params,
                 **{k: v for k, v in given.items() if v is not None})
         except ConfigurationError as e:
             message = str(e).removeprefix(f"[{e.code}] ")

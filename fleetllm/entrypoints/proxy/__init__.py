@@ -1,0 +1,1 @@
+"""`fleetllm proxy`: disaggregated prefill and decode behind one OpenAI API (app.py)."""
