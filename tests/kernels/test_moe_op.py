@@ -93,4 +93,8 @@ def test_pytorch_path_matches_transformers_experts(dtype):
         hf.gate_up_proj.copy_(w13)
         hf.down_proj.copy_(w2)
         want = hf(x, ids, weights)  # float32 weights: Mixtral's form
-    torch.testing.assert_close(torch_experts(x, ids, weights, w13, w2), want, rtol=0, atol=0)
+    # The same order of operations; in float32 the matmuls' own blocking may still differ in
+    # the last bit (MKL's sgemm on an AMD Zen 5: 1.2e-7 apart), so float32 is allowed that.
+    exact = dtype == torch.bfloat16
+    torch.testing.assert_close(torch_experts(x, ids, weights, w13, w2), want,
+                               rtol=0 if exact else 2e-6, atol=0 if exact else 5e-7)
