@@ -68,6 +68,9 @@ class EngineLoad:
     # Times the API process started a new engine core after the core process died
     # (core_client; 0 in the core itself and without one).
     engine_core_restarts: int = 0
+    # MoE models: {layer index (a string, as a label and on the wire): max / mean tokens
+    # per expert since the start} (engine/expert_load.py, refreshed at most once a second)
+    moe_expert_imbalance: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, engine: Any) -> EngineLoad:
@@ -82,7 +85,9 @@ class EngineLoad:
                    _adapter_names(sched.running),
                    _adapter_names([*sched.waiting, *sched.swapped]),
                    spec.accepted_tokens if spec else 0, spec.draft_tokens if spec else 0,
-                   spec.emitted_tokens if spec else 0, time.time())
+                   spec.emitted_tokens if spec else 0, time.time(),
+                   moe_expert_imbalance={str(layer): ratio for layer, ratio in
+                                         engine.expert_load_imbalance().items()})
 
     @property
     def kv_cache_usage(self) -> float:
