@@ -147,3 +147,52 @@ def test_cli_flag():
     actions = add_engine_args(parser)
     args = parser.parse_args(["--tensor-parallel-size", "2", "--enable-expert-parallel"])
     assert engine_kwargs_from(args, actions) == EP
+
+
+class _Unread:
+    """A checkpoint tensor that fails when anything reads it."""
+
+    def __getitem__(self, index):
+        raise AssertionError("another rank's expert was read")
+
+    def narrow(self, *args):
+        raise AssertionError("another rank's expert was read")
+
+
+def test_a_rank_reads_only_its_own_experts(monkeypatch):
+    """Rank 1 of 2 with EP holds experts 4-7 whole: experts 0-3's tensors are never read,
+    4-7's land at local index 0-3 unsplit, and the layer is complete once they are in."""
+    import torch
+
+    from fleetllm.distributed import parallel_state
+    from fleetllm.model.moe_experts import DOWN, GATE, UP, FusedExperts
+
+    monkeypatch.setattr(parallel_state, "_TP", parallel_state.GroupCoordinator([0, 1], 1))
+    monkeypatch.setattr(parallel_state, "_EXPERT_PARALLEL", True)
+    experts = FusedExperts(8, hidden_size=16, intermediate_size=12)
+    assert (experts.first, experts.local, tuple(experts.w13.shape)) == (4, 4, (4, 24, 16))
+    done = []
+    for e in range(8):
+        for part, shape in ((GATE, (12, 16)), (UP, (12, 16)), (DOWN, (16, 12))):
+            tensor = _Unread() if e < 4 else torch.full(shape, float(e * 3 + part))
+            done.append(experts.load_expert(e, part, tensor))
+    assert done[-1] and not any(done[:-4])  # gate/up complete at expert 7's up, down last
+    assert torch.equal(experts.w13.data[3, :12], torch.full((12, 16), 21.0))  # expert 7 gate
+    assert torch.equal(experts.w2.data[0], torch.full((16, 12), 14.0))  # expert 4 down
+
+
+def test_dummy_weights_under_expert_parallel(moe_models, tmp_path):  # noqa: F811
+    """load_format="dummy" (the bench presets): each rank makes only its experts' tensors
+    (loader._LazyDummy) and the tokens are one process's."""
+    from fleetllm import LLM, SamplingParams
+
+    (tmp_path / "config.json").write_text((moe_models["qwen3_moe"] / "config.json").read_text())
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 20)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens = []
+    for kwargs in ({}, dict(distributed_executor_backend="mp", **EP)):
+        with LLM(tmp_path, kv_cache_memory=16 << 20, load_format="dummy", seed=3,
+                 **kwargs) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        tokens.append([list(o.outputs[0].token_ids) for o in outs])
+    assert tokens[0] == tokens[1]
