@@ -126,3 +126,33 @@ def test_bench_latency_prints_the_imbalance(moe_models, tmp_path, capsys):  # no
     assert all(sum(c) == 2 * 2 * 2 * (16 + 5) for c in load["tokens"].values())
     assert json.loads(out.read_text())["expert_load"]["imbalance"].keys() == {"0", "2"}
     assert "expert load imbalance (max/mean tokens per expert): mean" in capsys.readouterr().out
+
+
+def test_server_metrics_of_a_moe_model_under_expert_parallel(moe_models):  # noqa: F811
+    """`fleetllm serve --tensor-parallel-size 2 --enable-expert-parallel` (the engine core in
+    its own process, mp workers): after a request, /metrics has a gauge per MoE layer."""
+    import time
+
+    import httpx
+    from serving_helpers import metric_values, server_env, serving
+
+    from fleetllm.entrypoints.openai.local_server import LocalServer
+
+    srv = LocalServer([str(moe_models["qwen3_moe"]), "--kv-cache-memory", str(32 << 20),
+                       "--served-model-name", "moe", "--tensor-parallel-size", "2",
+                       "--enable-expert-parallel"], env=server_env())
+    with serving(srv):
+        reply = httpx.post(f"{srv.url}/v1/completions", timeout=60, json={
+            "model": "moe", "prompt": list(range(10, 30)), "max_tokens": 4,
+            "ignore_eos": True})
+        assert reply.status_code == 200, reply.text
+        deadline = time.monotonic() + 30
+        while True:  # the snapshot is the engine's after a step: the last one may be in flight
+            values = metric_values(httpx.get(f"{srv.url}/metrics", timeout=10).text)
+            ratios = {dict(labels)["layer"]: value for (name, labels), value in values.items()
+                      if name == "fleetllm:moe_expert_load_imbalance"}
+            if set(ratios) == {"0", "2"} or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    assert set(ratios) == {"0", "2"}
+    assert all(1.0 <= r <= 8.0 for r in ratios.values()), ratios
