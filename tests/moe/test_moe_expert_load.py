@@ -156,3 +156,13 @@ def test_server_metrics_of_a_moe_model_under_expert_parallel(moe_models):  # noq
             time.sleep(0.2)
     assert set(ratios) == {"0", "2"}
     assert all(1.0 <= r <= 8.0 for r in ratios.values()), ratios
+
+
+def test_bench_throughput_prints_the_imbalance(moe_models, capsys):  # noqa: F811
+    args = build_parser().parse_args([
+        "bench", "throughput", "--model", str(moe_models["qwen2_moe"]), "--num-prompts", "3",
+        "--input-len", "8", "--output-len", "3", "--repeat", "1", "--compare", "none",
+        "--no-roofline", "--kv-cache-memory", "33554432"])
+    figures = args.run(args)
+    assert sorted(figures["expert_load"]["imbalance"]) == [0, 1]
+    assert "expert load imbalance (max/mean tokens per expert): mean" in capsys.readouterr().out
