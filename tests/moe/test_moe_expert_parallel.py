@@ -196,3 +196,20 @@ def test_dummy_weights_under_expert_parallel(moe_models, tmp_path):  # noqa: F81
             outs = llm.generate(prompts, params, use_tqdm=False)
         tokens.append([list(o.outputs[0].token_ids) for o in outs])
     assert tokens[0] == tokens[1]
+
+
+def test_expert_parallel_with_pipeline_stages(moe_models):  # noqa: F811
+    """TP=2 x PP=2 with EP (4 workers): each stage spreads its MoE layer's experts over its
+    two ranks; tokens and expert load as one process gives them."""
+    from fleetllm import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 20, 41)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    results = []
+    for kwargs in ({}, dict(pipeline_parallel_size=2, distributed_executor_backend="mp",
+                            **EP)):
+        with LLM(moe_models["qwen3_moe"], kv_cache_memory=16 << 20, **kwargs) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            results.append(([list(o.outputs[0].token_ids) for o in outs],
+                            llm.llm_engine.expert_load()))
+    assert results[1] == results[0] and sorted(results[0][1]) == [0, 2]
