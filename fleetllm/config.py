@@ -92,8 +92,7 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # MoE layers: each TP rank holds whole experts, E / tensor_parallel_size of them, instead
-    # of a slice of every expert (docs/moe.md); a dense model ignores it, as vLLM does.
+    # MoE: each TP rank holds E / tp whole experts, not a slice of all (dense: ignored)
     enable_expert_parallel: bool = False
     # "uni" | "mp" | "ray" | an Executor subclass | "module:Class"; None picks uni or mp.
     distributed_executor_backend: Any = None
