@@ -92,6 +92,8 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # MoE: each TP rank holds E / tp whole experts, not a slice of all (dense: ignored)
+    enable_expert_parallel: bool = False
     # "uni" | "mp" | "ray" | an Executor subclass | "module:Class"; None picks uni or mp.
     distributed_executor_backend: Any = None
     worker_cls: str = "fleetllm.worker.worker.Worker"
@@ -259,7 +261,11 @@ class EngineConfig:
         _check(a.num_kv_heads % tp == 0 or tp % a.num_kv_heads == 0, "tensor_parallel_size",
                f"{a.num_kv_heads} KV heads and tensor_parallel_size={tp}: one must divide the "
                "other")
-        for size in (a.moe_intermediate_size, a.shared_expert_intermediate_size):
+        ep = p.enable_expert_parallel and bool(a.num_experts)
+        _check(not ep or a.num_experts % tp == 0, "enable_expert_parallel",
+               f"{a.num_experts} experts are not divisible by tensor_parallel_size={tp}: "
+               "expert parallelism gives each rank the same number of whole experts")
+        for size in (0 if ep else a.moe_intermediate_size, a.shared_expert_intermediate_size):
             _check(size % tp == 0, "tensor_parallel_size",
                    f"the experts' intermediate size {size} is not divisible by "
                    f"tensor_parallel_size={tp}")

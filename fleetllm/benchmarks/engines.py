@@ -12,6 +12,18 @@ import torch
 from fleetllm.benchmarks import workload
 
 
+def expert_load(llm) -> tuple[dict | None, str | None]:
+    """A mixture-of-experts model's routing over the run (LLMEngine.expert_load, warm-up
+    included): figures for --json ({"imbalance": {layer: max/mean}, "tokens": {layer:
+    [per expert]}}) and the line bench prints; (None, None) for a dense model."""
+    from fleetllm.engine.expert_load import imbalance, summary
+
+    counts = llm.llm_engine.expert_load()
+    if not counts:
+        return None, None
+    return {"imbalance": imbalance(counts), "tokens": counts}, summary(counts)
+
+
 def engine_dtype(llm) -> torch.dtype:
     """The dtype fleetllm runs the model in (--dtype, or the checkpoint's: "auto")."""
     config = llm.llm_engine.config

@@ -19,7 +19,7 @@ import statistics
 import time
 
 from fleetllm.benchmarks import workload
-from fleetllm.benchmarks.engines import compare_peers, engine_dtype
+from fleetllm.benchmarks.engines import compare_peers, engine_dtype, expert_load
 from fleetllm.benchmarks.presets import PRESETS
 from fleetllm.benchmarks.throughput import add_vllm_args, resolve_source
 from fleetllm.engine.arg_utils import HelpFormatter, add_engine_args, engine_kwargs_from
@@ -224,6 +224,7 @@ def run(args: argparse.Namespace) -> dict:
 
         vllm_python()
     engines = [_FleetLatency(model, kwargs)]
+    moe, moe_line = None, None
     spec = kwargs.get("speculative_config") is not None
     vllm = None
     try:
@@ -275,6 +276,7 @@ def run(args: argparse.Namespace) -> dict:
                     best[e.name] = r
             # after every round, best kept: the machine as the engines found it
             bandwidth = max(bandwidth, workload.read_bandwidth())
+        moe, moe_line = expert_load(engines[0].llm)
     finally:
         for e in engines:
             if isinstance(e, _FleetLatency):
@@ -350,6 +352,9 @@ def run(args: argparse.Namespace) -> dict:
               f"{split['forward_s'] * 1e3:.2f} ms + everything else {split['other_s'] * 1e3:.2f}"
               f" ms ({split['other_fraction']:.1%}: scheduling, input preparation, sampling, "
               f"detokenization, outputs; mean of {split['steps']} passes)")
+    if moe_line:
+        figures["expert_load"] = moe
+        print(moe_line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)

@@ -27,6 +27,7 @@ from fleetllm.benchmarks.engines import (
     FleetGenerate,
     compare_peers,
     engine_dtype,
+    expert_load,
     measure,
 )
 from fleetllm.benchmarks.llamacpp_peer import LlamaCppThroughput, llamacpp_tool
@@ -169,6 +170,7 @@ def run(args: argparse.Namespace) -> dict:
     adapters = lora.Adapters(args, model) if args.lora else None
     engines = []
     vllm = None
+    moe, moe_line = None, None
     try:
         engines = _engines(args, model, kwargs, dummy_seed, peers, adapters)
         llm = engines[0].llm
@@ -195,6 +197,7 @@ def run(args: argparse.Namespace) -> dict:
         results = measure(engines, requests, args.repeat,
                            None if args.no_roofline or args.shared_prefix or args.lora
                            else probe)
+        moe, moe_line = expert_load(llm)
     finally:
         for e in engines:
             if isinstance(e, FleetEngine):
@@ -251,6 +254,9 @@ def run(args: argparse.Namespace) -> dict:
         print("roofline: not measured with --lora")
     elif not args.no_roofline:
         _roofline(arch, requests, results["fleetllm"][0], rows, rates, figures, dtype_name)
+    if moe_line:
+        figures["expert_load"] = moe
+        print(moe_line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)

@@ -1,7 +1,9 @@
 """Process groups for tensor (TP) and pipeline (PP) parallelism.
 
 Global rank = pp_rank * tp_size + tp_rank (a stage is a contiguous run of ranks); output_rank()
-is the rank whose result a step returns. With one worker every collective is a no-op, so the
+is the rank whose result a step returns. Expert parallelism (enable_expert_parallel) adds no
+group: its experts are spread over the TP group (expert_parallel() says whether they are; see
+model/moe_experts.py). With one worker every collective is a no-op, so the
 model code is the same on every backend. gloo on CPU, NCCL on CUDA; the caller's
 `init_method` picks the rendezvous (mp: a private `file://` store, gloo on loopback; ray: a
 `tcp://` store on rank 0's node and each node's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME).
@@ -107,6 +109,7 @@ _TP = GroupCoordinator([0], 0)
 _PP = GroupCoordinator([0], 0)
 _WORLD = GroupCoordinator([0], 0)  # every rank; group None: the default group
 _OUTPUT_RANK = 0
+_EXPERT_PARALLEL = False  # MoE layers give each TP rank whole experts (docs/moe.md)
 
 
 def get_tp_group() -> GroupCoordinator:
@@ -117,11 +120,19 @@ def get_pp_group() -> GroupCoordinator:
     return _PP
 
 
+def expert_parallel() -> bool:
+    """Whether MoE layers split their experts (whole ones) over the TP group rather than each
+    expert's intermediate size; False with one TP rank, where both are the same."""
+    return _EXPERT_PARALLEL and _TP.world_size > 1
+
+
 def init_distributed(world_size: int, rank: int, init_method: str | None, tp_size: int,
-                     pp_size: int, device: str, timeout_s: float = 600.0) -> None:
+                     pp_size: int, device: str, timeout_s: float = 600.0,
+                     enable_expert_parallel: bool = False) -> None:
     """Join the global group and build this rank's TP and PP groups. One worker: nothing."""
-    global _TP, _PP, _WORLD, _OUTPUT_RANK
+    global _TP, _PP, _WORLD, _OUTPUT_RANK, _EXPERT_PARALLEL
     _OUTPUT_RANK = output_rank(tp_size, pp_size)
+    _EXPERT_PARALLEL = enable_expert_parallel
     _WORLD = GroupCoordinator(list(range(world_size)), rank)
     if world_size == 1:
         _TP, _PP = GroupCoordinator([0], 0), GroupCoordinator([0], 0)
@@ -155,18 +166,20 @@ def alone() -> Iterator[None]:
     """Within it, this rank is a world of its own (tensor and pipeline parallel size 1): a
     draft model, which runs whole on the output rank beside a TP/PP target, is built and run
     in it so that its layers neither shard nor communicate."""
-    global _TP, _PP, _WORLD
-    saved = _TP, _PP, _WORLD
+    global _TP, _PP, _WORLD, _EXPERT_PARALLEL
+    saved = _TP, _PP, _WORLD, _EXPERT_PARALLEL
     _TP, _PP, _WORLD = GroupCoordinator([0], 0), GroupCoordinator([0], 0), \
         GroupCoordinator([0], 0)
+    _EXPERT_PARALLEL = False
     try:
         yield
     finally:
-        _TP, _PP, _WORLD = saved
+        _TP, _PP, _WORLD, _EXPERT_PARALLEL = saved
 
 
 def destroy_distributed() -> None:
-    global _TP, _PP, _WORLD
+    global _TP, _PP, _WORLD, _EXPERT_PARALLEL
+    _EXPERT_PARALLEL = False
     _TP, _PP, _WORLD = (GroupCoordinator([0], 0), GroupCoordinator([0], 0),
                         GroupCoordinator([0], 0))
     if dist.is_initialized():

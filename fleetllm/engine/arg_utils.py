@@ -45,6 +45,8 @@ _HELP = {
                                "as fit)",
     "tensor_parallel_size": "split each layer across this many workers",
     "pipeline_parallel_size": "split the layers into this many stages",
+    "enable_expert_parallel": "MoE models: each tensor-parallel rank holds whole experts "
+                              "instead of a slice of each (docs/moe.md)",
     "distributed_executor_backend": "uni (one process), mp (local processes), ray, or "
                                     "module:Class (default: uni for one worker, else mp)",
     "worker_cls": "worker class, module.Class",

@@ -25,6 +25,7 @@ from fleetllm import fast_paths
 from fleetllm.config import EngineConfig, read_json
 from fleetllm.core.scheduler import Scheduler, SchedulerOutputs
 from fleetllm.engine.detokenizer import Detokenizer
+from fleetllm.engine.expert_load import ExpertLoad
 from fleetllm.engine.lora_requests import LoRAMixin, LoRARequests
 from fleetllm.engine.output_processing import Output, OutputsMixin
 from fleetllm.engine.outputs import RequestOutput, request_output
@@ -79,6 +80,8 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin, OutputsMixin):
                                    config.lora_config, kv_connector,
                                    kt.kv_load_failure_policy if kt else "recompute")
         self.lora_requests = LoRARequests(config)
+        # MoE models: tokens routed to each expert, read from the workers when asked
+        self._expert_load = ExpertLoad(self.model_executor, config.model_config.arch.num_experts)
         self.seq_groups: dict[str, SequenceGroup] = {}
         self._seq_ids = itertools.count()
         # Ended since the workers last heard: they drop per-request state for these ids.
@@ -347,6 +350,19 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin, OutputsMixin):
         None while no step has speculated."""
         return self.model_executor.metrics.spec_decode
 
+    def expert_load(self) -> dict[int, list[int]]:
+        """A mixture-of-experts model's load: {MoE layer index: (token, expert) pairs routed
+        to each expert since the engine started} ({} for a dense model). Reads the workers'
+        counts now (engine/expert_load.py); call it between steps."""
+        self._expert_load.pull()
+        return self._expert_load.counts()
+
+    def expert_load_imbalance(self, every_s: float = 1.0) -> dict[int, float]:
+        """{MoE layer: max / mean pairs per expert} since the start, the workers' counts read
+        at most once every `every_s` seconds (the server's per-step snapshot)."""
+        self._expert_load.refresh(every_s)
+        return self._expert_load.imbalance()
+
     def shutdown(self) -> None:
         self.structured_outputs.shutdown()
         self.model_executor.shutdown()
@@ -359,6 +375,7 @@ class LLMEngine(RequestChecksMixin, RecoveryMixin, LoRAMixin, OutputsMixin):
         if not self.model_executor.is_sleeping and self.has_unfinished_requests():
             raise EngineSleepingError(f"sleep: {self.get_num_unfinished_requests()} requests "
                                       "are in flight; finish or abort them first")
+        self._expert_load.pull()  # level 2 drops the workers' counts with the weights
         self._recovering(lambda: self.model_executor.sleep(level))
         self._sync_kv_epoch()  # the cached KV is gone with it
 

@@ -71,6 +71,9 @@ class EngineLoad:
     # KV transfer (LLMEngine.kv_transfer_stats: blocks, bytes, requests loaded and saved,
     # load failures; running totals); {} without a KV connector.
     kv_transfer_stats: dict[str, int] = field(default_factory=dict)
+    # MoE models: {layer index (a string, as a label and on the wire): max / mean tokens
+    # per expert since the start} (engine/expert_load.py, refreshed at most once a second)
+    moe_expert_imbalance: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, engine: Any) -> EngineLoad:
@@ -86,7 +89,9 @@ class EngineLoad:
                    _adapter_names([*sched.waiting, *sched.swapped]),
                    spec.accepted_tokens if spec else 0, spec.draft_tokens if spec else 0,
                    spec.emitted_tokens if spec else 0, time.time(),
-                   kv_transfer_stats=getattr(engine, "kv_transfer_stats", {}))
+                   kv_transfer_stats=getattr(engine, "kv_transfer_stats", {}),
+                   moe_expert_imbalance={str(layer): ratio for layer, ratio in
+                                         engine.expert_load_imbalance().items()})
 
     @property
     def kv_cache_usage(self) -> float:

@@ -136,7 +136,23 @@ def dummy_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=gen) * 0.02
 
 
+class _LazyDummy:
+    """An MoE expert's dummy tensor, made when first read, read as a safetensors slice is
+    (`[index]`): under expert parallelism the other ranks' experts are skipped unmade."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], seed: int):
+        self.name, self.shape, self.seed = name, shape, seed
+        self._full: torch.Tensor | None = None
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        if self._full is None:
+            self._full = dummy_tensor(self.name, self.shape, self.seed)
+        return self._full[index]
+
+
 def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
     """Random weights with the right shapes, reproducible by seed (profiling, benchmarks)."""
     for name, shape in hf_tensor_shapes(model.cfg).items():
-        model.load_weight(name, dummy_tensor(name, shape, seed))
+        lazy = ".experts." in name
+        model.load_weight(name, _LazyDummy(name, shape, seed) if lazy
+                          else dummy_tensor(name, shape, seed))

@@ -8,9 +8,12 @@ How: the router (replicated on every rank) gives float32 logits' softmax, its to
 (renormalized where norm_topk_prob, always for Mixtral), as transformers computes them;
 the experts (moe_experts.FusedExperts: stacked weights, the C++ op or PyTorch) give this
 rank's partial sum, all-reduced like a row-parallel projection. Qwen2-MoE adds its shared
-expert, a dense MLP scaled by sigmoid(shared_expert_gate(x)). Checkpoint tensors are named as
-on the Hub (mlp.experts.E.{gate,up,down}_proj; Mixtral's block_sparse_moe.experts.E.w1/w3/w2)
-and stacked as they load.
+expert, a dense MLP scaled by sigmoid(shared_expert_gate(x)), split over the ranks like the
+dense MLP with or without expert parallelism. Each block counts the (token, expert) pairs
+its router picks (`expert_tokens`, a bincount a step: model/moe_load.py reads them).
+Checkpoint tensors are named as on the Hub (mlp.experts.E.{gate,up,down}_proj; Mixtral's
+block_sparse_moe.experts.E.w1/w3/w2) and stacked as they load; under expert parallelism a
+rank's loader skips the other ranks' experts (moe_experts.FusedExperts.load_expert).
 What fails: unsupported routers are refused by config_model._moe_fields (ModelLoadError,
 before any worker starts); a missing expert tensor leaves its stacked weight unfilled, which
 the loader reports as a missing tensor.
@@ -51,8 +54,12 @@ class SharedExpert(MLP):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: ArchConfig):
+    def __init__(self, cfg: ArchConfig, layer_index: int):
         super().__init__()
+        self.layer_index = layer_index
+        # pairs routed to each expert since moe_load last took them: the same on every TP
+        # rank (the router is replicated); a plain tensor, not a buffer (no checkpoint entry)
+        self.expert_tokens = torch.zeros(cfg.num_experts, dtype=torch.int64)
         self.top_k = cfg.experts_per_token
         self.renormalize = cfg.norm_topk_prob
         # Qwen casts the routing weights to the model's dtype before they scale the experts'
@@ -78,6 +85,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
+        self.expert_tokens += torch.bincount(ids.reshape(-1),
+                                             minlength=self.expert_tokens.numel())
         out = get_tp_group().all_reduce(self.experts(x, ids, weights))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -86,7 +95,7 @@ class SparseMoeBlock(nn.Module):
 
 class MoeForCausalLM(LlamaForCausalLM):
     def make_layer(self, cfg: ArchConfig, rotary: RotaryEmbedding, index: int) -> nn.Module:
-        return DecoderLayer(cfg, rotary, SparseMoeBlock(cfg) if index in cfg.moe_layers
+        return DecoderLayer(cfg, rotary, SparseMoeBlock(cfg, index) if index in cfg.moe_layers
                             else None)
 
     def load_weight(self, name: str, loaded: Any) -> str | None:

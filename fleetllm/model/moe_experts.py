@@ -3,7 +3,12 @@
 What: `FusedExperts` holds this rank's share of every expert: w13 [E, 2I, H] (each expert's
 gate rows, then its up rows) and w2 [E, H, I], I being the intermediate size over the
 tensor-parallel ranks (each rank keeps the same slice of every expert: w13's rows, w2's
-columns; the block all-reduces the partial sums as the dense MLP does).
+columns; the block all-reduces the partial sums as the dense MLP does). With expert
+parallelism (parallel_state.expert_parallel()) a rank holds whole experts instead, vLLM's
+contiguous split: rank r of N the E / N experts from r * E / N (`first`, `local`); the
+others' checkpoint tensors are skipped unread, and forward runs only the pairs routed to its
+own experts (each token's experts in ascending order, as both kernels add them), so the
+all-reduce sums whole experts' outputs.
 How: `forward(x, ids, weights)` runs the chosen kernel, picked once after loading by
 `choose_kernel` (called by kernel_choice.select_kernels): the C++ op `fused_moe`
 (csrc/moe.cpp: pairs grouped by expert, GEMV kernels, no Python loop) on the CPU with the
@@ -30,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fleetllm.distributed.parallel_state import get_tp_group
+from fleetllm.distributed.parallel_state import expert_parallel, get_tp_group
 from fleetllm.kernels import cpu_kernels
 from fleetllm.model.layers import Quantized, load_full, narrow
 from fleetllm.model.moe_quant import cpu_quant_experts, pack_experts, torch_quant_experts
@@ -76,10 +81,14 @@ class FusedExperts(nn.Module):
         super().__init__()
         tp = get_tp_group()
         self.num_experts = num_experts
-        self.shard = intermediate_size // tp.world_size
-        self.start = tp.rank_in_group * self.shard
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.shard, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard))
+        self.ep = expert_parallel()  # whole experts on this rank, not a slice of each
+        ranks = tp.world_size
+        self.local = num_experts // ranks if self.ep else num_experts  # experts held here
+        self.first = tp.rank_in_group * self.local if self.ep else 0  # the first one's id
+        self.shard = intermediate_size if self.ep else intermediate_size // ranks
+        self.start = 0 if self.ep else tp.rank_in_group * self.shard
+        self.w13 = nn.Parameter(torch.empty(self.local, 2 * self.shard, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(self.local, hidden_size, self.shard))
         self.kernel: ExpertsKernel = torch_experts
         self._loaded: set[tuple[int, int]] = set()  # (expert, part) filled so far
         self._blocks: dict[tuple[int, int], QuantTensor] = {}  # a GGUF file's, until packed
@@ -101,12 +110,15 @@ class FusedExperts(nn.Module):
         """Copy this rank's slice of one checkpoint expert tensor (GATE, UP: rows [I, H];
         DOWN: columns [H, I]) into the stacked weights, or keep a GGUF tensor's blocks of it
         for finish_quantized; True once every expert's gate and up (part < DOWN) or down
-        tensor is in."""
+        tensor is in. Another rank's expert (expert parallelism) is skipped, never read."""
         if isinstance(loaded, Quantized) and not isinstance(loaded, QuantTensor):
             raise ValueError("quantized expert weights are supported from GGUF files only "
                              "(and bf16 / float32 safetensors)")
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is not in 0..{self.num_experts - 1}")
+        expert -= self.first  # its index among this rank's experts
+        if not 0 <= expert < self.local:
+            return False
         dim = 1 if part == DOWN else 0  # down's columns, gate's and up's rows
         piece = narrow(loaded, dim, self.start, self.shard)
         if part == DOWN:
@@ -122,7 +134,7 @@ class FusedExperts(nn.Module):
             target.copy_(load_full(piece))
         self._loaded.add((expert, part))
         parts = (DOWN,) if part == DOWN else (GATE, UP)
-        return all((e, p) in self._loaded for e in range(self.num_experts) for p in parts)
+        return all((e, p) in self._loaded for e in range(self.local) for p in parts)
 
     def finish_quantized(self) -> None:
         """After loading a GGUF file: its experts' blocks packed into one buffer in place of
@@ -131,13 +143,13 @@ class FusedExperts(nn.Module):
         if not self._blocks:
             return
         blocks, self._blocks = self._blocks, {}
-        missing = [(e, p) for e in range(self.num_experts) for p in (GATE, UP, DOWN)
+        missing = [(e + self.first, p) for e in range(self.local) for p in (GATE, UP, DOWN)
                    if (e, p) not in blocks]
         if missing:
             raise ValueError(f"lacks expert tensors (expert, part 0 gate / 1 up / 2 down): "
                              f"{missing[:4]}")
         parts = [(blocks[(e, GATE)], blocks[(e, UP)], blocks[(e, DOWN)])
-                 for e in range(self.num_experts)]
+                 for e in range(self.local)]
         if not any(t.quantized for trio in parts for t in trio):
             for e, (gate, up, down) in enumerate(parts):
                 self.w13.data[e].copy_(torch.cat([gate.dequantize(), up.dequantize()]))
@@ -149,6 +161,27 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                 ) -> torch.Tensor:
         """This rank's partial sum of the routed experts for x [T, H]."""
+        if self.ep:
+            return self._own_experts(x, ids, weights)
+        return self._run(x, ids, weights)
+
+    def _run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.kernel(x, ids, weights, self.packed, self.bounds)
         return self.kernel(x, ids, weights, self.w13, self.w2)
+
+    def _own_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+                     ) -> torch.Tensor:
+        """Expert parallelism: the pairs routed to this rank's experts, one row a pair (k=1),
+        through the kernel, then added into their tokens' rows; a token's experts in ascending
+        order, rounding after each add as the kernels' own weighted sum does."""
+        ids, order = ids.sort(dim=1)
+        weights = weights.gather(1, order)
+        local = (ids - self.first).reshape(-1)
+        mine = ((local >= 0) & (local < self.local)).nonzero().squeeze(1)
+        out = torch.zeros_like(x)
+        if mine.numel():
+            token = mine // ids.shape[1]
+            y = self._run(x[token], local[mine, None], weights.reshape(-1)[mine, None])
+            out.index_add_(0, token, y)
+        return out

@@ -172,6 +172,7 @@ def write_metadata(path: str | os.PathLike, config: EngineConfig, pattern: str,
     meta = {"format": FORMAT, "version": 1,
             "tensor_parallel_size": pc.tensor_parallel_size,
             "pipeline_parallel_size": pc.pipeline_parallel_size,
+            "enable_expert_parallel": pc.enable_expert_parallel,
             "world_size": pc.world_size, "dtype": str(dtype).removeprefix("torch."),
             "pattern": pattern, "files": {str(rank): f for rank, f in enumerate(files)}}
     mc = config.model_config
@@ -220,6 +221,13 @@ def check_layout(meta: dict[str, Any], config: EngineConfig, path: str | os.Path
             f"size {meta.get('world_size')}), but this engine has tensor_parallel_size="
             f"{pc.tensor_parallel_size}, pipeline_parallel_size={pc.pipeline_parallel_size}; "
             "load it with the saved layout, or load the original checkpoint")
+    saved_ep = bool(meta.get("enable_expert_parallel", False))
+    if saved_ep != pc.enable_expert_parallel and config.model_config.arch.num_experts \
+            and pc.tensor_parallel_size > 1:  # whole experts a rank, or a slice of each
+        raise ConfigurationError(
+            f"enable_expert_parallel: {path} holds a sharded state saved with "
+            f"enable_expert_parallel={saved_ep}, this engine has "
+            f"{pc.enable_expert_parallel}; load it with the saved setting")
 
 
 def load_sharded_state(model: torch.nn.Module, config: EngineConfig) -> None:

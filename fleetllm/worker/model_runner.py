@@ -12,6 +12,7 @@ from fleetllm.distributed.parallel_state import get_pp_group
 from fleetllm.lora import layers as lora_layers
 from fleetllm.lora.manager import LoRAManager, lora_torch_dtype
 from fleetllm.model.loader import build_model
+from fleetllm.model.moe_load import clear_expert_load
 from fleetllm.sequence import (
     CompletionSequenceGroupOutput,
     ExecuteModelRequest,
@@ -332,6 +333,7 @@ class ModelRunner:
         batch = _Batch(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
                        rows)
         self._forward(batch, None)
+        clear_expert_load(self.model)  # dummy tokens: no part of the expert load
 
 
 def _accept_drafts(draft: list[int], drawn: list[int]) -> list[int]:

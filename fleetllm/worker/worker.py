@@ -60,7 +60,8 @@ class Worker(WorkerBase):
         pc = self.config.parallel_config
         parallel_state.init_distributed(pc.world_size, self.rank, self.distributed_init_method,
                                         pc.tensor_parallel_size, pc.pipeline_parallel_size,
-                                        device)
+                                        device,
+                                        enable_expert_parallel=pc.enable_expert_parallel)
         self.is_output_rank = self.rank == parallel_state.output_rank(
             pc.tensor_parallel_size, pc.pipeline_parallel_size)
 

@@ -92,6 +92,11 @@ class PrometheusMetrics:
         self._seen = {"restarts": 0, "core_restarts": 0, "queries": 0, "hits": 0,
                       "accepted": 0, "draft": 0, "emitted": 0,
                       **{f"kv_{key}": 0 for key in _KV_TRANSFER_COUNTERS}}
+        # MoE models: a gauge a layer, not a counter an expert: Qwen3-30B-A3B's 48 layers x
+        # 128 experts would be 6144 series; per-expert counts: LLMEngine.expert_load().
+        self.moe_imbalance = Gauge(
+            "fleetllm:moe_expert_load_imbalance", "Max / mean tokens routed per expert of an "
+            "MoE layer since the start (1: even).", [*label, "layer"], registry=self.registry)
         self._render_lock = threading.Lock()  # two scrapes at once must not count twice
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first "
                                     "scheduled.", _REQUEST_BUCKETS)
@@ -124,6 +129,8 @@ class PrometheusMetrics:
         self.num_waiting.set(load.num_waiting)
         self.num_swapped.set(load.num_swapped)
         self.kv_usage.set(load.kv_cache_usage)
+        for layer, ratio in load.moe_expert_imbalance.items():
+            self.moe_imbalance.labels(self.model_name, layer).set(ratio)
         with self._render_lock:
             self._move_counters(load)
             self._lora_info(load)
