@@ -3,8 +3,7 @@
 // buffer that starts with a header of int64 words, then each part's rows (q, k and v of a
 // merged projection may be of different types, as in Q4_K_M files):
 //   [0] QPACK_MAGIC, [1] K (in features), [2] parts (| QPACK_INT8_ACTS), [3] perm offset, then
-//   per part: type,
-//   rows, row bytes, byte offset of its first row; part p's rows are outputs
+//   per part: type, rows, row bytes, byte offset of its first row; part p's rows are outputs
 //   sum(rows of parts < p) + ...
 // perm offset 0: no permutation; else the byte offset of K int64 entries perm (GPTQ's
 // act-order): stored column i multiplies x's column perm[i] (y = W x[:, perm]^T), so
@@ -90,9 +89,9 @@ void fast_dequant_row(int64_t type, const uint8_t *row, int K, uint16_t *out);
 
 // The AVX-512 VNNI path (quant_vnni.cpp): whether this CPU runs it (FLEETLLM_QUANT_VNNI=0
 // turns it off), whether it reads a part of `type` with K columns, x's rows quantized for it
-// (xq int8 [2, M, K]: two planes; dxl, xls: per 4 elements; xqsum: each 16
-// elements' sum as quantized; per_row: W8A8's int8 per row, one plane), and outputs [n0, n1) of one part for every row of x (y [M, N],
-// the part's first output at `first`).
+// (xq int8 [2, M, K]: two planes; dxl, xls: per 4 elements; xqsum: each 16 elements' sum as
+// quantized; per_row: W8A8's int8 per row, one plane), and outputs [n0, n1) of one part for
+// every row of x (y [M, N], the part's first output at `first`).
 bool vnni_available();
 bool vnni_reads(int64_t type, int K);
 void vnni_quantize(const float *x, int M, int K, int8_t *xq, float *dxl, int32_t *xls,

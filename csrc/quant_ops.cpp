@@ -34,6 +34,11 @@ namespace {
 // a bf16 x (one thread: 9-12 rows 1.0-1.4 ms in passes, 1.4-1.6 dequantized for AMX's GEMM,
 // which wins from 13; the float unpacking took 1.5-2.5 ms there).
 constexpr int64_t GEMM_ROWS = 16, VNNI_GEMM_ROWS = 32, VNNI_BF16_GEMM_ROWS = 12, VNNI_ROWS = 8;
+// W8A8's int8 GEMM (int8_linear) from this many rows: it gives the GEMV's integer sums, and
+// from 8 rows its time (one thread, a 6144 x 768 weight, the int8 copy included: 8 rows 0.43-
+// 0.47 ms, 12 0.51) beats the passes' (0.50, 0.78); 2-4 rows stay on the GEMV (0.15-0.26 ms
+// against 0.39-0.51).
+constexpr int64_t INT8_GEMM_ROWS = 8;
 // Weight elements dequantized per GEMM (at least 1024 rows): few, large calls. Each call costs
 // a thread hand-off and a copy into y; a 4096 x 768 weight in 4 chunks of 1024 rows took 0.35-0.5
 // ms more than in one (one thread, 17-64 rows of bf16 x; one mm: 0.6-0.85 ms).
@@ -187,7 +192,7 @@ Tensor gguf_linear(const Tensor &x, const Tensor &packed, const std::optional<Te
     const bool passes =
         vnni && m <= (x.scalar_type() == at::kFloat ? VNNI_GEMM_ROWS : VNNI_BF16_GEMM_ROWS);
     const bool gemv = (!vnni && m <= GEMM_ROWS) || w.K % 16 || passes;
-    if (w.int8_acts && !gemv) {
+    if (w.int8_acts && (m >= INT8_GEMM_ROWS || !gemv)) {
         y = int8_linear(xp, w);
     } else if (gemv) {  // float32 x for the GEMV (W8A8: its VNNI path quantizes x per row;
                         // elsewhere x's int8 levels times their scales)

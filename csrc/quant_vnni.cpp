@@ -394,7 +394,8 @@ VNNI void vnni_quantize(const float *x, int M, int K, int8_t *xq, float *dxl, in
         const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
         if (per_row && i % K == 0) {
             __m512 m = _mm512_setzero_ps();
-            for (long k = i; k < i + K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+            for (long k = i; k < i + K; k += 16)
+                m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
             row_scale = std::max(_mm512_reduce_max_ps(m) / 127.0f, FLT_MIN);
         }
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));

@@ -18,7 +18,7 @@ import json
 import statistics
 import time
 
-from fleetllm.benchmarks import workload
+from fleetllm.benchmarks import quiet, workload
 from fleetllm.benchmarks.engines import compare_peers, engine_dtype, expert_load
 from fleetllm.benchmarks.presets import PRESETS
 from fleetllm.benchmarks.throughput import add_vllm_args, resolve_source
@@ -210,6 +210,7 @@ def run(args: argparse.Namespace) -> dict:
 
     import torch
 
+    busy = quiet.busy_share()  # before anything of ours runs
     kwargs = engine_kwargs_from(args, args.engine_actions)
     model, dummy_seed = resolve_source(args, kwargs)
     from fleetllm.config_gguf import is_gguf
@@ -305,13 +306,15 @@ def run(args: argparse.Namespace) -> dict:
                "input_len": args.input_len, "output_len": args.output_len,
                "torch_threads": torch.get_num_threads(), "engines": best,
                "read_bandwidth_gb_s": bandwidth, "decode_step_bytes": step_bytes,
-               "bandwidth_bound_tokens_per_s": bound}
+               "bandwidth_bound_tokens_per_s": bound, "busy_before_run": busy}
     if quant is not None:
         figures["quantization"] = workload.hf_quant_label(quant)
     print(f"model: {args.preset or model} ({dtype_name}); batch {args.batch_size}, "
           f"{args.input_len} prompt "
           f"tokens, {args.output_len} output tokens; torch threads {torch.get_num_threads()}; "
           f"best of {args.repeat} rounds, engines taking turns")
+    if warning := quiet.busy_warning(busy):
+        print(warning)
     width = max(len(n) for n in best) + 2
     for name, r in best.items():
         print(f"{name + ':':{width}s} TTFT {r['ttft_s'] * 1e3:7.1f} ms  TPOT p50 "

@@ -21,7 +21,7 @@ import json
 
 import torch
 
-from fleetllm.benchmarks import embed, lora, workload
+from fleetllm.benchmarks import embed, lora, quiet, workload
 from fleetllm.benchmarks.engines import (
     FleetEngine,
     FleetGenerate,
@@ -159,6 +159,7 @@ def _engines(args: argparse.Namespace, model: str, kwargs: dict, dummy_seed: int
 
 
 def run(args: argparse.Namespace) -> dict:
+    busy = quiet.busy_share()  # before anything of ours runs
     kwargs = engine_kwargs_from(args, args.engine_actions)
     model, dummy_seed = resolve_source(args, kwargs)
     if embed.is_pooling(model, kwargs):  # --task embed, or an embedding checkpoint
@@ -217,13 +218,15 @@ def run(args: argparse.Namespace) -> dict:
     figures: dict = {"model": args.preset or model, "dtype": dtype_name, "requests": len(requests),
                      "input_tokens": n_in, "output_tokens": n_out,
                      "torch_threads": torch.get_num_threads(), "repeat": args.repeat,
-                     "engines": {}}
+                     "engines": {}, "busy_before_run": busy}
     if quant is not None:
         figures["quantization"] = workload.hf_quant_label(quant)
     print(f"model: {args.preset or model} ({label})")
     print(f"requests: {len(requests)}, {n_in} input + {n_out} output tokens "
           f"({_span(requests)}); torch threads: {torch.get_num_threads()}; best of "
           f"{args.repeat} rounds, engines taking turns")
+    if warning := quiet.busy_warning(busy):
+        print(warning)
     for e in engines:
         seconds, _, _ = results[e.name]
         # llama.cpp ran the requests' mean lengths: its own token counts
