@@ -23,7 +23,7 @@ import resource
 import signal
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import uvicorn
@@ -40,6 +40,27 @@ logger = logging.getLogger("fleetllm.serve")
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+@contextlib.contextmanager
+def signals_to_loop(on_signal: Callable[[int], None]) -> Iterator[None]:
+    """While inside: SIGINT and SIGTERM call on_signal(sig) on the running event loop, in place
+    of uvicorn's handlers (which re-raise the signal after shutting down); on the main thread
+    only, as signal handlers must be. `fleetllm serve`'s and `fleetllm proxy`'s servers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    loop = asyncio.get_running_loop()
+
+    def handler(sig: int, frame: object) -> None:
+        loop.call_soon_threadsafe(on_signal, sig)
+
+    previous = {sig: signal.signal(sig, handler) for sig in _SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState, engine: AsyncLLMEngine,
                  shutdown_timeout: float):
@@ -50,22 +71,8 @@ class DrainingServer(uvicorn.Server):
         self._drain_task: asyncio.Task | None = None
         self.exit_code = 0
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        loop = asyncio.get_running_loop()
-
-        def handler(sig: int, frame: object) -> None:
-            loop.call_soon_threadsafe(self._on_signal, sig)
-
-        previous = {sig: signal.signal(sig, handler) for sig in _SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+        return signals_to_loop(self._on_signal)
 
     def _on_signal(self, sig: int) -> None:
         if self._drain_task is None:

@@ -15,12 +15,15 @@ import asyncio
 import contextlib
 import logging
 import signal
-import threading
-from collections.abc import Iterator
 
 import uvicorn
 
-from fleetllm.entrypoints.openai.launcher import bind_socket, is_loopback, url_host
+from fleetllm.entrypoints.openai.launcher import (
+    bind_socket,
+    is_loopback,
+    signals_to_loop,
+    url_host,
+)
 from fleetllm.entrypoints.proxy.app import DisaggProxy, build_proxy_app
 
 logger = logging.getLogger("fleetllm.proxy")
@@ -50,23 +53,8 @@ class _ProxyServer(uvicorn.Server):
     """uvicorn whose SIGTERM/SIGINT stop it with exit status 0 (uvicorn's own handlers
     re-raise the signal after shutting down)."""
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        loop = asyncio.get_running_loop()
-
-        def handler(sig: int, frame: object) -> None:
-            loop.call_soon_threadsafe(self._stop, sig)
-
-        sigs = (signal.SIGINT, signal.SIGTERM)
-        previous = {sig: signal.signal(sig, handler) for sig in sigs}
-        try:
-            yield
-        finally:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+        return signals_to_loop(self._stop)
 
     def _stop(self, sig: int) -> None:
         if self.should_exit:
