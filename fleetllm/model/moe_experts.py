@@ -18,7 +18,7 @@ expert order, rounding as transformers' index_add_ loop does.
 Quantized experts (a GGUF file's, quant/packed.QuantTensor): each expert's blocks are kept as
 they load, then `finish_quantized` (called by quant/gguf_loader.finish) packs them
 (moe_quant.pack_experts: one buffer, no dequantized copy) and drops w13 / w2; the kernels are
-then moe_quant's (the C++ op gguf_fused_moe, else PyTorch over the picked experts
+then the C++ op gguf_fused_moe (moe_quant.py), else `torch_quant_experts` (the picked experts
 dequantized per call). Experts stored unquantized (F32 / F16 / BF16) fill w13 / w2 instead.
 What fails: a checkpoint expert tensor of the wrong shape is a ValueError, a quantized one
 other than a GGUF file's (AWQ / GPTQ groups) a ValueError too, and so is a GGUF tensor
@@ -38,19 +38,21 @@ from torch import nn
 from fleetllm.distributed.parallel_state import expert_parallel, get_tp_group
 from fleetllm.kernels import cpu_kernels
 from fleetllm.model.layers import Quantized, load_full, narrow
-from fleetllm.model.moe_quant import cpu_quant_experts, pack_experts, torch_quant_experts
-from fleetllm.quant.packed import QuantTensor
+from fleetllm.model.moe_quant import cpu_quant_experts, pack_experts
+from fleetllm.quant.packed import QuantTensor, dequantize_packed
 
 ExpertsKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                           torch.Tensor], torch.Tensor]
 GATE, UP, DOWN = 0, 1, 2  # an expert tensor's part
 
 
-def torch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                  w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """The routed experts' weighted sum in PyTorch: x [T, H], ids [T, k], weights float32
-    [T, k]; only the experts some token picked are computed."""
-    k, num_experts = ids.shape[1], w13.shape[0]
+def routed_sum(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+               expert_out: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The routed experts' weighted sum in PyTorch, x [T, H], ids [T, k], weights float32
+    [T, k]: each picked expert's rows through expert_out(expert, its rows of x), its output
+    times the pairs' weights rounded to x's dtype and added in ascending expert order
+    (transformers' index_add_ loop); experts no token picked are never run."""
+    k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order inside
     counts = torch.bincount(flat, minlength=num_experts).tolist()
@@ -62,12 +64,36 @@ def torch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             continue
         pairs = order[start:start + rows]
         token = tokens[start:start + rows]
-        gate, up = F.linear(x[token], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])
-        # float32 product rounded to x's dtype, then added: transformers' index_add_ loop
+        y = expert_out(expert, x[token])
         out.index_add_(0, token, (y * weights.reshape(-1)[pairs, None]).to(x.dtype))
         start += rows
     return out
+
+
+def torch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """routed_sum over stacked dense experts, in x's dtype."""
+    def expert_out(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(rows, w13[expert]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w2[expert])
+
+    return routed_sum(x, ids, weights, w13.shape[0], expert_out)
+
+
+def torch_quant_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                        packed: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """routed_sum over packed quantized experts (moe_quant.pack_experts): each picked
+    expert's copies dequantized now (gguf's reference), run in float32, its output rounded
+    to x's dtype. The path without the kernels, and gguf_fused_moe's reference in tests."""
+    b = bounds.tolist()
+
+    def expert_out(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        w13 = dequantize_packed(packed[b[2 * expert]:b[2 * expert + 1]])
+        w2 = dequantize_packed(packed[b[2 * expert + 1]:b[2 * expert + 2]])
+        gate, up = F.linear(rows.float(), w13).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w2).to(x.dtype)
+
+    return routed_sum(x, ids, weights, (bounds.numel() - 1) // 2, expert_out)
 
 
 def cpu_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

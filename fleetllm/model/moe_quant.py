@@ -1,5 +1,5 @@
 """A mixture-of-experts layer's quantized experts (a GGUF file's ffn_{gate,up,down}_exps): one
-uint8 buffer of packed copies, and the two ways to run them.
+uint8 buffer of packed copies, and the C++ op that runs them.
 
 What: `pack_experts` turns each expert's gate, up and down blocks (quant/packed.QuantTensor:
 this rank's rows of gate and up, its blocks of down's columns) into 2E packed copies in one
@@ -7,11 +7,10 @@ buffer (quant/packed.py's format: copy 2e expert e's gate rows then up rows, cop
 down), with `bounds` int64 [2E + 1] (copy j is bytes bounds[j]..bounds[j + 1]); nothing is
 dequantized. FusedExperts (moe_experts.py) keeps them in place of its dense w13 / w2.
 How: `cpu_quant_experts` is the C++ op gguf_fused_moe (csrc/moe_quant.cpp: pairs grouped by
-expert, q::linear's quantized GEMV, no Python loop over experts); `torch_quant_experts`
-dequantizes the picked experts' copies at each call (numpy, gguf's reference) and runs
-moe_experts.torch_experts' loop in float32: the path without the kernels, and the op's
-reference in tests/moe/test_moe_gguf.py. Both round each expert's output to x's dtype, then
-add in ascending expert order as the bf16 op does.
+expert, q::linear's quantized GEMV, no Python loop over experts); without the kernels,
+moe_experts.torch_quant_experts dequantizes the picked experts' copies at each call (also
+the op's reference in tests/moe/test_moe_gguf.py). Both round each expert's output to x's
+dtype, then add in ascending expert order as the bf16 op does.
 What fails: experts whose parts differ in columns (a file whose gate and up disagree) are a
 ValueError from pack, which the loader reports as a ModelLoadError naming the layer.
 """
@@ -19,10 +18,9 @@ ValueError from pack, which the loader reports as a ModelLoadError naming the la
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from fleetllm.kernels import cpu_kernels
-from fleetllm.quant.packed import QuantTensor, dequantize_packed, pack
+from fleetllm.quant.packed import QuantTensor, pack
 
 
 def pack_experts(parts: list[tuple[QuantTensor, QuantTensor, QuantTensor]]
@@ -45,29 +43,3 @@ def cpu_quant_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                       packed: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     return cpu_kernels.gguf_fused_moe(x.contiguous(), ids.contiguous(),
                                       weights.contiguous(), packed, bounds)
-
-
-def torch_quant_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                        packed: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
-    """The routed experts' weighted sum, each picked expert's copies dequantized now."""
-    k = ids.shape[1]
-    num_experts = (bounds.numel() - 1) // 2
-    b = bounds.tolist()
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order inside
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    tokens = order // k
-    out = torch.zeros_like(x)
-    start = 0
-    for expert, rows in enumerate(counts):
-        if not rows:
-            continue
-        pairs = order[start:start + rows]
-        token = tokens[start:start + rows]
-        w13 = dequantize_packed(packed[b[2 * expert]:b[2 * expert + 1]])
-        w2 = dequantize_packed(packed[b[2 * expert + 1]:b[2 * expert + 2]])
-        gate, up = F.linear(x[token].float(), w13).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2).to(x.dtype)
-        out.index_add_(0, token, (y * weights.reshape(-1)[pairs, None]).to(x.dtype))
-        start += rows
-    return out

@@ -144,7 +144,7 @@ def _experts(executor) -> list[moe_experts.FusedExperts]:
 def test_gguf_moe_matches_transformers(gguf_files, name, kernel, monkeypatch):
     if kernel == "pytorch":  # the path without the kernels: picked experts dequantized
         monkeypatch.setattr(moe_experts.FusedExperts, "choose_kernel", lambda self: setattr(
-            self, "kernel", moe_quant.torch_quant_experts))
+            self, "kernel", moe_experts.torch_quant_experts))
     hf_dir, path = gguf_files(name)
     with make_executor(path) as executor:
         experts = _experts(executor)
@@ -242,7 +242,7 @@ def test_quantized_op_matches_pytorch(types, dtype, tokens):
     ids = torch.stack([torch.randperm(6, generator=gen)[:k] for _ in range(tokens)])
     weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1)
     got = moe_quant.cpu_quant_experts(x, ids, weights, packed, bounds)
-    want = moe_quant.torch_quant_experts(x, ids, weights, packed, bounds)
+    want = moe_experts.torch_quant_experts(x, ids, weights, packed, bounds)
     assert got.dtype == dtype and got.shape == x.shape
     # float32: the VNNI path's int8 planes of x (~3e-5 relative); bf16: a rounding step apart
     tol = 2e-3 if dtype == torch.float32 else 3e-2
@@ -305,7 +305,7 @@ def test_bfloat16_model(gguf_files, monkeypatch):
             assert all(m.kernel is moe_quant.cpu_quant_experts for m in _experts(executor))
         ours = greedy_run(executor, _prompts(), MAX_TOKENS)
     monkeypatch.setattr(moe_experts.FusedExperts, "choose_kernel", lambda self: setattr(
-        self, "kernel", moe_quant.torch_quant_experts))
+        self, "kernel", moe_experts.torch_quant_experts))
     with make_executor(path, dtype="bfloat16") as executor:
         ref = greedy_run(executor, _prompts(), MAX_TOKENS)
     same = sum(a == b for (a, _), (b, _) in zip(ours, ref, strict=True))
