@@ -41,24 +41,26 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
-def signals_to_loop(on_signal: Callable[[int], None]) -> Iterator[None]:
-    """While inside: SIGINT and SIGTERM call on_signal(sig) on the running event loop, in place
-    of uvicorn's handlers (which re-raise the signal after shutting down); on the main thread
-    only, as signal handlers must be. `fleetllm serve`'s and `fleetllm proxy`'s servers."""
+def _handling_signals(handler: Callable[[int, object], None]) -> Iterator[None]:
+    """handler for SIGINT and SIGTERM while inside, the previous ones after; on the main
+    thread only, as signal handlers must be (elsewhere nothing is installed)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    loop = asyncio.get_running_loop()
-
-    def handler(sig: int, frame: object) -> None:
-        loop.call_soon_threadsafe(on_signal, sig)
-
     previous = {sig: signal.signal(sig, handler) for sig in _SIGNALS}
     try:
         yield
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def signals_to_loop(on_signal: Callable[[int], None]) -> contextlib.AbstractContextManager[None]:
+    """While inside: SIGINT and SIGTERM call on_signal(sig) on the running event loop, in place
+    of uvicorn's handlers (which re-raise the signal after shutting down). `fleetllm serve`'s
+    and `fleetllm proxy`'s servers."""
+    loop = asyncio.get_running_loop()
+    return _handling_signals(lambda sig, frame: loop.call_soon_threadsafe(on_signal, sig))
 
 
 class DrainingServer(uvicorn.Server):
@@ -152,25 +154,16 @@ def run_serve(args: argparse.Namespace) -> int:
     return server.exit_code
 
 
-@contextlib.contextmanager
-def _signals_stop_the_start() -> Iterator[None]:
+def _signals_stop_the_start() -> contextlib.AbstractContextManager[None]:
     """SIGTERM/SIGINT while the engine starts: SystemExit(128 + signal) in the main thread,
     which the engine's start unwinds (core_restart.start_core kills the core; its workers
     follow it), rather than dying at once and leaving them running."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
     def stop(sig: int, frame: object) -> None:
         logger.warning("%s while the engine was starting: stopping", signal.Signals(sig).name)
         raise SystemExit(128 + sig)
 
-    previous = {sig: signal.signal(sig, stop) for sig in _SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+    return _handling_signals(stop)
 
 
 async def _serve(server: DrainingServer, app: FastAPI, sock: socket.socket) -> None:

@@ -104,16 +104,9 @@ def request_ids(raw: Request | None, prefix: str) -> tuple[str, str]:
     return rid, f"{rid}-{uuid.uuid4().hex[:8]}"
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    """The JSON body as `model`: a 400 for a missing or wrong content type, malformed JSON,
-    a non-object, or a field that fails validation; 413 past MAX_BODY_BYTES."""
-    ctype = request.headers.get("content-type")
-    if not ctype:
-        raise APIError(400, "missing Content-Type header: send the body as application/json")
-    mime = ctype.split(";")[0].strip().lower()
-    if mime != "application/json" and not mime.endswith("+json"):
-        raise APIError(400, f"Content-Type must be application/json, got "
-                       f"{truncate(ctype, 100)!r}")
+async def json_object(request: Request) -> dict[str, Any]:
+    """The body, read up to MAX_BODY_BYTES (else a 413) and decoded: a JSON object, else a
+    400 (parse_body's, and `fleetllm proxy`'s, which leaves the rest to the instances)."""
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
@@ -125,6 +118,20 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise APIError(400, f"malformed JSON body: {truncate(str(e), 200)}") from None
     if not isinstance(obj, dict):
         raise APIError(400, f"the body must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The JSON body as `model`: a 400 for a missing or wrong content type, malformed JSON,
+    a non-object, or a field that fails validation; 413 past MAX_BODY_BYTES."""
+    ctype = request.headers.get("content-type")
+    if not ctype:
+        raise APIError(400, "missing Content-Type header: send the body as application/json")
+    mime = ctype.split(";")[0].strip().lower()
+    if mime != "application/json" and not mime.endswith("+json"):
+        raise APIError(400, f"Content-Type must be application/json, got "
+                       f"{truncate(ctype, 100)!r}")
+    obj = await json_object(request)
     screen_json(obj)
     try:
         return model.model_validate(obj)

@@ -32,8 +32,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fleetllm.entrypoints.openai.body_checks import ClientDisconnected, until_disconnected
-from fleetllm.entrypoints.openai.errors import error_body, error_response
-from fleetllm.entrypoints.openai.serving_engine import MAX_BODY_BYTES
+from fleetllm.entrypoints.openai.errors import APIError, error_body, error_response
+from fleetllm.entrypoints.openai.serving_engine import json_object
 from fleetllm.entrypoints.proxy.upstreams import Upstreams
 from fleetllm.errors import UpstreamError
 
@@ -58,20 +58,12 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _json_body(raw: Request) -> dict[str, Any] | Response:
-    """The request's JSON object, or the 400 / 413 (past the server's own MAX_BODY_BYTES)
-    the client gets instead; the instances check the rest."""
-    data = bytearray()
-    async for chunk in raw.stream():
-        data += chunk
-        if len(data) > MAX_BODY_BYTES:
-            return error_response(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    """The request's JSON object, or the 400 / 413 the client gets instead (the server's own
+    reading, serving_engine.json_object); the instances check the rest."""
     try:
-        body = json.loads(data)
-    except (ValueError, RecursionError) as e:
-        return error_response(400, f"malformed JSON body: {str(e)[:200]}")
-    if not isinstance(body, dict):
-        return error_response(400, "the body must be a JSON object")
-    return body
+        return await json_object(raw)
+    except APIError as e:
+        return error_response(e.status, e.message)
 
 
 class _Relayed(StreamingResponse):
