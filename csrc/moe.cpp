@@ -126,36 +126,23 @@ void fused_moe_typed(const Tensor &x, const Tensor &ids, const Tensor &weights,
     const int I = static_cast<int>(w2.size(2));
     const long pairs = static_cast<long>(T_) * k;
     const int64_t *id = ids.const_data_ptr<int64_t>();
-    // Counting sort of the pairs by expert, stable.
-    std::vector<int> counts(E, 0);
-    for (long p = 0; p < pairs; p++) counts[id[p]]++;
-    std::vector<long> row_start(E + 1, 0), next(E);
-    std::vector<int> active;
-    for (int e = 0; e < E; e++) {
-        row_start[e + 1] = row_start[e] + counts[e];
-        next[e] = row_start[e];
-        if (counts[e]) active.push_back(e);
-    }
-    std::vector<long> pair_row(pairs);
+    const ExpertGroups g(id, pairs, E);
     const auto opts = x.options();
     Tensor xs = at::empty({pairs, H}, opts), gu = at::empty({pairs, 2L * I}, opts);
     Tensor act = at::empty({pairs, I}, opts), ys = at::empty({pairs, H}, opts);
     Tensor xf = at::empty({pairs * std::max(H, I)}, opts.dtype(at::kFloat));
     const T *xp = cptr<T>(x);
     T *xsp = mptr<T>(xs);
-    for (long p = 0; p < pairs; p++) {  // gather each pair's token row into its expert's block
-        const long r = next[id[p]]++;
-        pair_row[p] = r;
-        std::memcpy(xsp + r * H, xp + (p / k) * H, sizeof(T) * H);
-    }
+    for (long p = 0; p < pairs; p++)  // gather each pair's token row into its expert's block
+        std::memcpy(xsp + g.pair_row[p] * H, xp + (p / k) * H, sizeof(T) * H);
     const int nthreads = at::get_num_threads();
     MoeCtx<T> c{xp, cptr<T>(w13), cptr<T>(w2), id, weights.const_data_ptr<float>(), xsp,
                 mptr<T>(gu), mptr<T>(act), mptr<T>(ys), mptr<T>(out), xf.mutable_data_ptr<float>(),
-                row_start.data(), counts.data(), active.data(), pair_row.data(), H, I, k, E,
-                nthreads};
+                g.row_start.data(), g.counts.data(), g.active.data(), g.pair_row.data(), H, I,
+                k, E, nthreads};
     std::vector<int> by_gemv;
-    for (int e : active) {
-        if (counts[e] >= GEMM_ROWS)
+    for (int e : g.active) {
+        if (g.counts[e] >= GEMM_ROWS)
             run_expert_gemm(c, e, xs, gu, act, ys, w13, w2);
         else
             by_gemv.push_back(e);

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "moe.h"
 #include "parallel.h"
 #include "quant.h"
 #include "quant_ops.h"
@@ -127,15 +128,9 @@ void run(const Tensor &x, const Tensor &ids, const Tensor &weights, const Tensor
     const long T_ = x.size(0), pairs = T_ * ids.size(1);
     const int H = static_cast<int>(x.size(1)), k = static_cast<int>(ids.size(1));
     const int64_t *id = ids.const_data_ptr<int64_t>();
-    std::vector<int> counts(E, 0);
-    for (long p = 0; p < pairs; p++) counts[id[p]]++;
-    std::vector<long> row_start(E + 1, 0), next(E);
-    std::vector<int> active;
-    for (int e = 0; e < E; e++) {
-        row_start[e + 1] = row_start[e] + counts[e];
-        next[e] = row_start[e];
-        if (counts[e]) active.push_back(e);
-    }
+    const ExpertGroups g(id, pairs, E);
+    const std::vector<int> &counts = g.counts, &active = g.active;
+    const std::vector<long> &row_start = g.row_start, &pair_row = g.pair_row;
     // Every copy this call reads, parsed and checked before any product.
     std::vector<q::Weight> w13(active.size()), w2(active.size());
     int I = 0;
@@ -155,13 +150,11 @@ void run(const Tensor &x, const Tensor &ids, const Tensor &weights, const Tensor
     const auto fopts = x.options().dtype(at::kFloat);
     Tensor xs = at::empty({pairs, H}, fopts), gu = at::empty({pairs, 2L * I}, fopts);
     Tensor act = at::empty({pairs, static_cast<long>(I)}, fopts), ys = at::empty({pairs, H}, fopts);
-    std::vector<long> pair_row(pairs);
     const T *xp = reinterpret_cast<const T *>(x.const_data_ptr());
     float *xsp = xs.mutable_data_ptr<float>(), *gup = gu.mutable_data_ptr<float>();
     float *actp = act.mutable_data_ptr<float>(), *ysp = ys.mutable_data_ptr<float>();
     for (long p = 0; p < pairs; p++) {  // each pair's token row into its expert's block
-        const long r = next[id[p]]++;
-        pair_row[p] = r;
+        const long r = pair_row[p];
         const T *src = xp + (p / k) * H;
         for (int h = 0; h < H; h++) xsp[r * H + h] = kernels::to_f32(src[h]);
     }
